@@ -1,0 +1,36 @@
+"""ckpt: parallelism-agnostic checkpoints for large-model training in PyTorch.
+
+Four verbs::
+
+    ckpt.save(state, url)          # collective when torch.distributed is initialized
+    ckpt.load(state, url)          # fills tensors in place, resharding from any stored layout
+    ckpt.inspect(url)              # the manifest
+    ckpt.verify(url, deep=True)    # structure, coverage, checksums
+"""
+
+from ckpt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CollectiveError,
+    FormatVersionError,
+    IntegrityError,
+    LayoutError,
+    ManifestError,
+    MismatchError,
+    StateError,
+    StorageError,
+)
+from ckpt.load import load
+from ckpt.manifest import Manifest
+from ckpt.save import save
+from ckpt.shards import FlatShard, PerRank, Shard
+from ckpt.verify import Problem, VerifyReport, inspect, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "CheckpointExistsError", "CollectiveError", "FormatVersionError", "IntegrityError",
+    "LayoutError", "ManifestError", "MismatchError", "StateError", "StorageError",
+    "Shard", "FlatShard", "PerRank", "Manifest", "VerifyReport", "Problem",
+    "save", "load", "inspect", "verify",
+]

@@ -1,0 +1,1 @@
+"""Byte encodings: manifest codec (msgpack), object codec, safetensors data-file headers."""

@@ -1,0 +1,100 @@
+"""msgpack encodings of the manifest and of user objects. Never pickle.
+
+Decoding bounds every container and string by the input size, so hostile bytes cannot make the
+decoder allocate more than the file justifies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ckpt.errors import ManifestError, StateError
+from ckpt.manifest import Manifest
+
+_EXT_NUMPY_SCALAR = 1
+_EXT_TUPLE = 2
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """Encode a manifest to msgpack bytes."""
+    return msgpack.packb(manifest.to_dict(), use_bin_type=True)
+
+
+def _unpack(data: bytes, what: str, ext_hook: Any = None) -> Any:
+    n = len(data)
+    try:
+        kwargs: dict[str, Any] = dict(
+            raw=False, strict_map_key=False,
+            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2 + 1, max_ext_len=n,
+        )
+        if ext_hook is not None:
+            kwargs["ext_hook"] = ext_hook
+        return msgpack.unpackb(data, **kwargs)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+            UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{what}: not valid msgpack ({type(e).__name__}: {e}); the file is corrupted") from None
+
+
+def decode_manifest(data: bytes, *, url: str = "manifest") -> Manifest:
+    """Decode and validate manifest bytes; raise ManifestError (never anything else) on bad input."""
+    d = _unpack(data, f"{url}")
+    try:
+        return Manifest.from_dict(d)
+    except ManifestError as e:
+        raise ManifestError(f"{url}: {e}") from None
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError, RecursionError) as e:
+        raise ManifestError(f"{url}: manifest violates the schema ({type(e).__name__}: {e})") from None
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        arr = np.asarray(obj)
+        return msgpack.ExtType(_EXT_NUMPY_SCALAR, msgpack.packb([arr.dtype.str, arr.tobytes()], use_bin_type=True))
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), use_bin_type=True, default=_default))
+    try:
+        import torch
+
+        if isinstance(obj, torch.dtype):
+            return str(obj)
+        if isinstance(obj, torch.Size):
+            return list(obj)
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(f"{type(obj).__name__} is not msgpack-serializable")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == _EXT_NUMPY_SCALAR:
+        dt, raw = _unpack(data, "object")
+        dtype = np.dtype(dt)
+        if dtype.hasobject or len(raw) != dtype.itemsize:
+            raise ManifestError("object: malformed numpy scalar")
+        return np.frombuffer(raw, dtype=dtype)[0]
+    if code == _EXT_TUPLE:
+        return tuple(_unpack(data, "object", _ext_hook))
+    raise ManifestError(f"object: unknown msgpack extension type {code}")
+
+
+def encode_object(value: Any, *, key: str = "?") -> bytes:
+    """Encode a msgpack-able user value (numpy scalars and tuples are preserved)."""
+    try:
+        return msgpack.packb(value, use_bin_type=True, default=_default, strict_types=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise StateError(
+            f"object {key!r}: cannot be stored ({e}); objects must be ints, floats, str, bytes, lists, "
+            "tuples, dicts or numpy scalars (tensors go in as tensors)"
+        ) from None
+
+
+def decode_object(data: bytes, *, key: str = "?") -> Any:
+    """Decode a user value written by :func:`encode_object`."""
+    try:
+        return _unpack(data, f"object {key!r}", _ext_hook)
+    except ManifestError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ManifestError(f"object {key!r}: cannot be decoded ({e})") from None

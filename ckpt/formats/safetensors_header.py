@@ -1,0 +1,84 @@
+"""safetensors data-file headers: build them for the writer, parse them (strictly) for verify.
+
+A safetensors file is ``u64 little-endian header length N``, ``N`` bytes of JSON header (padded
+with spaces to a multiple of 8), then the data buffer. Entries are laid out in descending itemsize
+order so that every entry is aligned to its element size (the buffer has no holes).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt.errors import IntegrityError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # same bound as the safetensors library
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderEntry:
+    """One tensor entry of a data file: name, safetensors dtype, shape, byte range within the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    length: int
+
+
+def build_header(entries: list[tuple[str, str, tuple[int, ...], int]],
+                 metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+    """Lay out ``(name, st_dtype, shape, nbytes)`` entries in the given order.
+
+    Returns the header bytes (length prefix included) and each entry's absolute file offset.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    pos = 0
+    rel: list[int] = []
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        rel.append(pos)
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    prefix = struct.pack("<Q", len(raw)) + raw
+    return prefix, [len(prefix) + r for r in rel]
+
+
+def parse_header(head: bytes, file_size: int, *, path: str) -> dict[str, HeaderEntry]:
+    """Parse the header at the start of a data file; ``head`` must hold at least the header.
+
+    Raises IntegrityError naming ``path`` for anything that is not a valid safetensors header.
+    """
+    if len(head) < 8:
+        raise IntegrityError(f"{path}: shorter than a safetensors header (8 bytes)")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise IntegrityError(f"{path}: safetensors header length {n} exceeds the file ({file_size} bytes)")
+    if len(head) < 8 + n:
+        raise IntegrityError(f"{path}: header truncated")
+    try:
+        obj = json.loads(head[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise IntegrityError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise IntegrityError(f"{path}: safetensors header is not a JSON object")
+    base = 8 + n
+    out: dict[str, HeaderEntry] = {}
+    for name, e in obj.items():
+        if name == "__metadata__":
+            continue
+        if not (isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
+                and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e["data_offsets"])
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e["shape"])):
+            raise IntegrityError(f"{path}: safetensors entry {name!r} is malformed")
+        s, t = e["data_offsets"]
+        if t < s or base + t > file_size:
+            raise IntegrityError(f"{path}: safetensors entry {name!r} data_offsets [{s}, {t}) exceed the file")
+        out[name] = HeaderEntry(name, e["dtype"], tuple(e["shape"]), base + s, t - s)
+    return out

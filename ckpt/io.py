@@ -1,0 +1,134 @@
+"""Executing plans: write a rank's data file (hashing in the same pass), run a rank's reads."""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ckpt.dtypes import dtype_from_name
+from ckpt.errors import StorageError
+from ckpt.planner import ReadOp, ReadPlan, SegmentCopy, StridedCopy, WriteAssignment
+from ckpt.storage.base import Storage
+
+CHUNK = 16 * 1024 * 1024
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor's memory (no copy)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def host_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
+    """Bytes of ``t`` on the host; returns the view and the tensor that owns them (keep it alive)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return byte_view(t), t
+
+
+def write_assignment(storage: Storage, a: WriteAssignment, sources: list[torch.Tensor],
+                     pool: ThreadPoolExecutor | None = None) -> tuple[int, list[int]]:
+    """Write one rank's data file: header, then each piece's bytes, hashing as they go.
+
+    Writes and CRC32 run concurrently (both release the GIL): while the writer thread writes a
+    chunk, the calling thread hashes it. Returns ``(file size, checksums in entry order)``.
+    Raises StorageError; on failure the partial file is removed.
+    """
+    assert a.file is not None
+    w = storage.open_writer(a.file)
+    own_pool = pool is None
+    ex = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
+    sums: list[int] = []
+    try:
+        w.write(a.header)
+        pending: Future[Any] | None = None
+        for e in a.entries:
+            mv, owner = host_bytes(sources[e.piece])
+            if len(mv) != e.length:
+                raise StorageError(f"{a.file}: piece {e.key!r} has {len(mv)} bytes, plan says {e.length}")
+            crc = 0
+            for i in range(0, len(mv), CHUNK):
+                chunk = mv[i : i + CHUNK]
+                if pending is not None:
+                    pending.result()
+                pending = ex.submit(w.write, chunk)
+                crc = zlib.crc32(chunk, crc)
+            sums.append(crc)
+            del owner
+        if pending is not None:
+            pending.result()
+        size = w.close()
+    except BaseException:
+        w.abort()
+        raise
+    finally:
+        if own_pool:
+            ex.shutdown(wait=True)
+    return size, sums
+
+
+class _Buffers(threading.local):
+    buf: torch.Tensor | None = None
+
+
+def _typed(buf: torch.Tensor, off: int, dtype: torch.dtype, isz: int) -> torch.Tensor:
+    n = (buf.numel() - off) // isz
+    raw = buf[off : off + n * isz]
+    try:
+        return raw.view(dtype)
+    except RuntimeError:  # misaligned for this dtype: pay one copy
+        return raw.clone().view(dtype)
+
+
+def run_read_plan(storage: Storage, plan: ReadPlan, targets: list[torch.Tensor], dtypes: list[str],
+                  *, workers: int = 4) -> None:
+    """Fill ``targets`` (contiguous CPU tensors shaped like their regions) by executing ``plan``."""
+    local = _Buffers()
+    tdt = [dtype_from_name(d) for d in dtypes]
+    isz = [torch.empty((), dtype=d).element_size() for d in tdt]
+
+    def run(op: ReadOp) -> None:
+        if op.direct is not None:
+            ti, off = op.direct
+            dst = byte_view(targets[ti])
+            for fo, n in op.ranges:
+                storage.read_into(op.file, fo, dst[off + fo - op.start : off + fo - op.start + n])
+            return
+        if local.buf is None or local.buf.numel() < op.length:
+            local.buf = torch.empty(max(op.length, 1 << 20), dtype=torch.uint8)
+        buf = local.buf[: op.length]
+        mv = byte_view(buf)
+        for fo, n in op.ranges:
+            storage.read_into(op.file, fo, mv[fo - op.start : fo - op.start + n])
+        for c in op.copies:
+            t = targets[c.target]
+            if isinstance(c, StridedCopy):
+                src = torch.as_strided(_typed(buf, c.buf_offset, t.dtype, isz[c.target]), c.lengths, c.src_strides)
+                dst = t[tuple(slice(o, o + n) for o, n in zip(c.dst_offsets, c.lengths, strict=True))] if t.dim() else t
+                dst.copy_(src)
+            else:
+                _segments(buf, c, t, isz[c.target])
+
+    if workers <= 1 or len(plan.ops) <= 1:
+        for op in plan.ops:
+            run(op)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-read") as ex:
+        for f in [ex.submit(run, op) for op in plan.ops]:
+            f.result()
+
+
+def _segments(buf: torch.Tensor, c: SegmentCopy, t: torch.Tensor, isz: int) -> None:
+    flat = t.view(-1)
+    typed = _typed(buf, 0, t.dtype, isz)
+    for b, d, n in zip(c.buf_offsets.tolist(), c.dst_offsets.tolist(), c.lengths.tolist(), strict=True):
+        flat[d : d + n].copy_(typed[b // isz : b // isz + n])

@@ -1,0 +1,155 @@
+"""Load with load-time resharding: every rank plans its own reads from the manifest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckpt.comm import Comm, error_payload, raise_payload
+from ckpt.errors import CheckpointError, ManifestError, MismatchError
+from ckpt.formats.msgpack_codec import decode_manifest, decode_object
+from ckpt.io import run_read_plan
+from ckpt.manifest import MANIFEST_NAME, Manifest
+from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, plan_load
+from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
+from ckpt.storage import Storage, get_storage
+
+
+def fetch_manifest(storage: Storage, comm: Comm | None = None) -> Manifest:
+    """Read the manifest once (coordinator) and broadcast its bytes to every rank."""
+    comm = comm or Comm(None)
+    payload: dict[str, Any] = {}
+    if comm.rank == 0:
+        try:
+            if storage.size(MANIFEST_NAME) is None:
+                raise ManifestError(f"{storage.url}: no committed checkpoint here ({MANIFEST_NAME} is missing); "
+                                    "the save may not have finished (see `ckpt ls`)")
+            payload = {"ok": storage.read_file(MANIFEST_NAME)}
+        except CheckpointError as e:
+            payload = error_payload(e, 0)
+    payload = comm.broadcast(payload) if comm.enabled and comm.world > 1 else payload
+    if "err" in payload:
+        raise_payload(payload)
+    return decode_manifest(payload["ok"], url=f"{storage.url}/{MANIFEST_NAME}")
+
+
+def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = True,
+         storage_options: dict[str, Any] | None = None, workers: int = 4,
+         max_read: int = DEFAULT_MAX_READ) -> dict[str, Any]:
+    """Fill the tensors of ``state`` in place from the checkpoint at ``url``, resharding as needed.
+
+    Each tensor, ``Shard``, ``FlatShard`` or DTensor in ``state`` says which region of which global
+    tensor this rank wants; the stored layout does not matter. Returns a structure like ``state``
+    with the loaded objects (and the filled tensors) in place.
+
+    Raises:
+        MismatchError: (strict) a key missing from the checkpoint or not requested; a dtype or
+            global shape mismatch, naming the key.
+        ManifestError / StorageError: no committed checkpoint, or unreadable bytes.
+
+    Example::
+
+        out = ckpt.load({"model": model.state_dict(), "step": 0}, "/ckpts/step-10")
+        step = out["step"]
+    """
+    comm = Comm(group)
+    storage = get_storage(url, **(storage_options or {}))
+    try:
+        manifest = fetch_manifest(storage, comm)
+        return _load(manifest, storage, state, comm.rank, strict, workers, max_read)
+    finally:
+        storage.close()
+
+
+def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int, strict: bool,
+          workers: int, max_read: int) -> dict[str, Any]:
+    items = flatten_state(state)
+    keys = {i.key for i in items}
+    # An object leaf may stand for a whole nested dict of stored objects ("meta": None gets
+    # back {"lr": ..., "name": ...}).
+    subtrees: dict[str, list[str]] = {}
+    for it in items:
+        if isinstance(it, ObjectItem) and it.key not in manifest.objects and it.key not in manifest.tensors:
+            sub = [k for k in manifest.objects if k.startswith(it.key + ".")]
+            if sub:
+                subtrees[it.key] = sub
+                keys.update(sub)
+    if strict:
+        missing = sorted(k for k in keys if k not in manifest.tensors and k not in manifest.objects
+                         and k not in subtrees)
+        unexpected = sorted(k for k in list(manifest.tensors) + list(manifest.objects) if k not in keys)
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing from the checkpoint: {_few(missing)}")
+            if unexpected:
+                parts.append(f"in the checkpoint but not requested: {_few(unexpected)}")
+            raise MismatchError(f"{storage.url}: " + "; ".join(parts) + " (pass strict=False to load the overlap)")
+    values: dict[str, Any] = {}
+    requests: list[LoadRequest] = []
+    targets: list[torch.Tensor] = []
+    finals: list[tuple[torch.Tensor, torch.Tensor]] = []
+    direct: list[bool] = []
+    for it in items:
+        if isinstance(it, ObjectItem):
+            if it.key in subtrees:
+                values[it.key] = _nest(it.key, {k: _object_value(manifest, k, rank, strict)
+                                                for k in subtrees[it.key]})
+                continue
+            if it.key not in manifest.objects:
+                if it.key in manifest.tensors:
+                    raise MismatchError(f"key {it.key!r}: the checkpoint holds a tensor, the target is an object")
+                continue
+            o = manifest.objects[it.key]
+            if o.per_rank is not None and rank not in o.per_rank and not strict:
+                continue
+            values[it.key] = _object_value(manifest, it.key, rank, strict)
+            continue
+        assert isinstance(it, TensorItem)
+        if it.key not in manifest.tensors:
+            if it.key in manifest.objects:
+                raise MismatchError(f"key {it.key!r}: the checkpoint holds an object, the target is a tensor")
+            continue
+        dst = it.local
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            staging = torch.empty(dst.shape, dtype=dst.dtype)
+            finals.append((dst, staging))
+            dst = staging
+        requests.append(LoadRequest(it.key, it.dtype, it.global_shape, it.region))
+        targets.append(dst)
+        direct.append(True)
+    plan = plan_load(manifest, requests, contiguous_targets=direct, max_read=max_read,
+                     max_gap=getattr(storage, "coalesce_gap", 4096))
+    run_read_plan(storage, plan, targets, [r.dtype for r in requests], workers=workers)
+    for dst, staging in finals:
+        dst.copy_(staging)
+    return rebuild_state(state, values)
+
+
+def _few(keys: list[str], n: int = 8) -> str:
+    s = ", ".join(repr(k) for k in keys[:n])
+    return s + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def _object_value(manifest: Manifest, key: str, rank: int, strict: bool) -> Any:
+    o = manifest.objects[key]
+    if o.per_rank is not None:
+        if rank not in o.per_rank:
+            if strict:
+                raise MismatchError(f"object {key!r}: no value was saved for rank {rank}; pass strict=False to skip")
+            return None
+        return decode_object(o.per_rank[rank], key=key)
+    assert o.data is not None
+    return decode_object(o.data, key=key)
+
+
+def _nest(prefix: str, flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        parts = k[len(prefix) + 1 :].split(".")
+        d = out
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = v
+    return out

@@ -1,0 +1,157 @@
+"""Geometry of regions: intersections, contiguous runs, tiling checks. Pure functions, no I/O."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ckpt.errors import LayoutError
+from ckpt.shards import Box, Flat, Region
+
+
+def strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major element strides of ``shape``."""
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return tuple(out)
+
+
+def intersect_boxes(a: Box, b: Box) -> Box | None:
+    """The common block of two boxes, or None when they do not overlap (or the overlap is empty)."""
+    offs, lens = [], []
+    for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True):
+        lo, hi = max(ao, bo), min(ao + al, bo + bl)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        lens.append(hi - lo)
+    return Box(tuple(offs), tuple(lens))
+
+
+def split_dim(sub: Box, outer: Box) -> int:
+    """Index of the outermost dim from which ``sub`` is one contiguous run inside ``outer``'s row-major data.
+
+    ``sub`` (inside ``outer``) is made of ``prod(sub.lengths[:k])`` contiguous runs where k is returned.
+    """
+    n = len(outer.lengths)
+    k = n - 1
+    while k > 0 and sub.lengths[k] == outer.lengths[k]:
+        k -= 1
+    # dims after k are full; dim k may be partial; runs are indexed by dims < k
+    # but if all dims >= 1 are full, k stays 0 and there is one run.
+    return k if n else 0
+
+
+def box_runs(sub: Box, outer: Box) -> tuple[np.ndarray, int]:
+    """Start positions (elements, in ``outer``'s local row-major order) of ``sub``'s contiguous runs.
+
+    Returns ``(starts, run_length)``; runs are in increasing order.
+    """
+    n = len(outer.lengths)
+    if n == 0:
+        return np.zeros(1, dtype=np.int64), 1
+    st = strides(outer.lengths)
+    k = split_dim(sub, outer)
+    run = sub.lengths[k] * st[k]
+    base = sum((sub.offsets[d] - outer.offsets[d]) * st[d] for d in range(n))
+    starts = np.full(1, base, dtype=np.int64)
+    for d in range(k - 1, -1, -1):  # dims before k, innermost first; outer dims vary slowest
+        steps = np.arange(sub.lengths[d], dtype=np.int64) * st[d]
+        starts = (steps[:, None] + starts[None, :]).reshape(-1)
+    return starts, run
+
+
+def global_runs(region: Region, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``region``'s elements as runs of the global row-major flattening: ``(starts, lengths)``."""
+    if isinstance(region, Flat):
+        return np.array([region.start], dtype=np.int64), np.array([region.numel], dtype=np.int64)
+    starts, run = box_runs(region, Box(tuple(0 for _ in shape), tuple(shape)))
+    return starts, np.full(starts.shape, run, dtype=np.int64)
+
+
+def flat_segments(src: Region, dst: Region, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Common elements of two regions as segments: ``(src_local_off, dst_local_off, length)``.
+
+    Offsets are in each region's local row-major order (a flat region's local order is the global
+    flat order). Used whenever at least one side is flat.
+    """
+    s_starts, s_lens = global_runs(src, shape)
+    d_starts, d_lens = global_runs(dst, shape)
+    # Local position of each run's first element = cumulative length of the previous runs.
+    s_local = np.concatenate([[0], np.cumsum(s_lens)[:-1]]).astype(np.int64)
+    d_local = np.concatenate([[0], np.cumsum(d_lens)[:-1]]).astype(np.int64)
+    # Two-pointer merge over sorted, disjoint run lists, vectorized by searchsorted.
+    out_s, out_d, out_n = [], [], []
+    s_ends = s_starts + s_lens
+    for i in range(len(d_starts)):
+        lo, hi = d_starts[i], d_starts[i] + d_lens[i]
+        a = int(np.searchsorted(s_ends, lo, side="right"))
+        b = int(np.searchsorted(s_starts, hi, side="left"))
+        if a >= b:
+            continue
+        ss, se = s_starts[a:b], s_ends[a:b]
+        cs, ce = np.maximum(ss, lo), np.minimum(se, hi)
+        keep = ce > cs
+        out_s.append(s_local[a:b][keep] + (cs - ss)[keep])
+        out_d.append(d_local[i] + (cs - lo)[keep])
+        out_n.append((ce - cs)[keep])
+    if not out_n:
+        e = np.zeros(0, dtype=np.int64)
+        return e, e, e
+    return np.concatenate(out_s), np.concatenate(out_d), np.concatenate(out_n)
+
+
+def check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> None:
+    """Raise LayoutError unless ``regions`` cover every element of ``shape`` exactly once."""
+    total = math.prod(shape)
+    kinds = {type(r) for r in regions}
+    if len(kinds) > 1:
+        raise LayoutError(f"tensor {key!r}: mixes box and flat shards; save all pieces of a tensor the same way")
+    if not regions:
+        if total == 0:
+            return
+        raise LayoutError(f"tensor {key!r}: no shards cover its {total} elements")
+    if isinstance(regions[0], Flat):
+        flats = sorted((r for r in regions if isinstance(r, Flat)), key=lambda r: (r.start, r.stop))
+        pos = 0
+        for r in flats:
+            if r.numel == 0:
+                continue
+            if r.start < pos:
+                raise LayoutError(f"tensor {key!r}: flat shards overlap at element {r.start}; "
+                                  "each element must be held by exactly one piece (or identical replicas)")
+            if r.start > pos:
+                raise LayoutError(f"tensor {key!r}: flat shards leave elements [{pos}, {r.start}) uncovered")
+            pos = r.stop
+        if pos != total:
+            raise LayoutError(f"tensor {key!r}: flat shards leave elements [{pos}, {total}) uncovered")
+        return
+    boxes = [r for r in regions if isinstance(r, Box) and r.numel > 0]
+    covered = sum(b.numel for b in boxes)
+    _check_box_overlaps(key, boxes)
+    if covered != total:
+        raise LayoutError(f"tensor {key!r}: shards cover {covered} of {total} elements of shape {list(shape)}; "
+                          "some region is missing")
+
+
+def _check_box_overlaps(key: str, boxes: list[Box]) -> None:
+    n = len(boxes)
+    if n < 2:
+        return
+    lo = np.array([b.offsets for b in boxes], dtype=np.int64)
+    hi = lo + np.array([b.lengths for b in boxes], dtype=np.int64)
+    block = max(1, 4_000_000 // max(n, 1))
+    for i0 in range(0, n, block):
+        a_lo, a_hi = lo[i0 : i0 + block, None, :], hi[i0 : i0 + block, None, :]
+        ov = np.all((a_lo < hi[None, :, :]) & (lo[None, :, :] < a_hi), axis=2)
+        idx = np.arange(i0, min(i0 + block, n))
+        ov[np.arange(len(idx)), idx] = False
+        if ov.any():
+            i, j = np.argwhere(ov)[0]
+            a, b = boxes[i0 + int(i)], boxes[int(j)]
+            raise LayoutError(
+                f"tensor {key!r}: shards overlap: offsets {list(a.offsets)} lengths {list(a.lengths)} and "
+                f"offsets {list(b.offsets)} lengths {list(b.lengths)}; replicas must be identical pieces"
+            )

@@ -1,0 +1,1 @@
+"""Layouts, sharding rules and reshard plans (see the resharding issue)."""

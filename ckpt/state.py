@@ -1,0 +1,167 @@
+"""Flatten a user state (nested dicts of tensors, shards, DTensors, objects) into keyed items."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt.dtypes import dtype_name
+from ckpt.errors import StateError
+from ckpt.shards import Box, FlatShard, PerRank, Region, Shard, check_region, full_box
+
+
+@dataclass(slots=True)
+class TensorItem:
+    """One local piece of one global tensor, as a rank declares it."""
+
+    key: str
+    local: torch.Tensor  # holds exactly region.numel elements, shaped like the region (flat: 1-D)
+    dtype: str
+    global_shape: tuple[int, ...]
+    region: Region
+
+
+@dataclass(slots=True)
+class ObjectItem:
+    """A non-tensor value; ``per_rank`` when every rank's value must be kept."""
+
+    key: str
+    value: Any
+    per_rank: bool
+
+
+Item = TensorItem | ObjectItem
+
+
+def _is_dtensor(v: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(v, DTensor)
+
+
+def _is_tensorish(v: Any) -> bool:
+    return isinstance(v, torch.Tensor | Shard | FlatShard)
+
+
+def _contains_tensor(v: Any) -> bool:
+    if _is_tensorish(v):
+        return True
+    if isinstance(v, dict):
+        return any(_contains_tensor(x) for x in v.values())
+    if isinstance(v, list | tuple):
+        return any(_contains_tensor(x) for x in v)
+    return False
+
+
+def dtensor_region(dt: Any, key: str) -> Box:
+    """The global box this rank's local part of a DTensor covers (Shard/Replicate placements).
+
+    Shards follow ``torch.chunk`` semantics (what DTensor uses): chunks of ``ceil(n / k)``, so 7 rows
+    over 4 ranks give 2, 2, 2, 1; sharding one dim over several mesh dims nests left to right.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    shape = tuple(dt.shape)
+    offsets = [0] * len(shape)
+    lengths = list(shape)
+    if coord is None:  # this rank is not part of the mesh: it holds nothing
+        return Box(tuple(offsets), tuple(0 for _ in shape))
+    for mesh_dim, p in enumerate(dt.placements):
+        if isinstance(p, Replicate):
+            continue
+        if type(p) is not DShard:
+            raise StateError(
+                f"tensor {key!r}: DTensor placement {p} is not supported; redistribute to Shard or "
+                "Replicate before saving (e.g. dt.redistribute(placements=[Replicate()]))"
+            )
+        d = p.dim if p.dim >= 0 else p.dim + len(shape)
+        k = mesh.size(mesh_dim)
+        c = coord[mesh_dim]
+        chunk = -(-lengths[d] // k) if lengths[d] else 0
+        start = min(c * chunk, lengths[d])
+        stop = min(start + chunk, lengths[d])
+        offsets[d] += start
+        lengths[d] = stop - start
+    return Box(tuple(offsets), tuple(lengths))
+
+
+def _tensor_item(key: str, v: Any) -> TensorItem:
+    if isinstance(v, Shard):
+        local, gshape, region = v.local, v.global_shape, v.region
+    elif isinstance(v, FlatShard):
+        local, gshape, region = v.local, v.global_shape, v.region
+    elif _is_dtensor(v):
+        local = v.to_local()
+        gshape = tuple(v.shape)
+        region = dtensor_region(v, key)
+        if tuple(local.shape) != region.lengths:
+            raise StateError(f"tensor {key!r}: DTensor local shape {tuple(local.shape)} does not match its "
+                             f"placements (expected {region.lengths}); uneven custom layouts need ckpt.Shard")
+    else:
+        local, gshape, region = v, tuple(v.shape), full_box(tuple(v.shape))
+    check_region(region, gshape, key)
+    if isinstance(region, Box) and tuple(local.shape) != region.lengths:
+        raise StateError(f"tensor {key!r}: local shape {tuple(local.shape)} differs from the region lengths")
+    return TensorItem(key, local, dtype_name(local.dtype, key=key), gshape, region)
+
+
+def flatten_state(state: dict[str, Any]) -> list[Item]:
+    """Flatten nested dicts (and lists that hold tensors) into items with ``.``-joined keys.
+
+    Raises StateError for non-string keys or duplicate flattened keys.
+    """
+    if not isinstance(state, dict):
+        raise StateError(f"state must be a dict, got {type(state).__name__}")
+    items: list[Item] = []
+    seen: set[str] = set()
+
+    def add(item: Item) -> None:
+        if item.key in seen:
+            raise StateError(f"key {item.key!r} appears twice after flattening nested keys with '.'; rename one")
+        seen.add(item.key)
+        items.append(item)
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, dict) and v:
+            for k, x in v.items():
+                if not isinstance(k, str | int):
+                    raise StateError(f"key {k!r} under {prefix or '<root>'!r} is not a string")
+                walk(f"{prefix}.{k}" if prefix else str(k), x)
+        elif isinstance(v, list | tuple) and _contains_tensor(v):
+            for i, x in enumerate(v):
+                walk(f"{prefix}.{i}" if prefix else str(i), x)
+        elif _is_tensorish(v):
+            add(_tensor_item(prefix, v))
+        elif isinstance(v, PerRank):
+            add(ObjectItem(prefix, v.value, True))
+        else:
+            add(ObjectItem(prefix, v, False))
+
+    walk("", state)
+    return items
+
+
+def rebuild_state(state: Any, values: dict[str, Any], prefix: str = "") -> Any:
+    """Return a copy of ``state``'s structure with each leaf replaced by ``values[key]``."""
+    if isinstance(state, dict) and state:
+        return {k: rebuild_state(x, values, f"{prefix}.{k}" if prefix else str(k)) for k, x in state.items()}
+    if isinstance(state, list | tuple) and _contains_tensor(state):
+        out = [rebuild_state(x, values, f"{prefix}.{i}" if prefix else str(i)) for i, x in enumerate(state)]
+        return type(state)(out) if isinstance(state, tuple) else out
+    return values.get(prefix, state)
+
+
+def local_view(item: TensorItem) -> torch.Tensor:
+    """The item's local data as a tensor shaped like its region (flat regions: 1-D)."""
+    return item.local
+
+
+Hook = Callable[[str], None]

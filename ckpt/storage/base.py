@@ -1,0 +1,54 @@
+"""The storage protocol: the one boundary between checkpoint logic and bytes at rest.
+
+A ``Storage`` is rooted at one checkpoint directory (or prefix); every path it takes is relative
+to that root and has already been validated by the manifest layer. Call order for a save:
+``open_writer`` for each data file (``write`` ..., ``close``), then ``commit`` of the manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Writer(Protocol):
+    """A sequential writer of one file; ``close`` makes the bytes durable, ``abort`` discards them."""
+
+    def write(self, data: memoryview | bytes) -> None: ...
+
+    def close(self) -> int:
+        """Flush, make durable, and return the file's size in bytes."""
+        ...
+
+    def abort(self) -> None: ...
+
+
+class Storage(Protocol):
+    """Backend interface. Policies (retention, latest, retries) live above it, not in it."""
+
+    url: str
+
+    def open_writer(self, path: str) -> Writer: ...
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with bytes ``[offset, offset + len(buf))`` of ``path``; StorageError if short."""
+        ...
+
+    def read_file(self, path: str) -> bytes: ...
+
+    def size(self, path: str) -> int | None:
+        """Size in bytes, or None when the file does not exist."""
+        ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Relative paths of all files under ``prefix`` (recursive)."""
+        ...
+
+    def delete(self, path: str) -> None: ...
+
+    def commit(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` atomically: readers see the old content or all of the new."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,113 @@
+"""Generic backend for any fsspec URL (``memory://`` in tests, and others fsspec reaches)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from ckpt.errors import StorageError
+
+
+class FsspecWriter:
+    """Buffers into an fsspec file opened for writing; the object appears at ``close``."""
+
+    def __init__(self, fs: Any, full: str):
+        self.full = full
+        self.size = 0
+        try:
+            self.f = fs.open(full, "wb")
+        except Exception as e:  # fsspec backends raise many types
+            raise StorageError(f"{full}: cannot open for writing ({e})") from e
+
+    def write(self, data: memoryview | bytes) -> None:
+        try:
+            self.f.write(memoryview(data).cast("B"))
+        except Exception as e:
+            raise StorageError(f"{self.full}: write failed ({e})") from e
+        self.size += memoryview(data).nbytes
+
+    def close(self) -> int:
+        try:
+            self.f.close()
+        except Exception as e:
+            raise StorageError(f"{self.full}: close failed ({e})") from e
+        return self.size
+
+    def abort(self) -> None:
+        try:
+            self.f.discard() if hasattr(self.f, "discard") else self.f.close()
+        except Exception:
+            pass
+
+
+class FsspecStorage:
+    """A checkpoint prefix on an fsspec filesystem."""
+
+    def __init__(self, url: str, **storage_options: Any):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
+        self.root = self.root.rstrip("/")
+
+    def _full(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def open_writer(self, path: str) -> FsspecWriter:
+        return FsspecWriter(self.fs, self._full(path))
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        mv = memoryview(buf).cast("B")
+        try:
+            data = self.fs.cat_file(self._full(path), start=offset, end=offset + len(mv))
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}/{path}: file is missing; the checkpoint is incomplete") from None
+        except Exception as e:
+            raise StorageError(f"{self.url}/{path}: ranged read at {offset} failed ({e})") from e
+        if len(data) != len(mv):
+            raise StorageError(f"{self.url}/{path}: file ends before byte {offset + len(mv)}; it is truncated")
+        mv[:] = data
+
+    def read_file(self, path: str) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(self._full(path)))
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}/{path}: file not found") from None
+        except Exception as e:
+            raise StorageError(f"{self.url}/{path}: read failed ({e})") from e
+
+    def size(self, path: str) -> int | None:
+        try:
+            return int(self.fs.info(self._full(path))["size"])
+        except FileNotFoundError:
+            return None
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(self._full(path)))
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._full(prefix)
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        n = len(self.root) + 1
+        return sorted(p[n:] if p.startswith(self.root + "/") else p for p in found
+                      if (p if p.startswith("/") else "/" + p).startswith("/" + self.root.lstrip("/")))
+
+    def delete(self, path: str) -> None:
+        try:
+            self.fs.rm_file(self._full(path))
+        except FileNotFoundError:
+            pass
+
+    def commit(self, path: str, data: bytes) -> None:
+        # Object stores have no rename; a single whole-object PUT is atomic for readers.
+        try:
+            with self.fs.open(self._full(path), "wb") as f:
+                f.write(io.BytesIO(data).getbuffer())
+        except Exception as e:
+            raise StorageError(f"{self.url}/{path}: commit failed ({e}); the checkpoint is not committed") from e
+
+    def close(self) -> None:
+        pass

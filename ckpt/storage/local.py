@@ -1,0 +1,183 @@
+"""Local filesystem backend: positional reads, fsync'd writes, atomic rename for commits."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ckpt.errors import ManifestError, StorageError
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalWriter:
+    """Writes a file sequentially with ``os.write`` (no Python-level buffering, no extra copy)."""
+
+    def __init__(self, full: str):
+        self.full = full
+        self.size = 0
+        try:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            self.fd: int | None = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise StorageError(f"{full}: cannot create file ({e.strerror}); check the path and permissions") from e
+
+    def write(self, data: memoryview | bytes) -> None:
+        mv = memoryview(data).cast("B")
+        assert self.fd is not None
+        try:
+            while mv:
+                n = os.write(self.fd, mv)
+                mv = mv[n:]
+                self.size += n
+        except OSError as e:
+            raise StorageError(f"{self.full}: write failed after {self.size} bytes ({e.strerror})") from e
+
+    def close(self) -> int:
+        if self.fd is None:
+            return self.size
+        try:
+            os.fsync(self.fd)
+        except OSError as e:
+            raise StorageError(f"{self.full}: fsync failed ({e.strerror})") from e
+        finally:
+            os.close(self.fd)
+            self.fd = None
+        return self.size
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            os.unlink(self.full)
+        except OSError:
+            pass
+
+
+class LocalStorage:
+    """A checkpoint directory on a local (or network-mounted POSIX) filesystem."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _full(self, path: str) -> str:
+        full = os.path.join(self.root, path)
+        # A symlink inside the checkpoint must not lead outside it.
+        real = os.path.realpath(full)
+        root = os.path.realpath(self.root)
+        if real != root and not real.startswith(root + os.sep):
+            raise ManifestError(f"{path}: resolves to {real}, outside the checkpoint {root}; refusing to use it")
+        return full
+
+    def open_writer(self, path: str) -> LocalWriter:
+        return LocalWriter(self._full(path))
+
+    def _fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(self._full(path), os.O_RDONLY)
+                except FileNotFoundError:
+                    raise StorageError(f"{os.path.join(self.root, path)}: file is missing; the checkpoint is "
+                                       "incomplete (run `ckpt verify`)") from None
+                except OSError as e:
+                    raise StorageError(f"{os.path.join(self.root, path)}: cannot open ({e.strerror})") from e
+                self._fds[path] = fd
+            return fd
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        fd = self._fd(path)
+        mv = memoryview(buf).cast("B")
+        want = len(mv)
+        got = 0
+        try:
+            while got < want:
+                n = os.preadv(fd, [mv[got:]], offset + got)
+                if n == 0:
+                    raise StorageError(
+                        f"{os.path.join(self.root, path)}: file ends before byte {offset + want} "
+                        f"(read {got} of {want} bytes at offset {offset}); the file is truncated"
+                    )
+                got += n
+        except OSError as e:
+            raise StorageError(f"{os.path.join(self.root, path)}: read failed at {offset} ({e.strerror})") from e
+
+    def read_file(self, path: str) -> bytes:
+        try:
+            with open(self._full(path), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise StorageError(f"{os.path.join(self.root, path)}: file not found") from None
+        except OSError as e:
+            raise StorageError(f"{os.path.join(self.root, path)}: cannot read ({e.strerror})") from e
+
+    def size(self, path: str) -> int | None:
+        try:
+            return os.stat(self._full(path)).st_size
+        except FileNotFoundError:
+            return None
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._full(path))
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = os.path.join(self.root, prefix) if prefix else self.root
+        out: list[str] = []
+        for dirpath, _dirs, files in os.walk(base):
+            for f in files:
+                out.append(os.path.relpath(os.path.join(dirpath, f), self.root))
+        return sorted(out)
+
+    def delete(self, path: str) -> None:
+        try:
+            os.unlink(self._full(path))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(f"{os.path.join(self.root, path)}: cannot delete ({e.strerror})") from e
+
+    def sync_dir(self, path: str = "") -> None:
+        """fsync a directory so that the names created in it are durable."""
+        try:
+            _fsync_dir(os.path.join(self.root, path))
+        except OSError as e:
+            raise StorageError(f"{os.path.join(self.root, path)}: directory fsync failed ({e.strerror})") from e
+
+    def commit(self, path: str, data: bytes) -> None:
+        full = self._full(path)
+        tmp = f"{full}.tmp.{os.getpid()}"
+        try:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                mv = memoryview(data)
+                while mv:
+                    mv = mv[os.write(fd, mv):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, full)
+            _fsync_dir(os.path.dirname(full))
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise StorageError(f"{full}: atomic commit failed ({e.strerror}); the previous state is unchanged") from e
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

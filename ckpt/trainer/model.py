@@ -1,0 +1,778 @@
+"""The trainer's mixture-of-experts language model: a plain ``nn.Module``, no parallelism inside.
+
+The architecture is Hugging Face's ``Qwen3MoeForCausalLM`` (transformers 5.x) with every layer a
+sparse MoE layer: RMSNorm, default RoPE, grouped-query attention with per-head q/k RMSNorm and no
+biases, a top-k softmax router, SwiGLU experts, untied embeddings. Parameter names equal the
+Hugging Face checkpoint names except that each layer's experts are stored fused, one 3-D tensor per
+projection (``mlp.experts.gate_proj`` (E, I, H), ``up_proj`` (E, I, H), ``down_proj`` (E, H, I)),
+so that expert parallelism is a slice of dim 0 and export is a renaming plus a split
+(:func:`to_hf_state_dict`, :func:`from_hf_state_dict`).
+
+Parallelism is applied from outside (``parallelize.py``), so the pieces here are built to be sliced:
+
+- :class:`Attention` reads its number of local heads from its weight shapes, so a tensor-parallel
+  wrapper may keep a contiguous slice of q/k/v rows and o_proj columns;
+- :class:`Experts` computes with whatever slice of experts it holds, offset by ``expert_offset``,
+  through the free function :func:`experts_forward` that an expert-parallel dispatcher can call;
+- :class:`MoEModel` skips ``embed_tokens`` / ``norm`` when a pipeline stage sets them to ``None``,
+  and :class:`MoEForCausalLM` skips ``lm_head`` likewise.
+
+Example::
+
+    model = MoEForCausalLM(CONFIGS["tiny"])
+    model.init_weights(seed=0)
+    logits, loss = model(input_ids, labels=input_ids)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "CONFIGS",
+    "Attention",
+    "DecoderLayer",
+    "Experts",
+    "MoEBlock",
+    "MoEForCausalLM",
+    "MoEModel",
+    "ModelConfig",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "Router",
+    "apply_rotary_pos_emb",
+    "causal_lm_loss",
+    "experts_forward",
+    "from_hf_state_dict",
+    "to_hf_state_dict",
+]
+
+# Labels equal to this value do not count in the loss (same convention as PyTorch and transformers).
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture of :class:`MoEForCausalLM`; field names follow ``transformers.Qwen3MoeConfig``.
+
+    Args:
+        vocab_size: number of token ids.
+        hidden_size: model width H.
+        intermediate_size: width of a dense MLP. Unused (every layer is MoE) but kept so the
+            Hugging Face config round-trips.
+        moe_intermediate_size: width I of each expert's SwiGLU MLP.
+        num_hidden_layers: number of decoder layers.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (grouped-query attention); divides the query heads.
+        head_dim: width of one attention head (even, for RoPE).
+        num_experts: experts per layer E.
+        num_experts_per_tok: experts each token is routed to (top-k).
+        norm_topk_prob: renormalize the top-k router probabilities to sum to one.
+        rms_norm_eps: epsilon inside every RMSNorm.
+        rope_theta: RoPE base frequency.
+        max_position_embeddings: longest sequence the model is meant for (recorded, not enforced).
+        router_aux_loss_coef: load-balancing loss weight, recorded for the Hugging Face config;
+            this model does not compute that loss.
+        initializer_range: standard deviation of the normal init of every matrix.
+        tie_word_embeddings: must be False; kept so the Hugging Face config round-trips.
+
+    Raises:
+        ValueError: on an inconsistent architecture, with the fix in the message.
+
+    Example::
+
+        cfg = dataclasses.replace(CONFIGS["tiny"], num_hidden_layers=4)
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    router_aux_loss_coef: float = 0.001
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            # bool is an int subclass; True as a layer count is a bug, not a 1.
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"ModelConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}: grouped-query attention shares each "
+                "key/value head among the same number of query heads; pick a divisor"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"ModelConfig.head_dim={self.head_dim} is odd: rotary embeddings rotate pairs of "
+                "channels; use an even head_dim"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"num_experts={self.num_experts}: a token cannot visit more experts than exist; "
+                "lower the top-k or add experts"
+            )
+        if self.tie_word_embeddings:
+            raise ValueError(
+                "ModelConfig.tie_word_embeddings=True is not supported: lm_head and embed_tokens are "
+                "separate parameters (they shard differently); set it to False"
+            )
+
+    def num_parameters(self, *, active: bool = False) -> int:
+        """Count the model's parameters without building it.
+
+        Args:
+            active: count only what one token uses: its top-k experts instead of all experts.
+
+        Example::
+
+            CONFIGS["100m"].num_parameters()  # 102_016_512
+        """
+        h, d = self.hidden_size, self.head_dim
+        q_width, kv_width = self.num_attention_heads * d, self.num_key_value_heads * d
+        attention = h * q_width + 2 * h * kv_width + q_width * h + 2 * d  # + q_norm, k_norm
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = self.num_experts * h + experts * 3 * self.moe_intermediate_size * h  # router + experts
+        layer = attention + moe + 2 * h  # + the two layer norms
+        return 2 * self.vocab_size * h + self.num_hidden_layers * layer + h  # + final norm
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form, e.g. for checkpoint metadata; inverse of :meth:`from_dict`."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """Build from :meth:`to_dict`'s output.
+
+        Raises:
+            ValueError: on a key that is not a field (likely a typo or a newer version's field).
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"ModelConfig has no fields {unknown}; known fields: {sorted(names)}")
+        return cls(**data)
+
+    def to_hf_config_dict(self) -> dict[str, Any]:
+        """A ``config.json`` body for ``transformers.Qwen3MoeForCausalLM``.
+
+        ``transformers.Qwen3MoeConfig(**d)`` accepts it, and written as ``config.json`` next to the
+        weights from :func:`to_hf_state_dict` it loads with ``AutoModelForCausalLM.from_pretrained``.
+        Both the transformers 4.x spellings (``rope_theta``, ``torch_dtype``) and the 5.x ones
+        (``rope_parameters``, ``dtype``) are written so that either major version reads it.
+        """
+        return {
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "torch_dtype": "float32",
+            "dtype": "float32",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "norm_topk_prob": self.norm_topk_prob,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "initializer_range": self.initializer_range,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            # Every layer sparse: layer i is MoE iff (i + 1) % decoder_sparse_step == 0 and i is
+            # not in mlp_only_layers.
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+            "use_cache": True,
+        }
+
+    @classmethod
+    def from_hf_config_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face Qwen3-MoE ``config.json`` body (transformers 4.x or 5.x).
+
+        Raises:
+            ValueError: when the config describes something this model does not implement (another
+                model type, dense layers, sliding windows, biases, a non-default RoPE, tied
+                embeddings) or lacks a required field.
+        """
+        model_type = d.get("model_type", "qwen3_moe")
+        if model_type != "qwen3_moe":
+            raise ValueError(f"model_type is {model_type!r}; only 'qwen3_moe' configs can be imported")
+        unsupported = {
+            "hidden_act": ("silu", d.get("hidden_act", "silu")),
+            "attention_bias": (False, d.get("attention_bias", False)),
+            "use_sliding_window": (False, d.get("use_sliding_window", False)),
+            "decoder_sparse_step": (1, d.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": ([], list(d.get("mlp_only_layers") or [])),
+        }
+        for key, (wanted, found) in unsupported.items():
+            if found != wanted:
+                raise ValueError(
+                    f"Hugging Face config has {key}={found!r}; this model supports only {key}={wanted!r} "
+                    "(all layers MoE, SiLU, no attention bias, full attention)"
+                )
+        # transformers 5 writes rope_parameters = {"rope_type", "rope_theta", ...}; 4.x writes
+        # rope_theta plus an optional rope_scaling. Only the default (unscaled) RoPE is implemented.
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(
+                f"Hugging Face config has rope_type={rope_type!r}; only 'default' RoPE is supported"
+            )
+        rope_theta = rope.get("rope_theta", d.get("rope_theta"))
+
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            if field.name in d:
+                values[field.name] = d[field.name]
+        # transformers 5 serializes num_experts under its attribute_map alias.
+        if "num_experts" not in values and "num_local_experts" in d:
+            values["num_experts"] = d["num_local_experts"]
+        if rope_theta is not None:
+            values["rope_theta"] = rope_theta
+        if "head_dim" not in values or values["head_dim"] is None:
+            # Same fallback as Qwen3MoeAttention when the config has no head_dim.
+            values["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in values
+        ]
+        if missing:
+            raise ValueError(f"Hugging Face config lacks required fields {missing}")
+        return cls(**values)
+
+
+CONFIGS: dict[str, ModelConfig] = {
+    # Byte-level vocabulary; 181,952 parameters (132,800 active); a train step on CPU takes
+    # milliseconds.
+    # 4 layers so that pipeline tests can use up to 4 stages; 2 kv heads allow TP 2; 4 experts
+    # allow EP up to 4.
+    "tiny": ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=2048,
+    ),
+    # 102,016,512 parameters in all (32.8M in embeddings + lm_head, 8 layers x 8.66M), 54.8M active
+    # per token with top-2 of 8 experts. 8 heads / 4 kv heads allow TP up to 4, 8 experts EP up
+    # to 8, 8 layers PP up to 8.
+    "100m": ModelConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        moe_intermediate_size=640,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in float32 as Qwen3MoeRMSNorm does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalize ``x`` (..., size); the result has ``x``'s dtype promoted with the weight's."""
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before the weight multiply, as transformers does, so bf16 results match.
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE tables: ``cos``/``sin`` of shape (..., seq, head_dim) for given positions.
+
+    The inverse frequencies are recomputed in every call instead of kept in a buffer: a buffer
+    would be cast by ``model.to(torch.bfloat16)`` and left uninitialized by a meta-device build,
+    and the computation is ``head_dim / 2`` numbers. On CPU the values are bitwise those of
+    transformers' ``Qwen3MoeRotaryEmbedding``.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Return ``(cos, sin)`` in ``x``'s dtype for integer ``position_ids`` (batch or 1, seq)."""
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=x.device)
+        inv_freq = 1.0 / (self.theta ** (steps / self.head_dim))
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate ``q`` and ``k`` (batch, heads, seq, head_dim) by ``cos``/``sin`` (batch, seq, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with per-head q/k RMSNorm and RoPE; no biases.
+
+    The number of heads is read from the projection weights at every call, so a tensor-parallel
+    wrapper can keep a contiguous slice of heads: rows of ``q_proj``/``k_proj``/``v_proj`` and
+    the matching columns of ``o_proj`` (whose partial outputs then need a sum over ranks).
+    A slice must keep whole key/value groups, i.e. the TP degree divides ``num_key_value_heads``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        # Over head_dim only (not the whole projection), so they are unaffected by head slicing.
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+        """Attend causally over ``x`` (batch, seq, hidden) given RoPE ``(cos, sin)``."""
+        batch, seq, _ = x.shape
+        heads_shape = (batch, seq, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(x).view(heads_shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(heads_shape)).transpose(1, 2)
+        v = self.v_proj(x).view(heads_shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        group = q.shape[1] // k.shape[1]
+        if group * k.shape[1] != q.shape[1]:
+            raise ValueError(
+                f"{q.shape[1]} local query heads do not split evenly over {k.shape[1]} local key/value "
+                "heads; slice heads so that every rank keeps whole key/value groups"
+            )
+        if group > 1:
+            # Key/value head j serves query heads j*group .. (j+1)*group - 1, as in transformers.
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        # Default scale 1/sqrt(head_dim) is Qwen3's scaling; no dropout (attention_dropout=0).
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Router(nn.Module):
+    """Top-k softmax router; its weight (E, H) is Hugging Face's ``mlp.gate.weight``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Route tokens ``x`` (tokens, hidden).
+
+        Returns:
+            ``(router_logits, routing_weights, selected_experts)``: logits (tokens, E), the top-k
+            probabilities (tokens, k) in the logits' dtype, and global expert ids (tokens, k).
+        """
+        logits = F.linear(x, self.weight)
+        # Softmax in float32 as transformers does; top-k then renormalize the kept probabilities.
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, selected = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), selected
+
+
+def experts_forward(
+    hidden_states: Tensor,
+    routing_weights: Tensor,
+    selected_experts: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+    expert_offset: int = 0,
+) -> Tensor:
+    """Weighted sum of SwiGLU expert outputs for a contiguous slice of experts.
+
+    Each token ``t`` gets ``sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over the slots
+    ``j`` whose expert ``e = selected_experts[t, j]`` is held here, i.e. ``expert_offset <= e <
+    expert_offset + gate_proj.shape[0]``; slots routed to other experts contribute nothing, so an
+    expert-parallel caller can sum the results of all slices (or compute only on tokens it was
+    sent).
+
+    Args:
+        hidden_states: (tokens, H) flattened token states.
+        routing_weights: (tokens, k) weight of each routing slot.
+        selected_experts: (tokens, k) global expert id of each slot.
+        gate_proj: (E_local, I, H) gate projections of the local experts.
+        up_proj: (E_local, I, H) up projections.
+        down_proj: (E_local, H, I) down projections.
+        expert_offset: global id of local expert 0.
+
+    Returns:
+        (tokens, H) tensor in ``hidden_states``' dtype.
+    """
+    out = torch.zeros_like(hidden_states)
+    # Every local expert runs, even on zero tokens: its weights then get zero (not None)
+    # gradients, which keeps gradient reductions and optimizers uniform across ranks and steps.
+    for local in range(gate_proj.shape[0]):
+        token_idx, slot = torch.where(selected_experts == expert_offset + local)
+        x = hidden_states[token_idx]
+        y = F.linear(F.silu(F.linear(x, gate_proj[local])) * F.linear(x, up_proj[local]), down_proj[local])
+        y = y * routing_weights[token_idx, slot, None]
+        # Experts are visited in increasing id order, so each token's sum is accumulated in the
+        # same order as transformers' loop: fp32 results match it bit for bit up to the matmuls.
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
+class Experts(nn.Module):
+    """SwiGLU experts stored fused: ``gate_proj`` (E, I, H), ``up_proj`` (E, I, H), ``down_proj`` (E, H, I).
+
+    Gate and up are kept apart (transformers fuses them into one ``gate_up_proj``) so that every
+    tensor shards over dim 0 by expert and over I for tensor parallelism without interleaving.
+    An expert-parallel wrapper replaces the parameters with a slice of experts and sets
+    ``expert_offset`` to the global id of the first one.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(e, i, h))
+        self.up_proj = nn.Parameter(torch.empty(e, i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.expert_offset = 0
+
+    def forward(self, hidden_states: Tensor, routing_weights: Tensor, selected_experts: Tensor) -> Tensor:
+        """See :func:`experts_forward`; uses this module's weights and ``expert_offset``."""
+        return experts_forward(
+            hidden_states,
+            routing_weights,
+            selected_experts,
+            self.gate_proj,
+            self.up_proj,
+            self.down_proj,
+            self.expert_offset,
+        )
+
+
+class MoEBlock(nn.Module):
+    """Sparse MoE feed-forward: router ``gate`` then ``experts``, like Qwen3MoeSparseMoeBlock."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply to ``x`` (batch, seq, hidden)."""
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, selected = self.gate(flat)
+        return self.experts(flat, weights, selected).view_as(x)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + moe(norm(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoEBlock(config)
+
+    def forward(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+        """Apply to ``x`` (batch, seq, hidden) given RoPE ``(cos, sin)``."""
+        x = x + self.self_attn(self.input_layernorm(x), position_embeddings)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoEModel(nn.Module):
+    """The decoder stack (Hugging Face's ``model.`` prefix): embeddings, layers, final norm.
+
+    A pipeline stage may set ``embed_tokens`` to ``None`` (it then takes hidden states, not token
+    ids) and ``norm`` to ``None`` (it then returns un-normalized hidden states).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Map token ids (batch, seq), or hidden states (batch, seq, hidden) when there is no
+        ``embed_tokens``, to hidden states (batch, seq, hidden). Positions are 0 .. seq-1."""
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(h, positions)
+        for layer in self.layers:
+            h = layer(h, position_embeddings)
+        return self.norm(h) if self.norm is not None else h
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean next-token cross-entropy: position t predicts ``labels[:, t + 1]``.
+
+    ``labels`` has the shape of the input ids (it is shifted here, as transformers does); entries
+    equal to ``ignore_index`` do not count. Computed in float32 whatever the logits' dtype.
+    """
+    shifted = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=ignore_index)
+
+
+class MoEForCausalLM(nn.Module):
+    """Causal language model: :class:`MoEModel` plus an untied ``lm_head``.
+
+    Parameters are created uninitialized (``torch.empty``); call :meth:`init_weights` (also after
+    building on the meta device and ``to_empty``). A pipeline stage may set ``lm_head`` to ``None``
+    to return hidden states.
+
+    Example::
+
+        model = MoEForCausalLM(CONFIGS["tiny"])
+        model.init_weights(seed=0)
+        logits, loss = model(ids, labels=ids)
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = MoEModel(config)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Return logits (batch, seq, vocab), or ``(logits, loss)`` when ``labels`` is given.
+
+        ``labels`` are unshifted (usually the input ids themselves); see :func:`causal_lm_loss`.
+        """
+        h = self.model(input_ids)
+        logits = self.lm_head(h) if self.lm_head is not None else h
+        if labels is None:
+            return logits
+        return logits, causal_lm_loss(logits, labels)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init: every matrix ~ N(0, initializer_range), every norm weight 1.
+
+        Each parameter draws from its own CPU generator seeded by ``seed`` and the parameter's
+        name, so the values do not depend on the device, on parameter order, or on which other
+        parameters this module holds; they are copied into the parameters in place.
+        """
+        std = self.config.initializer_range
+        for module_name, module in self.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                if isinstance(module, RMSNorm):
+                    param.fill_(1.0)
+                    continue
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                generator = torch.Generator().manual_seed(_param_seed(seed, name))
+                values = torch.empty(param.shape, dtype=torch.float32)
+                values.normal_(0.0, std, generator=generator)
+                param.copy_(values)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # crc32 (not hash()) because Python's str hash is salted per process.
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
+
+
+# Our fused expert tensors: model.layers.N.mlp.experts.{gate,up,down}_proj, 3-D.
+_FUSED_EXPERT = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate|up|down)_proj")
+# Hugging Face per-expert keys, as save_pretrained writes them.
+_HF_PER_EXPERT = re.compile(
+    r"(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
+)
+# transformers' in-memory fusion of gate and up: (E, 2I, H) = cat(gate, up) along dim 1.
+_HF_GATE_UP = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.gate_up_proj")
+
+
+def to_hf_state_dict(model_or_state_dict: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Hugging Face checkpoint keys for a full (unsharded) model or its state dict.
+
+    Fused experts become per-expert keys ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``
+    (``gate_proj[E]`` etc., copied so that ``safetensors.torch.save_file`` sees no shared
+    storage); every other tensor keeps its name and is returned as is.
+
+    Example::
+
+        safetensors.torch.save_file(to_hf_state_dict(model), "out/model.safetensors")
+    """
+    if isinstance(model_or_state_dict, nn.Module):
+        state: Mapping[str, Tensor] = model_or_state_dict.state_dict()
+    else:
+        state = model_or_state_dict
+    out: dict[str, Tensor] = {}
+    for key, tensor in state.items():
+        match = _FUSED_EXPERT.fullmatch(key)
+        if match is None:
+            out[key] = tensor
+            continue
+        if tensor.dim() != 3:
+            raise ValueError(
+                f"{key}: fused expert tensor must be 3-D (experts, out, in), got {tuple(tensor.shape)}"
+            )
+        prefix, proj = match["prefix"], match["proj"]
+        for expert in range(tensor.shape[0]):
+            out[f"{prefix}.{expert}.{proj}_proj.weight"] = tensor[expert].detach().clone()
+    return out
+
+
+def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Convert a Hugging Face Qwen3-MoE state dict to this model's names, ready for
+    ``model.load_state_dict(..., strict=True)``.
+
+    Accepts per-expert keys (``...mlp.experts.E.{gate,up,down}_proj.weight``, the on-disk format),
+    transformers' in-memory fused keys (``...mlp.experts.gate_up_proj`` (E, 2I, H) and
+    ``...mlp.experts.down_proj`` (E, H, I)), or this model's own fused keys. The non-persistent
+    ``rotary_emb.inv_freq`` some older checkpoints carry is dropped.
+
+    Raises:
+        ValueError: naming every missing, unexpected, duplicated or mis-shaped key.
+    """
+    n_experts, inter = config.num_experts, config.moe_intermediate_size
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in MoEForCausalLM(config).state_dict().items()}
+    out: dict[str, Tensor] = {}
+    # Our fused key -> expert id -> (Hugging Face key, tensor), stacked once all are seen.
+    per_expert: dict[str, dict[int, tuple[str, Tensor]]] = {}
+    duplicates: list[str] = []
+    bad_experts: list[str] = []
+    mis_shaped: list[str] = []
+    # Fused keys whose per-expert parts were already reported, so they are not "missing" too.
+    reported: set[str] = set()
+
+    def put(key: str, tensor: Tensor) -> None:
+        if key in out:
+            duplicates.append(key)
+        out[key] = tensor
+
+    for key, tensor in hf_state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if match := _HF_PER_EXPERT.fullmatch(key):
+            fused = f"{match['prefix']}.{match['proj']}_proj"
+            per_expert.setdefault(fused, {})[int(match["expert"])] = (key, tensor)
+        elif match := _HF_GATE_UP.fullmatch(key):
+            if tensor.dim() != 3 or tensor.shape[1] != 2 * inter:
+                want = (n_experts, 2 * inter, config.hidden_size)
+                mis_shaped.append(f"{key}: expected {want}, got {tuple(tensor.shape)}")
+                continue
+            put(f"{match['prefix']}.gate_proj", tensor[:, :inter].contiguous())
+            put(f"{match['prefix']}.up_proj", tensor[:, inter:].contiguous())
+        else:
+            put(key, tensor)
+
+    for fused, experts in per_expert.items():
+        wrong_ids = sorted(set(experts) ^ set(range(n_experts)))
+        if wrong_ids:
+            bad_experts.append(f"{fused}: expert ids {wrong_ids} missing or out of range 0..{n_experts - 1}")
+            reported.add(fused)
+            continue
+        # An unknown layer has no expected shape: hold its experts to expert 0's shape so that the
+        # stack below cannot fail; the key is then reported as unexpected.
+        want = expected[fused][1:] if fused in expected else tuple(experts[0][1].shape)
+        wrong = [
+            f"{key}: expected {want}, got {tuple(tensor.shape)}"
+            for key, tensor in experts.values()
+            if tuple(tensor.shape) != want
+        ]
+        if wrong:
+            mis_shaped.extend(wrong)
+            reported.add(fused)
+            continue
+        put(fused, torch.stack([experts[e][1] for e in range(n_experts)]))
+
+    missing = sorted(set(expected) - set(out) - reported)
+    unexpected = sorted(set(out) - set(expected))
+    mis_shaped += [
+        f"{k}: expected {expected[k]}, got {tuple(out[k].shape)}"
+        for k in sorted(set(out) & set(expected))
+        if tuple(out[k].shape) != expected[k]
+    ]
+    problems = []
+    if duplicates:
+        problems.append(f"given twice (fused and per-expert?): {sorted(duplicates)}")
+    if bad_experts:
+        problems.append(f"incomplete experts: {bad_experts}")
+    if missing:
+        problems.append(f"missing: {missing}")
+    if unexpected:
+        problems.append(f"unexpected: {unexpected}")
+    if mis_shaped:
+        problems.append(f"wrong shape: {mis_shaped}")
+    if problems:
+        raise ValueError(
+            "Hugging Face state dict does not match ModelConfig("
+            f"num_hidden_layers={config.num_hidden_layers}, num_experts={n_experts}, "
+            f"hidden_size={config.hidden_size}, ...): " + "; ".join(problems)
+        )
+    return out

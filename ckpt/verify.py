@@ -1,0 +1,164 @@
+"""Checkpoint auditing: structure, file sizes, safetensors headers, coverage, and (deep) checksums."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt.errors import CheckpointError
+from ckpt.formats.msgpack_codec import decode_manifest, decode_object
+from ckpt.formats.safetensors_header import parse_header
+from ckpt.manifest import MANIFEST_NAME, Manifest, entry_name
+from ckpt.regions import check_tiling
+from ckpt.storage import Storage, get_storage
+
+READ_CHUNK = 16 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class Problem:
+    """One thing wrong with a checkpoint."""
+
+    kind: str  # manifest | missing-file | size | header | coverage | checksum | object
+    message: str
+    tensor: str | None = None
+    file: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message, "tensor": self.tensor, "file": self.file}
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """Result of :func:`verify`: ``ok`` only when no problem was found."""
+
+    url: str
+    deep: bool
+    problems: list[Problem] = field(default_factory=list)
+    tensors: int = 0
+    shards: int = 0
+    files: int = 0
+    bytes_hashed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "ok": self.ok, "deep": self.deep, "tensors": self.tensors, "shards": self.shards,
+                "files": self.files, "bytes_hashed": self.bytes_hashed,
+                "problems": [p.to_dict() for p in self.problems]}
+
+
+def inspect(url: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Read and validate the manifest of the checkpoint at ``url`` (no data is read).
+
+    Raises ManifestError when there is no committed checkpoint or the manifest is invalid.
+    """
+    from ckpt.load import fetch_manifest
+
+    storage = get_storage(url, **(storage_options or {}))
+    try:
+        return fetch_manifest(storage)
+    finally:
+        storage.close()
+
+
+def verify(url: str, *, deep: bool = False, storage_options: dict[str, Any] | None = None) -> VerifyReport:
+    """Audit the checkpoint at ``url``; never raises for problems in the checkpoint, reports them.
+
+    Checks the manifest schema, that every data file exists with the recorded size, that each
+    file's safetensors header agrees with the manifest, that each tensor's shards tile it exactly
+    (no gap, no overlap), that objects decode, and with ``deep=True`` every checksum.
+    """
+    storage = get_storage(url, **(storage_options or {}))
+    report = VerifyReport(url=url, deep=deep)
+    try:
+        _verify(storage, report, deep)
+    finally:
+        storage.close()
+    return report
+
+
+def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
+    try:
+        raw = storage.read_file(MANIFEST_NAME)
+        m = decode_manifest(raw, url=f"{storage.url}/{MANIFEST_NAME}")
+    except CheckpointError as e:
+        report.problems.append(Problem("manifest", str(e), file=MANIFEST_NAME))
+        return
+    report.tensors = len(m.tensors)
+    report.files = len(m.files)
+    good_files: set[str] = set()
+    headers: dict[str, dict[str, Any]] = {}
+    for path, size in m.files.items():
+        actual = storage.size(path)
+        if actual is None:
+            report.problems.append(Problem("missing-file", f"{path}: file is missing", file=path))
+            continue
+        if actual != size:
+            report.problems.append(Problem("size", f"{path}: {actual} bytes on storage, manifest records {size} "
+                                           "(truncated or overwritten)", file=path))
+            continue
+        try:
+            head = bytearray(min(size, 1 << 16))
+            storage.read_into(path, 0, memoryview(head))
+            if len(head) >= 8:
+                n = int.from_bytes(head[:8], "little")
+                if 8 + n > len(head) and 8 + n <= size:
+                    head = bytearray(8 + n)
+                    storage.read_into(path, 0, memoryview(head))
+            headers[path] = dict(parse_header(bytes(head), size, path=path))
+            good_files.add(path)
+        except CheckpointError as e:
+            report.problems.append(Problem("header", str(e), file=path))
+    for key, t in m.tensors.items():
+        report.shards += len(t.shards)
+        try:
+            check_tiling(key, t.shape, [s.region for s in t.shards])
+        except CheckpointError as e:
+            report.problems.append(Problem("coverage", str(e), tensor=key))
+        for i, s in enumerate(t.shards):
+            if s.file not in good_files:
+                continue
+            he = headers[s.file].get(entry_name(key, i))
+            if he is None or he.start != s.offset or he.length != s.length:
+                report.problems.append(Problem(
+                    "header", f"tensor {key!r} shard {i}: {s.file} header does not list bytes "
+                    f"[{s.offset}, {s.offset + s.length}) as {entry_name(key, i)!r}", tensor=key, file=s.file))
+                continue
+            if deep and s.checksum is not None:
+                try:
+                    crc = _crc_range(storage, s.file, s.offset, s.length)
+                except CheckpointError as e:
+                    report.problems.append(Problem("checksum", str(e), tensor=key, file=s.file))
+                    continue
+                report.bytes_hashed += s.length
+                if crc != s.checksum:
+                    report.problems.append(Problem(
+                        "checksum", f"tensor {key!r} shard {i}: checksum mismatch in {s.file} bytes "
+                        f"[{s.offset}, {s.offset + s.length}) (stored {s.checksum:#010x}, found {crc:#010x})",
+                        tensor=key, file=s.file))
+    for key, o in m.objects.items():
+        blobs = list(o.per_rank.values()) if o.per_rank is not None else [o.data or b""]
+        try:
+            for b in blobs:
+                decode_object(b, key=key)
+            if o.data is not None and o.checksum is not None and zlib.crc32(o.data) != o.checksum:
+                raise CheckpointError(f"object {key!r}: checksum mismatch")
+        except CheckpointError as e:
+            report.problems.append(Problem("object", str(e), tensor=key))
+
+
+def _crc_range(storage: Storage, path: str, offset: int, length: int) -> int:
+    crc = 0
+    buf = bytearray(min(length, READ_CHUNK))
+    pos = 0
+    while pos < length:
+        n = min(len(buf), length - pos)
+        mv = memoryview(buf)[:n]
+        storage.read_into(path, offset + pos, mv)
+        crc = zlib.crc32(mv, crc)
+        pos += n
+    return crc
