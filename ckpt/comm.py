@@ -35,11 +35,17 @@ class Comm:
             if group is not None:
                 raise errors.StateError("a process group was passed but torch.distributed is not initialized")
             self.rank, self.world, self.group = 0, 1, None
+            self.cpu_group = None
             return
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.cpu_group = self._cpu_group()
+
+    @property
+    def who(self) -> int | None:
+        """This rank for error messages, or None when single-process."""
+        return self.rank if self.world > 1 else None
 
     def _cpu_group(self) -> Any:
         dist = _dist()
@@ -122,9 +128,12 @@ class Comm:
         return msgpack.unpackb(self.broadcast_bytes(data, src), raw=False, strict_map_key=False)
 
 
-def error_payload(e: BaseException, rank: int) -> dict[str, Any]:
-    """Encode an exception so that other ranks can re-raise it with the same type."""
-    return {"err": f"rank {rank}: {e}", "type": type(e).__name__ if isinstance(e, errors.CheckpointError)
+def error_payload(e: BaseException, rank: int | None) -> dict[str, Any]:
+    """Encode an exception so that other ranks can re-raise it with the same type.
+
+    ``rank`` (None in a single process) is prefixed to the message so that every rank names the culprit.
+    """
+    return {"err": f"rank {rank}: {e}" if rank is not None else str(e), "type": type(e).__name__ if isinstance(e, errors.CheckpointError)
             else "CheckpointError", "cause": f"{type(e).__name__}"}
 
 

@@ -27,7 +27,7 @@ def fetch_manifest(storage: Storage, comm: Comm | None = None) -> Manifest:
                                     "the save may not have finished (see `ckpt ls`)")
             payload = {"ok": storage.read_file(MANIFEST_NAME)}
         except CheckpointError as e:
-            payload = error_payload(e, 0)
+            payload = error_payload(e, comm.who)
     payload = comm.broadcast(payload) if comm.enabled and comm.world > 1 else payload
     if "err" in payload:
         raise_payload(payload)

@@ -72,7 +72,7 @@ def _save(comm: Comm, storage: Storage, state: dict[str, Any], step: int | None,
         tensors = [t.local for t in items]
         payload: dict[str, Any] = {"ok": decl.to_wire()}
     except CheckpointError as e:
-        payload = error_payload(e, comm.rank)
+        payload = error_payload(e, comm.who)
     # 2. global plan on the coordinator, each rank receives only its own assignment
     gathered = comm.gather(payload)
     previous: Manifest | None = None
@@ -94,8 +94,8 @@ def _save(comm: Comm, storage: Storage, state: dict[str, Any], step: int | None,
                 plan = plan_save(decls, save_id=uuid.uuid4().hex[:12], step=step,
                                  user_metadata=user_metadata, layout=layout)
                 replies = [{"ok": a.to_wire()} for a in plan.assignments]
-            except CheckpointError as e:
-                replies = [error_payload(e, 0)] * comm.world
+            except CheckpointError as e:  # a global-plan error names its tensor/ranks itself
+                replies = [error_payload(e, None)] * comm.world
     else:
         replies = []
     mine = comm.scatter(replies if comm.rank == 0 else None)
@@ -110,7 +110,7 @@ def _save(comm: Comm, storage: Storage, state: dict[str, Any], step: int | None,
         else:
             result = {"ok": {"file": None}}
     except (CheckpointError, OSError) as e:
-        result = error_payload(e, comm.rank)
+        result = error_payload(e, comm.who)
     # 4. commit: the coordinator writes the manifest only when every rank persisted its file
     results = comm.gather(result)
     status: dict[str, Any]
@@ -141,7 +141,7 @@ def _save(comm: Comm, storage: Storage, state: dict[str, Any], step: int | None,
                 if previous is not None:  # overwrite: drop files only the old checkpoint used
                     _cleanup_files(storage, [f for f in previous.files if f not in manifest.files])
             except CheckpointError as e:
-                status = error_payload(e, 0)
+                status = error_payload(e, comm.who)
                 _cleanup_files(storage, [r["ok"]["file"] for r in results if r["ok"]["file"]])
     else:
         status = {}

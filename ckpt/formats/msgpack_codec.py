@@ -44,7 +44,7 @@ def decode_manifest(data: bytes, *, url: str = "manifest") -> Manifest:
     try:
         return Manifest.from_dict(d)
     except ManifestError as e:
-        raise ManifestError(f"{url}: {e}") from None
+        raise type(e)(f"{url}: {e}") from None
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError, RecursionError) as e:
         raise ManifestError(f"{url}: manifest violates the schema ({type(e).__name__}: {e})") from None
 

@@ -247,14 +247,14 @@ class ModelConfig:
         model_type = d.get("model_type", "qwen3_moe")
         if model_type != "qwen3_moe":
             raise ValueError(f"model_type is {model_type!r}; only 'qwen3_moe' configs can be imported")
-        unsupported = {
+        required = {
             "hidden_act": ("silu", d.get("hidden_act", "silu")),
             "attention_bias": (False, d.get("attention_bias", False)),
             "use_sliding_window": (False, d.get("use_sliding_window", False)),
             "decoder_sparse_step": (1, d.get("decoder_sparse_step", 1)),
             "mlp_only_layers": ([], list(d.get("mlp_only_layers") or [])),
         }
-        for key, (wanted, found) in unsupported.items():
+        for key, (wanted, found) in required.items():
             if found != wanted:
                 raise ValueError(
                     f"Hugging Face config has {key}={found!r}; this model supports only {key}={wanted!r} "
@@ -279,9 +279,11 @@ class ModelConfig:
             values["num_experts"] = d["num_local_experts"]
         if rope_theta is not None:
             values["rope_theta"] = rope_theta
-        if "head_dim" not in values or values["head_dim"] is None:
-            # Same fallback as Qwen3MoeAttention when the config has no head_dim.
-            values["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        if values.get("head_dim") is None:
+            values.pop("head_dim", None)
+            if "hidden_size" in d and "num_attention_heads" in d:
+                # Same fallback as Qwen3MoeAttention when the config has no head_dim.
+                values["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         missing = [
             f.name
             for f in dataclasses.fields(cls)
@@ -487,7 +489,7 @@ def experts_forward(
         y = F.linear(F.silu(F.linear(x, gate_proj[local])) * F.linear(x, up_proj[local]), down_proj[local])
         y = y * routing_weights[token_idx, slot, None]
         # Experts are visited in increasing id order, so each token's sum is accumulated in the
-        # same order as transformers' loop: fp32 results match it bit for bit up to the matmuls.
+        # same order as in transformers' loop.
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
 
@@ -624,8 +626,9 @@ class MoEForCausalLM(nn.Module):
         """Deterministic init: every matrix ~ N(0, initializer_range), every norm weight 1.
 
         Each parameter draws from its own CPU generator seeded by ``seed`` and the parameter's
-        name, so the values do not depend on the device, on parameter order, or on which other
-        parameters this module holds; they are copied into the parameters in place.
+        name (as this module names it), so the values do not depend on the device or on the
+        parameter order; they are copied into the parameters in place. Parallel wrappers should
+        call it on the full model before slicing, or keep global names.
         """
         std = self.config.initializer_range
         for module_name, module in self.named_modules():
@@ -723,8 +726,8 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], config: ModelConfig)
             per_expert.setdefault(fused, {})[int(match["expert"])] = (key, tensor)
         elif match := _HF_GATE_UP.fullmatch(key):
             if tensor.dim() != 3 or tensor.shape[1] != 2 * inter:
-                want = (n_experts, 2 * inter, config.hidden_size)
-                mis_shaped.append(f"{key}: expected {want}, got {tuple(tensor.shape)}")
+                fused_shape = (n_experts, 2 * inter, config.hidden_size)
+                mis_shaped.append(f"{key}: expected {fused_shape}, got {tuple(tensor.shape)}")
                 continue
             put(f"{match['prefix']}.gate_proj", tensor[:, :inter].contiguous())
             put(f"{match['prefix']}.up_proj", tensor[:, inter:].contiguous())

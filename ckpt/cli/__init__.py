@@ -1,0 +1,1 @@
+"""The ``ckpt`` command: thin typer commands over library calls."""

@@ -1,0 +1,77 @@
+"""Shared CLI plumbing: one table mapping library errors to one-line messages and exit codes."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from ckpt import errors
+
+console = Console()
+err_console = Console(stderr=True)
+
+# Expected failures: one line on stderr, no traceback.
+EXIT_CODES: dict[type[errors.CheckpointError], int] = {
+    errors.ManifestError: 2,
+    errors.IntegrityError: 3,
+    errors.StorageError: 4,
+    errors.LayoutError: 5,
+    errors.MismatchError: 5,
+    errors.StateError: 5,
+    errors.CheckpointExistsError: 6,
+    errors.CheckpointError: 1,
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def handle_errors(fn: F) -> F:
+    """Turn CheckpointError (and missing optional packages) into ``error: ...`` on stderr and an exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except errors.CheckpointError as e:
+            code = next(c for t, c in EXIT_CODES.items() if isinstance(e, t))
+            err_console.print(f"[red]error:[/red] {e}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(code) from None
+        except ImportError as e:
+            err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def parse_storage_options(opts: list[str] | None) -> dict[str, Any]:
+    """``["key=value", ...]`` -> dict; values that parse as JSON (numbers, true/false) are converted."""
+    out: dict[str, Any] = {}
+    for o in opts or []:
+        if "=" not in o:
+            raise errors.StateError(f"--storage-option {o!r}: expected key=value")
+        k, v = o.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def print_json(obj: Any) -> None:
+    """Write JSON to stdout without rich markup."""
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,67 @@
+"""``ckpt inspect`` and ``ckpt verify``."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import typer
+from rich.table import Table
+
+import ckpt
+from ckpt.cli.common import console, handle_errors, human_bytes, parse_storage_options, print_json
+
+StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
+
+
+@handle_errors
+def inspect_cmd(
+    url: str = typer.Argument(..., help="checkpoint directory or URL"),
+    json_out: bool = typer.Option(False, "--json", help="print the manifest summary as JSON"),
+    storage_option: list[str] = StorageOpt,
+) -> None:
+    """Show a checkpoint's step, layout, totals and tensors (reads only the manifest)."""
+    m = ckpt.inspect(url, storage_options=parse_storage_options(storage_option))
+    if json_out:
+        print_json({
+            "url": url, "step": m.step, "version": list(m.version), "created": m.created,
+            "world_size": m.world_size, "layout": m.layout, "total_bytes": m.total_bytes,
+            "files": m.files, "user_metadata": m.user_metadata, "objects": sorted(m.objects),
+            "tensors": {k: {"dtype": t.dtype, "shape": list(t.shape), "shards": len(t.shards), "bytes": t.nbytes}
+                        for k, t in m.tensors.items()},
+        })
+        return
+    created = dt.datetime.fromtimestamp(m.created).isoformat(timespec="seconds")
+    console.print(f"[bold]{url}[/bold]  format {m.version[0]}.{m.version[1]}  step {m.step}  created {created}")
+    console.print(f"saved by {m.world_size} rank(s)  layout {m.layout or '-'}  "
+                  f"{len(m.tensors)} tensors  {len(m.objects)} objects  {len(m.files)} files  "
+                  f"{human_bytes(m.total_bytes)}")
+    table = Table("tensor", "dtype", "global shape", "shards", "bytes")
+    for k in sorted(m.tensors):
+        t = m.tensors[k]
+        table.add_row(k, t.dtype, str(list(t.shape)), str(len(t.shards)), human_bytes(t.nbytes))
+    console.print(table)
+
+
+@handle_errors
+def verify_cmd(
+    url: str = typer.Argument(..., help="checkpoint directory or URL"),
+    deep: bool = typer.Option(False, "--deep", help="also recompute every checksum (reads all data)"),
+    json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    storage_option: list[str] = StorageOpt,
+) -> None:
+    """Check structure, file sizes, headers and coverage (and checksums with --deep). Exit 0 only if intact."""
+    r = ckpt.verify(url, deep=deep, storage_options=parse_storage_options(storage_option))
+    if json_out:
+        print_json(r.to_dict())
+    else:
+        for p in r.problems:
+            console.print(f"[red]{p.kind}[/red]: {p.message}", highlight=False, soft_wrap=True)
+        what = "deep " if deep else ""
+        if r.ok:
+            console.print(f"[green]ok[/green]: {what}verify of {url}: {r.tensors} tensors, {r.shards} shards, "
+                          f"{r.files} files" + (f", {human_bytes(r.bytes_hashed)} hashed" if deep else ""),
+                          highlight=False)
+        else:
+            console.print(f"[red]FAILED[/red]: {len(r.problems)} problem(s) in {url}", highlight=False)
+    if not r.ok:
+        raise typer.Exit(1)

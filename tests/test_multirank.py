@@ -1,0 +1,146 @@
+"""Save on N ranks, load on M ranks under another sharding: bitwise equal (real gloo groups, forked)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckpt
+from tests.dist_utils import run_ranks
+from tests.layouts import assert_bitwise, empty_like_piece, expected_local, local_of, piece, reference
+
+SAVE_KINDS = {"w32": "rows", "wbf16": "cols", "i64": "flat", "f8": "grid", "vec": "replicated", "cube": "cols"}
+LOAD_KINDS = {"w32": "cols", "wbf16": "flat", "i64": "rows", "f8": "rows", "vec": "flat", "cube": "grid"}
+
+
+def _save(rank: int, world: int, path: str) -> None:
+    ref = reference()
+    state = {"model": {k: piece(v, SAVE_KINDS[k], rank, world) for k, v in ref.items()},
+             "step": 7, "rng": ckpt.PerRank([rank, "r"])}
+    m = ckpt.save(state, path, step=7)
+    assert m.world_size == world and m.step == 7
+    assert set(m.tensors) == {f"model.{k}" for k in ref}
+
+
+def _load(rank: int, world: int, path: str, saved_world: int) -> None:
+    ref = reference()
+    pieces = {k: piece(v, LOAD_KINDS[k], rank, world) for k, v in ref.items()}
+    targets = {k: empty_like_piece(p) for k, p in pieces.items()}
+    out = ckpt.load({"model": targets, "step": 0, "rng": None}, path, strict=rank < saved_world)
+    for k, t in targets.items():
+        assert_bitwise(local_of(t), expected_local(ref[k], t), f"rank {rank} {k}")
+    assert out["step"] == 7
+    if rank < saved_world:
+        assert out["rng"] == [rank, "r"]
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 3), (3, 4), (4, 2)])
+def test_save_n_load_m(tmp_path, save_world, load_world):
+    path = str(tmp_path / "c")
+    run_ranks(save_world, _save, path)
+    assert ckpt.verify(path, deep=True).ok
+    run_ranks(load_world, _load, path, save_world)
+
+
+def test_save_4_load_single_process(tmp_path):
+    path = str(tmp_path / "c")
+    run_ranks(4, _save, path)
+    ref = reference()
+    targets = {k: torch.zeros_like(v) for k, v in ref.items()}
+    out = ckpt.load({"model": targets, "step": 0, "rng": None}, path, strict=False)
+    for k, v in ref.items():
+        assert_bitwise(targets[k], v, k)
+    assert out["step"] == 7
+
+
+def test_single_process_save_loads_on_3_ranks(tmp_path):
+    path = str(tmp_path / "c")
+    ref = reference()
+    ckpt.save({"model": ref, "step": 7, "rng": ckpt.PerRank([0, "r"])}, path)
+    run_ranks(3, _load, path, 1)
+
+
+def _replicas_balanced(rank: int, world: int, path: str) -> None:
+    # Every rank holds the same 8 replicated tensors: writing is spread, not all on rank 0.
+    state = {f"t{i}": torch.full((256,), float(i)) for i in range(8)}
+    m = ckpt.save(state, path)
+    per_file: dict[str, int] = {}
+    for t in m.tensors.values():
+        assert len(t.shards) == 1
+        per_file[t.shards[0].file] = per_file.get(t.shards[0].file, 0) + t.shards[0].length
+    assert len(per_file) == world
+    assert max(per_file.values()) == min(per_file.values()) == 8 * 256 * 4 // world
+
+
+def test_replicas_written_once_and_balanced(tmp_path):
+    run_ranks(4, _replicas_balanced, str(tmp_path / "c"))
+
+
+def _dtensor_save(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    ref = reference()
+    state = {
+        "rows": distribute_tensor(ref["w32"], mesh, [Shard(0)]),  # 13 rows over 4: 4,4,4,1 (uneven)
+        "cols": distribute_tensor(ref["wbf16"], mesh, [Shard(1)]),
+        "rep": distribute_tensor(ref["vec"], mesh, [Replicate()]),
+        "tiny": distribute_tensor(torch.arange(3.0), mesh, [Shard(0)]),  # 3 over 4: one rank holds nothing
+    }
+    ckpt.save(state, path)
+
+
+def _dtensor_load(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    ref = reference()
+    targets = {
+        "rows": distribute_tensor(torch.zeros(13, 10), mesh, [Shard(1), Shard(0)]),
+        "cols": distribute_tensor(torch.zeros(9, 6, dtype=torch.bfloat16), mesh, [Shard(0), Shard(0)]),
+        "rep": distribute_tensor(torch.zeros(17), mesh, [Shard(0), Shard(0)]),
+        "tiny": distribute_tensor(torch.zeros(3), mesh, [Shard(0), Shard(0)]),
+    }
+    ckpt.load(targets, path)
+    expect = {"rows": ref["w32"], "cols": ref["wbf16"], "rep": ref["vec"], "tiny": torch.arange(3.0)}
+    for k, t in targets.items():
+        assert_bitwise(t.full_tensor(), expect[k], k)  # collective: every rank calls it
+
+
+def test_dtensor_shard0_saved_loaded_as_2d_mesh(tmp_path):
+    path = str(tmp_path / "c")
+    run_ranks(4, _dtensor_save, path)
+    assert ckpt.verify(path, deep=True).ok
+    run_ranks(4, _dtensor_load, path)
+
+
+def _failing_rank(rank: int, world: int, path: str) -> None:
+    ref = reference()
+    state = {"w": piece(ref["w32"], "rows", rank, world)}
+    if rank == 1:  # this rank declares a piece that overlaps rank 0's
+        state = {"w": ckpt.Shard(ref["w32"][2:7].clone(), (13, 10), (2, 0))}
+    with pytest.raises(ckpt.LayoutError, match="overlap"):
+        ckpt.save(state, path)
+    dist.barrier()
+
+
+def test_bad_layout_fails_on_every_rank_and_writes_nothing(tmp_path):
+    path = str(tmp_path / "c")
+    run_ranks(3, _failing_rank, path)
+    assert not os.path.exists(os.path.join(path, "manifest.msgpack"))
+    assert not os.path.exists(os.path.join(path, "data")) or not os.listdir(os.path.join(path, "data"))
+
+
+def _disagree(rank: int, world: int, path: str) -> None:
+    shape = (4, 4) if rank == 0 else (4, 5)
+    with pytest.raises(ckpt.StateError, match="rank 0 declares"):
+        ckpt.save({"w": ckpt.Shard(torch.zeros(2, 4), shape, (2 * rank, 0))}, path)
+
+
+def test_ranks_disagreeing_on_shape(tmp_path):
+    run_ranks(2, _disagree, str(tmp_path / "c"))
