@@ -133,8 +133,8 @@ def error_payload(e: BaseException, rank: int | None) -> dict[str, Any]:
 
     ``rank`` (None in a single process) is prefixed to the message so that every rank names the culprit.
     """
-    return {"err": f"rank {rank}: {e}" if rank is not None else str(e), "type": type(e).__name__ if isinstance(e, errors.CheckpointError)
-            else "CheckpointError", "cause": f"{type(e).__name__}"}
+    kind = type(e).__name__ if isinstance(e, errors.CheckpointError) else "CheckpointError"
+    return {"err": f"rank {rank}: {e}" if rank is not None else str(e), "type": kind, "cause": type(e).__name__}
 
 
 def raise_payload(p: dict[str, Any]) -> None:

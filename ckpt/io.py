@@ -22,7 +22,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    arr: Any = flat.view(torch.uint8).numpy()
+    return memoryview(arr).cast("B")
 
 
 def host_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
@@ -113,8 +114,8 @@ def run_read_plan(storage: Storage, plan: ReadPlan, targets: list[torch.Tensor],
             t = targets[c.target]
             if isinstance(c, StridedCopy):
                 src = torch.as_strided(_typed(buf, c.buf_offset, t.dtype, isz[c.target]), c.lengths, c.src_strides)
-                dst = t[tuple(slice(o, o + n) for o, n in zip(c.dst_offsets, c.lengths, strict=True))] if t.dim() else t
-                dst.copy_(src)
+                box = tuple(slice(o, o + n) for o, n in zip(c.dst_offsets, c.lengths, strict=True))
+                (t[box] if t.dim() else t).copy_(src)
             else:
                 _segments(buf, c, t, isz[c.target])
 

@@ -364,12 +364,13 @@ def _plan_pair(frags: list[_Frag], ti: int, req: LoadRequest, s: ShardEntry, sha
         sl = slice(i, j + 1)
         fstart = s.offset + span_start * isz
         fend = s.offset + int(s_off[j] + lens[j]) * isz
-        ranges = _merge_ranges([(s.offset + int(a) * isz, int(n) * isz) for a, n in zip(s_off[sl], lens[sl], strict=True)])
+        ranges = _merge_ranges([(s.offset + int(a) * isz, int(n) * isz)
+                                for a, n in zip(s_off[sl], lens[sl], strict=True)])
         if direct_ok and j == i:
             frags.append(_Frag(s.file, fstart, fend, ranges, None, (ti, int(d_off[i]) * isz)))
         else:
-            frags.append(_Frag(s.file, fstart, fend, ranges,
-                               SegmentCopy(ti, (s_off[sl] - span_start) * isz, d_off[sl].copy(), lens[sl].copy()), None))
+            seg = SegmentCopy(ti, (s_off[sl] - span_start) * isz, d_off[sl].copy(), lens[sl].copy())
+            frags.append(_Frag(s.file, fstart, fend, ranges, seg, None))
         i = j + 1
     return total
 

@@ -128,8 +128,8 @@ def _save(comm: Comm, storage: Storage, state: dict[str, Any], step: int | None,
                     if a.file is None:
                         continue
                     manifest.files[a.file] = r["ok"]["size"]
-                    for e, crc in zip(a.entries, r["ok"]["sums"], strict=True):
-                        manifest.tensors[e.key].shards[e.shard].checksum = crc
+                    for ent, crc in zip(a.entries, r["ok"]["sums"], strict=True):
+                        manifest.tensors[ent.key].shards[ent.shard].checksum = crc
                 for obj in manifest.objects.values():
                     if obj.data is not None:
                         obj.checksum = zlib.crc32(obj.data)

@@ -94,9 +94,8 @@ def dtensor_region(dt: Any, key: str) -> Box:
 
 
 def _tensor_item(key: str, v: Any) -> TensorItem:
-    if isinstance(v, Shard):
-        local, gshape, region = v.local, v.global_shape, v.region
-    elif isinstance(v, FlatShard):
+    region: Region
+    if isinstance(v, Shard | FlatShard):
         local, gshape, region = v.local, v.global_shape, v.region
     elif _is_dtensor(v):
         local = v.to_local()

@@ -63,15 +63,16 @@ def parse_header(head: bytes, file_size: int, *, path: str) -> dict[str, HeaderE
         raise IntegrityError(f"{path}: header truncated")
     try:
         obj = json.loads(head[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise IntegrityError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise IntegrityError(f"{path}: safetensors header is not valid JSON ({err})") from None
     if not isinstance(obj, dict):
         raise IntegrityError(f"{path}: safetensors header is not a JSON object")
     base = 8 + n
     out: dict[str, HeaderEntry] = {}
-    for name, e in obj.items():
+    for name, ent in obj.items():
         if name == "__metadata__":
             continue
+        e: Any = ent
         if not (isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
                 and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e["data_offsets"])

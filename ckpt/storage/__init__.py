@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ckpt.storage.base import Storage, Writer
 
-__all__ = ["Storage", "Writer", "get_storage", "join_url"]
+__all__ = ["Storage", "Writer", "get_storage", "join_url", "read_ranges"]
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
 
@@ -17,7 +18,11 @@ def join_url(url: str, name: str) -> str:
 
 
 def get_storage(url: str, **storage_options: Any) -> Storage:
-    """Return the backend for ``url``: a local path / ``file://`` or any fsspec URL.
+    """Return the backend for ``url``: a local path / ``file://``, ``s3://bucket/prefix``, or any fsspec URL.
+
+    ``storage_options`` go to the backend (for S3 see :mod:`ckpt.storage.s3`; for other fsspec
+    URLs, to the fsspec filesystem). Backends may expose ``coalesce_gap`` (bytes of unneeded data
+    worth reading to merge two ranges; 0 on S3) and ``read_ranges(path, [(offset, length), ...])``.
 
     Raises ImportError with an install hint when the backend's extra is missing.
     """
@@ -26,6 +31,10 @@ def get_storage(url: str, **storage_options: Any) -> Storage:
 
         return LocalStorage(url[len("file://"):] if url.startswith("file://") else url)
     protocol = url.split("://", 1)[0]
+    if protocol in ("s3", "s3a"):
+        from ckpt.storage.s3 import S3Storage  # imports s3fs itself, raising ImportError with the hint
+
+        return S3Storage(url, **storage_options)
     try:
         from ckpt.storage.fsspec_backend import FsspecStorage
 
@@ -33,3 +42,17 @@ def get_storage(url: str, **storage_options: Any) -> Storage:
     except ImportError as e:
         extra = _EXTRAS.get(protocol, protocol)
         raise ImportError(f"{protocol}:// needs an extra package: pip install 'ckpt[{extra}]' ({e})") from e
+
+
+def read_ranges(storage: Storage, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    """Bytes of each ``(offset, length)`` range of ``path``: the backend's parallel ``read_ranges``
+    when it has one (S3, fsspec), else one ``read_into`` per range. StorageError if any is short."""
+    fn = getattr(storage, "read_ranges", None)
+    if fn is not None:
+        return list(fn(path, ranges))
+    out: list[bytes] = []
+    for offset, length in ranges:
+        buf = bytearray(length)
+        storage.read_into(path, offset, memoryview(buf))
+        out.append(bytes(buf))
+    return out

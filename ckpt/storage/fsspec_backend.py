@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from typing import Any
 
 from ckpt.errors import StorageError
@@ -12,6 +13,7 @@ class FsspecWriter:
     """Buffers into an fsspec file opened for writing; the object appears at ``close``."""
 
     def __init__(self, fs: Any, full: str):
+        self.fs = fs
         self.full = full
         self.size = 0
         try:
@@ -34,14 +36,22 @@ class FsspecWriter:
         return self.size
 
     def abort(self) -> None:
+        # Drop the pending upload where the file supports it, then remove whatever is visible
+        # under the name (memory:// files exist from open on; like the local backend's unlink).
         try:
             self.f.discard() if hasattr(self.f, "discard") else self.f.close()
+        except Exception:
+            pass
+        try:
+            self.fs.rm_file(self.full)
         except Exception:
             pass
 
 
 class FsspecStorage:
     """A checkpoint prefix on an fsspec filesystem."""
+
+    coalesce_gap = 4096  # bytes of unneeded data worth reading to merge two ranges into one request
 
     def __init__(self, url: str, **storage_options: Any):
         import fsspec
@@ -67,6 +77,27 @@ class FsspecStorage:
         if len(data) != len(mv):
             raise StorageError(f"{self.url}/{path}: file ends before byte {offset + len(mv)}; it is truncated")
         mv[:] = data
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Bytes of each ``(offset, length)`` range, through fsspec's (possibly concurrent) ``cat_ranges``."""
+        if not ranges:
+            return []
+        full = self._full(path)
+        try:
+            got = self.fs.cat_ranges([full] * len(ranges), [o for o, _ in ranges], [o + n for o, n in ranges],
+                                     on_error="return")
+        except Exception as e:
+            raise StorageError(f"{self.url}/{path}: ranged reads failed ({e})") from e
+        out: list[bytes] = []
+        for (offset, length), data in zip(ranges, got, strict=True):
+            if isinstance(data, FileNotFoundError):
+                raise StorageError(f"{self.url}/{path}: file is missing; the checkpoint is incomplete") from data
+            if isinstance(data, BaseException):
+                raise StorageError(f"{self.url}/{path}: ranged read at {offset} failed ({data})") from data
+            if len(data) != length:
+                raise StorageError(f"{self.url}/{path}: file ends before byte {offset + length}; it is truncated")
+            out.append(bytes(data))
+        return out
 
     def read_file(self, path: str) -> bytes:
         try:

@@ -1,0 +1,1 @@
+"""Benchmarks for ckpt; run them with ``python -m bench <subcommand>``."""

@@ -1,0 +1,349 @@
+"""S3 backend over s3fs/aiobotocore: multipart uploads, ranged GETs, our own bounded retries.
+
+Chosen by :func:`ckpt.storage.get_storage` for ``s3://bucket/prefix`` (and ``s3a://``). Every
+request goes through :class:`ckpt.storage.retry.RetryPolicy`; the retries of s3fs and botocore
+are turned off so that one policy, with one budget, decides.
+
+Storage options (all optional; the rest go to ``s3fs.S3FileSystem``, e.g. ``key``, ``secret``,
+``token``, ``anon``, ``client_kwargs``, ``config_kwargs``, ``s3_additional_kwargs``):
+
+- ``endpoint_url``: defaults to ``$AWS_ENDPOINT_URL_S3`` or ``$AWS_ENDPOINT_URL``;
+- ``region``: defaults to ``$AWS_REGION`` when ``$AWS_DEFAULT_REGION`` is not set;
+- ``retries`` (tries per request, default 5), ``retry_base_delay`` (s, default 0.1),
+  ``retry_max_delay`` (s, default 10);
+- ``part_size`` (bytes per multipart part, default 16 MiB, at least 5 MiB; it doubles every
+  1000 parts so that any object fits S3's 10000-part limit);
+- ``upload_workers`` (parts in flight per file, default 4), ``read_workers`` (parallel ranged
+  GETs in :meth:`S3Storage.read_ranges`, default 8);
+- ``connect_timeout`` / ``read_timeout`` (s, per request, default 5 / 30).
+
+Credentials come from the options or botocore's usual chain (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, profiles, instance roles).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+from ckpt.errors import StorageError
+from ckpt.storage.retry import RetryPolicy, describe, http_error, is_not_found
+
+T = TypeVar("T")
+
+MiB = 1024 * 1024
+MIN_PART = 5 * MiB
+MAX_PART = 5 * 1024 * MiB
+DEFAULT_PART = 16 * MiB
+MAX_PARTS = 10_000
+INSTALL_HINT = "s3:// URLs need s3fs: pip install 'ckpt[s3]'"
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix/`` -> ``("bucket", "some/prefix")``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("s3", "s3a"):
+        raise StorageError(f"{url}: not an s3:// URL")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise StorageError(f"{url}: no bucket in the URL; use s3://bucket/prefix")
+    return bucket, prefix.strip("/")
+
+
+class S3Writer:
+    """Uploads one object: a single PUT when it fits in one part, else a multipart upload.
+
+    Parts go up in a small thread pool while the caller keeps writing; at most
+    ``upload_workers + 1`` parts are buffered or in flight, so memory stays bounded.
+    ``close`` completes the upload (the object appears atomically); ``abort`` aborts it.
+    """
+
+    def __init__(self, storage: S3Storage, key: str):
+        self.s = storage
+        self.key = key
+        self.what = storage.what(key)
+        self.size = 0
+        self.buf = bytearray()
+        self.upload_id: str | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.futures: list[Future[dict[str, Any]]] = []
+        self.nparts = 0
+        self.done = False
+
+    def _threshold(self) -> int:
+        return min(MAX_PART, self.s.part_size * 2 ** (self.nparts // 1000))
+
+    def write(self, data: memoryview | bytes) -> None:
+        if self.done:
+            raise StorageError(f"{self.what}: write after close or abort")
+        self._raise_failed()
+        mv = memoryview(data).cast("B")
+        self.size += len(mv)
+        while len(mv):
+            room = self._threshold() - len(self.buf)
+            self.buf += mv[:room]
+            mv = mv[room:]
+            if len(self.buf) >= self._threshold():
+                part, self.buf = self.buf, bytearray()
+                self._ship(part)
+
+    def _raise_failed(self) -> None:
+        for f in self.futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+
+    def _ship(self, part: bytearray) -> None:
+        if self.nparts >= MAX_PARTS:
+            raise StorageError(f"{self.what}: more than {MAX_PARTS} parts; raise part_size")
+        if self.upload_id is None:
+            out = self.s.request(self.key, "create multipart upload", "create_multipart_upload",
+                                 Bucket=self.s.bucket, Key=self.key)
+            self.upload_id = str(out["UploadId"])
+            self.pool = ThreadPoolExecutor(max_workers=self.s.upload_workers, thread_name_prefix="ckpt-s3-up")
+        assert self.pool is not None
+        while sum(not f.done() for f in self.futures) > self.s.upload_workers:
+            wait([f for f in self.futures if not f.done()], return_when=FIRST_COMPLETED)
+        self._raise_failed()
+        self.nparts += 1
+        self.futures.append(self.pool.submit(self._upload_part, self.nparts, part))
+
+    def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
+        out = self.s.request(self.key, f"upload of part {number}", "upload_part", Bucket=self.s.bucket,
+                             Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def close(self) -> int:
+        if self.done:
+            return self.size
+        try:
+            self._raise_failed()
+            if self.upload_id is None:
+                body, self.buf = self.buf, bytearray()
+                self.s.request(self.key, "upload", "put_object", Bucket=self.s.bucket, Key=self.key, Body=body)
+            else:
+                if self.buf:
+                    part, self.buf = self.buf, bytearray()
+                    self._ship(part)
+                parts = [f.result() for f in self.futures]
+                self._complete(parts)
+        except BaseException:
+            self.abort()
+            raise
+        self.done = True
+        self._shutdown()
+        return self.size
+
+    def _complete(self, parts: list[dict[str, Any]]) -> None:
+        tries = [0]
+
+        async def complete() -> Any:
+            tries[0] += 1
+            try:
+                return await self.s.fs._call_s3(
+                    "complete_multipart_upload", Bucket=self.s.bucket, Key=self.key, UploadId=self.upload_id,
+                    MultipartUpload={"Parts": parts})
+            except Exception as e:
+                # A retried complete whose first try did succeed (the reply was lost) finds the
+                # upload gone; the object is there with our size, so that try counts.
+                if tries[0] > 1 and is_not_found(e):
+                    head = await self.s.fs._call_s3("head_object", Bucket=self.s.bucket, Key=self.key)
+                    if int(head["ContentLength"]) == self.size:
+                        return head
+                raise
+
+        self.s.run(self.key, "complete multipart upload", complete)
+
+    def abort(self) -> None:
+        self.done = True
+        self.buf = bytearray()
+        for f in self.futures:
+            f.cancel()
+        self._shutdown()
+        if self.upload_id is not None:
+            upload_id, self.upload_id = self.upload_id, None
+            try:
+                self.s.request(self.key, "abort multipart upload", "abort_multipart_upload",
+                               not_found=lambda e: None, Bucket=self.s.bucket, Key=self.key, UploadId=upload_id)
+            except StorageError:
+                pass  # best effort: a lifecycle rule for incomplete uploads cleans what is left
+
+    def _shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+
+class S3Storage:
+    """A checkpoint prefix in an S3 bucket (AWS or any S3-compatible endpoint)."""
+
+    coalesce_gap = 0  # ranged GETs are billed by request and bytes: read only the needed bytes
+
+    def __init__(self, url: str, **storage_options: Any):
+        try:
+            import s3fs
+        except ImportError as e:
+            raise ImportError(f"{INSTALL_HINT} ({e})") from e
+        self.bucket, self.prefix = split_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        opts = dict(storage_options)
+        try:
+            self.retry = RetryPolicy.from_options(opts)
+            self.part_size = int(opts.pop("part_size", DEFAULT_PART))
+            self.upload_workers = max(1, int(opts.pop("upload_workers", 4)))
+            self.read_workers = max(1, int(opts.pop("read_workers", 8)))
+        except (TypeError, ValueError) as e:
+            raise StorageError(f"{self.url}: invalid storage option ({e})") from e
+        if not MIN_PART <= self.part_size <= MAX_PART:
+            raise StorageError(f"{self.url}: part_size={self.part_size} is outside S3's limits "
+                               f"[{MIN_PART}, {MAX_PART}] bytes")
+        client_kwargs = dict(opts.pop("client_kwargs", None) or {})
+        config_kwargs = dict(opts.pop("config_kwargs", None) or {})
+        region = opts.pop("region", None) or opts.pop("region_name", None)
+        if region is None and "region_name" not in client_kwargs and not os.environ.get("AWS_DEFAULT_REGION"):
+            region = os.environ.get("AWS_REGION") or None
+        if region:
+            client_kwargs.setdefault("region_name", region)
+        if not opts.get("endpoint_url") and "endpoint_url" not in client_kwargs:
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint:
+                opts["endpoint_url"] = endpoint
+        config_kwargs.setdefault("connect_timeout", float(opts.pop("connect_timeout", 5)))
+        config_kwargs.setdefault("read_timeout", float(opts.pop("read_timeout", 30)))
+        config_kwargs.setdefault("retries", {"total_max_attempts": 1})  # ours count, not botocore's
+        try:
+            self.fs = s3fs.S3FileSystem(client_kwargs=client_kwargs, config_kwargs=config_kwargs,
+                                        skip_instance_cache=True, **opts)
+        except Exception as e:
+            raise StorageError(f"{self.url}: cannot configure the S3 client ({e})") from e
+        self.fs.retries = 1  # s3fs's own retry loop: one try, ours wraps it
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def key(self, path: str) -> str:
+        return f"{self.prefix}/{path}" if self.prefix and path else (self.prefix or path)
+
+    def what(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def run(self, key: str, op: str, coro: Callable[[], Awaitable[T]],
+            not_found: Callable[[BaseException], T] | None = None) -> T:
+        """Run the coroutine factory ``coro`` on s3fs's loop under the retry policy."""
+        from fsspec.asyn import sync
+
+        return self.retry.call(lambda: sync(self.fs.loop, coro), what=self.what(key), op=op, not_found=not_found)
+
+    def request(self, key: str, op: str, method: str, not_found: Callable[[BaseException], Any] | None = None,
+                **kwargs: Any) -> Any:
+        """One S3 API call (``method`` of the aiobotocore client), retried."""
+        return self.run(key, op, lambda: self.fs._call_s3(method, **kwargs), not_found=not_found)
+
+    def _get(self, key: str, start: int | None = None, length: int | None = None) -> bytes:
+        head = {} if start is None else {"Range": f"bytes={start}-{start + (length or 0) - 1}"}
+        what = self.what(key)
+
+        async def get() -> bytes:
+            try:
+                resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=key, **head)
+            except Exception as e:
+                status, code = http_error(e)
+                if status == 416 or code == "InvalidRange":
+                    raise StorageError(f"{what}: file ends before byte {(start or 0) + (length or 0)} "
+                                       f"({describe(e)}); the file is truncated") from e
+                raise
+            body = resp["Body"]
+            try:
+                return bytes(await body.read())
+            finally:
+                body.close()
+
+        op = "read" if start is None else f"ranged read of {length} bytes at {start}"
+        return self.run(key, op, get)
+
+    # -- the Storage protocol ---------------------------------------------------------------------
+
+    def open_writer(self, path: str) -> S3Writer:
+        return S3Writer(self, self.key(path))
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        mv = memoryview(buf).cast("B")
+        if not len(mv):
+            return
+        data = self._get(self.key(path), offset, len(mv))
+        if len(data) != len(mv):
+            raise StorageError(f"{self.what(self.key(path))}: file ends before byte {offset + len(mv)} "
+                               f"(read {len(data)} of {len(mv)} bytes at offset {offset}); the file is truncated")
+        mv[:] = data
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Bytes of each ``(offset, length)`` range of ``path``, fetched in parallel (bounded pool)."""
+        key = self.key(path)
+
+        def one(r: tuple[int, int]) -> bytes:
+            offset, length = r
+            if length <= 0:
+                return b""
+            data = self._get(key, offset, length)
+            if len(data) != length:
+                raise StorageError(f"{self.what(key)}: file ends before byte {offset + length}; it is truncated")
+            return data
+
+        if len(ranges) <= 1:
+            return [one(r) for r in ranges]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.read_workers, thread_name_prefix="ckpt-s3-get")
+            pool = self._pool
+        return list(pool.map(one, ranges))
+
+    def read_file(self, path: str) -> bytes:
+        return self._get(self.key(path))
+
+    def size(self, path: str) -> int | None:
+        out = self.request(self.key(path), "head", "head_object", not_found=lambda e: None,
+                           Bucket=self.bucket, Key=self.key(path))
+        return None if out is None else int(out["ContentLength"])
+
+    def exists(self, path: str) -> bool:
+        return self.size(path) is not None
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self.key(prefix.strip("/"))
+        base = f"{base}/" if base else ""
+        out: list[str] = []
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base}
+            if token:
+                kw["ContinuationToken"] = token
+            page = self.request(base, "list", "list_objects_v2", **kw)
+            root = f"{self.prefix}/" if self.prefix else ""
+            out += [o["Key"][len(root):] for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return sorted(out)
+
+    def delete(self, path: str) -> None:
+        self.request(self.key(path), "delete", "delete_object", not_found=lambda e: None,
+                     Bucket=self.bucket, Key=self.key(path))
+
+    def commit(self, path: str, data: bytes) -> None:
+        # No rename on object stores: one whole-object PUT is atomic for readers.
+        try:
+            self.request(self.key(path), "commit (PUT)", "put_object", Bucket=self.bucket, Key=self.key(path),
+                         Body=bytes(data))
+        except StorageError as e:
+            raise StorageError(f"{e}; the checkpoint is not committed") from e.__cause__
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+__all__ = ["S3Storage", "S3Writer", "split_url", "INSTALL_HINT"]
