@@ -11,6 +11,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -97,26 +98,37 @@ class DDResult:
 _DD_LINE = re.compile(r"^(\d+) bytes .*copied, ([0-9.,eE+-]+) s", re.MULTILINE)
 
 
-def run_dd(path: str, *, bs_mib: int = 16, count: int = 128) -> DDResult:
-    """Write ``count`` blocks of ``bs_mib`` MiB of zeros to ``path`` with conv=fdatasync; the file is removed.
+def _dd(args: list[str], nbytes: int) -> DDResult:
+    cmd = ["dd", *args]
+    env = dict(os.environ, LC_ALL="C")  # dd's summary line in a parseable locale
+    wall, proc = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, env=env))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    m = _DD_LINE.search(proc.stderr)
+    if m is None:
+        return DDResult(wall, wall, nbytes)
+    return DDResult(float(m.group(2).replace(",", ".")), wall, int(m.group(1)))
+
+
+def run_dd(path: str, *, bs_mib: int = 16, count: int = 128, keep: bool = False) -> DDResult:
+    """Write ``count`` blocks of ``bs_mib`` MiB of zeros to ``path`` with conv=fdatasync.
 
     This is the physical reference for sequential durable writes on the disk holding ``path``.
+    The file is removed unless ``keep`` (e.g. to time reading it back with ``run_dd_read``).
     Raises RuntimeError when dd fails.
     """
     remove(path)
-    cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={bs_mib}M", f"count={count}", "conv=fdatasync"]
-    env = dict(os.environ, LC_ALL="C")  # dd's summary line in a parseable locale
-    wall, proc = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, env=env))
     try:
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
-        m = _DD_LINE.search(proc.stderr)
-        nbytes = bs_mib * MiB * count
-        if m is None:
-            return DDResult(wall, wall, nbytes)
-        return DDResult(float(m.group(2).replace(",", ".")), wall, int(m.group(1)))
+        return _dd(["if=/dev/zero", f"of={path}", f"bs={bs_mib}M", f"count={count}", "conv=fdatasync"],
+                   bs_mib * MiB * count)
     finally:
-        remove(path)
+        if not keep:
+            remove(path)
+
+
+def run_dd_read(path: str, *, bs_mib: int = 16) -> DDResult:
+    """Read ``path`` sequentially to /dev/null with dd (cold if the page cache was dropped first)."""
+    return _dd([f"if={path}", "of=/dev/null", f"bs={bs_mib}M"], os.path.getsize(path))
 
 
 def dir_bytes(path: str) -> int:
@@ -176,12 +188,12 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
         for r in rows:
             print("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)))
         return
-    table = Table(title=title)
+    table = Table(title=title)  # piped output: wide enough that cells do not wrap
     for i, c in enumerate(columns):
         table.add_column(c, justify="left" if i == 0 else "right")
     for r in rows:
         table.add_row(*(str(v) for v in r))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

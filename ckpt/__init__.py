@@ -8,6 +8,7 @@ Four verbs::
     ckpt.verify(url, deep=True)    # structure, coverage, checksums
 """
 
+from ckpt.async_save import SaveHandle, async_save
 from ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -21,6 +22,7 @@ from ckpt.errors import (
     StorageError,
 )
 from ckpt.load import load
+from ckpt.manager import CheckpointManager
 from ckpt.manifest import Manifest
 from ckpt.save import save
 from ckpt.shards import FlatShard, PerRank, Shard
@@ -32,5 +34,5 @@ __all__ = [
     "CheckpointError", "CheckpointExistsError", "CollectiveError", "FormatVersionError", "IntegrityError",
     "LayoutError", "ManifestError", "MismatchError", "StateError", "StorageError",
     "Shard", "FlatShard", "PerRank", "Manifest", "VerifyReport", "Problem",
-    "save", "load", "inspect", "verify",
+    "save", "load", "inspect", "verify", "async_save", "SaveHandle", "CheckpointManager",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -37,7 +38,8 @@ def host_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
 
 
 def write_assignment(storage: Storage, a: WriteAssignment, sources: list[torch.Tensor],
-                     pool: ThreadPoolExecutor | None = None) -> tuple[int, list[int]]:
+                     pool: ThreadPoolExecutor | None = None,
+                     wait_piece: Callable[[int], None] | None = None) -> tuple[int, list[int]]:
     """Write one rank's data file: header, then each piece's bytes, hashing as they go.
 
     Writes and CRC32 run concurrently (both release the GIL): while the writer thread writes a
@@ -53,6 +55,8 @@ def write_assignment(storage: Storage, a: WriteAssignment, sources: list[torch.T
         w.write(a.header)
         pending: Future[Any] | None = None
         for e in a.entries:
+            if wait_piece is not None:
+                wait_piece(e.piece)
             mv, owner = host_bytes(sources[e.piece])
             if len(mv) != e.length:
                 raise StorageError(f"{a.file}: piece {e.key!r} has {len(mv)} bytes, plan says {e.length}")

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import uuid
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ckpt.comm import Comm, error_payload, raise_payload
-from ckpt.errors import CheckpointError, CheckpointExistsError, StateError
+from ckpt.errors import CheckpointError, CheckpointExistsError
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest, encode_object
 from ckpt.io import write_assignment
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
-from ckpt.planner import PieceDecl, RankDecl, WriteAssignment, plan_save
+from ckpt.planner import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
 from ckpt.state import ObjectItem, TensorItem, flatten_state
 from ckpt.storage import Storage, get_storage
 
@@ -58,27 +62,44 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
     comm = Comm(group)
     storage = get_storage(url, **(storage_options or {}))
     try:
-        return _save(comm, storage, state, step, user_metadata, overwrite, layout)
+        prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
+                       layout=layout)
+        result = persist(storage, prep, prep.sources, comm.who)
+        return commit(comm, storage, prep, result)
     finally:
         storage.close()
 
 
-def _save(comm: Comm, storage: Storage, state: dict[str, Any], step: int | None,
-          user_metadata: dict[str, Any] | None, overwrite: bool, layout: dict[str, Any] | None) -> Manifest:
-    # 1. local plan
-    tensors: list[Any] = []
+@dataclass(slots=True)
+class Prepared:
+    """The outcome of the collective planning phase on one rank."""
+
+    assignment: WriteAssignment
+    sources: list[torch.Tensor]  # this rank's pieces, indexed like its declaration
+    plan: SavePlan | None  # the global plan (coordinator only)
+    previous: Manifest | None  # the checkpoint being overwritten (coordinator only)
+
+
+def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | None = None,
+            user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
+            layout: dict[str, Any] | None = None) -> Prepared:
+    """Phases 1-2 (collective): local declarations, global plan on the coordinator, assignments out.
+
+    Raises the same error on every rank when any rank's state is bad or the plan is invalid.
+    """
+    sources: list[torch.Tensor] = []
     try:
         decl, items = build_decl(state, comm.rank)
-        tensors = [t.local for t in items]
+        sources = [t.local for t in items]
         payload: dict[str, Any] = {"ok": decl.to_wire()}
     except CheckpointError as e:
         payload = error_payload(e, comm.who)
-    # 2. global plan on the coordinator, each rank receives only its own assignment
     gathered = comm.gather(payload)
     previous: Manifest | None = None
+    plan: SavePlan | None = None
+    replies: list[Any] = []
     if comm.rank == 0:
         assert gathered is not None
-        replies: list[Any]
         errs = [g for g in gathered if "err" in g]
         if errs:
             replies = [errs[0]] * comm.world
@@ -96,35 +117,44 @@ def _save(comm: Comm, storage: Storage, state: dict[str, Any], step: int | None,
                 replies = [{"ok": a.to_wire()} for a in plan.assignments]
             except CheckpointError as e:  # a global-plan error names its tensor/ranks itself
                 replies = [error_payload(e, None)] * comm.world
-    else:
-        replies = []
     mine = comm.scatter(replies if comm.rank == 0 else None)
     if "err" in mine:
         raise_payload(mine)
-    assignment = WriteAssignment.from_wire(mine["ok"])
-    # 3. write this rank's file
+    return Prepared(WriteAssignment.from_wire(mine["ok"]), sources, plan, previous)
+
+
+def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: int | None,
+            wait_piece: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Phase 3 (local): write this rank's data file from ``sources``; returns a result payload, never raises."""
+    a = prep.assignment
     try:
-        if assignment.file is not None:
-            size, sums = write_assignment(storage, assignment, tensors)
-            result: dict[str, Any] = {"ok": {"file": assignment.file, "size": size, "sums": sums}}
-        else:
-            result = {"ok": {"file": None}}
+        if a.file is None:
+            return {"ok": {"file": None}}
+        size, sums = write_assignment(storage, a, sources, wait_piece=wait_piece)
+        return {"ok": {"file": a.file, "size": size, "sums": sums}}
     except (CheckpointError, OSError) as e:
-        result = error_payload(e, comm.who)
-    # 4. commit: the coordinator writes the manifest only when every rank persisted its file
+        return error_payload(e, who)
+
+
+def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any]) -> Manifest:
+    """Phase 4 (collective): the coordinator writes the manifest only when every rank persisted its file.
+
+    Raises the first rank's error on every rank otherwise; the files this save wrote are removed.
+    """
     results = comm.gather(result)
-    status: dict[str, Any]
+    status: dict[str, Any] = {}
     manifest_bytes = b""
     if comm.rank == 0:
-        assert results is not None
+        assert results is not None and prep.plan is not None
+        written = [r["ok"]["file"] for r in results if "ok" in r and r["ok"]["file"]]
         errs = [r for r in results if "err" in r]
         if errs:
             status = errs[0]
-            _cleanup_files(storage, [r["ok"]["file"] for r in results if "ok" in r and r["ok"]["file"]])
+            _cleanup_files(storage, written)
         else:
             try:
-                manifest = plan.manifest
-                for r, a in zip(results, plan.assignments, strict=True):
+                manifest = prep.plan.manifest
+                for r, a in zip(results, prep.plan.assignments, strict=True):
                     if a.file is None:
                         continue
                     manifest.files[a.file] = r["ok"]["size"]
@@ -138,13 +168,11 @@ def _save(comm: Comm, storage: Storage, state: dict[str, Any], step: int | None,
                     storage.sync_dir(DATA_DIR)  # data file names durable before the commit
                 storage.commit(MANIFEST_NAME, manifest_bytes)
                 status = {"ok": True}
-                if previous is not None:  # overwrite: drop files only the old checkpoint used
-                    _cleanup_files(storage, [f for f in previous.files if f not in manifest.files])
+                if prep.previous is not None:  # overwrite: drop files only the old checkpoint used
+                    _cleanup_files(storage, [f for f in prep.previous.files if f not in manifest.files])
             except CheckpointError as e:
                 status = error_payload(e, comm.who)
-                _cleanup_files(storage, [r["ok"]["file"] for r in results if r["ok"]["file"]])
-    else:
-        status = {}
+                _cleanup_files(storage, written)
     status = comm.broadcast(status)
     if "err" in status:
         raise_payload(status)
@@ -158,6 +186,3 @@ def _cleanup_files(storage: Storage, files: list[str]) -> None:
             storage.delete(f)
         except CheckpointError:
             pass  # best effort: gc removes leftovers; never mask the original error
-
-
-__all__ = ["save", "read_manifest", "build_decl", "StateError"]

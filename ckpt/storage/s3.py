@@ -142,14 +142,14 @@ class S3Writer:
         async def complete() -> Any:
             tries[0] += 1
             try:
-                return await self.s.fs._call_s3(
+                return await self.s.call(
                     "complete_multipart_upload", Bucket=self.s.bucket, Key=self.key, UploadId=self.upload_id,
                     MultipartUpload={"Parts": parts})
             except Exception as e:
                 # A retried complete whose first try did succeed (the reply was lost) finds the
                 # upload gone; the object is there with our size, so that try counts.
                 if tries[0] > 1 and is_not_found(e):
-                    head = await self.s.fs._call_s3("head_object", Bucket=self.s.bucket, Key=self.key)
+                    head = await self.s.call("head_object", Bucket=self.s.bucket, Key=self.key)
                     if int(head["ContentLength"]) == self.size:
                         return head
                 raise
@@ -214,11 +214,14 @@ class S3Storage:
         config_kwargs.setdefault("read_timeout", float(opts.pop("read_timeout", 30)))
         config_kwargs.setdefault("retries", {"total_max_attempts": 1})  # ours count, not botocore's
         try:
-            self.fs = s3fs.S3FileSystem(client_kwargs=client_kwargs, config_kwargs=config_kwargs,
-                                        skip_instance_cache=True, **opts)
+            # fsspec caches the instance per option set (and per process): its client and connection
+            # pool are reused by the next save/load with the same options.
+            self.fs = s3fs.S3FileSystem(client_kwargs=client_kwargs, config_kwargs=config_kwargs, **opts)
         except Exception as e:
             raise StorageError(f"{self.url}: cannot configure the S3 client ({e})") from e
-        self.fs.retries = 1  # s3fs's own retry loop: one try, ours wraps it
+        # s3fs's own retry loop: one try, ours wraps it. The instance is ours alone in practice: its
+        # cache key includes config_kwargs["retries"], which no plain s3fs user sets this way.
+        self.fs.retries = 1
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -230,6 +233,15 @@ class S3Storage:
     def what(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
+    async def call(self, method: str, **kwargs: Any) -> Any:
+        """One try of one S3 API call on s3fs's client, without s3fs's retry loop (which sleeps
+        even on its last try and turns botocore's errors into OSErrors); runs on s3fs's loop."""
+        await self.fs.set_session()
+        client = await self.fs.get_s3(kwargs.get("Bucket"))
+        fn = getattr(client, method)
+        helper = getattr(self.fs, "_get_s3_method_kwargs", None)  # s3_additional_kwargs, requester pays
+        return await fn(**(helper(fn, **kwargs) if helper is not None else kwargs))
+
     def run(self, key: str, op: str, coro: Callable[[], Awaitable[T]],
             not_found: Callable[[BaseException], T] | None = None) -> T:
         """Run the coroutine factory ``coro`` on s3fs's loop under the retry policy."""
@@ -240,7 +252,7 @@ class S3Storage:
     def request(self, key: str, op: str, method: str, not_found: Callable[[BaseException], Any] | None = None,
                 **kwargs: Any) -> Any:
         """One S3 API call (``method`` of the aiobotocore client), retried."""
-        return self.run(key, op, lambda: self.fs._call_s3(method, **kwargs), not_found=not_found)
+        return self.run(key, op, lambda: self.call(method, **kwargs), not_found=not_found)
 
     def _get(self, key: str, start: int | None = None, length: int | None = None) -> bytes:
         head = {} if start is None else {"Range": f"bytes={start}-{start + (length or 0) - 1}"}
@@ -248,7 +260,7 @@ class S3Storage:
 
         async def get() -> bytes:
             try:
-                resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=key, **head)
+                resp = await self.call("get_object", Bucket=self.bucket, Key=key, **head)
             except Exception as e:
                 status, code = http_error(e)
                 if status == 416 or code == "InvalidRange":

@@ -1,0 +1,249 @@
+"""Asynchronous save: plan on the caller's thread, stage into a reused host pool, persist and commit
+in a background thread over a dedicated gloo group.
+
+Call order for the training loop::
+
+    h = ckpt.async_save(state, url)   # returns after the (small) planning exchange
+    ...forward/backward...            # may run while staging copies out
+    h.staged()                        # before optimizer.step(): the state may change after this
+    ...
+    h.done()                          # optional: block until committed; raises the save's error
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckpt.comm import Comm
+from ckpt.errors import CheckpointError
+from ckpt.manifest import Manifest
+from ckpt.save import Prepared, commit, persist, prepare
+from ckpt.storage import get_storage
+
+_COMMIT_GROUPS: dict[Any, Any] = {}
+
+
+def _commit_comm(comm: Comm) -> Comm:
+    """A Comm over a separate gloo group, so the background commit never shares a group with the
+    training thread's collectives (and never uses NCCL off the main thread). Created once, collectively."""
+    if not comm.enabled or comm.world == 1:
+        return comm
+    import torch.distributed as dist
+
+    key = id(comm.group)
+    if key not in _COMMIT_GROUPS:
+        ranks = dist.get_process_group_ranks(comm.group)
+        _COMMIT_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return Comm(_COMMIT_GROUPS[key])
+
+
+class StagingPool:
+    """Host buffers for one rank's pieces, allocated on the first save and reused while the
+    structure (sizes, dtypes, devices) stays the same. Pinned when sources live on a GPU."""
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.allocations = 0  # how many times buffers were (re)allocated: tests check steady state
+
+    def buffers_for(self, pieces: list[int], sources: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        key = tuple((i, tuple(sources[i].shape), sources[i].dtype, sources[i].device.type) for i in pieces)
+        if key != self.key:
+            self.buffers = {}  # drop the old pool before allocating the new one
+            for i in pieces:
+                src = sources[i]
+                pin = src.device.type == "cuda"
+                self.buffers[i] = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            self.key = key
+            self.allocations += 1
+        return self.buffers
+
+
+class SaveHandle:
+    """A save in flight. ``staged()`` before changing the state; ``done()`` for the manifest."""
+
+    def __init__(self, url: str, step: int | None, skipped: bool = False):
+        self.url = url
+        self.step = step
+        self.skipped = skipped
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._piece_ready: dict[int, threading.Event] = {}
+        self._cuda_event: Any = None
+        self.manifest: Manifest | None = None
+        self.error: BaseException | None = None
+        self._stage_error: BaseException | None = None
+        self._error_seen = False
+        if skipped:
+            self._staged.set()
+            self._done.set()
+
+    def staged(self, timeout: float | None = None) -> None:
+        """Block until every piece is copied out of the caller's tensors (call before optimizer.step())."""
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"{self.url}: staging did not finish within {timeout} s")
+
+    def done(self, timeout: float | None = None) -> Manifest | None:
+        """Block until the checkpoint is committed; return its manifest (None if skipped).
+
+        Raises the save's error (CheckpointError subclass) if it failed.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.url}: save did not finish within {timeout} s")
+        if self.error is not None:
+            self._error_seen = True
+            raise self.error
+        return self.manifest
+
+    @property
+    def is_done(self) -> bool:
+        return self._done.is_set()
+
+
+class AsyncSaver:
+    """Runs one async save at a time for one process group; reuses its staging pool across saves."""
+
+    def __init__(self, group: Any = None):
+        self.group = group
+        self.pool = StagingPool()
+        self.inflight: SaveHandle | None = None
+        self._thread: threading.Thread | None = None
+        self._stream: Any = None
+        _SAVERS.add(self)
+
+    def save(self, state: dict[str, Any], url: str, *, step: int | None = None,
+             user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
+             layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
+             policy: str = "wait", on_commit: Callable[[Manifest], None] | None = None) -> SaveHandle:
+        """Start saving ``state`` to ``url``; see :func:`async_save`."""
+        if policy not in ("wait", "skip"):
+            raise ValueError(f"policy must be 'wait' or 'skip', got {policy!r}")
+        prev = self.inflight
+        comm = Comm(self.group)
+        if prev is not None:
+            busy = not prev.is_done
+            if comm.enabled and comm.world > 1 and policy == "skip":
+                busy = bool(comm.broadcast(busy))  # ranks must skip together: the coordinator decides
+            if busy and policy == "skip":
+                return SaveHandle(url, step, skipped=True)
+            self.wait()
+            if prev.error is not None and not prev._error_seen:
+                prev._error_seen = True
+                raise CheckpointError(f"the previous async save to {prev.url} failed: {prev.error}") from prev.error
+        storage = get_storage(url, **(storage_options or {}))
+        commit_comm = _commit_comm(comm)
+        prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
+                       layout=layout)
+        handle = SaveHandle(url, step)
+        pieces = [e.piece for e in prep.assignment.entries]
+        buffers = self.pool.buffers_for(pieces, prep.sources)
+        handle._piece_ready = {i: threading.Event() for i in pieces}
+        cuda_pieces = [i for i in pieces if prep.sources[i].device.type == "cuda"]
+        if cuda_pieces:
+            self._launch_cuda_copies(prep, buffers, cuda_pieces, handle)
+        self.inflight = handle
+        self._thread = threading.Thread(target=self._run, name="ckpt-async-save", daemon=True,
+                                        args=(handle, prep, buffers, storage, comm, commit_comm, on_commit))
+        self._thread.start()
+        return handle
+
+    def _launch_cuda_copies(self, prep: Prepared, buffers: dict[int, torch.Tensor], pieces: list[int],
+                            handle: SaveHandle) -> None:
+        # Device-to-host copies on a side stream: the next forward/backward overlaps them.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        cur = torch.cuda.current_stream()
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            for i in pieces:
+                src = prep.sources[i]
+                buffers[i].copy_(src.detach(), non_blocking=True)
+                src.record_stream(self._stream)
+        ev = torch.cuda.Event()
+        ev.record(self._stream)
+        handle._cuda_event = ev
+
+    def _run(self, handle: SaveHandle, prep: Prepared, buffers: dict[int, torch.Tensor], storage: Any,
+             comm: Comm, commit_comm: Comm, on_commit: Callable[[Manifest], None] | None) -> None:
+        try:
+            if handle._cuda_event is not None:
+                handle._cuda_event.synchronize()
+            stager = threading.Thread(target=self._stage_cpu, args=(prep, buffers, handle), name="ckpt-stage",
+                                      daemon=True)
+            stager.start()
+
+            def wait_piece(i: int) -> None:  # the writer follows the stager piece by piece
+                handle._piece_ready[i].wait()
+                if handle._stage_error is not None:
+                    raise CheckpointError(f"staging for {handle.url} failed: {handle._stage_error}")
+
+            sources = [buffers.get(i, s) for i, s in enumerate(prep.sources)]
+            result = persist(storage, prep, sources, comm.who, wait_piece=wait_piece)
+            stager.join()
+            handle.manifest = commit(commit_comm, storage, prep, result)
+            if on_commit is not None and commit_comm.rank == 0:
+                on_commit(handle.manifest)
+        except BaseException as e:  # noqa: BLE001 - surfaced on the handle and on the next save
+            handle.error = e
+        finally:
+            handle._staged.set()
+            handle._done.set()
+            storage.close()
+
+    def _stage_cpu(self, prep: Prepared, buffers: dict[int, torch.Tensor], handle: SaveHandle) -> None:
+        try:
+            for e in prep.assignment.entries:
+                i = e.piece
+                src = prep.sources[i]
+                if src.device.type != "cuda":  # CUDA pieces were copied on the side stream
+                    buffers[i].copy_(src.detach())
+                handle._piece_ready[i].set()
+        except BaseException as e:  # noqa: BLE001 - the writer raises it as a CheckpointError
+            handle._stage_error = e
+            for ev in handle._piece_ready.values():
+                ev.set()
+        finally:
+            handle._staged.set()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has finished."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+_SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+_DEFAULT: dict[Any, AsyncSaver] = {}
+
+
+@atexit.register
+def _drain() -> None:
+    # Clean shutdown: never leave a half-written save behind when the interpreter exits normally.
+    for s in list(_SAVERS):
+        s.wait()
+
+
+def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None = None,
+               user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
+               layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
+               policy: str = "wait") -> SaveHandle:
+    """Save ``state`` to ``url`` in the background; returns a :class:`SaveHandle` quickly.
+
+    Collective over ``group`` (the planning exchange runs on the calling thread). One save is in
+    flight per group: ``policy="wait"`` waits for the previous one, ``"skip"`` returns a skipped
+    handle while one is running. An error of the previous save is raised by the next call if
+    ``done()`` did not already raise it. Staging buffers are reused across saves of the same structure.
+    """
+    saver = _DEFAULT.get(id(group))
+    if saver is None:
+        saver = _DEFAULT[id(group)] = AsyncSaver(group)
+    return saver.save(state, url, step=step, user_metadata=user_metadata, overwrite=overwrite, layout=layout,
+                      storage_options=storage_options, policy=policy)

@@ -1,0 +1,60 @@
+"""``ckpt ls`` and ``ckpt gc``: checkpoints under a root directory."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+from rich.table import Table
+
+from ckpt.cli.common import console, handle_errors, human_bytes, parse_storage_options, print_json
+from ckpt.manager import gc, list_checkpoints
+
+StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
+
+
+def _age(mtime: float) -> str:
+    if not mtime:
+        return "-"
+    s = time.time() - mtime
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.0f}{unit}"
+    return f"{s:.0f}s"
+
+
+@handle_errors
+def ls_cmd(
+    root: str = typer.Argument(..., help="directory holding step-N checkpoints"),
+    json_out: bool = typer.Option(False, "--json", help="print as JSON"),
+    storage_option: list[str] = StorageOpt,
+) -> None:
+    """List checkpoints under ROOT: step, committed or not, size, age."""
+    infos = list_checkpoints(root, parse_storage_options(storage_option))
+    if json_out:
+        print_json([c.to_dict() for c in infos])
+        return
+    table = Table("step", "state", "size", "age", "path")
+    for c in infos:
+        state = "[green]committed[/green]" if c.committed else ("[yellow]writing[/yellow]" if c.live
+                                                               else "[red]incomplete[/red]")
+        table.add_row(str(c.step), state, human_bytes(c.bytes), _age(c.mtime), c.url)
+    console.print(table)
+
+
+@handle_errors
+def gc_cmd(
+    root: str = typer.Argument(..., help="directory holding step-N checkpoints"),
+    keep_last: int | None = typer.Option(None, "--keep-last", min=1, help="remove committed ones but the newest N"),
+    keep_every: int | None = typer.Option(None, "--keep-every", min=1, help="also keep steps divisible by N"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="only show what would be removed"),
+    storage_option: list[str] = StorageOpt,
+) -> None:
+    """Remove incomplete checkpoints (crashed saves) and, with --keep-last, old committed ones."""
+    doomed = gc(root, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run,
+                storage_options=parse_storage_options(storage_option))
+    verb = "would remove" if dry_run else "removed"
+    for c in doomed:
+        console.print(f"{verb} {c.url} ({'committed' if c.committed else 'incomplete'}, {human_bytes(c.bytes)})",
+                      highlight=False)
+    console.print(f"{verb} {len(doomed)} checkpoint(s)", highlight=False)

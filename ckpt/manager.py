@@ -1,0 +1,290 @@
+"""CheckpointManager: periodic (async) saves under one root, ``latest``, ``restore``, retention, gc.
+
+Layout: ``<root>/step-<step:010d>/`` per checkpoint. ``latest`` is found by listing and reading
+manifests, never from a pointer file that could lie. A save in progress holds a lease file
+``<dir>/.writing`` (host, pid, time) so that ``gc`` never removes a directory a live save is writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt.async_save import AsyncSaver, SaveHandle
+from ckpt.comm import Comm
+from ckpt.errors import CheckpointError
+from ckpt.formats.msgpack_codec import decode_manifest
+from ckpt.load import load
+from ckpt.manifest import MANIFEST_NAME, Manifest
+from ckpt.save import save
+from ckpt.storage import Storage, get_storage, join_url
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+LEASE = ".writing"
+LEASE_GRACE_S = 3600.0  # a lease from another host counts as live for this long
+
+
+def step_dir(step: int) -> str:
+    """Directory name of the checkpoint of ``step``."""
+    return f"step-{step:010d}"
+
+
+@dataclass(slots=True)
+class CheckpointInfo:
+    """One entry under a root: committed or not, its size and age."""
+
+    step: int
+    name: str
+    url: str
+    committed: bool
+    live: bool  # an incomplete directory that a running save still holds a lease on
+    bytes: int
+    mtime: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "name": self.name, "url": self.url, "committed": self.committed,
+                "live": self.live, "bytes": self.bytes, "mtime": self.mtime}
+
+
+def _lease_live(data: bytes) -> bool:
+    try:
+        lease = json.loads(data)
+        host, pid, t = lease["host"], int(lease["pid"]), float(lease["time"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    if host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return time.time() - t < LEASE_GRACE_S
+
+
+def list_checkpoints(root: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
+    """Every ``step-N`` directory under ``root``, oldest first, with its commit state and size."""
+    storage = get_storage(root, **(storage_options or {}))
+    try:
+        return _list(storage, root)
+    finally:
+        storage.close()
+
+
+def _list(storage: Storage, root: str) -> list[CheckpointInfo]:
+    files = storage.list("")
+    groups: dict[str, list[str]] = {}
+    for f in files:
+        top = f.split("/", 1)[0]
+        if STEP_DIR.match(top):
+            groups.setdefault(top, []).append(f)
+    out = []
+    for name, fs in groups.items():
+        m = STEP_DIR.match(name)
+        assert m is not None
+        committed = False
+        if f"{name}/{MANIFEST_NAME}" in fs:
+            try:
+                decode_manifest(storage.read_file(f"{name}/{MANIFEST_NAME}"))
+                committed = True
+            except CheckpointError:
+                committed = False  # unreadable manifest: not a checkpoint we can load
+        live = False
+        if not committed and f"{name}/{LEASE}" in fs:
+            try:
+                live = _lease_live(storage.read_file(f"{name}/{LEASE}"))
+            except CheckpointError:
+                live = False
+        sizes = [storage.size(f) or 0 for f in fs]
+        mtime = _mtime(storage, name)
+        out.append(CheckpointInfo(int(m.group(1)), name, join_url(root, name), committed, live, sum(sizes), mtime))
+    return sorted(out, key=lambda c: c.step)
+
+
+def _mtime(storage: Storage, name: str) -> float:
+    root = getattr(storage, "root", None)
+    if isinstance(root, str) and os.path.isdir(os.path.join(root, name)):
+        return os.path.getmtime(os.path.join(root, name))
+    return 0.0
+
+
+def _remove(storage: Storage, name: str) -> None:
+    root = getattr(storage, "root", None)
+    if isinstance(root, str) and os.path.isdir(os.path.join(root, name)):
+        # Remove the manifest first: if we crash half-way, what is left is an incomplete directory.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(root, name, MANIFEST_NAME))
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        return
+    files = [f for f in storage.list(name + "/")]
+    files.sort(key=lambda f: not f.endswith(MANIFEST_NAME))  # manifest first
+    for f in files:
+        storage.delete(f)
+
+
+def select_removals(infos: list[CheckpointInfo], keep_last: int | None, keep_every: int | None,
+                    protect: set[int] | None = None) -> list[CheckpointInfo]:
+    """Which entries retention/gc removes: incomplete ones that no live save holds, and committed ones
+    older than the newest ``keep_last`` (except multiples of ``keep_every``). The newest committed
+    checkpoint is never removed. Pure function."""
+    protect = protect or set()
+    committed = [c for c in infos if c.committed]
+    keep: set[int] = {c.step for c in committed[-max(keep_last or 0, 1):]} if committed else set()
+    if keep_last is None:
+        keep = {c.step for c in committed}
+    if keep_every:
+        keep |= {c.step for c in committed if c.step % keep_every == 0}
+    out = []
+    for c in infos:
+        if c.step in protect:
+            continue
+        if not c.committed:
+            if not c.live:
+                out.append(c)
+        elif c.step not in keep:
+            out.append(c)
+    return out
+
+
+def gc(root: str, *, keep_last: int | None = None, keep_every: int | None = None, dry_run: bool = False,
+       storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
+    """Remove incomplete checkpoints (no live save) and, with ``keep_last``, old committed ones.
+
+    Returns what was (or, with ``dry_run``, would be) removed.
+    """
+    storage = get_storage(root, **(storage_options or {}))
+    try:
+        doomed = select_removals(_list(storage, root), keep_last, keep_every)
+        if not dry_run:
+            for c in doomed:
+                _remove(storage, c.name)
+        return doomed
+    finally:
+        storage.close()
+
+
+class CheckpointManager:
+    """Periodic checkpoints under ``root_url`` with retention and resume.
+
+    Example::
+
+        mgr = ckpt.CheckpointManager("/ckpts/run1", keep_last=3)
+        start = mgr.restore(state) or 0
+        for step in range(start, steps):
+            ...
+            if step % 100 == 0:
+                h = mgr.save(step, state)   # async: returns quickly
+            h.staged() ... optimizer.step()
+    """
+
+    def __init__(self, root_url: str, *, keep_last: int | None = 3, keep_every: int | None = None,
+                 async_save: bool = True, group: Any = None, policy: str = "wait",
+                 storage_options: dict[str, Any] | None = None, gc_on_start: bool = True):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
+        self.root = root_url.rstrip("/")
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.group = group
+        self.policy = policy
+        self.storage_options = storage_options or {}
+        self._saver = AsyncSaver(group)
+        self._last: SaveHandle | None = None
+        self._rank = Comm(group).rank
+        if gc_on_start and self._rank == 0:
+            gc(self.root, storage_options=self.storage_options)  # incomplete leftovers of a crash
+
+    def url_for(self, step: int) -> str:
+        """Where the checkpoint of ``step`` lives."""
+        return join_url(self.root, step_dir(step))
+
+    def save(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
+             layout: dict[str, Any] | None = None) -> SaveHandle | Manifest:
+        """Save ``state`` as the checkpoint of ``step`` (collective); async unless disabled.
+
+        Returns the async handle, or the manifest for a synchronous manager. Retention runs after
+        the commit, on the coordinator.
+        """
+        url = self.url_for(step)
+        if self._rank == 0:
+            self._write_lease(step)
+        if not self.async_save:
+            m = save(state, url, group=self.group, step=step, user_metadata=user_metadata, layout=layout,
+                     storage_options=self.storage_options)
+            self._after_commit(m)
+            return m
+        self._last = self._saver.save(state, url, step=step, user_metadata=user_metadata, layout=layout,
+                                      storage_options=self.storage_options, policy=self.policy,
+                                      on_commit=self._after_commit)
+        return self._last
+
+    def _write_lease(self, step: int) -> None:
+        lease = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+        storage = get_storage(self.url_for(step), **self.storage_options)
+        try:
+            storage.commit(LEASE, lease)
+        finally:
+            storage.close()
+
+    def _after_commit(self, m: Manifest) -> None:
+        assert m.step is not None
+        storage = get_storage(self.url_for(m.step), **self.storage_options)
+        try:
+            storage.delete(LEASE)
+        finally:
+            storage.close()
+        gc(self.root, keep_last=self.keep_last, keep_every=self.keep_every, storage_options=self.storage_options)
+
+    def wait(self) -> None:
+        """Block until the save in flight has finished; raise its error if it failed."""
+        self._saver.wait()
+        if self._last is not None and self._last.error is not None and not self._last._error_seen:
+            self._last._error_seen = True
+            raise self._last.error
+
+    def list(self) -> list[CheckpointInfo]:
+        """All checkpoint directories under the root, oldest first."""
+        return list_checkpoints(self.root, self.storage_options)
+
+    def latest(self) -> str | None:
+        """URL of the newest committed checkpoint (manifest present and readable), or None."""
+        committed = [c for c in self.list() if c.committed]
+        return committed[-1].url if committed else None
+
+    def restore(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
+        """Load the newest committed checkpoint into ``state`` (collective); return its step or None.
+
+        Objects are loaded into ``state`` in place as well (the dict's values are replaced).
+        """
+        url = self.latest()
+        if url is None:
+            return None
+        out = load(state, url, group=self.group, strict=strict, storage_options=self.storage_options)
+        _update_in_place(state, out)
+        m = get_storage(url, **self.storage_options)
+        try:
+            step = decode_manifest(m.read_file(MANIFEST_NAME)).step
+        finally:
+            m.close()
+        return step
+
+    def close(self) -> None:
+        """Wait for the save in flight (clean shutdown)."""
+        self.wait()
+
+
+def _update_in_place(state: dict[str, Any], new: dict[str, Any]) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(state.get(k), dict) and state[k]:
+            _update_in_place(state[k], v)
+        else:
+            state[k] = v
