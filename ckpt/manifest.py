@@ -63,6 +63,8 @@ class ShardEntry:
             d["box"] = self.region.to_list()
         else:
             d["flat"] = self.region.to_list()
+            if self.region.box is not None:  # a flat range of this box's own flattening
+                d["box"] = self.region.box.to_list()
         if self.checksum is not None:
             d["checksum"] = self.checksum
         return d
@@ -238,6 +240,7 @@ def _tensor_from_dict(key: str, t: Any, files: dict[str, int]) -> TensorEntry:
         if not isinstance(s, dict):
             raise ManifestError(f"{swhat}: not a map")
         region: Region
+        box_region: Box | None = None
         if "box" in s:
             box = s["box"]
             if not (isinstance(box, list) and len(box) == 2):
@@ -245,12 +248,17 @@ def _tensor_from_dict(key: str, t: Any, files: dict[str, int]) -> TensorEntry:
             offs, lens = _int_list(box[0], f"{swhat} offsets"), _int_list(box[1], f"{swhat} lengths")
             if len(offs) != len(shape) or len(lens) != len(shape):
                 raise ManifestError(f"{swhat}: box rank does not match shape {list(shape)}")
-            region = Box(offs, lens)
-        elif "flat" in s:
+            if any(o + n > g for o, n, g in zip(offs, lens, shape, strict=True)):
+                raise ManifestError(f"{swhat}: box {[list(offs), list(lens)]} exceeds the shape {list(shape)}")
+            box_region = Box(offs, lens)
+        if "flat" in s:
             fl = _int_list(s["flat"], f"{swhat} flat")
-            if len(fl) != 2 or fl[1] < fl[0]:
-                raise ManifestError(f"{swhat}: flat range {list(fl)} is not [start, stop)")
-            region = Flat(fl[0], fl[1])
+            limit = box_region.numel if box_region is not None else math.prod(shape)
+            if len(fl) != 2 or fl[1] < fl[0] or fl[1] > limit:
+                raise ManifestError(f"{swhat}: flat range {list(fl)} is not [start, stop) within {limit} elements")
+            region = Flat(fl[0], fl[1], box_region)
+        elif box_region is not None:
+            region = box_region
         else:
             raise ManifestError(f"{swhat}: neither 'box' nor 'flat' given")
         file = check_relpath(_get(s, "file", str, swhat), swhat)

@@ -38,13 +38,18 @@ class PieceDecl:
     region: Region
 
     def to_wire(self) -> list[Any]:
-        kind = "b" if isinstance(self.region, Box) else "f"
-        return [self.key, self.dtype, list(self.shape), kind, self.region.to_list()]
+        if isinstance(self.region, Box):
+            return [self.key, self.dtype, list(self.shape), "b", self.region.to_list()]
+        return [self.key, self.dtype, list(self.shape), "f", self.region.to_wire()]
 
     @classmethod
     def from_wire(cls, w: list[Any]) -> PieceDecl:
         key, dtype, shape, kind, reg = w
-        region: Region = Box(tuple(reg[0]), tuple(reg[1])) if kind == "b" else Flat(reg[0], reg[1])
+        region: Region
+        if kind == "b":
+            region = Box(tuple(reg[0]), tuple(reg[1]))
+        else:
+            region = Flat(reg[0], reg[1], Box(tuple(reg[2]), tuple(reg[3])) if len(reg) == 4 else None)
         return cls(key, dtype, tuple(shape), region)
 
 
@@ -204,7 +209,9 @@ def plan_save(decls: list[RankDecl], *, save_id: str, step: int | None = None,
 
 
 def _region_sort_key(r: Region) -> tuple[Any, ...]:
-    return (0, r.offsets, r.lengths) if isinstance(r, Box) else (1, r.start, r.stop)
+    if isinstance(r, Box):
+        return (0, r.offsets, r.lengths)
+    return (1, r.box.offsets if r.box else (), r.start, r.stop)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,11 +64,22 @@ def box_runs(sub: Box, outer: Box) -> tuple[np.ndarray, int]:
 
 
 def global_runs(region: Region, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """``region``'s elements as runs of the global row-major flattening: ``(starts, lengths)``."""
-    if isinstance(region, Flat):
+    """``region``'s elements, in its local order, as runs of the global row-major flattening:
+    ``(starts, lengths)``. Runs are disjoint and increasing."""
+    if isinstance(region, Flat) and region.box is None:
         return np.array([region.start], dtype=np.int64), np.array([region.numel], dtype=np.int64)
-    starts, run = box_runs(region, Box(tuple(0 for _ in shape), tuple(shape)))
-    return starts, np.full(starts.shape, run, dtype=np.int64)
+    box = region if isinstance(region, Box) else region.box
+    assert box is not None
+    starts, run = box_runs(box, Box(tuple(0 for _ in shape), tuple(shape)))
+    lens = np.full(starts.shape, run, dtype=np.int64)
+    if isinstance(region, Box):
+        return starts, lens
+    # A flat range of the box's own flattening: clip the box's runs to local positions [start, stop).
+    local = np.arange(len(starts), dtype=np.int64) * run
+    lo = np.clip(region.start - local, 0, run)
+    hi = np.clip(region.stop - local, 0, run)
+    keep = hi > lo
+    return (starts + lo)[keep], (hi - lo)[keep]
 
 
 def flat_segments(src: Region, dst: Region, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -106,27 +117,30 @@ def flat_segments(src: Region, dst: Region, shape: tuple[int, ...]) -> tuple[np.
 def check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> None:
     """Raise LayoutError unless ``regions`` cover every element of ``shape`` exactly once."""
     total = math.prod(shape)
-    kinds = {type(r) for r in regions}
-    if len(kinds) > 1:
-        raise LayoutError(f"tensor {key!r}: mixes box and flat shards; save all pieces of a tensor the same way")
     if not regions:
         if total == 0:
             return
         raise LayoutError(f"tensor {key!r}: no shards cover its {total} elements")
-    if isinstance(regions[0], Flat):
-        flats = sorted((r for r in regions if isinstance(r, Flat)), key=lambda r: (r.start, r.stop))
-        pos = 0
-        for r in flats:
-            if r.numel == 0:
-                continue
-            if r.start < pos:
-                raise LayoutError(f"tensor {key!r}: flat shards overlap at element {r.start}; "
-                                  "each element must be held by exactly one piece (or identical replicas)")
-            if r.start > pos:
-                raise LayoutError(f"tensor {key!r}: flat shards leave elements [{pos}, {r.start}) uncovered")
-            pos = r.stop
-        if pos != total:
-            raise LayoutError(f"tensor {key!r}: flat shards leave elements [{pos}, {total}) uncovered")
+    if any(isinstance(r, Flat) for r in regions):
+        # Any flat piece: compare runs of the global flattening (boxes and flats may then mix).
+        parts = [global_runs(r, shape) for r in regions if r.numel > 0]
+        starts = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+        lens = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+        order = np.argsort(starts, kind="stable")
+        starts, lens = starts[order], lens[order]
+        ends = starts + lens
+        if len(starts) > 1 and (bad := np.nonzero(starts[1:] < ends[:-1])[0]).size:
+            raise LayoutError(f"tensor {key!r}: shards overlap at flat element {int(starts[bad[0] + 1])}; "
+                              "each element must be held by exactly one piece (or identical replicas)")
+        if len(starts) > 1 and (gap := np.nonzero(starts[1:] > ends[:-1])[0]).size:
+            i = int(gap[0])
+            raise LayoutError(f"tensor {key!r}: shards leave flat elements [{int(ends[i])}, {int(starts[i + 1])}) "
+                              "uncovered")
+        first = int(starts[0]) if len(starts) else 0
+        last = int(ends[-1]) if len(ends) else 0
+        if first != 0 or last != total:
+            lo, hi = (0, first) if first != 0 else (last, total)
+            raise LayoutError(f"tensor {key!r}: shards leave flat elements [{lo}, {hi}) uncovered")
         return
     boxes = [r for r in regions if isinstance(r, Box) and r.numel > 0]
     covered = sum(b.numel for b in boxes)

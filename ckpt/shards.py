@@ -34,10 +34,13 @@ class Box:
 
 @dataclass(frozen=True, slots=True)
 class Flat:
-    """Elements ``[start, stop)`` of the row-major flattening of a global tensor."""
+    """Elements ``[start, stop)`` of the row-major flattening of a global tensor, or, with ``box``,
+    of that box's own row-major flattening (ZeRO-1 over a tensor-parallel piece: a flat range of
+    a rank's local TP/EP block)."""
 
     start: int
     stop: int
+    box: Box | None = None
 
     @property
     def numel(self) -> int:
@@ -45,6 +48,9 @@ class Flat:
 
     def to_list(self) -> list[int]:
         return [self.start, self.stop]
+
+    def to_wire(self) -> list[Any]:
+        return [self.start, self.stop] if self.box is None else [self.start, self.stop, *self.box.to_list()]
 
 
 Region = Box | Flat
@@ -71,10 +77,14 @@ def check_region(region: Region, global_shape: tuple[int, ...], key: str) -> Non
                 )
     else:
         total = math.prod(global_shape)
+        if region.box is not None:
+            check_region(region.box, global_shape, key)
+            total = region.box.numel
         if region.start < 0 or region.stop < region.start or region.stop > total:
+            where = f"box {region.box.to_list()}" if region.box is not None else f"global shape {list(global_shape)}"
             raise StateError(
                 f"tensor {key!r}: flat shard [{region.start}, {region.stop}) falls outside the "
-                f"{total} elements of the global shape {list(global_shape)}; fix the start"
+                f"{total} elements of the {where}; fix the start"
             )
 
 
@@ -113,14 +123,20 @@ class FlatShard:
 
     This is how ZeRO-1 / distributed-optimizer state and FSDP1 flat parameters are held.
 
+    With ``box=(offsets, lengths)`` the range is of that block's row-major flattening instead: this
+    is ZeRO-1 state of a tensor-parallel parameter (DP ranks split the flattening of the local TP block).
+
     Example::
 
         exp_avg = ckpt.FlatShard(local_1d, global_shape=(1024, 512), start=rank * 131072)
+        # TP rank t holds rows [t*512, (t+1)*512); its 2 DP ranks split that block's flattening
+        exp_avg = ckpt.FlatShard(local_1d, (1024, 512), start=d * 131072, box=((t * 512, 0), (512, 512)))
     """
 
-    __slots__ = ("local", "global_shape", "start")
+    __slots__ = ("local", "global_shape", "start", "box")
 
-    def __init__(self, local: torch.Tensor, global_shape: tuple[int, ...] | torch.Size, start: int):
+    def __init__(self, local: torch.Tensor, global_shape: tuple[int, ...] | torch.Size, start: int,
+                 box: tuple[tuple[int, ...], tuple[int, ...]] | None = None):
         if not isinstance(local, torch.Tensor):
             raise StateError(f"FlatShard.local must be a torch.Tensor, got {type(local).__name__}")
         if local.dim() != 1:
@@ -128,10 +144,12 @@ class FlatShard:
         self.local = local
         self.global_shape = tuple(int(s) for s in global_shape)
         self.start = int(start)
+        self.box = (Box(tuple(int(o) for o in box[0]), tuple(int(n) for n in box[1])) if box is not None
+                    else None)
 
     @property
     def region(self) -> Flat:
-        return Flat(self.start, self.start + self.local.numel())
+        return Flat(self.start, self.start + self.local.numel(), self.box)
 
     def __repr__(self) -> str:
         return f"FlatShard(numel={self.local.numel()}, global_shape={self.global_shape}, start={self.start})"

@@ -144,3 +144,31 @@ def _disagree(rank: int, world: int, path: str) -> None:
 
 def test_ranks_disagreeing_on_shape(tmp_path):
     run_ranks(2, _disagree, str(tmp_path / "c"))
+
+
+def _zero_over_tp_save(rank: int, world: int, path: str) -> None:
+    # tp=2 splits rows; within each TP block, dp=2 ranks split its flattening (ZeRO-1 over TP).
+    g = reference()["w32"]  # (13, 10): TP blocks of 7 and 6 rows, flattenings of 70 and 60
+    tp, dp = divmod(rank, 2)
+    rs, rn = (0, 7) if tp == 0 else (7, 6)
+    block = g[rs : rs + rn].reshape(-1)
+    half = -(-block.numel() // 2)
+    s, e = dp * half, min((dp + 1) * half, block.numel())
+    ckpt.save({"exp_avg": ckpt.FlatShard(block[s:e].clone(), (13, 10), s, box=((rs, 0), (rn, 10)))}, path)
+
+
+def test_zero1_flat_over_tp_blocks_loads_as_any_layout(tmp_path):
+    path = str(tmp_path / "c")
+    run_ranks(4, _zero_over_tp_save, path)
+    m = ckpt.inspect(path)
+    assert len(m.tensors["exp_avg"].shards) == 4 and ckpt.verify(path, deep=True).ok
+    g = reference()["w32"]
+    full = torch.zeros(13, 10)
+    ckpt.load({"exp_avg": full}, path)
+    assert torch.equal(full, g)
+    cols = ckpt.Shard(torch.zeros(13, 4), (13, 10), (0, 3))
+    ckpt.load({"exp_avg": cols}, path)
+    assert torch.equal(cols.local, g[:, 3:7])
+    flat = ckpt.FlatShard(torch.zeros(50), (13, 10), 33)
+    ckpt.load({"exp_avg": flat}, path)
+    assert torch.equal(flat.local, g.reshape(-1)[33:83])

@@ -29,13 +29,22 @@ def _cuts(draw, n: int, max_parts: int) -> list[tuple[int, int]]:
 @st.composite
 def sharding(draw, shape: tuple[int, ...]) -> list[Region]:
     """A random exact tiling of ``shape``: an n-D grid of boxes, or flat ranges."""
-    if draw(st.booleans()) and math.prod(shape) > 0:
+    kind = draw(st.sampled_from(["flat", "box", "flat-in-box"]))
+    if kind == "flat" and math.prod(shape) > 0:
         return [Flat(s, s + n) for s, n in _cuts(draw, math.prod(shape), 5)]
     per_dim = [_cuts(draw, n, 3) if n else [(0, 0)] for n in shape]
-    boxes: list[Region] = [Box((), ())]
+    boxes: list[Box] = [Box((), ())]
     for cuts in per_dim:
-        boxes = [Box(b.offsets + (o,), b.lengths + (n,)) for b in boxes for o, n in cuts]  # type: ignore[union-attr]
-    return boxes
+        boxes = [Box(b.offsets + (o,), b.lengths + (n,)) for b in boxes for o, n in cuts]
+    if kind == "flat-in-box":  # ZeRO-1 over TP blocks: each block's flattening split again
+        out: list[Region] = []
+        for b in boxes:
+            if b.numel == 0:
+                out.append(b)
+                continue
+            out += [Flat(s, s + n, b) for s, n in _cuts(draw, b.numel, 3)]
+        return out
+    return list(boxes)
 
 
 @st.composite
@@ -67,7 +76,8 @@ class MemStorage:
 
 def _local(g: torch.Tensor, r: Region) -> torch.Tensor:
     if isinstance(r, Flat):
-        return g.reshape(-1)[r.start : r.stop].clone()
+        block = g if r.box is None else _local(g, r.box)
+        return block.reshape(-1)[r.start : r.stop].clone()
     return g[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths, strict=True))].clone()
 
 
@@ -155,13 +165,21 @@ def test_overlap_and_gap_are_refused():
         assert "overlap" in str(e) and "'w'" in str(e)
     else:
         raise AssertionError("overlap not detected")
+    # Mixed kinds are fine when they tile; a flat piece overlapping a box is not.
     c = RankDecl([PieceDecl("w", d, (4, 4), Box((3, 0), (1, 4)))])
+    plan_save([a, c], save_id="x")
     try:
-        plan_save([a, c, RankDecl([PieceDecl("w", d, (4, 4), Flat(0, 4))])], save_id="x")
+        plan_save([a, c, RankDecl([PieceDecl("w", d, (4, 4), Flat(10, 11))])], save_id="x")
     except LayoutError as e:
-        assert "mixes box and flat" in str(e)
+        assert "overlap" in str(e)
     else:
-        raise AssertionError("mixed kinds not detected")
+        raise AssertionError("flat/box overlap not detected")
+    try:
+        plan_save([RankDecl([PieceDecl("w", d, (4, 4), Flat(0, 7, Box((0, 0), (2, 4))))]), c], save_id="x")
+    except LayoutError as e:
+        assert "uncovered" in str(e)
+    else:
+        raise AssertionError("gap not detected")
 
 
 def test_column_read_of_row_major_shard_reads_only_needed_runs():

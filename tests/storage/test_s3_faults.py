@@ -40,7 +40,7 @@ def state_of(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     return {
         "layers": {f"l{i}": {"w": torch.randn(96, 64, generator=g), "b": torch.randn(64, generator=g)}
-                   for i in range(6)},
+                   for i in range(3)},
         "emb": torch.randn(200, 64, generator=g).to(torch.bfloat16),
         "step": seed,
     }
@@ -77,12 +77,15 @@ def test_save_and_load_survive_20_percent_faults(s3_bucket: tuple[str, dict[str,
     assert same(out["emb"], state["emb"])
     for k, v in state["layers"].items():
         assert same(out["layers"][k]["w"], v["w"]) and same(out["layers"][k]["b"], v["b"])
-    # a resharded load issues many small ranged GETs: each one must survive the faults too
+    # a resharded load with coalesce_gap=0 issues one small ranged GET per row (~300): each one
+    # must survive the faults too
     half = {"layers": {k: {"w": ckpt.Shard(torch.empty(96, 32), global_shape=(96, 64), offsets=(0, 32)),
                            "b": torch.empty(64)} for k in state["layers"]},
             "emb": ckpt.FlatShard(torch.empty(999, dtype=torch.bfloat16), global_shape=(200, 64), start=4321),
             "step": 0}
-    ckpt.load(half, url, storage_options=faulty)
+    before = len(proxy.log)
+    ckpt.load(half, url, storage_options={**faulty, "coalesce_gap": 0})
+    assert len(proxy.log) - before > 3 * 96
     for k, v in state["layers"].items():
         assert same(half["layers"][k]["w"].local, v["w"][:, 32:].contiguous())
     assert same(half["emb"].local, state["emb"].reshape(-1)[4321:5320])
@@ -222,3 +225,22 @@ def test_env_vars_and_options(s3_bucket: tuple[str, dict[str, Any]], moto_endpoi
         get_storage(url, part_size=1024)
     with pytest.raises(ckpt.StorageError, match="retries"):
         get_storage(url, retries=0)
+
+
+def test_coalesce_gap_bounds_the_number_of_gets(s3_bucket: tuple[str, dict[str, Any]], moto_endpoint: str,
+                                               proxies: list[FaultProxy]) -> None:
+    """Column halves of a row-major tensor: one GET per row with gap 0, a single GET by default."""
+    bucket, opts = s3_bucket
+    url = f"{bucket}/gap"
+    full = torch.randn(256, 64)
+    ckpt.save({"w": full}, url, storage_options=opts)
+    proxy, counted = through(proxies, moto_endpoint, opts)
+    for gap, most in [(None, 1), (0, 256)]:
+        out = {"w": ckpt.Shard(torch.empty(256, 32), global_shape=(256, 64), offsets=(0, 32))}
+        so = counted if gap is None else {**counted, "coalesce_gap": gap}
+        before = len(proxy.log)
+        ckpt.load(out, url, storage_options=so, workers=1)
+        gets = [p for m, p, _ in proxy.log[before:] if m == "GET" and "/data/" in p]
+        assert 1 <= len(gets) <= most, (gap, len(gets))
+        assert len(gets) == most
+        assert same(out["w"].local, full[:, 32:].contiguous())
