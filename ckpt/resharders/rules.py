@@ -1,0 +1,233 @@
+"""Sharding rules: parameter-name patterns -> placement. One table drives both the trainer's
+parallelize code and the resharders, so what the trainer holds is exactly what a plan predicts.
+
+A placement says, for one parameter:
+
+- ``tp_dim``: dim split over TP (column-parallel: 0 of a Linear weight; row-parallel: 1);
+- ``ep_dim``: dim split over EP (the expert dim of fused expert weights); must divide evenly;
+- ``pad``: the TP split may be uneven because the trainer pads (vocab-parallel embedding / head):
+  chunks of ``ceil(n / tp)``, the last one short; padding never reaches the checkpoint;
+- pipeline stage: by global layer index (``layers.N.``), ``first`` patterns on stage 0, ``last``
+  patterns on the last stage.
+
+Splits follow ``torch.chunk`` (what DTensor uses): chunk ``ceil(n / k)``, the last ones short.
+Everything not matched is replicated.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt.errors import LayoutError
+from ckpt.resharders.layout import Coord, Layout
+from ckpt.shards import Box, Flat
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """How one parameter is split (see module docstring)."""
+
+    tp_dim: int | None = None
+    ep_dim: int | None = None
+    pad: bool = False
+
+    @property
+    def is_expert(self) -> bool:
+        return self.ep_dim is not None
+
+
+REPLICATED = Placement()
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """``pattern`` (fnmatch glob over the parameter name) -> placement."""
+
+    pattern: str
+    placement: Placement
+
+
+@dataclass(slots=True)
+class RuleSet:
+    """An ordered rules table (first match wins) plus pipeline-stage rules."""
+
+    rules: list[Rule]
+    layer_regex: str = r"(?:^|\.)layers\.(\d+)\."
+    first_stage: list[str] = field(default_factory=list)
+    last_stage: list[str] = field(default_factory=list)
+    name: str = "custom"
+
+    def placement(self, param: str) -> Placement:
+        for r in self.rules:
+            if fnmatch.fnmatchcase(param, r.pattern):
+                return r.placement
+        return REPLICATED
+
+    def layer_of(self, param: str) -> int | None:
+        m = re.search(self.layer_regex, param)
+        return int(m.group(1)) if m else None
+
+    def stage_of(self, param: str, num_layers: int, pp: int, stages: list[int] | None = None) -> int:
+        """Pipeline stage that holds ``param``: by global layer index, else first/last patterns, else 0."""
+        layer = self.layer_of(param)
+        if layer is not None:
+            bounds = stage_bounds(num_layers, pp, stages)
+            for s, (lo, hi) in enumerate(bounds):
+                if lo <= layer < hi:
+                    return s
+            raise LayoutError(f"parameter {param!r}: layer {layer} is beyond the {num_layers} layers")
+        if any(fnmatch.fnmatchcase(param, p) for p in self.last_stage):
+            return pp - 1
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "layer_regex": self.layer_regex, "first_stage": self.first_stage,
+                "last_stage": self.last_stage,
+                "rules": [{"pattern": r.pattern, "tp_dim": r.placement.tp_dim, "ep_dim": r.placement.ep_dim,
+                           "pad": r.placement.pad} for r in self.rules]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "rules") -> RuleSet:
+        """Build from a dict (a parsed TOML file: ``[[rule]]`` tables and an optional ``[pipeline]``)."""
+        items = d.get("rule", d.get("rules", []))
+        if not isinstance(items, list):
+            raise LayoutError(f"{source}: 'rule' must be an array of tables ([[rule]])")
+        rules = []
+        for i, r in enumerate(items):
+            if not isinstance(r, dict) or not isinstance(r.get("pattern"), str):
+                raise LayoutError(f"{source}: rule {i} needs a string 'pattern'")
+            unknown = set(r) - {"pattern", "tp_dim", "ep_dim", "pad"}
+            if unknown:
+                raise LayoutError(f"{source}: rule {i} ({r['pattern']!r}) has unknown keys {sorted(unknown)}")
+            for k in ("tp_dim", "ep_dim"):
+                if r.get(k) is not None and (not isinstance(r[k], int) or r[k] < 0):
+                    raise LayoutError(f"{source}: rule {i} ({r['pattern']!r}): {k} must be a dim index >= 0")
+            rules.append(Rule(r["pattern"], Placement(r.get("tp_dim"), r.get("ep_dim"), bool(r.get("pad", False)))))
+        pipe = d.get("pipeline", {}) or {}
+        return cls(rules, layer_regex=pipe.get("layer_regex", r"(?:^|\.)layers\.(\d+)\."),
+                   first_stage=list(pipe.get("first", [])), last_stage=list(pipe.get("last", [])),
+                   name=str(d.get("name", source)))
+
+
+def load_rules(path: str) -> RuleSet:
+    """Read a TOML rules file (``--rules FILE``). Raises LayoutError with the file name on bad input."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise LayoutError(f"{path}: cannot read rules file ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise LayoutError(f"{path}: not valid TOML ({e})") from None
+    return RuleSet.from_dict(data, source=path)
+
+
+def stage_bounds(num_layers: int, pp: int, stages: list[int] | None = None) -> list[tuple[int, int]]:
+    """Layer ranges ``[lo, hi)`` per stage: balanced (earlier stages take the remainder) or explicit
+    ``stages`` = number of layers per stage."""
+    if stages is not None:
+        if len(stages) != pp or sum(stages) != num_layers or min(stages) < 1:
+            raise LayoutError(f"explicit stage sizes {stages} must be {pp} positive counts summing to {num_layers}")
+        sizes = stages
+    else:
+        if num_layers < pp:
+            raise LayoutError(f"pp={pp} needs at least {pp} layers, the model has {num_layers}")
+        base, extra = divmod(num_layers, pp)
+        sizes = [base + (1 if s < extra else 0) for s in range(pp)]
+    out, lo = [], 0
+    for n in sizes:
+        out.append((lo, lo + n))
+        lo += n
+    return out
+
+
+def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    size = -(-n // k) if n else 0
+    start = min(i * size, n)
+    return start, min(start + size, n) - start
+
+
+def param_box(param: str, shape: tuple[int, ...], layout: Layout, coord: Coord, rules: RuleSet) -> Box:
+    """The block of the global parameter that a rank at ``coord`` holds (ignoring pipeline stages).
+
+    Raises LayoutError when an expert dim does not divide evenly over EP, or a non-padded TP dim
+    does not divide evenly over TP (the trainer cannot run such a layout).
+    """
+    p = rules.placement(param)
+    offs, lens = [0] * len(shape), list(shape)
+    if p.ep_dim is not None and layout.ep > 1:
+        d = p.ep_dim
+        if d >= len(shape) or shape[d] % layout.ep:
+            raise LayoutError(f"parameter {param!r}: {shape[d] if d < len(shape) else '?'} experts (dim {d}) "
+                              f"cannot be split evenly over ep={layout.ep}; choose ep dividing the expert count")
+        n = shape[d] // layout.ep
+        offs[d], lens[d] = coord.ep * n, n
+    if p.tp_dim is not None and layout.tp > 1:
+        d = p.tp_dim
+        if d >= len(shape):
+            raise LayoutError(f"parameter {param!r}: tp_dim {d} but the tensor has {len(shape)} dims")
+        if not p.pad and shape[d] % layout.tp:
+            raise LayoutError(f"parameter {param!r}: dim {d} of size {shape[d]} cannot be split evenly over "
+                              f"tp={layout.tp}; choose tp dividing it")
+        s, n = _chunk(shape[d], layout.tp, coord.tp)
+        offs[d], lens[d] = s, n
+    return Box(tuple(offs), tuple(lens))
+
+
+def padded_rows(n: int, tp: int) -> int:
+    """Local size of a padded TP dim (every rank holds ``ceil(n / tp)``, the last ones padded)."""
+    return -(-n // tp)
+
+
+def zero_range(numel: int, layout: Layout, coord: Coord, expert: bool) -> tuple[int, int]:
+    """ZeRO-1: the ``[start, stop)`` of a local block's flattening this rank's optimizer state holds.
+
+    The replica group is ``dp x ep`` for dense parameters (index ``dp_i * ep + ep_i``) and ``dp`` for
+    expert parameters; chunks of ``ceil(numel / group)``.
+    """
+    if expert:
+        size, idx = layout.dp, coord.dp
+    else:
+        size, idx = layout.dp * layout.ep, coord.dp * layout.ep + coord.ep
+    s, n = _chunk(numel, size, idx)
+    return s, s + n
+
+
+def optim_region(param: str, shape: tuple[int, ...], layout: Layout, coord: Coord, rules: RuleSet) -> Box | Flat:
+    """Region of an optimizer-state tensor of ``param`` a rank holds: the param's block, or with
+    ``zero=1`` a flat range of that block's flattening."""
+    box = param_box(param, shape, layout, coord, rules)
+    if layout.zero == 0:
+        return box
+    s, e = zero_range(box.numel, layout, coord, rules.placement(param).is_expert)
+    full = box.lengths == tuple(shape)
+    return Flat(s, e) if full else Flat(s, e, box)
+
+
+# The embedded MoE's table (ckpt.trainer.model names; Qwen3-MoE compatible).
+MOE_RULES = RuleSet(
+    name="embedded-moe",
+    rules=[
+        Rule("model.embed_tokens.weight", Placement(tp_dim=0, pad=True)),  # vocab-parallel
+        Rule("lm_head.weight", Placement(tp_dim=0, pad=True)),
+        Rule("model.layers.*.self_attn.q_proj.weight", Placement(tp_dim=0)),  # column-parallel (heads)
+        Rule("model.layers.*.self_attn.k_proj.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.self_attn.v_proj.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.self_attn.o_proj.weight", Placement(tp_dim=1)),  # row-parallel
+        Rule("model.layers.*.mlp.experts.gate_proj", Placement(ep_dim=0, tp_dim=1)),  # (E, I, H)
+        Rule("model.layers.*.mlp.experts.up_proj", Placement(ep_dim=0, tp_dim=1)),
+        Rule("model.layers.*.mlp.experts.down_proj", Placement(ep_dim=0, tp_dim=2)),  # (E, H, I)
+    ],
+    first_stage=["model.embed_tokens.*"],
+    last_stage=["model.norm.*", "lm_head.*"],
+)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Number of elements of ``shape``."""
+    return math.prod(shape)
