@@ -95,8 +95,10 @@ class S3Writer:
 
     def _raise_failed(self) -> None:
         for f in self.futures:
-            if f.done() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+            if f.done() and not f.cancelled():
+                exc = f.exception()
+                if exc is not None:
+                    raise exc
 
     def _ship(self, part: bytearray) -> None:
         if self.nparts >= MAX_PARTS:

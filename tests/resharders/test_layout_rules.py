@@ -60,7 +60,8 @@ def test_stages_and_toml(tmp_path):
     assert stage_bounds(4, 2) == [(0, 2), (2, 4)] and stage_bounds(5, 2) == [(0, 3), (3, 5)]
     assert stage_bounds(4, 2, [1, 3]) == [(0, 1), (1, 4)]
     assert MOE_RULES.stage_of("model.layers.3.mlp.gate.weight", 4, 2) == 1
-    assert MOE_RULES.stage_of("lm_head.weight", 4, 2) == 1 and MOE_RULES.stage_of("model.embed_tokens.weight", 4, 2) == 0
+    assert MOE_RULES.stage_of("lm_head.weight", 4, 2) == 1
+    assert MOE_RULES.stage_of("model.embed_tokens.weight", 4, 2) == 0
     f = tmp_path / "r.toml"
     f.write_text('[[rule]]\npattern = "enc.*.wq"\ntp_dim = 0\n[pipeline]\nlast = ["head.*"]\n')
     from ckpt.resharders.rules import load_rules
