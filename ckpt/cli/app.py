@@ -1,18 +1,25 @@
-"""The ``ckpt`` typer application: one module per command group, registered here."""
+"""The ``ckpt`` typer application. One module per command group under ``ckpt/cli/``; each defines
+``register(app)``. Modules are listed here so that commands appear in a stable order."""
 
 from __future__ import annotations
 
-import typer
+import importlib
 
-from ckpt.cli.inspect_verify import inspect_cmd, verify_cmd
-from ckpt.cli.manage import gc_cmd, ls_cmd
+import typer
 
 app = typer.Typer(name="ckpt", help="Parallelism-agnostic checkpoints for PyTorch training.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-app.command("inspect")(inspect_cmd)
-app.command("verify")(verify_cmd)
-app.command("ls")(ls_cmd)
-app.command("gc")(gc_cmd)
+
+COMMAND_MODULES = ["inspect_verify", "manage", "reshard", "hf", "train"]
+
+for _name in COMMAND_MODULES:
+    try:
+        _mod = importlib.import_module(f"ckpt.cli.{_name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"ckpt.cli.{_name}":
+            raise
+        continue
+    _mod.register(app)
 
 
 def main() -> None:

@@ -65,3 +65,9 @@ def verify_cmd(
             console.print(f"[red]FAILED[/red]: {len(r.problems)} problem(s) in {url}", highlight=False)
     if not r.ok:
         raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``inspect`` and ``verify`` to the app."""
+    app.command("inspect")(inspect_cmd)
+    app.command("verify")(verify_cmd)

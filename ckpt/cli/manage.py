@@ -58,3 +58,9 @@ def gc_cmd(
         console.print(f"{verb} {c.url} ({'committed' if c.committed else 'incomplete'}, {human_bytes(c.bytes)})",
                       highlight=False)
     console.print(f"{verb} {len(doomed)} checkpoint(s)", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``ls`` and ``gc`` to the app."""
+    app.command("ls")(ls_cmd)
+    app.command("gc")(gc_cmd)

@@ -51,7 +51,7 @@ def test_write_read_list_delete_commit(backend: Backend) -> None:
         w = st.open_writer("data/a.bin")
         w.write(payload[:10])
         w.write(memoryview(payload)[10:50_000])
-        w.write(bytearray(payload[50_000:]))
+        w.write(memoryview(bytearray(payload[50_000:])))
         assert w.close() == len(payload)
         ints = array.array("i", range(100))  # a non-byte memoryview is written as its raw bytes
         w = st.open_writer("data/sub/b.bin")

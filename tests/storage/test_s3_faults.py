@@ -79,7 +79,7 @@ def test_save_and_load_survive_20_percent_faults(s3_bucket: tuple[str, dict[str,
         assert same(out["layers"][k]["w"], v["w"]) and same(out["layers"][k]["b"], v["b"])
     # a resharded load with coalesce_gap=0 issues one small ranged GET per row (~300): each one
     # must survive the faults too
-    half = {"layers": {k: {"w": ckpt.Shard(torch.empty(96, 32), global_shape=(96, 64), offsets=(0, 32)),
+    half: dict[str, Any] = {"layers": {k: {"w": ckpt.Shard(torch.empty(96, 32), global_shape=(96, 64), offsets=(0, 32)),
                            "b": torch.empty(64)} for k in state["layers"]},
             "emb": ckpt.FlatShard(torch.empty(999, dtype=torch.bfloat16), global_shape=(200, 64), start=4321),
             "step": 0}
@@ -199,33 +199,6 @@ def test_multipart_abort(s3_bucket: tuple[str, dict[str, Any]], s3_admin: Any) -
         assert not st.exists("data/x.bin")
     finally:
         st.close()
-
-
-def test_env_vars_and_options(s3_bucket: tuple[str, dict[str, Any]], moto_endpoint: str,
-                              monkeypatch: pytest.MonkeyPatch) -> None:
-    bucket, _ = s3_bucket
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    monkeypatch.setenv("AWS_REGION", "eu-west-1")
-    url = f"{bucket}/env"
-    st = get_storage(url)
-    try:
-        assert st.fs.endpoint_url == moto_endpoint
-        assert st.fs.client_kwargs["region_name"] == "eu-west-1"
-        assert st.coalesce_gap == 1024 * 1024
-    finally:
-        st.close()
-    assert get_storage(url, coalesce_gap=0).coalesce_gap == 0
-    state = state_of(4)
-    ckpt.save(state, url)
-    out = empty_like(state)
-    ckpt.load(out, url)
-    assert same(out["emb"], state["emb"])
-    with pytest.raises(ckpt.StorageError, match="part_size"):
-        get_storage(url, part_size=1024)
-    with pytest.raises(ckpt.StorageError, match="retries"):
-        get_storage(url, retries=0)
 
 
 def test_coalesce_gap_bounds_the_number_of_gets(s3_bucket: tuple[str, dict[str, Any]], moto_endpoint: str,
