@@ -137,3 +137,61 @@ def _segments(buf: torch.Tensor, c: SegmentCopy, t: torch.Tensor, isz: int) -> N
     typed = _typed(buf, 0, t.dtype, isz)
     for b, d, n in zip(c.buf_offsets.tolist(), c.dst_offsets.tolist(), c.lengths.tolist(), strict=True):
         flat[d : d + n].copy_(typed[b // isz : b // isz + n])
+
+
+def verify_shards(storage: Storage, manifest: Any, requests: list[Any], *, workers: int = 4) -> int:
+    """Check the CRC32 of every stored shard that intersects ``requests``; returns bytes hashed.
+
+    Raises IntegrityError naming tensor, file and byte range on the first mismatch (or a shard
+    without a checksum: nothing to verify against).
+    """
+    from ckpt.errors import IntegrityError
+    from ckpt.regions import global_runs
+
+    todo: list[tuple[str, int, Any]] = []
+    for req in requests:
+        t = manifest.tensors[req.key]
+        want_s, want_l = global_runs(req.region, tuple(t.shape))
+        for i, s in enumerate(t.shards):
+            if s.length == 0:
+                continue
+            have_s, have_l = global_runs(s.region, tuple(t.shape))
+            if _runs_intersect(want_s, want_l, have_s, have_l):
+                todo.append((req.key, i, s))
+
+    def check(item: tuple[str, int, Any]) -> int:
+        key, i, s = item
+        if s.checksum is None:
+            raise IntegrityError(f"tensor {key!r} shard {i}: no checksum in the manifest to verify {s.file} "
+                                 f"bytes [{s.offset}, {s.offset + s.length}); load with verify=False")
+        crc = 0
+        buf = bytearray(min(s.length, CHUNK))
+        pos = 0
+        while pos < s.length:
+            n = min(len(buf), s.length - pos)
+            mv = memoryview(buf)[:n]
+            storage.read_into(s.file, s.offset + pos, mv)
+            crc = zlib.crc32(mv, crc)
+            pos += n
+        if crc != s.checksum:
+            raise IntegrityError(f"tensor {key!r} shard {i}: checksum mismatch in {s.file} bytes "
+                                 f"[{s.offset}, {s.offset + s.length}) (stored {s.checksum:#010x}, "
+                                 f"found {crc:#010x}); the file is corrupted, nothing was loaded from it")
+        return int(s.length)
+
+    unique = list({(it[2].file, it[2].offset): it for it in todo}.values())
+    if workers <= 1 or len(unique) <= 1:
+        return sum(check(it) for it in unique)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-verify") as ex:
+        return sum(ex.map(check, unique))
+
+
+def _runs_intersect(a_s: Any, a_l: Any, b_s: Any, b_l: Any) -> bool:
+    import numpy as np
+
+    if not len(a_s) or not len(b_s):
+        return False
+    a_e = a_s + a_l
+    idx = np.searchsorted(a_e, b_s, side="right")  # first a-run ending after each b-run start
+    ok = idx < len(a_s)
+    return bool(np.any(a_s[np.minimum(idx, len(a_s) - 1)][ok] < (b_s + b_l)[ok]))

@@ -9,7 +9,7 @@ import torch
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.errors import CheckpointError, ManifestError, MismatchError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
-from ckpt.io import run_read_plan
+from ckpt.io import run_read_plan, verify_shards
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, plan_load
 from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
@@ -34,7 +34,7 @@ def fetch_manifest(storage: Storage, comm: Comm | None = None) -> Manifest:
     return decode_manifest(payload["ok"], url=f"{storage.url}/{MANIFEST_NAME}")
 
 
-def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = True,
+def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = True, verify: bool = False,
          storage_options: dict[str, Any] | None = None, workers: int = 4,
          max_read: int = DEFAULT_MAX_READ) -> dict[str, Any]:
     """Fill the tensors of ``state`` in place from the checkpoint at ``url``, resharding as needed.
@@ -43,9 +43,13 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
     tensor this rank wants; the stored layout does not matter. Returns a structure like ``state``
     with the loaded objects (and the filled tensors) in place.
 
+    With ``verify=True`` every stored shard this rank touches is read whole and its checksum
+    checked before any destination tensor is written (a verification pass, then the copy pass).
+
     Raises:
         MismatchError: (strict) a key missing from the checkpoint or not requested; a dtype or
             global shape mismatch, naming the key.
+        IntegrityError: (verify) a shard's bytes do not match its checksum, naming tensor, file, range.
         ManifestError / StorageError: no committed checkpoint, or unreadable bytes.
 
     Example::
@@ -57,13 +61,13 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
     storage = get_storage(url, **(storage_options or {}))
     try:
         manifest = fetch_manifest(storage, comm)
-        return _load(manifest, storage, state, comm.rank, strict, workers, max_read)
+        return _load(manifest, storage, state, comm.rank, strict, workers, max_read, verify)
     finally:
         storage.close()
 
 
 def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int, strict: bool,
-          workers: int, max_read: int) -> dict[str, Any]:
+          workers: int, max_read: int, verify: bool = False) -> dict[str, Any]:
     items = flatten_state(state)
     keys = {i.key for i in items}
     # An object leaf may stand for a whole nested dict of stored objects ("meta": None gets
@@ -121,6 +125,8 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
         direct.append(True)
     plan = plan_load(manifest, requests, contiguous_targets=direct, max_read=max_read,
                      max_gap=getattr(storage, "coalesce_gap", 4096))
+    if verify:
+        verify_shards(storage, manifest, requests, workers=workers)
     run_read_plan(storage, plan, targets, [r.dtype for r in requests], workers=workers)
     for dst, staging in finals:
         dst.copy_(staging)

@@ -238,3 +238,27 @@ def test_garbage_manifest_is_a_manifest_error(tmp_path):
                                                      "tensors": {"a": {"dtype": "float32"}}, "objects": {}}))
     with pytest.raises(ckpt.ManifestError, match="'shape' is missing"):
         ckpt.inspect(str(url))
+
+
+def test_load_verify_detects_corruption_and_fills_nothing(tmp_path):
+    url = str(tmp_path / "c")
+    src = {"a": torch.randn(64, 16), "b": torch.randn(32)}
+    m = ckpt.save(src, url)
+    dst = {"a": torch.zeros(64, 16), "b": torch.zeros(32)}
+    ckpt.load(dst, url, verify=True)
+    assert torch.equal(dst["a"], src["a"])
+    s = m.tensors["a"].shards[0]
+    path = os.path.join(url, s.file)
+    with open(path, "r+b") as f:
+        f.seek(s.offset + 1000)
+        byte = f.read(1)
+        f.seek(s.offset + 1000)
+        f.write(bytes([byte[0] ^ 0x80]))
+    dst = {"a": torch.zeros(64, 16), "b": torch.zeros(32)}
+    with pytest.raises(ckpt.IntegrityError, match=r"'a' shard 0: checksum mismatch in data/.*bytes \["):
+        ckpt.load(dst, url, verify=True)
+    assert not dst["a"].any() and not dst["b"].any()  # nothing filled with unverified bytes
+    # a request that does not touch the corrupted shard still loads with verification
+    only_b = {"b": torch.zeros(32)}
+    ckpt.load(only_b, url, verify=True, strict=False)
+    assert torch.equal(only_b["b"], src["b"])
