@@ -3,6 +3,7 @@
 Subcommands::
 
     save-load   ckpt.save/ckpt.load vs torch DCP, torch.save and safetensors (single process)
+    async       async save: blocking, staged, done times and memory vs DCP async_save and others
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import save_load
+from bench import async_bench, save_load
 
 COMMANDS = {
     "save-load": (save_load, "save/load throughput vs DCP, torch.save, safetensors and dd"),
+    "async": (async_bench, "async save: blocking/staged/done vs DCP async_save, torch.save, safetensors"),
 }
 
 

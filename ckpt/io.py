@@ -112,8 +112,13 @@ def run_read_plan(storage: Storage, plan: ReadPlan, targets: list[torch.Tensor],
             local.buf = torch.empty(max(op.length, 1 << 20), dtype=torch.uint8)
         buf = local.buf[: op.length]
         mv = byte_view(buf)
-        for fo, n in op.ranges:
-            storage.read_into(op.file, fo, mv[fo - op.start : fo - op.start + n])
+        if len(op.ranges) > 1 and hasattr(storage, "read_ranges"):
+            # Object stores: the ranges of one op go out as parallel ranged GETs.
+            for (fo, n), data in zip(op.ranges, storage.read_ranges(op.file, op.ranges), strict=True):
+                mv[fo - op.start : fo - op.start + n] = data
+        else:
+            for fo, n in op.ranges:
+                storage.read_into(op.file, fo, mv[fo - op.start : fo - op.start + n])
         for c in op.copies:
             t = targets[c.target]
             if isinstance(c, StridedCopy):
@@ -195,3 +200,43 @@ def _runs_intersect(a_s: Any, a_l: Any, b_s: Any, b_l: Any) -> bool:
     idx = np.searchsorted(a_e, b_s, side="right")  # first a-run ending after each b-run start
     ok = idx < len(a_s)
     return bool(np.any(a_s[np.minimum(idx, len(a_s) - 1)][ok] < (b_s + b_l)[ok]))
+
+
+class ScratchReader:
+    """Executes read plans one op at a time through one reusable scratch buffer.
+
+    For streaming rewrites (``ckpt reshard``, ``ckpt diff``) that run many small plans: no buffer is
+    allocated per call (fresh memory is slow to touch), and memory stays bounded by ``scratch_bytes``
+    (ops longer than that, which plans made with ``max_read <= scratch_bytes`` do not produce, grow it).
+    Targets must be contiguous CPU tensors shaped like their regions, as for :func:`run_read_plan`.
+    """
+
+    def __init__(self, storage: Storage, scratch_bytes: int):
+        self.storage = storage
+        self.buf = torch.empty(max(int(scratch_bytes), 64), dtype=torch.uint8)
+
+    def run(self, plan: ReadPlan, targets: list[torch.Tensor], dtypes: list[str]) -> None:
+        """Fill ``targets`` by executing ``plan`` (sequentially, in plan order)."""
+        isz = [torch.empty((), dtype=dtype_from_name(d)).element_size() for d in dtypes]
+        for op in plan.ops:
+            if op.direct is not None:
+                ti, off = op.direct
+                dst = byte_view(targets[ti])
+                for fo, n in op.ranges:
+                    self.storage.read_into(op.file, fo, dst[off + fo - op.start : off + fo - op.start + n])
+                continue
+            if self.buf.numel() < op.length:
+                self.buf = torch.empty(op.length, dtype=torch.uint8)
+            buf = self.buf[: op.length]
+            mv = byte_view(buf)
+            for fo, n in op.ranges:
+                self.storage.read_into(op.file, fo, mv[fo - op.start : fo - op.start + n])
+            for c in op.copies:
+                t = targets[c.target]
+                if isinstance(c, StridedCopy):
+                    src = torch.as_strided(_typed(buf, c.buf_offset, t.dtype, isz[c.target]), c.lengths,
+                                           c.src_strides)
+                    box = tuple(slice(o, o + n) for o, n in zip(c.dst_offsets, c.lengths, strict=True))
+                    (t[box] if t.dim() else t).copy_(src)
+                else:
+                    _segments(buf, c, t, isz[c.target])

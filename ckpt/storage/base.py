@@ -52,3 +52,8 @@ class Storage(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    # Optional, used when present (object stores):
+    #   coalesce_gap: int - bytes of unneeded data worth reading to merge two ranges (local 4096, S3 1 MiB)
+    #   read_ranges(path, [(offset, length), ...]) -> list[bytes] - ranges fetched in parallel
+    #   sync_dir(path) - make names created in a directory durable (local)

@@ -64,6 +64,8 @@ class LocalWriter:
 class LocalStorage:
     """A checkpoint directory on a local (or network-mounted POSIX) filesystem."""
 
+    coalesce_gap = 4096  # reading up to a page of unneeded bytes beats another syscall
+
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self.url = self.root
