@@ -3,6 +3,8 @@
 Subcommands::
 
     save-load   ckpt.save/ckpt.load vs torch DCP, torch.save and safetensors (single process)
+    hf-export   ckpt export-hf (streaming) vs load-everything + save_file / save_pretrained
+    multirank   4 forked gloo ranks: save as Shard(0), resharded load as Shard(1), vs DCP
     async       async save: blocking, staged, done times and memory vs DCP async_save and others
 """
 
@@ -11,10 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import async_bench, save_load
+from bench import async_bench, hf_export, multirank, save_load
 
 COMMANDS = {
     "save-load": (save_load, "save/load throughput vs DCP, torch.save, safetensors and dd"),
+    "hf-export": (hf_export, "Hugging Face export time and peak RSS vs the naive load-then-save paths"),
+    "multirank": (multirank, "4 gloo ranks: DTensor Shard(0) save, Shard(1) load vs DCP"),
     "async": (async_bench, "async save: blocking/staged/done vs DCP async_save, torch.save, safetensors"),
 }
 

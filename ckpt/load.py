@@ -36,7 +36,7 @@ def fetch_manifest(storage: Storage, comm: Comm | None = None) -> Manifest:
 
 def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = True, verify: bool = False,
          storage_options: dict[str, Any] | None = None, workers: int = 4,
-         max_read: int = DEFAULT_MAX_READ) -> dict[str, Any]:
+         max_read: int = DEFAULT_MAX_READ, max_gap: int | None = None) -> dict[str, Any]:
     """Fill the tensors of ``state`` in place from the checkpoint at ``url``, resharding as needed.
 
     Each tensor, ``Shard``, ``FlatShard`` or DTensor in ``state`` says which region of which global
@@ -61,13 +61,14 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
     storage = get_storage(url, **(storage_options or {}))
     try:
         manifest = fetch_manifest(storage, comm)
-        return _load(manifest, storage, state, comm.rank, strict, workers, max_read, verify)
+        gap = max_gap if max_gap is not None else getattr(storage, "coalesce_gap", 4096)
+        return _load(manifest, storage, state, comm.rank, strict, workers, max_read, verify, gap)
     finally:
         storage.close()
 
 
 def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int, strict: bool,
-          workers: int, max_read: int, verify: bool = False) -> dict[str, Any]:
+          workers: int, max_read: int, verify: bool = False, max_gap: int = 4096) -> dict[str, Any]:
     items = flatten_state(state)
     keys = {i.key for i in items}
     # An object leaf may stand for a whole nested dict of stored objects ("meta": None gets
@@ -124,7 +125,7 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
         targets.append(dst)
         direct.append(True)
     plan = plan_load(manifest, requests, contiguous_targets=direct, max_read=max_read,
-                     max_gap=getattr(storage, "coalesce_gap", 4096))
+                     max_gap=max_gap)
     if verify:
         verify_shards(storage, manifest, requests, workers=workers)
     run_read_plan(storage, plan, targets, [r.dtype for r in requests], workers=workers)

@@ -85,8 +85,11 @@ class LocalStorage:
         return LocalWriter(self._full(path))
 
     def _fd(self, path: str) -> int:
+        # One descriptor per (file, thread): each reader thread keeps its own readahead state, so
+        # parallel readers at different offsets of one file all stay sequential for the kernel.
+        key = f"{threading.get_ident()}:{path}"
         with self._lock:
-            fd = self._fds.get(path)
+            fd = self._fds.get(key)
             if fd is None:
                 try:
                     fd = os.open(self._full(path), os.O_RDONLY)
@@ -95,7 +98,9 @@ class LocalStorage:
                                        "incomplete (run `ckpt verify`)") from None
                 except OSError as e:
                     raise StorageError(f"{os.path.join(self.root, path)}: cannot open ({e.strerror})") from e
-                self._fds[path] = fd
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                self._fds[key] = fd
             return fd
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
