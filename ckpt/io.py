@@ -112,7 +112,9 @@ def run_read_plan(storage: Storage, plan: ReadPlan, targets: list[torch.Tensor],
             local.buf = torch.empty(max(op.length, 1 << 20), dtype=torch.uint8)
         buf = local.buf[: op.length]
         mv = byte_view(buf)
-        if len(op.ranges) > 1 and hasattr(storage, "read_ranges"):
+        if len(op.ranges) > 1 and hasattr(storage, "readv"):
+            storage.readv(op.file, op.ranges, mv, op.start)
+        elif len(op.ranges) > 1 and hasattr(storage, "read_ranges"):
             # Object stores: the ranges of one op go out as parallel ranged GETs.
             for (fo, n), data in zip(op.ranges, storage.read_ranges(op.file, op.ranges), strict=True):
                 mv[fo - op.start : fo - op.start + n] = data

@@ -293,7 +293,8 @@ class _Frag:
     file: str
     start: int
     end: int
-    ranges: list[tuple[int, int]]
+    offs: np.ndarray  # byte ranges to read: file offsets (sorted) ...
+    lens: np.ndarray  # ... and lengths
     copy: Copy | None
     direct: tuple[int, int] | None
 
@@ -371,13 +372,12 @@ def _plan_pair(frags: list[_Frag], ti: int, req: LoadRequest, s: ShardEntry, sha
         sl = slice(i, j + 1)
         fstart = s.offset + span_start * isz
         fend = s.offset + int(s_off[j] + lens[j]) * isz
-        ranges = _merge_ranges([(s.offset + int(a) * isz, int(n) * isz)
-                                for a, n in zip(s_off[sl], lens[sl], strict=True)])
+        offs, nbytes = s.offset + s_off[sl] * isz, lens[sl] * isz
         if direct_ok and j == i:
-            frags.append(_Frag(s.file, fstart, fend, ranges, None, (ti, int(d_off[i]) * isz)))
+            frags.append(_Frag(s.file, fstart, fend, offs, nbytes, None, (ti, int(d_off[i]) * isz)))
         else:
             seg = SegmentCopy(ti, (s_off[sl] - span_start) * isz, d_off[sl].copy(), lens[sl].copy())
-            frags.append(_Frag(s.file, fstart, fend, ranges, seg, None))
+            frags.append(_Frag(s.file, fstart, fend, offs, nbytes, seg, None))
         i = j + 1
     return total
 
@@ -424,27 +424,31 @@ def _box_frag(frags: list[_Frag], ti: int, s: ShardEntry, src: Box, dst: Box, su
     first = int(starts[0])
     fstart = s.offset + first * isz
     fend = s.offset + (int(starts[-1]) + run) * isz
-    ranges = _merge_ranges([(s.offset + int(a) * isz, run * isz) for a in starts])
+    offs = s.offset + starts * isz
+    nbytes = np.full(offs.shape, run * isz, dtype=np.int64)
     dst_offsets = tuple(o - d for o, d in zip(sub.offsets, dst.offsets, strict=True))
     if direct_ok and len(starts) == 1:
         # One run in the file; is it one run in the destination too?
         dstarts, drun = box_runs(sub, dst)
         if len(dstarts) == 1 and drun == run:
-            frags.append(_Frag(s.file, fstart, fend, ranges, None, (ti, int(dstarts[0]) * isz)))
+            frags.append(_Frag(s.file, fstart, fend, offs, nbytes, None, (ti, int(dstarts[0]) * isz)))
             return
-    frags.append(_Frag(s.file, fstart, fend, ranges,
-                       StridedCopy(ti, 0, sub.lengths, st, dst_offsets), None))
+    frags.append(_Frag(s.file, fstart, fend, offs, nbytes, StridedCopy(ti, 0, sub.lengths, st, dst_offsets), None))
 
 
-def _merge_ranges(ranges: list[tuple[int, int]], max_gap: int = 0) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for off, n in sorted(ranges):
-        if out and off <= out[-1][0] + out[-1][1] + max_gap:
-            po, pn = out[-1]
-            out[-1] = (po, max(po + pn, off + n) - po)
-        else:
-            out.append((off, n))
-    return out
+def _merge(offs: np.ndarray, lens: np.ndarray, max_gap: int) -> list[tuple[int, int]]:
+    """Sort byte ranges and merge those that overlap or lie within ``max_gap`` of each other."""
+    if len(offs) == 0:
+        return []
+    order = np.argsort(offs, kind="stable")
+    o, e = offs[order], offs[order] + lens[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(o), dtype=bool)
+    new[1:] = o[1:] > reach[:-1] + max_gap
+    idx = np.nonzero(new)[0]
+    starts = o[idx]
+    ends = np.maximum.reduceat(e, idx)
+    return list(zip(starts.tolist(), (ends - starts).tolist(), strict=True))
 
 
 def _coalesce(frags: list[_Frag], max_read: int, max_gap: int) -> list[ReadOp]:
@@ -458,24 +462,22 @@ def _coalesce(frags: list[_Frag], max_read: int, max_gap: int) -> list[ReadOp]:
     for f in frags:
         by_file.setdefault(f.file, []).append(f)
     for file in sorted(by_file):
-        cur: ReadOp | None = None
+        groups: list[tuple[int, int, list[_Frag]]] = []  # (aligned start, end, members)
         for f in sorted(by_file[file], key=lambda f: f.start):
             if f.direct is not None:
-                ops.append(ReadOp(file, f.start, f.end - f.start, f.ranges, [], f.direct))
+                ops.append(ReadOp(file, f.start, f.end - f.start, _merge(f.offs, f.lens, 0), [], f.direct))
                 continue
-            assert f.copy is not None
-            if cur is not None and f.start <= cur.start + cur.length + max_gap and f.end - cur.start <= max_read:
-                cur.length = max(cur.length, f.end - cur.start)
-                cur.ranges = _merge_ranges(cur.ranges + f.ranges, max_gap)
-                cur.copies.append(_shift(f.copy, f.start - cur.start))
+            if groups and f.start <= groups[-1][1] + max_gap and f.end - groups[-1][0] <= max_read:
+                start, end, members = groups[-1]
+                members.append(f)
+                groups[-1] = (start, max(end, f.end), members)
             else:
-                if cur is not None:
-                    ops.append(cur)
-                start = f.start - f.start % 8
-                cur = ReadOp(file, start, f.end - start, _merge_ranges(f.ranges, max_gap),
-                             [_shift(f.copy, f.start - start)], None)
-        if cur is not None:
-            ops.append(cur)
+                groups.append((f.start - f.start % 8, f.end, [f]))
+        for start, end, members in groups:
+            ranges = _merge(np.concatenate([m.offs for m in members]), np.concatenate([m.lens for m in members]),
+                            max_gap)
+            copies = [_shift(m.copy, m.start - start) for m in members if m.copy is not None]
+            ops.append(ReadOp(file, start, end - start, ranges, copies, None))
     return ops
 
 

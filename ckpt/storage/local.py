@@ -64,7 +64,7 @@ class LocalWriter:
 class LocalStorage:
     """A checkpoint directory on a local (or network-mounted POSIX) filesystem."""
 
-    coalesce_gap = 4096  # reading up to a page of unneeded bytes beats another syscall
+    coalesce_gap = 65536  # readahead fetches small gaps from disk anyway; a memcpy beats another syscall
 
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
@@ -119,6 +119,18 @@ class LocalStorage:
                 got += n
         except OSError as e:
             raise StorageError(f"{os.path.join(self.root, path)}: read failed at {offset} ({e.strerror})") from e
+
+    def readv(self, path: str, ranges: list[tuple[int, int]], buf: memoryview, base: int) -> None:
+        """Fill ``buf[off - base : off - base + n]`` for each ``(off, n)`` of ``path``: one
+        ``preadv`` per range with no per-call overhead beyond it (many small runs of a reshard)."""
+        fd = self._fd(path)
+        preadv = os.preadv
+        try:
+            for off, n in ranges:
+                if preadv(fd, [buf[off - base : off - base + n]], off) != n:
+                    self.read_into(path, off, buf[off - base : off - base + n])  # short read: retry or raise
+        except OSError as e:
+            raise StorageError(f"{os.path.join(self.root, path)}: read failed ({e.strerror})") from e
 
     def read_file(self, path: str) -> bytes:
         try:
