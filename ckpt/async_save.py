@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 from ckpt.comm import Comm
 from ckpt.errors import CheckpointError
 from ckpt.manifest import Manifest
-from ckpt.save import Prepared, commit, persist, prepare
+from ckpt.save import DEFAULT_TIMEOUT_S, PlanCache, Prepared, commit, persist, prepare
 from ckpt.storage import get_storage
 
 _COMMIT_GROUPS: dict[Any, Any] = {}
@@ -77,6 +78,7 @@ class SaveHandle:
         self._piece_ready: dict[int, threading.Event] = {}
         self._cuda_event: Any = None
         self.manifest: Manifest | None = None
+        self.stats: dict[str, float] = {}  # this rank's phase durations (s): plan, stage, persist, commit
         self.error: BaseException | None = None
         self._stage_error: BaseException | None = None
         self._error_seen = False
@@ -111,9 +113,11 @@ class SaveHandle:
 class AsyncSaver:
     """Runs one async save at a time for one process group; reuses its staging pool across saves."""
 
-    def __init__(self, group: Any = None):
+    def __init__(self, group: Any = None, timeout: float | None = DEFAULT_TIMEOUT_S):
         self.group = group
         self.pool = StagingPool()
+        self.cache = PlanCache()
+        self.timeout = timeout
         self.inflight: SaveHandle | None = None
         self._thread: threading.Thread | None = None
         self._stream: Any = None
@@ -140,8 +144,10 @@ class AsyncSaver:
                 raise CheckpointError(f"the previous async save to {prev.url} failed: {prev.error}") from prev.error
         storage = get_storage(url, **(storage_options or {}))
         commit_comm = _commit_comm(comm)
+        t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
-                       layout=layout)
+                       layout=layout, cache=self.cache, timeout=self.timeout)
+        prep.stats["plan"] = time.perf_counter() - t0
         handle = SaveHandle(url, step)
         pieces = [e.piece for e in prep.assignment.entries]
         buffers = self.pool.buffers_for(pieces, prep.sources)
@@ -186,9 +192,12 @@ class AsyncSaver:
                     raise CheckpointError(f"staging for {handle.url} failed: {handle._stage_error}")
 
             sources = [buffers.get(i, s) for i, s in enumerate(prep.sources)]
+            t0 = time.perf_counter()
             result = persist(storage, prep, sources, comm.who, wait_piece=wait_piece)
             stager.join()
-            handle.manifest = commit(commit_comm, storage, prep, result)
+            prep.stats["persist"] = time.perf_counter() - t0
+            handle.manifest = commit(commit_comm, storage, prep, result, timeout=self.timeout, cache=self.cache)
+            handle.stats = dict(prep.stats, commit=time.perf_counter() - t0 - prep.stats["persist"])
             if on_commit is not None and commit_comm.rank == 0:
                 on_commit(handle.manifest)
         except BaseException as e:  # noqa: BLE001 - surfaced on the handle and on the next save
@@ -199,6 +208,7 @@ class AsyncSaver:
             storage.close()
 
     def _stage_cpu(self, prep: Prepared, buffers: dict[int, torch.Tensor], handle: SaveHandle) -> None:
+        t0 = time.perf_counter()
         try:
             for e in prep.assignment.entries:
                 i = e.piece
@@ -211,6 +221,7 @@ class AsyncSaver:
             for ev in handle._piece_ready.values():
                 ev.set()
         finally:
+            prep.stats["stage"] = time.perf_counter() - t0
             handle._staged.set()
 
     def wait(self) -> None:

@@ -1,11 +1,15 @@
 """Metadata exchange between ranks: msgpack bytes over a CPU (gloo) group. Never pickle, never data.
 
-Each rank sends O(its own metadata): gather and scatter go point-to-point to/from the coordinator
-(group rank 0); only the manifest is broadcast.
+Every exchange is point-to-point between the coordinator (group rank 0) and each rank: a rank
+sends one message and receives one, so what a rank sends and receives is O(its own metadata), and
+a coordinator waiting for a slow or dead rank names it after ``timeout`` seconds instead of
+hanging. Only the load path broadcasts (the manifest, which every loading rank needs).
 """
 
 from __future__ import annotations
 
+import datetime
+import time
 from typing import Any
 
 import msgpack
@@ -22,15 +26,26 @@ def _dist() -> Any:
     return dist
 
 
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
 class Comm:
     """Collective helpers for one process group, or a no-op single-process stand-in.
 
     ``group=None`` with an initialized default group means the whole world takes part.
+    ``sent`` / ``received`` count this rank's metadata bytes (for the traffic figures).
     """
 
     def __init__(self, group: Any = None):
         dist = _dist()
         self.enabled = dist.is_available() and dist.is_initialized()
+        self.sent = 0
+        self.received = 0
         if not self.enabled:
             if group is not None:
                 raise errors.StateError("a process group was passed but torch.distributed is not initialized")
@@ -47,6 +62,10 @@ class Comm:
         """This rank for error messages, or None when single-process."""
         return self.rank if self.world > 1 else None
 
+    @property
+    def single(self) -> bool:
+        return not self.enabled or self.world == 1
+
     def _cpu_group(self) -> Any:
         dist = _dist()
         if dist.get_backend(self.group) == "gloo":
@@ -60,57 +79,101 @@ class Comm:
         return _GLOO_GROUPS[key]
 
     def _global(self, r: int) -> int:
-        return int(_dist().get_global_rank(self.cpu_group, r)) if self.cpu_group is not _dist().group.WORLD else r
-
-    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        """Send ``obj`` (msgpack-able) to ``dst``; ``dst`` returns every rank's object, others None."""
-        data = msgpack.packb(obj, use_bin_type=True)
-        if not self.enabled or self.world == 1:
-            return [obj]
         dist = _dist()
-        if self.rank == dst:
-            out: list[Any] = [None] * self.world
-            out[dst] = obj
-            for r in range(self.world):
-                if r == dst:
-                    continue
-                n = torch.zeros(1, dtype=torch.int64)
-                dist.recv(n, src=self._global(r), group=self.cpu_group)
-                buf = torch.empty(int(n.item()), dtype=torch.uint8)
-                if buf.numel():
-                    dist.recv(buf, src=self._global(r), group=self.cpu_group)
-                out[r] = msgpack.unpackb(buf.numpy().tobytes(), raw=False, strict_map_key=False)
-            return out
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=self._global(dst), group=self.cpu_group)
-        if data:
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=self._global(dst), group=self.cpu_group)
-        return None
+        return int(dist.get_global_rank(self.cpu_group, r)) if self.cpu_group is not dist.group.WORLD else r
 
-    def scatter(self, objs: list[Any] | None, src: int = 0) -> Any:
-        """``src`` sends ``objs[r]`` to each rank r; every rank returns its own object."""
-        if not self.enabled or self.world == 1:
-            assert objs is not None
-            return objs[0]
+    # --- point to point -------------------------------------------------------------------
+
+    def _send(self, data: bytes, peer: int) -> None:
         dist = _dist()
-        if self.rank == src:
-            assert objs is not None and len(objs) == self.world
-            for r in range(self.world):
-                if r == src:
-                    continue
-                data = msgpack.packb(objs[r], use_bin_type=True)
-                dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=self._global(r), group=self.cpu_group)
-                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=self._global(r),
+        try:
+            dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=self._global(peer), group=self.cpu_group)
+            if data:
+                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=self._global(peer),
                           group=self.cpu_group)
-            return objs[src]
-        n = torch.zeros(1, dtype=torch.int64)
-        dist.recv(n, src=self._global(src), group=self.cpu_group)
-        buf = torch.empty(int(n.item()), dtype=torch.uint8)
-        dist.recv(buf, src=self._global(src), group=self.cpu_group)
-        return msgpack.unpackb(buf.numpy().tobytes(), raw=False, strict_map_key=False)
+        except RuntimeError as e:  # gloo: the peer is gone or the group was closed after a timeout
+            raise errors.CollectiveError(f"rank {self.rank}: lost contact with rank {peer} ({e}); "
+                                         "the checkpoint is not committed: restart the job") from None
+        self.sent += len(data) + 8
+
+    def _recv_payload(self, n: int, peer: int) -> bytes:
+        buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            try:
+                _dist().recv(buf, src=self._global(peer), group=self.cpu_group)
+            except RuntimeError as e:
+                raise errors.CollectiveError(f"rank {self.rank}: lost contact with rank {peer} ({e}); "
+                                             "the checkpoint is not committed: restart the job") from None
+        self.received += n + 8
+        return buf.numpy().tobytes()
+
+    def _wait_sizes(self, peers: list[int], timeout: float | None, what: str) -> dict[int, int]:
+        """Post a size receive from every peer, then wait for all; name the missing ones on timeout."""
+        dist = _dist()
+        bufs = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
+        works = {p: dist.irecv(bufs[p], src=self._global(p), group=self.cpu_group) for p in peers}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        missing: list[int] = []
+        for p in peers:  # all receives are posted: waiting in order costs nothing extra
+            try:
+                if deadline is None:
+                    works[p].wait()
+                    continue
+                left = max(deadline - time.monotonic(), 0.001) if not missing else 0.001
+                works[p].wait(timeout=datetime.timedelta(seconds=left))
+            except RuntimeError:  # gloo: timed out, or the peer is gone (the pair is closed afterwards)
+                missing.append(p)
+        if missing:
+            within = f"within {timeout:g} s" if timeout is not None else "(connection lost)"
+            raise errors.CollectiveError(
+                f"{what}: rank(s) {missing} did not report {within} (slow, hung or dead); "
+                "the checkpoint is not committed. The metadata group is unusable after this: restart the job"
+            )
+        return {p: int(bufs[p].item()) for p in peers}
+
+    def gather(self, obj: Any, *, timeout: float | None = None, what: str = "gather") -> list[Any] | None:
+        """Every rank sends ``obj`` (msgpack-able) to the coordinator; it returns all of them, others None.
+
+        Raises CollectiveError on the coordinator naming ranks that did not report within ``timeout``.
+        """
+        if self.single:
+            return [obj]
+        if self.rank != 0:
+            self._send(_pack(obj), 0)
+            return None
+        peers = list(range(1, self.world))
+        sizes = self._wait_sizes(peers, timeout, what)
+        out: list[Any] = [obj] + [None] * (self.world - 1)
+        for p in peers:
+            out[p] = _unpack(self._recv_payload(sizes[p], p))
+        return out
+
+    def send_each(self, objs: list[Any]) -> Any:
+        """Coordinator only: send ``objs[r]`` to each rank r; returns its own ``objs[0]``."""
+        if self.single:
+            return objs[0]
+        for r in range(1, self.world):
+            self._send(_pack(objs[r]), r)
+        return objs[0]
+
+    def recv_one(self, *, timeout: float | None = None, what: str = "reply") -> Any:
+        """Non-coordinator: receive the coordinator's message; CollectiveError after ``timeout``."""
+        sizes = self._wait_sizes([0], timeout, f"{what} (waiting for the coordinator, rank 0)")
+        return _unpack(self._recv_payload(sizes[0], 0))
+
+    def exchange(self, obj: Any, reply: Any, *, timeout: float | None = None, what: str = "exchange") -> Any:
+        """gather + per-rank reply: ``reply(list_of_objs) -> list_of_replies`` runs on the coordinator."""
+        got = self.gather(obj, timeout=timeout, what=what)
+        if self.rank == 0:
+            assert got is not None
+            return self.send_each(reply(got))
+        return self.recv_one(timeout=timeout, what=what)
+
+    # --- broadcast (load path) --------------------------------------------------------------
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """Broadcast raw bytes from ``src`` to every rank."""
-        if not self.enabled or self.world == 1:
+        if self.single:
             assert data is not None
             return data
         dist = _dist()
@@ -120,12 +183,16 @@ class Comm:
                else torch.empty(int(n.item()), dtype=torch.uint8))
         if buf.numel():
             dist.broadcast(buf, src=self._global(src), group=self.cpu_group)
+        if self.rank == src:
+            self.sent += buf.numel() * (self.world - 1)
+        else:
+            self.received += buf.numel()
         return buf.numpy().tobytes()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Broadcast a msgpack-able object from ``src``."""
-        data = msgpack.packb(obj, use_bin_type=True) if self.rank == src else None
-        return msgpack.unpackb(self.broadcast_bytes(data, src), raw=False, strict_map_key=False)
+        data = _pack(obj) if self.rank == src else None
+        return _unpack(self.broadcast_bytes(data, src))
 
 
 def error_payload(e: BaseException, rank: int | None) -> dict[str, Any]:

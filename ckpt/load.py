@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -16,19 +17,27 @@ from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.storage import Storage, get_storage
 
 
-def fetch_manifest(storage: Storage, comm: Comm | None = None) -> Manifest:
-    """Read the manifest once (coordinator) and broadcast its bytes to every rank."""
+def fetch_manifest(storage: Storage, comm: Comm | None = None, *, manifest_read: str = "broadcast") -> Manifest:
+    """The validated manifest on every rank.
+
+    ``manifest_read="broadcast"`` (default): the coordinator reads it once and broadcasts the bytes
+    (one read of the object store / filesystem per job). ``"each"``: every rank reads it itself (no
+    collective; better when the storage serves many readers well and the manifest is large).
+    """
     comm = comm or Comm(None)
+    if manifest_read not in ("broadcast", "each"):
+        raise ValueError(f"manifest_read must be 'broadcast' or 'each', got {manifest_read!r}")
     payload: dict[str, Any] = {}
-    if comm.rank == 0:
+    if comm.rank == 0 or manifest_read == "each":
         try:
             if storage.size(MANIFEST_NAME) is None:
                 raise ManifestError(f"{storage.url}: no committed checkpoint here ({MANIFEST_NAME} is missing); "
                                     "the save may not have finished (see `ckpt ls`)")
             payload = {"ok": storage.read_file(MANIFEST_NAME)}
         except CheckpointError as e:
-            payload = error_payload(e, comm.who)
-    payload = comm.broadcast(payload) if comm.enabled and comm.world > 1 else payload
+            payload = error_payload(e, 0 if comm.world > 1 and manifest_read == "broadcast" else None)
+    if manifest_read == "broadcast" and not comm.single:
+        payload = comm.broadcast(payload)
     if "err" in payload:
         raise_payload(payload)
     return decode_manifest(payload["ok"], url=f"{storage.url}/{MANIFEST_NAME}")
@@ -36,12 +45,17 @@ def fetch_manifest(storage: Storage, comm: Comm | None = None) -> Manifest:
 
 def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = True, verify: bool = False,
          storage_options: dict[str, Any] | None = None, workers: int = 4,
-         max_read: int = DEFAULT_MAX_READ, max_gap: int | None = None) -> dict[str, Any]:
+         max_read: int = DEFAULT_MAX_READ, max_gap: int | None = None, manifest_read: str = "broadcast",
+         stats: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fill the tensors of ``state`` in place from the checkpoint at ``url``, resharding as needed.
 
     Each tensor, ``Shard``, ``FlatShard`` or DTensor in ``state`` says which region of which global
     tensor this rank wants; the stored layout does not matter. Returns a structure like ``state``
     with the loaded objects (and the filled tensors) in place.
+
+    ``stats``, when given a dict, receives this rank's phase durations in seconds (manifest, plan,
+    verify, read, copy) and byte counts. ``manifest_read`` picks how ranks get the manifest (see
+    :func:`fetch_manifest`).
 
     With ``verify=True`` every stored shard this rank touches is read whole and its checksum
     checked before any destination tensor is written (a verification pass, then the copy pass).
@@ -60,15 +74,24 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
     comm = Comm(group)
     storage = get_storage(url, **(storage_options or {}))
     try:
-        manifest = fetch_manifest(storage, comm)
+        t0 = time.perf_counter()
+        manifest = fetch_manifest(storage, comm, manifest_read=manifest_read)
+        t_manifest = time.perf_counter() - t0
         gap = max_gap if max_gap is not None else getattr(storage, "coalesce_gap", 4096)
-        return _load(manifest, storage, state, comm.rank, strict, workers, max_read, verify, gap)
+        phases: dict[str, Any] = {"manifest": t_manifest}
+        out = _load(manifest, storage, state, comm.rank, strict, workers, max_read, verify, gap, phases)
+        if stats is not None:
+            stats.update(phases)
+        return out
     finally:
         storage.close()
 
 
 def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int, strict: bool,
-          workers: int, max_read: int, verify: bool = False, max_gap: int = 4096) -> dict[str, Any]:
+          workers: int, max_read: int, verify: bool = False, max_gap: int = 4096,
+          phases: dict[str, Any] | None = None) -> dict[str, Any]:
+    phases = phases if phases is not None else {}
+    t0 = time.perf_counter()
     items = flatten_state(state)
     keys = {i.key for i in items}
     # An object leaf may stand for a whole nested dict of stored objects ("meta": None gets
@@ -126,11 +149,20 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
         direct.append(True)
     plan = plan_load(manifest, requests, contiguous_targets=direct, max_read=max_read,
                      max_gap=max_gap)
+    t1 = time.perf_counter()
+    phases["plan"] = t1 - t0
     if verify:
-        verify_shards(storage, manifest, requests, workers=workers)
+        phases["bytes_verified"] = verify_shards(storage, manifest, requests, workers=workers)
+        phases["verify"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
     run_read_plan(storage, plan, targets, [r.dtype for r in requests], workers=workers)
+    t2 = time.perf_counter()
+    phases["read"] = t2 - t1  # reads and the copies into place, overlapped across reader threads
     for dst, staging in finals:
         dst.copy_(staging)
+    phases["copy"] = time.perf_counter() - t2  # device / non-contiguous destinations only
+    phases["bytes_read"] = plan.bytes_read
+    phases["ops"] = len(plan.ops)
     return rebuild_state(state, values)
 
 

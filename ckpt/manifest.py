@@ -122,6 +122,7 @@ class Manifest:
     hash_algorithm: str = HASH_ALGORITHM
     version: tuple[int, int] = FORMAT_VERSION
     stats: dict[str, Any] | None = None
+    partial: bool = False  # not stored: a non-coordinator rank's view of a save (its own pieces only)
 
     @property
     def total_bytes(self) -> int:

@@ -1,23 +1,37 @@
-"""Synchronous save: local plan, global plan, write, commit (DCP's order, without pickle)."""
+"""Synchronous save: local plan, global plan, write, commit (DCP's order, without pickle).
+
+Exchange protocol (docs/FORMAT.md, "Metadata traffic"): each rank sends its declaration (metadata
+of its pieces) to the coordinator and receives only its own write assignment; after writing, it
+sends its file name, size, checksums and per-rank objects, and receives a status word. When a
+rank's structure (keys, shapes, dtypes, regions) is unchanged since its previous save, the
+planning exchange is skipped: the cached assignment is reused and the only message is the commit
+report, in which the coordinator checks that every rank's structure fingerprint matches the plan.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import time
 import uuid
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
+import msgpack
 import torch
 
 from ckpt.comm import Comm, error_payload, raise_payload
-from ckpt.errors import CheckpointError, CheckpointExistsError
+from ckpt.errors import CheckpointError, CheckpointExistsError, CollectiveError
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest, encode_object
 from ckpt.io import write_assignment
-from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
+from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.planner import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
 from ckpt.state import ObjectItem, TensorItem, flatten_state
 from ckpt.storage import Storage, get_storage
+
+DEFAULT_TIMEOUT_S = 600.0
 
 
 def build_decl(state: dict[str, Any], rank: int) -> tuple[RankDecl, list[TensorItem]]:
@@ -35,6 +49,12 @@ def build_decl(state: dict[str, Any], rank: int) -> tuple[RankDecl, list[TensorI
     return decl, tensors
 
 
+def fingerprint(decl: RankDecl) -> str:
+    """Hash of a declaration's structure (pieces and object keys, not values): equal -> same plan."""
+    wire = [[p.to_wire() for p in decl.pieces], sorted(decl.objects), sorted(decl.per_rank_objects)]
+    return hashlib.blake2b(msgpack.packb(wire, use_bin_type=True), digest_size=16).hexdigest()
+
+
 def read_manifest(storage: Storage) -> Manifest | None:
     """The committed manifest at ``storage``'s root, or None when there is none."""
     if storage.size(MANIFEST_NAME) is None:
@@ -42,18 +62,39 @@ def read_manifest(storage: Storage) -> Manifest | None:
     return decode_manifest(storage.read_file(MANIFEST_NAME), url=f"{storage.url}/{MANIFEST_NAME}")
 
 
+@dataclass(slots=True)
+class PlanCache:
+    """The last plan of one process group: reused while every rank's structure is unchanged."""
+
+    fingerprint: str | None = None
+    assignment: WriteAssignment | None = None
+    plan: SavePlan | None = None  # coordinator only
+    fingerprints: list[str] = field(default_factory=list)  # coordinator only: every rank's
+    hits: int = 0
+
+    def clear(self) -> None:
+        self.fingerprint, self.assignment, self.plan, self.fingerprints = None, None, None, []
+
+
+_SYNC_CACHES: dict[Any, PlanCache] = {}
+
+
 def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None = None,
          user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
-         layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None) -> Manifest:
+         layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
+         timeout: float | None = DEFAULT_TIMEOUT_S) -> Manifest:
     """Save ``state`` to ``url`` as one committed checkpoint; collective over ``group`` when distributed.
 
     ``state`` is a nested dict of tensors (replicated: written once), ``ckpt.Shard``,
-    ``ckpt.FlatShard``, DTensors, ``ckpt.PerRank`` values and msgpack-able objects.
+    ``ckpt.FlatShard``, DTensors, ``ckpt.PerRank`` values and msgpack-able objects. The coordinator
+    (group rank 0) gets the full committed manifest back; other ranks get a partial one holding the
+    pieces they wrote (``manifest.partial``), so no rank receives O(world) metadata.
 
     Raises:
         CheckpointExistsError: ``url`` already holds a committed checkpoint and ``overwrite`` is False.
         StateError / LayoutError: malformed state, ranks disagreeing, overlapping or missing pieces.
         StorageError: an I/O failure; no manifest is written and any previous checkpoint is intact.
+        CollectiveError: a rank did not report within ``timeout`` seconds (it is named).
 
     Example::
 
@@ -61,123 +102,243 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
     """
     comm = Comm(group)
     storage = get_storage(url, **(storage_options or {}))
+    cache = _SYNC_CACHES.setdefault(id(group), PlanCache())
     try:
+        t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
-                       layout=layout)
+                       layout=layout, cache=cache, timeout=timeout)
+        prep.stats["plan"] = time.perf_counter() - t0
+        prep.stats["stage"] = 0.0  # synchronous: written straight from the caller's tensors
+        t1 = time.perf_counter()
         result = persist(storage, prep, prep.sources, comm.who)
-        return commit(comm, storage, prep, result)
+        prep.stats["persist"] = time.perf_counter() - t1
+        return commit(comm, storage, prep, result, timeout=timeout, cache=cache)
     finally:
         storage.close()
 
 
 @dataclass(slots=True)
 class Prepared:
-    """The outcome of the collective planning phase on one rank."""
+    """The outcome of the planning phase on one rank."""
 
     assignment: WriteAssignment
     sources: list[torch.Tensor]  # this rank's pieces, indexed like its declaration
+    decl: RankDecl
+    fingerprint: str
     plan: SavePlan | None  # the global plan (coordinator only)
     previous: Manifest | None  # the checkpoint being overwritten (coordinator only)
+    step: int | None = None
+    user_metadata: dict[str, Any] | None = None
+    layout: dict[str, Any] | None = None
+    overwrite: bool = False
+    cached: bool = False
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | None = None,
             user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
-            layout: dict[str, Any] | None = None) -> Prepared:
-    """Phases 1-2 (collective): local declarations, global plan on the coordinator, assignments out.
+            layout: dict[str, Any] | None = None, cache: PlanCache | None = None,
+            timeout: float | None = DEFAULT_TIMEOUT_S) -> Prepared:
+    """Phases 1-2: local declaration; global plan on the coordinator (skipped when cached).
 
     Raises the same error on every rank when any rank's state is bad or the plan is invalid.
     """
+    err: dict[str, Any] | None = None
     sources: list[torch.Tensor] = []
+    decl = RankDecl()
+    fp = ""
     try:
         decl, items = build_decl(state, comm.rank)
         sources = [t.local for t in items]
-        payload: dict[str, Any] = {"ok": decl.to_wire()}
+        fp = fingerprint(decl)
     except CheckpointError as e:
-        payload = error_payload(e, comm.who)
-    gathered = comm.gather(payload)
+        err = error_payload(e, comm.who)
     previous: Manifest | None = None
-    plan: SavePlan | None = None
-    replies: list[Any] = []
-    if comm.rank == 0:
-        assert gathered is not None
-        errs = [g for g in gathered if "err" in g]
+    if comm.rank == 0 and err is None:
+        try:
+            previous = read_manifest(storage)
+            if previous is not None and not overwrite:
+                raise CheckpointExistsError(
+                    f"{storage.url}: already holds a committed checkpoint (step {previous.step}); "
+                    "pass overwrite=True to replace it, or save to a new path"
+                )
+        except CheckpointError as e:
+            err = error_payload(e, None)
+    common = dict(decl=decl, fingerprint=fp, previous=previous, step=step, user_metadata=user_metadata,
+                  layout=layout, overwrite=overwrite)
+    if err is None and cache is not None and cache.fingerprint == fp and cache.assignment is not None:
+        # Steady state: same structure as last time on this rank; no exchange. The commit report
+        # carries the fingerprint so the coordinator can refuse a mismatch.
+        cache.hits += 1
+        return Prepared(cache.assignment, sources, plan=cache.plan, cached=True, **common)  # type: ignore[arg-type]
+    if cache is not None:
+        cache.clear()
+    payload = err or {"phase": "plan", "decl": decl.to_wire(), "fp": fp}
+    plan_box: list[SavePlan] = []
+    fps: list[str] = []
+
+    def reply(got: list[Any]) -> list[Any]:
+        errs = [g for g in got if "err" in g]
         if errs:
-            replies = [errs[0]] * comm.world
-        else:
-            try:
-                previous = read_manifest(storage)
-                if previous is not None and not overwrite:
-                    raise CheckpointExistsError(
-                        f"{storage.url}: already holds a committed checkpoint (step {previous.step}); "
-                        "pass overwrite=True to replace it, or save to a new path"
-                    )
-                decls = [RankDecl.from_wire(g["ok"]) for g in gathered]
-                plan = plan_save(decls, save_id=uuid.uuid4().hex[:12], step=step,
-                                 user_metadata=user_metadata, layout=layout)
-                replies = [{"ok": a.to_wire()} for a in plan.assignments]
-            except CheckpointError as e:  # a global-plan error names its tensor/ranks itself
-                replies = [error_payload(e, None)] * comm.world
-    mine = comm.scatter(replies if comm.rank == 0 else None)
+            return [errs[0]] * comm.world
+        stray = [r for r, g in enumerate(got) if g.get("phase") != "plan"]
+        if stray:
+            return [_structure_error(stray)] * comm.world
+        try:
+            decls = [RankDecl.from_wire(g["decl"]) for g in got]
+            plan = plan_save(decls, save_id="pending", step=step, user_metadata=user_metadata, layout=layout)
+        except CheckpointError as e:  # a global-plan error names its tensor/ranks itself
+            return [error_payload(e, None)] * comm.world
+        plan_box.append(plan)
+        fps.extend(g["fp"] for g in got)
+        return [{"ok": a.to_wire()} for a in plan.assignments]
+
+    mine = comm.exchange(payload, reply, timeout=timeout, what="save planning")
     if "err" in mine:
         raise_payload(mine)
-    return Prepared(WriteAssignment.from_wire(mine["ok"]), sources, plan, previous)
+    assignment = WriteAssignment.from_wire(mine["ok"])
+    plan = plan_box[0] if plan_box else None
+    if cache is not None:
+        cache.fingerprint, cache.assignment, cache.plan, cache.fingerprints = fp, assignment, plan, fps
+    return Prepared(assignment, sources, plan=plan, **common)  # type: ignore[arg-type]
+
+
+def _structure_error(ranks: list[int]) -> dict[str, Any]:
+    return error_payload(CollectiveError(
+        f"rank(s) {ranks} changed the structure of their state (keys, shapes, dtypes or shards) while others "
+        "did not: every rank must change together. Nothing was committed; the next save re-plans"), None)
 
 
 def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: int | None,
             wait_piece: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Phase 3 (local): write this rank's data file from ``sources``; returns a result payload, never raises."""
+    """Phase 3 (local): write this rank's data file from ``sources``; returns a result payload, never raises.
+
+    The file gets a fresh name chosen here (``data/<rank>-<random>.safetensors``), so a save never
+    writes into a file that a committed checkpoint may reference (overwrite stays crash-safe).
+    """
     a = prep.assignment
+    base = {"phase": "commit", "fp": prep.fingerprint, "objects": prep.decl.per_rank_objects,
+            "stats": prep.stats}
     try:
         if a.file is None:
-            return {"ok": {"file": None}}
-        size, sums = write_assignment(storage, a, sources, wait_piece=wait_piece)
-        return {"ok": {"file": a.file, "size": size, "sums": sums}}
+            return {"ok": {**base, "file": None}}
+        name = f"{a.file.rsplit('.', 1)[0].rsplit('-', 1)[0]}-{uuid.uuid4().hex[:12]}.safetensors"
+        size, sums = write_assignment(storage, WriteAssignment(name, a.header, a.entries), sources,
+                                      wait_piece=wait_piece)
+        return {"ok": {**base, "file": name, "size": size, "sums": sums}}
     except (CheckpointError, OSError) as e:
         return error_payload(e, who)
 
 
-def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any]) -> Manifest:
-    """Phase 4 (collective): the coordinator writes the manifest only when every rank persisted its file.
+def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any], *,
+           timeout: float | None = DEFAULT_TIMEOUT_S, cache: PlanCache | None = None) -> Manifest:
+    """Phase 4: the coordinator writes the manifest only when every rank persisted its file.
 
     Raises the first rank's error on every rank otherwise; the files this save wrote are removed.
     """
-    results = comm.gather(result)
-    status: dict[str, Any] = {}
-    manifest_bytes = b""
-    if comm.rank == 0:
-        assert results is not None and prep.plan is not None
-        written = [r["ok"]["file"] for r in results if "ok" in r and r["ok"]["file"]]
+    if "ok" in result:
+        result["ok"]["stats"] = dict(prep.stats, sent=comm.sent, received=comm.received)
+    box: list[Manifest] = []
+
+    def reply(results: list[Any]) -> list[Any]:
+        t0 = time.perf_counter()
+        written = [r["ok"]["file"] for r in results if "ok" in r and r["ok"].get("file")]
         errs = [r for r in results if "err" in r]
         if errs:
-            status = errs[0]
             _cleanup_files(storage, written)
-        else:
-            try:
-                manifest = prep.plan.manifest
-                for r, a in zip(results, prep.plan.assignments, strict=True):
-                    if a.file is None:
-                        continue
-                    manifest.files[a.file] = r["ok"]["size"]
-                    for ent, crc in zip(a.entries, r["ok"]["sums"], strict=True):
-                        manifest.tensors[ent.key].shards[ent.shard].checksum = crc
-                for obj in manifest.objects.values():
-                    if obj.data is not None:
-                        obj.checksum = zlib.crc32(obj.data)
-                manifest_bytes = encode_manifest(manifest)
-                if hasattr(storage, "sync_dir"):
-                    storage.sync_dir(DATA_DIR)  # data file names durable before the commit
-                storage.commit(MANIFEST_NAME, manifest_bytes)
-                status = {"ok": True}
-                if prep.previous is not None:  # overwrite: drop files only the old checkpoint used
-                    _cleanup_files(storage, [f for f in prep.previous.files if f not in manifest.files])
-            except CheckpointError as e:
-                status = error_payload(e, comm.who)
-                _cleanup_files(storage, written)
-    status = comm.broadcast(status)
+            return [errs[0]] * comm.world
+        stray = [i for i, r in enumerate(results) if r.get("ok", {}).get("phase") != "commit"]
+        plan = prep.plan
+        expected = cache.fingerprints if cache is not None and prep.cached else None
+        if not stray and expected is not None:
+            stray = [i for i, r in enumerate(results) if r["ok"]["fp"] != expected[i]]
+        if stray or plan is None:
+            _cleanup_files(storage, written)
+            if cache is not None:
+                cache.clear()
+            return [_structure_error(stray or [0])] * comm.world
+        try:
+            manifest = _fill_manifest(plan, prep, results)
+            manifest.stats = _aggregate([r["ok"]["stats"] for r in results])
+            data = encode_manifest(manifest)
+            if hasattr(storage, "sync_dir"):
+                storage.sync_dir(DATA_DIR)  # data file names durable before the commit
+            storage.commit(MANIFEST_NAME, data)
+            if prep.previous is not None:  # overwrite: drop files only the old checkpoint used
+                _cleanup_files(storage, [f for f in prep.previous.files if f not in manifest.files])
+            manifest.stats["commit_s"] = time.perf_counter() - t0
+            box.append(manifest)
+        except CheckpointError as e:
+            _cleanup_files(storage, written)
+            return [error_payload(e, comm.who)] * comm.world
+        return [{"ok": {"step": manifest.step, "created": manifest.created, "world_size": manifest.world_size}}
+                ] * comm.world
+
+    status = comm.exchange(result, reply, timeout=timeout, what="save commit")
     if "err" in status:
+        if cache is not None:  # whatever failed, every rank re-plans next time (consistently)
+            cache.clear()
         raise_payload(status)
-    data = comm.broadcast_bytes(manifest_bytes if comm.rank == 0 else None)
-    return decode_manifest(data, url=f"{storage.url}/{MANIFEST_NAME}")
+    if box:
+        # A fresh object: the cached plan's skeleton is refilled by the next save.
+        m = decode_manifest(encode_manifest(box[0]))
+        m.stats = box[0].stats
+        return m
+    return _partial_manifest(prep, result, status["ok"])
+
+
+def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manifest:
+    """The committed manifest: the plan's skeleton with each rank's file names, sizes and checksums."""
+    sk = plan.manifest
+    tensors = {k: TensorEntry(t.dtype, t.shape, [ShardEntry(s.region, s.file, s.offset, s.length)
+                                                  for s in t.shards]) for k, t in sk.tensors.items()}
+    files: dict[str, int] = {}
+    for r, a in zip(results, plan.assignments, strict=True):
+        ok = r["ok"]
+        if a.file is None:
+            continue
+        files[ok["file"]] = ok["size"]
+        for ent, crc in zip(a.entries, ok["sums"], strict=True):
+            s = tensors[ent.key].shards[ent.shard]
+            s.file, s.checksum = ok["file"], crc
+    objects: dict[str, ObjectEntry] = {}
+    for key, data in prep.decl.objects.items():
+        objects[key] = ObjectEntry(data=data, checksum=zlib.crc32(data))
+    per_rank: dict[str, dict[int, bytes]] = {}
+    for rank, r in enumerate(results):
+        for key, data in r["ok"]["objects"].items():
+            per_rank.setdefault(key, {})[rank] = data
+    for key in sorted(per_rank):
+        objects[key] = ObjectEntry(per_rank=per_rank[key])
+    return Manifest(tensors=tensors, objects=objects, files=files, step=prep.step, world_size=len(results),
+                    layout=prep.layout, user_metadata=dict(prep.user_metadata or {}))
+
+
+def _partial_manifest(prep: Prepared, result: dict[str, Any], status: dict[str, Any]) -> Manifest:
+    """What a non-coordinator rank gets back: its own pieces, checksums and file, no global view."""
+    ok = result["ok"]
+    tensors: dict[str, TensorEntry] = {}
+    a = prep.assignment
+    for ent, crc in zip(a.entries, ok.get("sums", []), strict=True):
+        p = prep.decl.pieces[ent.piece]
+        t = tensors.setdefault(p.key, TensorEntry(p.dtype, p.shape, []))
+        t.shards.append(ShardEntry(p.region, ok["file"], ent.offset, ent.length, crc))
+    m = Manifest(tensors=tensors, files={ok["file"]: ok["size"]} if ok.get("file") else {},
+                 step=status["step"], created=status["created"], world_size=status["world_size"],
+                 layout=prep.layout, user_metadata=dict(prep.user_metadata or {}))
+    m.partial = True
+    m.stats = dict(ok.get("stats", {}))
+    return m
+
+
+def _aggregate(stats: list[dict[str, float]]) -> dict[str, Any]:
+    """min / median / max over ranks of each per-rank figure, and the slowest rank's id."""
+    out: dict[str, Any] = {"ranks": len(stats)}
+    keys = sorted({k for s in stats for k in s})
+    for k in keys:
+        vals = [float(s.get(k, 0.0)) for s in stats]
+        out[k] = {"min": min(vals), "median": median(vals), "max": max(vals), "slowest_rank": vals.index(max(vals))}
+    return out
 
 
 def _cleanup_files(storage: Storage, files: list[str]) -> None:

@@ -17,10 +17,14 @@ StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option k
 def inspect_cmd(
     url: str = typer.Argument(..., help="checkpoint directory or URL"),
     json_out: bool = typer.Option(False, "--json", help="print the manifest summary as JSON"),
+    timings: bool = typer.Option(False, "--timings", help="show the save's per-phase timings over ranks"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Show a checkpoint's step, layout, totals and tensors (reads only the manifest)."""
     m = ckpt.inspect(url, storage_options=parse_storage_options(storage_option))
+    if timings:
+        _print_timings(m.stats or {}, json_out)
+        return
     if json_out:
         print_json({
             "url": url, "step": m.step, "version": list(m.version), "created": m.created,
@@ -39,6 +43,24 @@ def inspect_cmd(
     for k in sorted(m.tensors):
         t = m.tensors[k]
         table.add_row(k, t.dtype, str(list(t.shape)), str(len(t.shards)), human_bytes(t.nbytes))
+    console.print(table)
+
+
+def _print_timings(stats: dict, json_out: bool) -> None:
+    if json_out:
+        print_json(stats)
+        return
+    if not stats:
+        console.print("no timings recorded in this checkpoint")
+        return
+    table = Table("figure", "min", "median", "max", "slowest rank")
+    for k, v in stats.items():
+        if isinstance(v, dict) and {"min", "median", "max"} <= set(v):
+            nbytes = k in ("sent", "received")
+            cells = [f"{v[q]:.0f} B" if nbytes else f"{v[q]:.4f} s" for q in ("min", "median", "max")]
+            table.add_row(k, *cells, str(v.get("slowest_rank", "-")))
+    console.print(f"save over {stats.get('ranks', '?')} rank(s); coordinator commit "
+                  f"{stats.get('commit_s', float('nan')):.4f} s")
     console.print(table)
 
 

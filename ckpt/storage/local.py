@@ -64,7 +64,7 @@ class LocalWriter:
 class LocalStorage:
     """A checkpoint directory on a local (or network-mounted POSIX) filesystem."""
 
-    coalesce_gap = 4096  # up to a page of unneeded bytes per merge: with many ranks, bytes copied cost more than syscalls
+    coalesce_gap = 4096  # merge ranges a page apart: with many ranks, copied bytes cost more than syscalls
 
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
