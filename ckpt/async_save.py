@@ -126,7 +126,8 @@ class AsyncSaver:
     def save(self, state: dict[str, Any], url: str, *, step: int | None = None,
              user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
              layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
-             policy: str = "wait", on_commit: Callable[[Manifest], None] | None = None) -> SaveHandle:
+             policy: str = "wait", on_commit: Callable[[Manifest], None] | None = None,
+             data_format: str = "safetensors") -> SaveHandle:
         """Start saving ``state`` to ``url``; see :func:`async_save`."""
         if policy not in ("wait", "skip"):
             raise ValueError(f"policy must be 'wait' or 'skip', got {policy!r}")
@@ -146,7 +147,7 @@ class AsyncSaver:
         commit_comm = _commit_comm(comm)
         t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
-                       layout=layout, cache=self.cache, timeout=self.timeout)
+                       layout=layout, cache=self.cache, timeout=self.timeout, data_format=data_format)
         prep.stats["plan"] = time.perf_counter() - t0
         handle = SaveHandle(url, step)
         pieces = [e.piece for e in prep.assignment.entries]
@@ -245,7 +246,7 @@ def _drain() -> None:
 def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None = None,
                user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
                layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
-               policy: str = "wait") -> SaveHandle:
+               policy: str = "wait", data_format: str = "safetensors") -> SaveHandle:
     """Save ``state`` to ``url`` in the background; returns a :class:`SaveHandle` quickly.
 
     Collective over ``group`` (the planning exchange runs on the calling thread). One save is in
@@ -257,4 +258,4 @@ def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int 
     if saver is None:
         saver = _DEFAULT[id(group)] = AsyncSaver(group)
     return saver.save(state, url, step=step, user_metadata=user_metadata, overwrite=overwrite, layout=layout,
-                      storage_options=storage_options, policy=policy)
+                      storage_options=storage_options, policy=policy, data_format=data_format)

@@ -122,6 +122,7 @@ class Manifest:
     hash_algorithm: str = HASH_ALGORITHM
     version: tuple[int, int] = FORMAT_VERSION
     stats: dict[str, Any] | None = None
+    data_format: str = "safetensors"  # or "zarr" (docs/FORMAT.md)
     partial: bool = False  # not stored: a non-coordinator rank's view of a save (its own pieces only)
 
     @property
@@ -145,6 +146,8 @@ class Manifest:
         }
         if self.stats is not None:
             d["stats"] = self.stats
+        if self.data_format != "safetensors":
+            d["data_format"] = self.data_format
         return d
 
     @classmethod
@@ -195,10 +198,14 @@ class Manifest:
         if hash_alg != HASH_ALGORITHM:
             raise ManifestError(f"manifest: hash algorithm {hash_alg!r} unknown (this ckpt knows crc32)")
         stats = d.get("stats")
+        data_format = d.get("data_format", "safetensors")
+        if data_format not in ("safetensors", "zarr"):
+            raise ManifestError(f"manifest: data_format {data_format!r} unknown (safetensors or zarr)")
         return cls(
             tensors=tensors, objects=objects, files=files, step=step, created=float(created),
             world_size=world_size, layout=layout, user_metadata=user, hash_algorithm=hash_alg,
             version=(version[0], version[1]), stats=stats if isinstance(stats, dict) else None,
+            data_format=data_format,
         )
 
 

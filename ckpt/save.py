@@ -11,6 +11,7 @@ report, in which the coordinator checks that every rank's structure fingerprint 
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import time
 import uuid
 import zlib
@@ -23,10 +24,11 @@ import msgpack
 import torch
 
 from ckpt.comm import Comm, error_payload, raise_payload
-from ckpt.errors import CheckpointError, CheckpointExistsError, CollectiveError
+from ckpt.errors import CheckpointError, CheckpointExistsError, CollectiveError, StateError
+from ckpt.formats import zarr_layout
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest, encode_object
 from ckpt.io import write_assignment
-from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
+from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.planner import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
 from ckpt.state import ObjectItem, TensorItem, flatten_state
 from ckpt.storage import Storage, get_storage
@@ -82,13 +84,16 @@ _SYNC_CACHES: dict[Any, PlanCache] = {}
 def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None = None,
          user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
          layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
-         timeout: float | None = DEFAULT_TIMEOUT_S) -> Manifest:
+         timeout: float | None = DEFAULT_TIMEOUT_S, data_format: str = "safetensors") -> Manifest:
     """Save ``state`` to ``url`` as one committed checkpoint; collective over ``group`` when distributed.
 
     ``state`` is a nested dict of tensors (replicated: written once), ``ckpt.Shard``,
     ``ckpt.FlatShard``, DTensors, ``ckpt.PerRank`` values and msgpack-able objects. The coordinator
     (group rank 0) gets the full committed manifest back; other ranks get a partial one holding the
     pieces they wrote (``manifest.partial``), so no rank receives O(world) metadata.
+
+    ``data_format="zarr"`` writes each tensor as a zarr v3 array (one chunk per shard; needs a
+    uniform shard grid) instead of one safetensors file per rank; see :mod:`ckpt.formats.zarr_layout`.
 
     Raises:
         CheckpointExistsError: ``url`` already holds a committed checkpoint and ``overwrite`` is False.
@@ -106,7 +111,7 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
     try:
         t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
-                       layout=layout, cache=cache, timeout=timeout)
+                       layout=layout, cache=cache, timeout=timeout, data_format=data_format)
         prep.stats["plan"] = time.perf_counter() - t0
         prep.stats["stage"] = 0.0  # synchronous: written straight from the caller's tensors
         t1 = time.perf_counter()
@@ -131,6 +136,7 @@ class Prepared:
     user_metadata: dict[str, Any] | None = None
     layout: dict[str, Any] | None = None
     overwrite: bool = False
+    data_format: str = "safetensors"
     cached: bool = False
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -138,7 +144,7 @@ class Prepared:
 def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | None = None,
             user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
             layout: dict[str, Any] | None = None, cache: PlanCache | None = None,
-            timeout: float | None = DEFAULT_TIMEOUT_S) -> Prepared:
+            timeout: float | None = DEFAULT_TIMEOUT_S, data_format: str = "safetensors") -> Prepared:
     """Phases 1-2: local declaration; global plan on the coordinator (skipped when cached).
 
     Raises the same error on every rank when any rank's state is bad or the plan is invalid.
@@ -150,7 +156,9 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
     try:
         decl, items = build_decl(state, comm.rank)
         sources = [t.local for t in items]
-        fp = fingerprint(decl)
+        if data_format not in ("safetensors", "zarr"):
+            raise StateError(f"data_format must be 'safetensors' or 'zarr', got {data_format!r}")
+        fp = fingerprint(decl) + data_format
     except CheckpointError as e:
         err = error_payload(e, comm.who)
     previous: Manifest | None = None
@@ -165,7 +173,7 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
         except CheckpointError as e:
             err = error_payload(e, None)
     common = dict(decl=decl, fingerprint=fp, previous=previous, step=step, user_metadata=user_metadata,
-                  layout=layout, overwrite=overwrite)
+                  layout=layout, overwrite=overwrite, data_format=data_format)
     if err is None and cache is not None and cache.fingerprint == fp and cache.assignment is not None:
         # Steady state: same structure as last time on this rank; no exchange. The commit report
         # carries the fingerprint so the coordinator can refuse a mismatch.
@@ -187,6 +195,10 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
         try:
             decls = [RankDecl.from_wire(g["decl"]) for g in got]
             plan = plan_save(decls, save_id="pending", step=step, user_metadata=user_metadata, layout=layout)
+            if data_format == "zarr":
+                for key, t in plan.manifest.tensors.items():
+                    zarr_layout.check_key(key)
+                    zarr_layout.chunk_shape(key, t.shape, [s.region for s in t.shards])
         except CheckpointError as e:  # a global-plan error names its tensor/ranks itself
             return [error_payload(e, None)] * comm.world
         plan_box.append(plan)
@@ -222,6 +234,13 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
     try:
         if a.file is None:
             return {"ok": {**base, "file": None}}
+        if prep.data_format == "zarr":
+            todo = [e for e in a.entries if e.length]
+            pieces = [(e.key, prep.decl.pieces[e.piece].region, sources[e.piece]) for e in todo]
+            chunks = zarr_layout.write_chunks(storage, pieces, wait_piece, [e.piece for e in todo])  # type: ignore[arg-type]
+            by_shard = {(e.key, e.shard): c for e, c in zip(todo, chunks, strict=True)}
+            return {"ok": {**base, "file": None,
+                           "chunks": [list(by_shard.get((e.key, e.shard), ("", 0, 0))) for e in a.entries]}}
         name = f"{a.file.rsplit('.', 1)[0].rsplit('-', 1)[0]}-{uuid.uuid4().hex[:12]}.safetensors"
         size, sums = write_assignment(storage, WriteAssignment(name, a.header, a.entries), sources,
                                       wait_piece=wait_piece)
@@ -243,6 +262,7 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
     def reply(results: list[Any]) -> list[Any]:
         t0 = time.perf_counter()
         written = [r["ok"]["file"] for r in results if "ok" in r and r["ok"].get("file")]
+        written += [c[0] for r in results if "ok" in r for c in r["ok"].get("chunks", []) if c[0]]
         errs = [r for r in results if "err" in r]
         if errs:
             _cleanup_files(storage, written)
@@ -260,9 +280,12 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
         try:
             manifest = _fill_manifest(plan, prep, results)
             manifest.stats = _aggregate([r["ok"]["stats"] for r in results])
+            if prep.data_format == "zarr":
+                _write_zarr_metadata(storage, manifest)
             data = encode_manifest(manifest)
-            if hasattr(storage, "sync_dir"):
-                storage.sync_dir(DATA_DIR)  # data file names durable before the commit
+            if hasattr(storage, "sync_dir"):  # data file names durable before the commit
+                for d in sorted({posixpath.dirname(f) for f in manifest.files}):
+                    storage.sync_dir(d)
             storage.commit(MANIFEST_NAME, data)
             if prep.previous is not None:  # overwrite: drop files only the old checkpoint used
                 _cleanup_files(storage, [f for f in prep.previous.files if f not in manifest.files])
@@ -297,6 +320,15 @@ def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manife
         ok = r["ok"]
         if a.file is None:
             continue
+        if "chunks" in ok:  # zarr: one chunk file per shard, the shard at its offset 0
+            for ent, (path, size, crc) in zip(a.entries, ok["chunks"], strict=True):
+                s = tensors[ent.key].shards[ent.shard]
+                if not path:  # an empty tensor: no chunk
+                    s.file, s.offset, s.checksum = "", 0, 0
+                    continue
+                s.file, s.offset, s.checksum = path, 0, crc
+                files[path] = size
+            continue
         files[ok["file"]] = ok["size"]
         for ent, crc in zip(a.entries, ok["sums"], strict=True):
             s = tensors[ent.key].shards[ent.shard]
@@ -311,7 +343,30 @@ def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manife
     for key in sorted(per_rank):
         objects[key] = ObjectEntry(per_rank=per_rank[key])
     return Manifest(tensors=tensors, objects=objects, files=files, step=prep.step, world_size=len(results),
-                    layout=prep.layout, user_metadata=dict(prep.user_metadata or {}))
+                    layout=prep.layout, user_metadata=dict(prep.user_metadata or {}), data_format=prep.data_format)
+
+
+def _write_zarr_metadata(storage: Storage, manifest: Manifest) -> None:
+    """The coordinator writes each array's ``zarr.json`` (and the group's); listed in the manifest's files."""
+    from ckpt.dtypes import dtype_from_name, itemsize
+
+    docs = {f"{zarr_layout.ZARR_DIR}/zarr.json": zarr_layout.group_metadata()}
+    for key, t in manifest.tensors.items():
+        chunks = zarr_layout.chunk_shape(key, t.shape, [s.region for s in t.shards])
+        docs[f"{zarr_layout.ZARR_DIR}/{key}/zarr.json"] = zarr_layout.array_metadata(
+            t.dtype, itemsize(dtype_from_name(t.dtype)), t.shape, chunks)
+        # An empty tensor has no chunk: point its (empty) shard at its metadata, which exists.
+        for s in t.shards:
+            if not s.file:
+                s.file = f"{zarr_layout.ZARR_DIR}/{key}/zarr.json"
+    for path, data in docs.items():
+        w = storage.open_writer(path)
+        try:
+            w.write(data)
+            manifest.files[path] = w.close()
+        except BaseException:
+            w.abort()
+            raise
 
 
 def _partial_manifest(prep: Prepared, result: dict[str, Any], status: dict[str, Any]) -> Manifest:
@@ -319,11 +374,17 @@ def _partial_manifest(prep: Prepared, result: dict[str, Any], status: dict[str, 
     ok = result["ok"]
     tensors: dict[str, TensorEntry] = {}
     a = prep.assignment
-    for ent, crc in zip(a.entries, ok.get("sums", []), strict=True):
+    files: dict[str, int] = {ok["file"]: ok["size"]} if ok.get("file") else {}
+    where = ([(c[0], 0, c[2]) for c in ok["chunks"]] if "chunks" in ok
+             else [(ok["file"], e.offset, crc) for e, crc in zip(a.entries, ok.get("sums", []), strict=True)])
+    for ent, (path, offset, crc) in zip(a.entries, where, strict=True):
         p = prep.decl.pieces[ent.piece]
         t = tensors.setdefault(p.key, TensorEntry(p.dtype, p.shape, []))
-        t.shards.append(ShardEntry(p.region, ok["file"], ent.offset, ent.length, crc))
-    m = Manifest(tensors=tensors, files={ok["file"]: ok["size"]} if ok.get("file") else {},
+        t.shards.append(ShardEntry(p.region, path, offset, ent.length, crc))
+    for c in ok.get("chunks", []):
+        if c[0]:
+            files[c[0]] = c[1]
+    m = Manifest(tensors=tensors, files=files,
                  step=status["step"], created=status["created"], world_size=status["world_size"],
                  layout=prep.layout, user_metadata=dict(prep.user_metadata or {}))
     m.partial = True
