@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ckpt.errors import ManifestError, StateError
@@ -56,6 +58,7 @@ def safetensors_dtype(dtype: torch.dtype) -> str | None:
     return _SAFETENSORS_NAME.get(dtype)
 
 
+@functools.cache
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()

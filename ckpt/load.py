@@ -147,8 +147,9 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
         requests.append(LoadRequest(it.key, it.dtype, it.global_shape, it.region))
         targets.append(dst)
         direct.append(True)
-    plan = plan_load(manifest, requests, contiguous_targets=direct, max_read=max_read,
-                     max_gap=max_gap)
+    plan = plan_load(manifest, requests, contiguous_targets=direct, max_read=max_read, max_gap=max_gap,
+                     max_waste=getattr(storage, "coalesce_waste", None),
+                     merge_direct=bool(getattr(storage, "merge_direct", False)))
     t1 = time.perf_counter()
     phases["plan"] = t1 - t0
     if verify:

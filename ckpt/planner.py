@@ -297,13 +297,15 @@ class _Frag:
     lens: np.ndarray  # ... and lengths
     copy: Copy | None
     direct: tuple[int, int] | None
+    isz: int = 1
 
 
 DEFAULT_MAX_READ = 64 * 1024 * 1024
 
 
 def plan_load(manifest: Manifest, requests: list[LoadRequest], *, contiguous_targets: list[bool] | None = None,
-              max_read: int = DEFAULT_MAX_READ, max_gap: int = 4096) -> ReadPlan:
+              max_read: int = DEFAULT_MAX_READ, max_gap: int = 4096, max_waste: float | None = None,
+              merge_direct: bool = False) -> ReadPlan:
     """Plan the reads that fill ``requests`` from ``manifest``'s stored shards.
 
     Args:
@@ -311,6 +313,10 @@ def plan_load(manifest: Manifest, requests: list[LoadRequest], *, contiguous_tar
             that bytes may be read straight into (zero-copy). Defaults to False for all.
         max_read: upper bound in bytes of one buffered read (the buffer budget per reader).
         max_gap: byte ranges of one file closer than this are merged into one read.
+        max_waste: also require a merged gap to be at most this fraction of the range it joins
+            (object stores: bounds bytes requested / bytes needed, e.g. 0.1 -> at most ~1.1x).
+        merge_direct: merge reads that could go straight into a destination with their neighbours
+            into one buffered read (object stores: fewer requests beat the saved copy).
 
     Raises MismatchError when a request's key is missing or its dtype/shape differ from the
     checkpoint; LayoutError when the stored shards do not cover the requested region.
@@ -334,7 +340,7 @@ def plan_load(manifest: Manifest, requests: list[LoadRequest], *, contiguous_tar
         if covered != req.region.numel:
             raise LayoutError(f"tensor {req.key!r}: stored shards cover {covered} of the {req.region.numel} "
                               "requested elements; the checkpoint is incomplete (run `ckpt verify`)")
-    return ReadPlan(_coalesce(frags, max_read, max_gap))
+    return ReadPlan(_coalesce(frags, max_read, max_gap, max_waste, merge_direct))
 
 
 def _plan_pair(frags: list[_Frag], ti: int, req: LoadRequest, s: ShardEntry, shape: tuple[int, ...],
@@ -374,7 +380,7 @@ def _plan_pair(frags: list[_Frag], ti: int, req: LoadRequest, s: ShardEntry, sha
         fend = s.offset + int(s_off[j] + lens[j]) * isz
         offs, nbytes = s.offset + s_off[sl] * isz, lens[sl] * isz
         if direct_ok and j == i:
-            frags.append(_Frag(s.file, fstart, fend, offs, nbytes, None, (ti, int(d_off[i]) * isz)))
+            frags.append(_Frag(s.file, fstart, fend, offs, nbytes, None, (ti, int(d_off[i]) * isz), isz))
         else:
             seg = SegmentCopy(ti, (s_off[sl] - span_start) * isz, d_off[sl].copy(), lens[sl].copy())
             frags.append(_Frag(s.file, fstart, fend, offs, nbytes, seg, None))
@@ -431,27 +437,32 @@ def _box_frag(frags: list[_Frag], ti: int, s: ShardEntry, src: Box, dst: Box, su
         # One run in the file; is it one run in the destination too?
         dstarts, drun = box_runs(sub, dst)
         if len(dstarts) == 1 and drun == run:
-            frags.append(_Frag(s.file, fstart, fend, offs, nbytes, None, (ti, int(dstarts[0]) * isz)))
+            frags.append(_Frag(s.file, fstart, fend, offs, nbytes, None, (ti, int(dstarts[0]) * isz), isz))
             return
     frags.append(_Frag(s.file, fstart, fend, offs, nbytes, StridedCopy(ti, 0, sub.lengths, st, dst_offsets), None))
 
 
-def _merge(offs: np.ndarray, lens: np.ndarray, max_gap: int) -> list[tuple[int, int]]:
-    """Sort byte ranges and merge those that overlap or lie within ``max_gap`` of each other."""
+def _merge(offs: np.ndarray, lens: np.ndarray, max_gap: int, max_waste: float | None = None) -> list[tuple[int, int]]:
+    """Sort byte ranges and merge those that overlap or lie within ``max_gap`` of each other (and,
+    with ``max_waste``, whose gap is at most that fraction of the range it joins)."""
     if len(offs) == 0:
         return []
     order = np.argsort(offs, kind="stable")
     o, e = offs[order], offs[order] + lens[order]
     reach = np.maximum.accumulate(e)
     new = np.ones(len(o), dtype=bool)
-    new[1:] = o[1:] > reach[:-1] + max_gap
+    gap = o[1:] - reach[:-1]
+    new[1:] = gap > max_gap
+    if max_waste is not None:
+        new[1:] |= gap > max_waste * lens[order][1:]
     idx = np.nonzero(new)[0]
     starts = o[idx]
     ends = np.maximum.reduceat(e, idx)
     return list(zip(starts.tolist(), (ends - starts).tolist(), strict=True))
 
 
-def _coalesce(frags: list[_Frag], max_read: int, max_gap: int) -> list[ReadOp]:
+def _coalesce(frags: list[_Frag], max_read: int, max_gap: int, max_waste: float | None = None,
+              merge_direct: bool = False) -> list[ReadOp]:
     """Merge fragments of the same file whose spans are near each other into one buffered read.
 
     A buffered op starts at an 8-byte aligned file offset so that every fragment's first element
@@ -460,6 +471,12 @@ def _coalesce(frags: list[_Frag], max_read: int, max_gap: int) -> list[ReadOp]:
     ops: list[ReadOp] = []
     by_file: dict[str, list[_Frag]] = {}
     for f in frags:
+        if f.direct is not None and merge_direct and f.end - f.start < max_read:
+            # As a one-segment copy it can share a request with its neighbours.
+            ti, off = f.direct
+            n = (f.end - f.start) // f.isz
+            seg = SegmentCopy(ti, np.zeros(1, dtype=np.int64), np.array([off // f.isz]), np.array([n]))
+            f = _Frag(f.file, f.start, f.end, f.offs, f.lens, seg, None, f.isz)
         by_file.setdefault(f.file, []).append(f)
     for file in sorted(by_file):
         groups: list[tuple[int, int, list[_Frag]]] = []  # (aligned start, end, members)
@@ -467,7 +484,10 @@ def _coalesce(frags: list[_Frag], max_read: int, max_gap: int) -> list[ReadOp]:
             if f.direct is not None:
                 ops.append(ReadOp(file, f.start, f.end - f.start, _merge(f.offs, f.lens, 0), [], f.direct))
                 continue
-            if groups and f.start <= groups[-1][1] + max_gap and f.end - groups[-1][0] <= max_read:
+            joinable = groups and f.start <= groups[-1][1] + max_gap and f.end - groups[-1][0] <= max_read
+            if joinable and max_waste is not None:
+                joinable = f.start - groups[-1][1] <= max_waste * int(f.lens.sum())
+            if joinable:
                 start, end, members = groups[-1]
                 members.append(f)
                 groups[-1] = (start, max(end, f.end), members)
@@ -475,7 +495,7 @@ def _coalesce(frags: list[_Frag], max_read: int, max_gap: int) -> list[ReadOp]:
                 groups.append((f.start - f.start % 8, f.end, [f]))
         for start, end, members in groups:
             ranges = _merge(np.concatenate([m.offs for m in members]), np.concatenate([m.lens for m in members]),
-                            max_gap)
+                            max_gap, max_waste)
             copies = [_shift(m.copy, m.start - start) for m in members if m.copy is not None]
             ops.append(ReadOp(file, start, end - start, ranges, copies, None))
     return ops

@@ -121,27 +121,29 @@ def check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> Non
         if total == 0:
             return
         raise LayoutError(f"tensor {key!r}: no shards cover its {total} elements")
+    full = Box(tuple(0 for _ in shape), tuple(shape))
     if any(isinstance(r, Flat) for r in regions):
-        # Any flat piece: compare runs of the global flattening (boxes and flats may then mix).
-        parts = [global_runs(r, shape) for r in regions if r.numel > 0]
-        starts = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
-        lens = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
-        order = np.argsort(starts, kind="stable")
-        starts, lens = starts[order], lens[order]
-        ends = starts + lens
-        if len(starts) > 1 and (bad := np.nonzero(starts[1:] < ends[:-1])[0]).size:
-            raise LayoutError(f"tensor {key!r}: shards overlap at flat element {int(starts[bad[0] + 1])}; "
-                              "each element must be held by exactly one piece (or identical replicas)")
-        if len(starts) > 1 and (gap := np.nonzero(starts[1:] > ends[:-1])[0]).size:
-            i = int(gap[0])
-            raise LayoutError(f"tensor {key!r}: shards leave flat elements [{int(ends[i])}, {int(starts[i + 1])}) "
-                              "uncovered")
-        first = int(starts[0]) if len(starts) else 0
-        last = int(ends[-1]) if len(ends) else 0
-        if first != 0 or last != total:
-            lo, hi = (0, first) if first != 0 else (last, total)
-            raise LayoutError(f"tensor {key!r}: shards leave flat elements [{lo}, {hi}) uncovered")
-        return
+        # Flat pieces are grouped by the box they split (none: the whole tensor). Within a box the
+        # ranges must tile its flattening; the boxes themselves must then tile the tensor.
+        groups: dict[Box, list[Flat]] = {}
+        for r in regions:
+            if isinstance(r, Flat) and r.numel > 0:
+                groups.setdefault(r.box or full, []).append(r)
+        for box, flats in groups.items():
+            where = "" if box == full else f" of box offsets {list(box.offsets)} lengths {list(box.lengths)}"
+            pos = 0
+            for f in sorted(flats, key=lambda f: (f.start, f.stop)):
+                if f.start < pos:
+                    raise LayoutError(f"tensor {key!r}: flat shards{where} overlap at element {f.start}; each "
+                                      "element must be held by exactly one piece (or identical replicas)")
+                if f.start > pos:
+                    raise LayoutError(f"tensor {key!r}: flat shards{where} leave elements [{pos}, {f.start}) "
+                                      "uncovered")
+                pos = f.stop
+            if pos != box.numel:
+                raise LayoutError(f"tensor {key!r}: flat shards{where} leave elements [{pos}, {box.numel}) uncovered")
+        regions = [r for r in regions if isinstance(r, Box)]
+        regions += list(groups)
     boxes = [r for r in regions if isinstance(r, Box) and r.numel > 0]
     covered = sum(b.numel for b in boxes)
     _check_box_overlaps(key, boxes)

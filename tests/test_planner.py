@@ -165,11 +165,14 @@ def test_overlap_and_gap_are_refused():
         assert "overlap" in str(e) and "'w'" in str(e)
     else:
         raise AssertionError("overlap not detected")
-    # Mixed kinds are fine when they tile; a flat piece overlapping a box is not.
+    # Boxes and flat-split boxes may mix when they tile; a flat piece overlapping a box may not.
     c = RankDecl([PieceDecl("w", d, (4, 4), Box((3, 0), (1, 4)))])
     plan_save([a, c], save_id="x")
+    f1 = RankDecl([PieceDecl("w", d, (4, 4), Flat(0, 2, Box((3, 0), (1, 4))))])
+    f2 = RankDecl([PieceDecl("w", d, (4, 4), Flat(2, 4, Box((3, 0), (1, 4))))])
+    plan_save([a, f1, f2], save_id="x")
     try:
-        plan_save([a, c, RankDecl([PieceDecl("w", d, (4, 4), Flat(10, 11))])], save_id="x")
+        plan_save([a, c, f1, f2], save_id="x")
     except LayoutError as e:
         assert "overlap" in str(e)
     else:
@@ -197,3 +200,31 @@ def test_column_read_of_row_major_shard_reads_only_needed_runs():
     rp = plan_load(plan.manifest, [LoadRequest("t", "float32", (1000, 64), Box((0, 0), (1000, 64)))],
                    contiguous_targets=[True])
     assert len(rp.ops) == 1 and rp.ops[0].direct is not None
+
+
+def test_object_store_merging_bounds_waste_and_shares_requests():
+    # 64 small tensors stored back to back: one request for all of them when direct reads may merge.
+    decl = RankDecl([PieceDecl(f"t{i:02d}", "float32", (16,), Box((0,), (16,))) for i in range(64)])
+    plan = plan_save([decl], save_id="x")
+    reqs = [LoadRequest(f"t{i:02d}", "float32", (16,), Box((0,), (16,))) for i in range(64)]
+    local = plan_load(plan.manifest, reqs, contiguous_targets=[True] * 64, max_gap=1 << 20)
+    s3 = plan_load(plan.manifest, reqs, contiguous_targets=[True] * 64, max_gap=1 << 20, max_waste=0.1,
+                   merge_direct=True)
+    assert len(local.ops) == 64 and all(op.direct for op in local.ops)
+    assert len(s3.ops) == 1 and len(s3.ops[0].ranges) == 1 and s3.bytes_read == 64 * 16 * 4
+    g = torch.randn(64)
+    files = {}
+    for a in plan.assignments:
+        buf = bytearray(a.header)
+        for _ in a.entries:
+            buf += g.numpy().tobytes()[:64]
+        files[a.file] = buf
+    targets = [torch.zeros(16) for _ in range(64)]
+    run_read_plan(MemStorage(files), s3, targets, ["float32"] * 64, workers=1)
+    assert all(torch.equal(t, g[:16]) for t in targets)
+    # A column quarter of a row-major tensor: the waste cap keeps bytes read == bytes needed.
+    plan2, _ = _save_in_memory(torch.randn(256, 64), [Box((0, 0), (256, 64))], 1, 1)
+    req = [LoadRequest("t", "float32", (256, 64), Box((0, 16), (256, 16)))]
+    capped = plan_load(plan2.manifest, req, contiguous_targets=[True], max_gap=1 << 20, max_waste=0.1)
+    uncapped = plan_load(plan2.manifest, req, contiguous_targets=[True], max_gap=1 << 20)
+    assert capped.bytes_read == 256 * 16 * 4 and uncapped.bytes_read > 3 * capped.bytes_read

@@ -189,6 +189,10 @@ class S3Storage:
     # same time and nothing extra, so a column-sharded load does a few large GETs instead of one
     # GET per row. Storage option ``coalesce_gap`` (0: fetch only the needed bytes).
     coalesce_gap = DEFAULT_COALESCE_GAP
+    # ...but never more unneeded bytes than 10% of what a merge joins (bytes requested <= ~1.1x
+    # needed), and small whole-tensor reads share GETs with their neighbours.
+    coalesce_waste = 0.1
+    merge_direct = True
 
     def __init__(self, url: str, **storage_options: Any):
         try:
@@ -204,6 +208,7 @@ class S3Storage:
             self.upload_workers = max(1, int(opts.pop("upload_workers", 4)))
             self.read_workers = max(1, int(opts.pop("read_workers", 8)))
             self.coalesce_gap = max(0, int(opts.pop("coalesce_gap", DEFAULT_COALESCE_GAP)))
+            self.coalesce_waste = float(opts.pop("coalesce_waste", 0.1))
         except (TypeError, ValueError) as e:
             raise StorageError(f"{self.url}: invalid storage option ({e})") from e
         if not MIN_PART <= self.part_size <= MAX_PART:

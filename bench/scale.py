@@ -1,0 +1,284 @@
+"""Planning at scale, simulated: a DeepSeek-V3-sized MoE under a 16,384-rank layout, one process,
+descriptors only (no tensor is allocated).
+
+Measures, for ckpt: the save-side global plan (dedup + writer balance + file/offset assignment),
+manifest encode size and decode time, one rank's load plan under an 8,192-rank target layout
+(after the manifest is decoded), writer balance across ranks holding replicas, and per-rank
+metadata bytes of the save protocol. For torch DCP: the same save-side planning through its
+planner API (``create_default_global_save_plan`` after ``dedup_save_plans``) on equivalent
+metadata (``SavePlan``s of ``WriteItem``s), side by side, in a child process with a time limit.
+
+    python -m bench scale [--ranks-layout tp=8,ep=64,pp=16,dp=2,zero=1] [--target tp=8,ep=32,pp=16,dp=2,zero=1]
+                          [--layers 61] [--sample-ranks 8] [--dcp-timeout 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import random
+import resource
+import time
+from typing import Any
+
+import msgpack
+
+from bench.common import print_table
+from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
+from ckpt.planner import LoadRequest, PieceDecl, RankDecl, plan_load, plan_save
+from ckpt.resharders.layout import Layout
+from ckpt.resharders.rules import Placement, Rule, RuleSet, optim_region, param_box
+
+# DeepSeek-V3 (671B): hidden 7168, 61 layers (first 3 dense), 256 routed + 1 shared expert of FFN
+# 2048, dense FFN 18432, vocab 129280, 128 heads; MLA attention (q_lora 1536, kv_lora 512,
+# qk_nope 128, qk_rope 64, v 128).
+H, V, HEADS, DENSE_FFN, MOE_FFN, EXPERTS = 7168, 129280, 128, 18432, 2048, 256
+Q_LORA, KV_LORA, NOPE, ROPE, VDIM = 1536, 512, 128, 64, 128
+
+DSV3_RULES = RuleSet(
+    name="deepseek-v3",
+    rules=[
+        Rule("model.embed_tokens.weight", Placement(tp_dim=0, pad=True)),
+        Rule("lm_head.weight", Placement(tp_dim=0, pad=True)),
+        Rule("*.self_attn.q_b_proj.weight", Placement(tp_dim=0)),
+        Rule("*.self_attn.kv_b_proj.weight", Placement(tp_dim=0)),
+        Rule("*.self_attn.o_proj.weight", Placement(tp_dim=1)),
+        Rule("*.mlp.experts.gate_proj", Placement(ep_dim=0, tp_dim=1)),
+        Rule("*.mlp.experts.up_proj", Placement(ep_dim=0, tp_dim=1)),
+        Rule("*.mlp.experts.down_proj", Placement(ep_dim=0, tp_dim=2)),
+        Rule("*.mlp.shared_experts.gate_proj.weight", Placement(tp_dim=0)),
+        Rule("*.mlp.shared_experts.up_proj.weight", Placement(tp_dim=0)),
+        Rule("*.mlp.shared_experts.down_proj.weight", Placement(tp_dim=1)),
+        Rule("*.mlp.gate_proj.weight", Placement(tp_dim=0)),
+        Rule("*.mlp.up_proj.weight", Placement(tp_dim=0)),
+        Rule("*.mlp.down_proj.weight", Placement(tp_dim=1)),
+    ],
+    first_stage=["model.embed_tokens.*"],
+    last_stage=["model.norm.*", "lm_head.*"],
+)
+
+
+def dsv3_params(layers: int = 61, dense_layers: int = 3) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, global shape) of every parameter."""
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (V, H))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (H,)), (p + "post_attention_layernorm.weight", (H,)),
+                (p + "self_attn.q_a_proj.weight", (Q_LORA, H)), (p + "self_attn.q_a_layernorm.weight", (Q_LORA,)),
+                (p + "self_attn.q_b_proj.weight", (HEADS * (NOPE + ROPE), Q_LORA)),
+                (p + "self_attn.kv_a_proj_with_mqa.weight", (KV_LORA + ROPE, H)),
+                (p + "self_attn.kv_a_layernorm.weight", (KV_LORA,)),
+                (p + "self_attn.kv_b_proj.weight", (HEADS * (NOPE + VDIM), KV_LORA)),
+                (p + "self_attn.o_proj.weight", (H, HEADS * VDIM))]
+        if i < dense_layers:
+            out += [(p + "mlp.gate_proj.weight", (DENSE_FFN, H)), (p + "mlp.up_proj.weight", (DENSE_FFN, H)),
+                    (p + "mlp.down_proj.weight", (H, DENSE_FFN))]
+        else:
+            out += [(p + "mlp.gate.weight", (EXPERTS, H)), (p + "mlp.gate.e_score_correction_bias", (EXPERTS,)),
+                    (p + "mlp.experts.gate_proj", (EXPERTS, MOE_FFN, H)),
+                    (p + "mlp.experts.up_proj", (EXPERTS, MOE_FFN, H)),
+                    (p + "mlp.experts.down_proj", (EXPERTS, H, MOE_FFN)),
+                    (p + "mlp.shared_experts.gate_proj.weight", (MOE_FFN, H)),
+                    (p + "mlp.shared_experts.up_proj.weight", (MOE_FFN, H)),
+                    (p + "mlp.shared_experts.down_proj.weight", (H, MOE_FFN))]
+    out += [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
+    return out
+
+
+_STAGES: dict[tuple[int, int, int], list[list[tuple[str, tuple[int, ...]]]]] = {}
+
+
+def _by_stage(params: list[tuple[str, tuple[int, ...]]], layers: int, pp: int,
+              rules: RuleSet) -> list[list[tuple[str, tuple[int, ...]]]]:
+    key = (id(params), layers, pp)
+    if key not in _STAGES:
+        stages: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(pp)]
+        for name, shape in params:
+            stages[rules.stage_of(name, layers, pp)].append((name, shape))
+        _STAGES[key] = stages
+    return _STAGES[key]
+
+
+def rank_pieces(params: list[tuple[str, tuple[int, ...]]], layout: Layout, rank: int, layers: int,
+                rules: RuleSet) -> list[PieceDecl]:
+    """What one rank declares: its stage's bf16 parameter blocks and fp32 AdamW moments (ZeRO-1)."""
+    c = layout.coord(rank)
+    out = []
+    for name, shape in _by_stage(params, layers, layout.pp, rules)[c.pp]:
+        out.append(PieceDecl("model." + name, "bfloat16", shape, param_box(name, shape, layout, c, rules)))
+        reg = optim_region(name, shape, layout, c, rules)
+        if reg.numel:
+            out.append(PieceDecl("optim.exp_avg." + name, "float32", shape, reg))
+            out.append(PieceDecl("optim.exp_avg_sq." + name, "float32", shape, reg))
+    return out
+
+
+def rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def simulate(layout: Layout, target: Layout, layers: int, sample: int) -> dict[str, Any]:
+    params = dsv3_params(layers)
+    res: dict[str, Any] = {"layout": str(layout), "target": str(target), "world": layout.world_size,
+                           "params": len(params), "param_count": sum(_numel(s) for _, s in params)}
+    t0 = time.perf_counter()
+    decls = [RankDecl(pieces=rank_pieces(params, layout, r, layers, DSV3_RULES)) for r in range(layout.world_size)]
+    res["declare_s"] = time.perf_counter() - t0
+    res["declared_pieces"] = sum(len(d.pieces) for d in decls)
+    # what each rank sends to the coordinator for planning (msgpack of its declaration)
+    per_rank = [len(msgpack.packb(d.to_wire(), use_bin_type=True)) for d in decls[:: max(1, len(decls) // 64)]]
+    res["decl_bytes_per_rank_median"] = sorted(per_rank)[len(per_rank) // 2]
+    gc.collect()
+    t0 = time.perf_counter()
+    plan = plan_save(decls, save_id="sim", step=1)
+    res["global_plan_s"] = time.perf_counter() - t0
+    res["peak_rss_after_plan_gb"] = rss_gb()
+    res["manifest_shards"] = sum(len(t.shards) for t in plan.manifest.tensors.values())
+    loads = [a.nbytes for a in plan.assignments]
+    holders = [b for b in loads if b]
+    res["writers"] = len(holders)
+    res["writer_bytes_max_over_mean"] = max(holders) / (sum(holders) / len(holders))
+    # balance among ranks that hold the same replicated pieces: per (pp, tp) group of dense replicas
+    groups: dict[tuple[int, int], list[int]] = {}
+    for r, b in enumerate(loads):
+        c = layout.coord(r)
+        groups.setdefault((c.pp, c.tp), []).append(b)
+    res["replica_group_imbalance_max"] = max((max(g) - min(g)) / (sum(g) / len(g)) for g in groups.values() if sum(g))
+    # per-rank reply bytes (its assignment)
+    reply = [len(msgpack.packb(a.to_wire(), use_bin_type=True)) for a in plan.assignments[:: max(1, len(loads) // 64)]]
+    res["assignment_bytes_per_rank_median"] = sorted(reply)[len(reply) // 2]
+    m = plan.manifest
+    for t in m.tensors.values():
+        for s in t.shards:
+            s.checksum = 0xFFFFFFFF
+    del decls, plan
+    gc.collect()
+    t0 = time.perf_counter()
+    data = encode_manifest(m)
+    res["manifest_encode_s"] = time.perf_counter() - t0
+    res["manifest_mb"] = len(data) / 1e6
+    del m
+    gc.collect()
+    t0 = time.perf_counter()
+    m2 = decode_manifest(data)
+    res["manifest_decode_s"] = time.perf_counter() - t0
+    res["peak_rss_gb"] = rss_gb()
+    # one target rank's load plan, for a sample of target ranks
+    rng = random.Random(0)
+    times = []
+    tparams = params
+    for r in rng.sample(range(target.world_size), sample):
+        reqs = [LoadRequest(p.key, p.dtype, p.shape, p.region) for p in rank_pieces(tparams, target, r, layers,
+                                                                                   DSV3_RULES)]
+        t0 = time.perf_counter()
+        rp = plan_load(m2, reqs)
+        times.append(time.perf_counter() - t0)
+        res.setdefault("load_plan_ops", []).append(len(rp.ops))
+    res["load_plan_s_max"] = max(times)
+    res["load_plan_s_median"] = sorted(times)[len(times) // 2]
+    return res
+
+
+def _numel(s: tuple[int, ...]) -> int:
+    n = 1
+    for x in s:
+        n *= x
+    return n
+
+
+def dcp_plan(layout: Layout, layers: int, out: str) -> None:
+    """DCP's global save planning on the same pieces (run in a child process with a time limit)."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items  # noqa: F401 (API presence)
+    from torch.distributed.checkpoint.utils import dedup_save_plans  # type: ignore[attr-defined]
+
+    params = dsv3_params(layers)
+    t0 = time.perf_counter()
+    plans = []
+    for r in range(layout.world_size):
+        items = []
+        for p in rank_pieces(params, layout, r, layers, DSV3_RULES):
+            if hasattr(p.region, "offsets"):
+                offs, sizes, shape = p.region.offsets, p.region.lengths, p.shape
+            else:  # flat pieces as 1-D chunks of the flattened tensor (DCP has no flat-in-box)
+                base = 0
+                if p.region.box is not None:
+                    base = sum(o * s for o, s in zip(p.region.box.offsets, _strides(p.shape), strict=True))
+                offs, sizes, shape = (base + p.region.start,), (p.region.numel,), (_numel(p.shape),)
+            dt = torch.bfloat16 if p.dtype == "bfloat16" else torch.float32
+            items.append(WriteItem(
+                index=MetadataIndex(p.key, torch.Size(offs)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offs),
+                                                                       sizes=torch.Size(sizes)),
+                                            properties=TensorProperties(dtype=dt), size=torch.Size(shape))))
+        plans.append(SavePlan(items))
+    build = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    deduped = dedup_save_plans(plans)
+    t1 = time.perf_counter()
+    create_default_global_save_plan(deduped)
+    t2 = time.perf_counter()
+    with open(out, "w") as f:
+        json.dump({"build_s": build, "dedup_s": t1 - t0, "global_plan_s": t2 - t1, "total_plan_s": t2 - t0,
+                   "peak_rss_gb": rss_gb()}, f)
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return out
+
+
+def run_dcp(layout: Layout, layers: int, timeout: float, root: str) -> dict[str, Any]:
+    out = os.path.join(root, "dcp_scale.json")
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=dcp_plan, args=(layout, layers, out))
+    t0 = time.perf_counter()
+    p.start()
+    p.join(timeout)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        return {"status": f"did not finish within {timeout:.0f} s", "wall_s": time.perf_counter() - t0}
+    if p.exitcode != 0:
+        return {"status": f"failed (exit code {p.exitcode}; out of memory is SIGKILL = -9)"}
+    with open(out) as f:
+        return {"status": "ok", **json.load(f)}
+
+
+TARGETS = [("global save plan (s)", "global_plan_s", 30.0), ("peak memory (GB)", "peak_rss_gb", 8.0),
+           ("manifest (MB)", "manifest_mb", 256.0), ("manifest decode (s)", "manifest_decode_s", 5.0),
+           ("one rank's load plan, max (s)", "load_plan_s_max", 0.1)]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layout", default="tp=8,ep=64,pp=16,dp=2,zero=1")
+    p.add_argument("--target", default="tp=8,ep=32,pp=16,dp=2,zero=1")
+    p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--sample-ranks", type=int, default=8)
+    p.add_argument("--dcp-timeout", type=float, default=600.0, help="0 skips DCP")
+    p.add_argument("--dir", default="/tmp")
+    p.add_argument("--json", default=None)
+
+
+def main(args: argparse.Namespace) -> int:
+    layout, target = Layout.parse(args.layout), Layout.parse(args.target)
+    res = simulate(layout, target, args.layers, args.sample_ranks)
+    if args.dcp_timeout > 0:
+        res["dcp"] = run_dcp(layout, args.layers, args.dcp_timeout, args.dir)
+    rows = [[name, f"{res[k]:.3f}", f"< {goal:g}", "met" if res[k] < goal else "MISSED"] for name, k, goal in TARGETS]
+    rows.append(["writer bytes imbalance in replica groups", f"{100 * res['replica_group_imbalance_max']:.2f}%",
+                 "< 5%", "met" if res["replica_group_imbalance_max"] < 0.05 else "MISSED"])
+    print_table(f"{res['world']} ranks ({res['layout']}) -> {res['target']}", ["figure", "ckpt", "target", ""], rows)
+    print(json.dumps({k: v for k, v in res.items() if k != "load_plan_ops"}, indent=1, default=str))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
