@@ -6,6 +6,12 @@ Subcommands::
     hf-export   ckpt export-hf (streaming) vs load-everything + save_file / save_pretrained
     multirank   4 forked gloo ranks: save as Shard(0), resharded load as Shard(1), vs DCP
     async       async save: blocking, staged, done times and memory vs DCP async_save and others
+    s3          S3 (moto on loopback): save, load, quarter loads and bytes requested vs DCP's fsspec reader/writer
+    reshard     ckpt reshard between layouts: throughput vs dd, peak RSS vs budget, vs DCP load + save
+    crash       SIGKILL during saves (500 random + targeted kills), audit every checkpoint left behind
+    fuzz        long fuzzing of the manifest/header/object parsers and verify; single-fault corruption census
+    hashcost    save time with and without CRC-32 checksumming
+    scale       simulated planning for a DeepSeek-V3-sized MoE on 16,384 ranks, ckpt vs DCP
 """
 
 from __future__ import annotations
@@ -13,13 +19,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import async_bench, hf_export, multirank, save_load
+from bench import async_bench, crash, fuzz, hashcost, hf_export, multirank, reshard, s3_bench, save_load, scale
 
 COMMANDS = {
     "save-load": (save_load, "save/load throughput vs DCP, torch.save, safetensors and dd"),
     "hf-export": (hf_export, "Hugging Face export time and peak RSS vs the naive load-then-save paths"),
     "multirank": (multirank, "4 gloo ranks: DTensor Shard(0) save, Shard(1) load vs DCP"),
     "async": (async_bench, "async save: blocking/staged/done vs DCP async_save, torch.save, safetensors"),
+    "s3": (s3_bench, "S3 on a loopback moto server: save/load/quarter loads, bytes requested vs DCP fsspec"),
+    "reshard": (reshard, "offline reshard (ckpt reshard) throughput and peak RSS vs dd and DCP load+save"),
+    "crash": (crash, "SIGKILL during saves; every manifest verifies, latest() loads"),
+    "fuzz": (fuzz, "fuzz the parsers of untrusted bytes (100k inputs) and census single-fault corruptions"),
+    "hashcost": (hashcost, "save time with and without CRC-32 checksums"),
+    "scale": (scale, "simulated DeepSeek-V3 planning at 16,384 ranks: ckpt vs DCP's planner, no tensors"),
 }
 
 
