@@ -155,14 +155,21 @@ def select_removals(infos: list[CheckpointInfo], keep_last: int | None, keep_eve
 
 
 def gc(root: str, *, keep_last: int | None = None, keep_every: int | None = None, dry_run: bool = False,
-       storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
+       storage_options: dict[str, Any] | None = None, spare_after_step: int | None = None,
+       spare_newer_than: float | None = None) -> list[CheckpointInfo]:
     """Remove incomplete checkpoints (no live save) and, with ``keep_last``, old committed ones.
 
-    Returns what was (or, with ``dry_run``, would be) removed.
+    ``spare_after_step``: never touch steps above it (a save of a later step may be starting on
+    other ranks before its lease exists). ``spare_newer_than``: never touch directories modified
+    after this UNIX time. Returns what was (or, with ``dry_run``, would be) removed.
     """
     storage = get_storage(root, **(storage_options or {}))
     try:
-        doomed = select_removals(_list(storage, root), keep_last, keep_every)
+        infos = _list(storage, root)
+        protect = {c.step for c in infos
+                   if (spare_after_step is not None and c.step > spare_after_step)
+                   or (spare_newer_than is not None and c.mtime > spare_newer_than)}
+        doomed = select_removals(infos, keep_last, keep_every, protect)
         if not dry_run:
             for c in doomed:
                 _remove(storage, c.name)
@@ -201,7 +208,9 @@ class CheckpointManager:
         self._last: SaveHandle | None = None
         self._rank = Comm(group).rank
         if gc_on_start and self._rank == 0:
-            gc(self.root, storage_options=self.storage_options)  # incomplete leftovers of a crash
+            # Incomplete leftovers of a crash; a directory touched since we started may already be
+            # a save of this job that other ranks began.
+            gc(self.root, storage_options=self.storage_options, spare_newer_than=time.time() - 1.0)
 
     def url_for(self, step: int) -> str:
         """Where the checkpoint of ``step`` lives."""
@@ -242,7 +251,10 @@ class CheckpointManager:
             storage.delete(LEASE)
         finally:
             storage.close()
-        gc(self.root, keep_last=self.keep_last, keep_every=self.keep_every, storage_options=self.storage_options)
+        # Later steps may be starting already (with a cached plan, other ranks write before the
+        # coordinator's lease exists): spare them.
+        gc(self.root, keep_last=self.keep_last, keep_every=self.keep_every, storage_options=self.storage_options,
+           spare_after_step=m.step)
 
     def wait(self) -> None:
         """Block until the save in flight has finished; raise its error if it failed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 
 import pytest
 import torch
@@ -154,8 +155,12 @@ def test_manager_startup_gc_spares_a_live_lease(tmp_path):
     os.makedirs(dead)
     with open(os.path.join(dead, ".writing"), "w") as f:
         json.dump({"host": socket.gethostname(), "pid": 2**22 + 12345, "time": 0}, f)
+    fresh = os.path.join(root, step_dir(9))  # no lease yet, but touched just now: maybe a starting save
+    os.makedirs(os.path.join(fresh, "data"))
+    for d in (live, dead):
+        os.utime(d, (time.time() - 60, time.time() - 60))
     ckpt.CheckpointManager(root)
-    assert os.path.exists(live) and not os.path.exists(dead)
+    assert os.path.exists(live) and not os.path.exists(dead) and os.path.exists(fresh)
 
 
 def _mgr_ranks(rank: int, world: int, root: str) -> None:
@@ -176,3 +181,25 @@ def _mgr_ranks(rank: int, world: int, root: str) -> None:
 def test_async_manager_on_two_ranks(tmp_path):
     run_ranks(2, _mgr_ranks, str(tmp_path))
     assert [c.step for c in ckpt.CheckpointManager(str(tmp_path)).list()] == [1, 2]
+
+
+def _every_step(rank: int, world: int, root: str) -> None:
+    # With the plan cache, rank 1 starts writing step N+1 before rank 0's lease exists while rank 0's
+    # background thread runs retention for step N: retention must spare later steps.
+    mgr = ckpt.CheckpointManager(root, keep_last=2)
+    for step in range(12):
+        if rank == 0:
+            time.sleep(0.1)  # the coordinator is busy training; its lease for this step comes late
+        piece = ckpt.Shard(torch.full((4, 8), float(step)), (8, 8), (rank * 4, 0))
+        h = mgr.save(step, {"w": piece})
+        if rank == 1:
+            h.done()  # rank 1 races ahead as soon as each commit is acknowledged
+    mgr.wait()
+
+
+def test_retention_never_removes_a_starting_save(tmp_path):
+    run_ranks(2, _every_step, str(tmp_path))
+    infos = ckpt.CheckpointManager(str(tmp_path), gc_on_start=False).list()
+    assert [c.step for c in infos] == [10, 11] and all(c.committed for c in infos)
+    for c in infos:
+        assert ckpt.verify(c.url, deep=True).ok
