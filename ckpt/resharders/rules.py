@@ -10,6 +10,11 @@ A placement says, for one parameter:
 - pipeline stage: by global layer index (``layers.N.``), ``first`` patterns on stage 0, ``last``
   patterns on the last stage.
 
+Checkpoint keys map to parameter names through two prefixes (``RuleSet.param_prefix``, default
+``"model."``, and ``RuleSet.optim_prefix``, default ``"optim."``): ``model.<param>`` is parameter
+``<param>``; ``optim.<name>.<param>`` is optimizer state ``<name>`` of ``<param>`` (see
+:mod:`ckpt.resharders.placement`). A TOML rules file may set them in a ``[keys]`` table.
+
 Splits follow ``torch.chunk`` (what DTensor uses): chunk ``ceil(n / k)``, the last ones short.
 Everything not matched is replicated.
 """
@@ -60,6 +65,8 @@ class RuleSet:
     first_stage: list[str] = field(default_factory=list)
     last_stage: list[str] = field(default_factory=list)
     name: str = "custom"
+    param_prefix: str = "model."
+    optim_prefix: str = "optim."
 
     def placement(self, param: str) -> Placement:
         for r in self.rules:
@@ -86,13 +93,17 @@ class RuleSet:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "layer_regex": self.layer_regex, "first_stage": self.first_stage,
-                "last_stage": self.last_stage,
+                "last_stage": self.last_stage, "param_prefix": self.param_prefix,
+                "optim_prefix": self.optim_prefix,
                 "rules": [{"pattern": r.pattern, "tp_dim": r.placement.tp_dim, "ep_dim": r.placement.ep_dim,
                            "pad": r.placement.pad} for r in self.rules]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "rules") -> RuleSet:
-        """Build from a dict (a parsed TOML file: ``[[rule]]`` tables and an optional ``[pipeline]``)."""
+        """Build from a dict (a parsed TOML file: ``[[rule]]`` tables, optional ``[pipeline]`` and ``[keys]``).
+
+        Also accepts :meth:`to_dict`'s output (``rules``, ``first_stage``/``last_stage`` at the top level).
+        """
         items = d.get("rule", d.get("rules", []))
         if not isinstance(items, list):
             raise LayoutError(f"{source}: 'rule' must be an array of tables ([[rule]])")
@@ -108,9 +119,27 @@ class RuleSet:
                     raise LayoutError(f"{source}: rule {i} ({r['pattern']!r}): {k} must be a dim index >= 0")
             rules.append(Rule(r["pattern"], Placement(r.get("tp_dim"), r.get("ep_dim"), bool(r.get("pad", False)))))
         pipe = d.get("pipeline", {}) or {}
-        return cls(rules, layer_regex=pipe.get("layer_regex", r"(?:^|\.)layers\.(\d+)\."),
-                   first_stage=list(pipe.get("first", [])), last_stage=list(pipe.get("last", [])),
-                   name=str(d.get("name", source)))
+        keys = d.get("keys", {}) or {}
+        if not isinstance(pipe, dict) or not isinstance(keys, dict):
+            raise LayoutError(f"{source}: [pipeline] and [keys] must be tables")
+        unknown = set(keys) - {"param_prefix", "optim_prefix"}
+        if unknown:
+            raise LayoutError(f"{source}: [keys] has unknown entries {sorted(unknown)} (param_prefix, optim_prefix)")
+        layer_regex = pipe.get("layer_regex", d.get("layer_regex", r"(?:^|\.)layers\.(\d+)\."))
+        try:
+            if re.compile(layer_regex).groups != 1:
+                raise LayoutError(f"{source}: layer_regex {layer_regex!r} must have exactly one group (the index)")
+        except (re.error, TypeError) as e:
+            raise LayoutError(f"{source}: layer_regex {layer_regex!r} is not a regular expression ({e})") from None
+        prefixes = {k: keys.get(k, d.get(k, dflt)) for k, dflt in (("param_prefix", "model."),
+                                                                   ("optim_prefix", "optim."))}
+        for k, v in prefixes.items():
+            if not isinstance(v, str):
+                raise LayoutError(f"{source}: [keys] {k} must be a string")
+        return cls(rules, layer_regex=layer_regex,
+                   first_stage=list(pipe.get("first", d.get("first_stage", []))),
+                   last_stage=list(pipe.get("last", d.get("last_stage", []))),
+                   name=str(d.get("name", source)), **prefixes)
 
 
 def load_rules(path: str) -> RuleSet:

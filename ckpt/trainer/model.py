@@ -53,6 +53,7 @@ __all__ = [
     "causal_lm_loss",
     "experts_forward",
     "from_hf_state_dict",
+    "initial_value",
     "to_hf_state_dict",
 ]
 
@@ -559,13 +560,16 @@ class MoEModel(nn.Module):
     """The decoder stack (Hugging Face's ``model.`` prefix): embeddings, layers, final norm.
 
     A pipeline stage may set ``embed_tokens`` to ``None`` (it then takes hidden states, not token
-    ids) and ``norm`` to ``None`` (it then returns un-normalized hidden states).
+    ids) and ``norm`` to ``None`` (it then returns un-normalized hidden states), and may replace
+    ``layers`` by an ``nn.ModuleDict`` of its layers keyed by global layer index.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(
+            DecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
 
@@ -575,7 +579,10 @@ class MoEModel(nn.Module):
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(h, positions)
-        for layer in self.layers:
+        # A pipeline stage keeps its layers in an nn.ModuleDict keyed by global index, so that
+        # parameter names stay global ("layers.5." on the stage that holds layers 4..7).
+        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        for layer in layers:
             h = layer(h, position_embeddings)
         return self.norm(h) if self.norm is not None else h
 
@@ -637,10 +644,20 @@ class MoEForCausalLM(nn.Module):
                     param.fill_(1.0)
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                generator = torch.Generator().manual_seed(_param_seed(seed, name))
-                values = torch.empty(param.shape, dtype=torch.float32)
-                values.normal_(0.0, std, generator=generator)
-                param.copy_(values)
+                param.copy_(initial_value(name, tuple(param.shape), std, seed))
+
+
+def initial_value(name: str, shape: tuple[int, ...], std: float, seed: int = 0) -> Tensor:
+    """The initial values :meth:`MoEForCausalLM.init_weights` gives matrix parameter ``name``.
+
+    A float32 CPU tensor ~ N(0, ``std``) drawn from a generator seeded by ``seed`` and the name, so a
+    parallel wrapper can build any slice of a parameter (by drawing the whole and slicing) without
+    building the model. Norm weights are not drawn: they start at one.
+    """
+    generator = torch.Generator().manual_seed(_param_seed(seed, name))
+    values = torch.empty(shape, dtype=torch.float32)
+    values.normal_(0.0, std, generator=generator)
+    return values
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -1,0 +1,114 @@
+"""``ckpt train`` (launch the embedded MoE trainer through torchrun) and ``ckpt demo`` (the main job)."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+from rich.markup import escape
+
+from ckpt.cli.common import console, err_console, handle_errors
+
+
+def _say(text: str) -> None:
+    # Paths and layouts verbatim: no rich markup ("[plot]" is text here), no wrapping inside paths.
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+def _error(text: str) -> None:
+    err_console.print(f"[red]error:[/red] {escape(text)}", highlight=False, soft_wrap=True)
+
+
+@handle_errors
+def train_cmd(
+    config: str = typer.Option("tiny", "--config", help="model config: tiny or 100m"),
+    tp: int = typer.Option(1, "--tp", min=1, help="tensor-parallel degree"),
+    ep: int = typer.Option(1, "--ep", min=1, help="expert-parallel degree"),
+    pp: int = typer.Option(1, "--pp", min=1, help="pipeline stages"),
+    dp: int = typer.Option(1, "--dp", min=1, help="data-parallel degree (besides ep)"),
+    zero: int = typer.Option(1, "--zero", min=0, max=1, help="1: ZeRO-1 optimizer state sharding"),
+    steps: int = typer.Option(200, "--steps", min=1, help="length of the run (the LR schedule spans it)"),
+    stop_after: int | None = typer.Option(None, "--stop-after", help="exit after this step (resume later)"),
+    ckpt_dir: str | None = typer.Option(None, "--ckpt-dir", help="checkpoint root (resumes from its newest)"),
+    save_every: int | None = typer.Option(None, "--save-every", min=1, help="async checkpoint every N steps"),
+    keep_last: int = typer.Option(3, "--keep-last", min=1, help="committed checkpoints to keep"),
+    sync_save: bool = typer.Option(False, "--sync-save", help="block on every save instead of saving async"),
+    fail_at_step: int | None = typer.Option(None, "--fail-at-step", help="fault injection: a rank dies at step S"),
+    fail_rank: int = typer.Option(0, "--fail-rank", min=0, help="which rank dies (with --fail-at-step)"),
+    init_from: str | None = typer.Option(None, "--init-from", help="start from this checkpoint's model.* weights"),
+    seq_len: int = typer.Option(32, "--seq-len", min=2, help="tokens per sample"),
+    global_batch: int = typer.Option(8, "--global-batch", min=1, help="samples per step over all ranks"),
+    microbatches: int = typer.Option(2, "--microbatches", min=1, help="pipeline microbatches per rank"),
+    schedule: str = typer.Option("1f1b", "--schedule", help="pipeline schedule: gpipe or 1f1b"),
+    lr: float = typer.Option(3e-3, "--lr", help="peak learning rate"),
+    seed: int = typer.Option(0, "--seed", help="init and data seed"),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cpu or cuda"),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="torchrun restarts after a failure"),
+    metrics: str | None = typer.Option(None, "--metrics", help="JSON lines file (default CKPT_DIR/metrics.jsonl)"),
+    plot: str | None = typer.Option(None, "--plot", help="write the loss curve PNG here (needs matplotlib)"),
+) -> None:
+    """Train the embedded MoE on dp*tp*pp*ep processes (torchrun, elastic restarts), with checkpoints."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from ckpt.resharders.layout import Layout
+    from ckpt.trainer.config import TrainConfig, model_config
+    from ckpt.trainer.launch import launch
+    from ckpt.trainer.metrics import plot_loss
+
+    layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero)
+    try:
+        cfg = TrainConfig(model=model_config(config), seq_len=seq_len, global_batch=global_batch,
+                          microbatches=microbatches, schedule=schedule, steps=steps, stop_after=stop_after, lr=lr,
+                          seed=seed, ckpt_dir=ckpt_dir, save_every=save_every, keep_last=keep_last,
+                          async_save=not sync_save, init_from=init_from, fail_at_step=fail_at_step,
+                          fail_rank=fail_rank, metrics_path=metrics, device=device)
+    except ValueError as e:
+        _error(str(e))
+        raise typer.Exit(5) from None
+    if fail_at_step is not None and fail_rank >= layout.world_size:
+        _error(f"--fail-rank {fail_rank} is outside the {layout.world_size} ranks")
+        raise typer.Exit(5)
+    cfg.check_layout(layout)  # LayoutError: one line, exit 5, before any process starts
+    _say(f"training {config} under {layout} on {layout.world_size} process(es) via torchrun")
+    try:
+        launch(cfg, layout, max_restarts=max_restarts)
+    except ChildFailedError:
+        _error(f"training failed after {max_restarts} restart(s); see the worker tracebacks above")
+        raise typer.Exit(1) from None
+    if ckpt_dir:
+        from ckpt.manager import CheckpointManager
+
+        _say(f"checkpoints: {ckpt_dir} (newest {CheckpointManager(ckpt_dir, gc_on_start=False).latest()})")
+    if cfg.metrics_file:
+        _say(f"metrics: {cfg.metrics_file}")
+        if plot:
+            png = plot_loss(cfg.metrics_file, plot)
+            _say(f"plot: {png}" if png else "plot: skipped (pip install ckpt[plot] for matplotlib)")
+
+
+@handle_errors
+def demo_cmd(
+    out: str = typer.Option("ckpt-demo", "--out", help="directory for checkpoints, metrics and the plot"),
+    steps: int = typer.Option(200, "--steps", min=20, help="total training steps"),
+) -> None:
+    """The main job: train tiny on 4 ranks, kill one, resume, continue on 2 ranks under another layout,
+    verify, export (when the HF exporter is there), plot."""
+    from ckpt.trainer.demo import run_demo, summarize
+
+    report = run_demo(out, steps=steps, say=_say)
+    for line in summarize(report):
+        _say(f"  {line}")
+    _say(f"final checkpoint: {report.final_checkpoint} (verified: checksums and coverage OK)")
+    _say(f"held-out loss of the final model: {report.eval_loss:.3f}")
+    _say(f"checkpoints: {report.ckpt_dir}")
+    _say(f"metrics: {report.metrics}")
+    _say(f"plot: {report.plot}" if report.plot else f"plot: {report.plot_note}")
+    _say(f"hugging face: {report.hf_export} ({report.hf_note})" if report.hf_export
+                  else f"hugging face: {report.hf_note}")
+    _say(f"done in {report.wall_s:.0f} s; summary in {os.path.join(report.out_dir, 'demo.json')}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``train`` and ``demo`` to the app."""
+    app.command("train")(train_cmd)
+    app.command("demo")(demo_cmd)

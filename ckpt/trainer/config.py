@@ -1,0 +1,154 @@
+"""The trainer's run configuration: a typed dataclass validated once, with messages that say the fix.
+
+The parallel layout is separate (:class:`ckpt.resharders.layout.Layout`): a run may change layout
+at a restart while its :class:`TrainConfig` stays the same, which is what elastic resume means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt.errors import LayoutError
+from ckpt.resharders.layout import Layout
+from ckpt.trainer.model import CONFIGS, ModelConfig
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """What to train and how; the same on every rank.
+
+    Args:
+        model: the architecture (``CONFIGS["tiny"]`` ...).
+        seq_len: tokens per sample.
+        global_batch: samples per optimizer step over all data-parallel ranks (``dp x ep`` of them).
+        microbatches: pipeline microbatches per data-parallel rank (used when ``pp > 1``).
+        schedule: pipeline schedule, ``"gpipe"`` or ``"1f1b"``.
+        steps: length of the run (the LR schedule spans it).
+        stop_after: exit after this many steps (the schedule still spans ``steps``); None: ``steps``.
+        lr / min_lr_ratio / warmup: linear warmup over ``warmup`` steps, then cosine decay to
+            ``lr * min_lr_ratio`` at ``steps``.
+        weight_decay / beta1 / beta2 / eps: AdamW (decay on matrices only, not on norm weights).
+        grad_clip: global gradient-norm clip; 0 disables it.
+        seed: weight init and data order.
+        ckpt_dir: root of the run's checkpoints (``CheckpointManager``); None: no checkpoints.
+        save_every: checkpoint every N steps (async), and always at the end; None: only at the end.
+        keep_last: committed checkpoints kept under ``ckpt_dir``.
+        async_save: save in the background (else block until committed).
+        init_from: start from the weights (``model.*`` only) of this checkpoint when ``ckpt_dir``
+            holds none yet.
+        fail_at_step / fail_rank: fault injection: that rank SIGKILLs itself when it reaches this
+            step, in the first attempt of a torchrun job only.
+        metrics_path: JSON lines, one per step (rank 0 writes); None: ``<ckpt_dir>/metrics.jsonl``
+            when there is a ``ckpt_dir``.
+        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+    """
+
+    model: ModelConfig = CONFIGS["tiny"]
+    seq_len: int = 32
+    global_batch: int = 8
+    microbatches: int = 2
+    schedule: str = "1f1b"
+    steps: int = 200
+    stop_after: int | None = None
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 0
+    ckpt_dir: str | None = None
+    save_every: int | None = None
+    keep_last: int = 3
+    async_save: bool = True
+    init_from: str | None = None
+    fail_at_step: int | None = None
+    fail_rank: int = 0
+    metrics_path: str | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch", "microbatches", "steps", "keep_last"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive int, got {v!r}")
+        if self.seq_len < 2:
+            raise ValueError("TrainConfig.seq_len must be >= 2: a causal LM predicts token t+1 from t")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"TrainConfig.schedule={self.schedule!r}: choose one of {SCHEDULES}")
+        if self.save_every is not None and self.save_every < 1:
+            raise ValueError(f"TrainConfig.save_every={self.save_every}: use a positive step count or None")
+        if self.stop_after is not None and not 0 <= self.stop_after <= self.steps:
+            raise ValueError(f"TrainConfig.stop_after={self.stop_after} must lie in [0, steps={self.steps}]")
+        if self.fail_at_step is not None and self.ckpt_dir is None:
+            raise ValueError("fault injection (fail_at_step) needs a ckpt_dir to resume from")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"TrainConfig.device={self.device!r}: choose auto, cpu or cuda")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
+            raise ValueError("TrainConfig: lr must be > 0, min_lr_ratio in [0, 1], warmup >= 0")
+
+    @property
+    def last_step(self) -> int:
+        """The step count this invocation stops at."""
+        return self.steps if self.stop_after is None else self.stop_after
+
+    @property
+    def metrics_file(self) -> str | None:
+        """Where per-step metrics go (None: nowhere)."""
+        if self.metrics_path is not None:
+            return self.metrics_path
+        return f"{self.ckpt_dir.rstrip('/')}/metrics.jsonl" if self.ckpt_dir else None
+
+    def check_layout(self, layout: Layout) -> None:
+        """Raise LayoutError when ``layout`` cannot run this config, naming the fix."""
+        m = self.model
+        data = layout.dp * layout.ep
+        if self.global_batch % data:
+            raise LayoutError(f"global_batch={self.global_batch} does not split over dp x ep = {data} data-parallel "
+                              "ranks; choose a multiple")
+        if layout.pp > 1 and (self.global_batch // data) % self.microbatches:
+            raise LayoutError(f"{self.global_batch // data} samples per data-parallel rank do not split into "
+                              f"{self.microbatches} pipeline microbatches; change --microbatches or the batch")
+        if layout.pp > 1 and self.schedule == "1f1b" and self.microbatches < layout.pp:
+            raise LayoutError(f"the 1F1B schedule needs at least pp={layout.pp} microbatches, got "
+                              f"{self.microbatches}; raise --microbatches or use --schedule gpipe")
+        if layout.pp > m.num_hidden_layers:
+            raise LayoutError(f"pp={layout.pp} exceeds the {m.num_hidden_layers} layers of the model")
+        if m.num_key_value_heads % layout.tp:
+            raise LayoutError(f"tp={layout.tp} must divide num_key_value_heads={m.num_key_value_heads} "
+                              "(each TP rank keeps whole key/value groups)")
+        if m.num_experts % layout.ep:
+            raise LayoutError(f"ep={layout.ep} must divide num_experts={m.num_experts}")
+        if m.moe_intermediate_size % layout.tp:
+            raise LayoutError(f"tp={layout.tp} must divide moe_intermediate_size={m.moe_intermediate_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for checkpoint metadata and the worker command line)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`to_dict`."""
+        d = dict(d)
+        model = d.pop("model", None)
+        if isinstance(model, str):
+            d["model"] = model_config(model)
+        elif model is not None:
+            d["model"] = ModelConfig.from_dict(model)
+        return cls(**d)
+
+
+def model_config(name: str) -> ModelConfig:
+    """``CONFIGS[name]`` with an error listing the known names."""
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}") from None

@@ -1,0 +1,167 @@
+"""The training loop: data -> forward/backward (any layout) -> ZeRO-1 AdamW, with async checkpoints,
+resume from the newest committed checkpoint (same or another layout) and fault injection.
+
+One step, on every rank::
+
+    ids = rank_batch(...)            # this rank's samples of the global batch at sample_index
+    local = forward_backward(ids)    # pipeline schedule when pp > 1
+    handle.staged()                  # the previous async save has copied the state out
+    opt.step(lr)                     # reduce grads, clip, AdamW on the ZeRO range, all-gather
+    save every N steps (async)       # CheckpointManager: plan now, stage + write in the background
+
+Example::
+
+    result = train(TrainConfig(steps=10), Layout())      # single process
+    result.losses[10]                                   # loss of the 10th step
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ckpt.async_save import SaveHandle
+from ckpt.comm import Comm
+from ckpt.manager import CheckpointManager
+from ckpt.resharders.layout import Layout
+from ckpt.trainer.checkpoint import Resume, load_weights, restore, save_metadata, training_state
+from ckpt.trainer.config import TrainConfig
+from ckpt.trainer.data import SampleSource, rank_batch
+from ckpt.trainer.metrics import MetricsLog
+from ckpt.trainer.parallel import ParallelContext, all_reduce_, pick_device
+from ckpt.trainer.parallelize import ParallelModel, parallelize
+from ckpt.trainer.pp import ForwardBackward
+from ckpt.trainer.zero import AdamWConfig, LRSchedule, ZeroAdamW
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What a call of :func:`train` did on this rank."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # step number (1-based) -> global mean loss
+    start_step: int = 0
+    final_step: int = 0
+    resumed: Resume | None = None
+    last_checkpoint: str | None = None
+    pm: ParallelModel | None = None
+    opt: ZeroAdamW | None = None
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this job (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def build(cfg: TrainConfig, layout: Layout, device: torch.device | None = None
+          ) -> tuple[ParallelContext, ParallelModel, ZeroAdamW, LRSchedule]:
+    """Groups, this rank's model piece, its optimizer and the LR schedule (collective)."""
+    cfg.check_layout(layout)
+    ctx = ParallelContext.create(layout, device or pick_device(cfg.device))
+    torch.manual_seed(cfg.seed)  # nothing random after init, but a defined RNG state for checkpoints
+    pm = parallelize(cfg.model, ctx, seed=cfg.seed)
+    opt = ZeroAdamW(pm, AdamWConfig(cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.eps, cfg.grad_clip))
+    schedule = LRSchedule(cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+    return ctx, pm, opt, schedule
+
+
+def _latest(mgr: CheckpointManager) -> str | None:
+    # Rank 0 decides, so that every rank resumes from the same checkpoint even if one commits meanwhile.
+    comm = Comm(None)
+    url = mgr.latest() if comm.rank == 0 else None
+    return comm.broadcast(url) if comm.enabled and comm.world > 1 else url
+
+
+def _barrier(ctx: ParallelContext) -> None:
+    # A one-element all-reduce: a barrier on the training group's backend (gloo or NCCL alike).
+    all_reduce_(torch.zeros(1, device=ctx.device), ctx.groups["world"])
+
+
+def _global_loss(ctx: ParallelContext, local: torch.Tensor | None) -> float:
+    # The mean over data-parallel ranks of their mean losses: the last stage's TP rank 0 of each
+    # data-parallel rank contributes, everyone else adds zero.
+    counts = local is not None and ctx.is_last_stage and ctx.coord.tp == 0
+    value = float(local) if counts and local is not None else 0.0
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    all_reduce_(t, ctx.groups["world"])
+    return float(t) / ctx.data_world
+
+
+def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = None) -> TrainResult:
+    """Train (or resume) under ``layout`` until ``cfg.last_step``; collective over the world.
+
+    Resumes from the newest committed checkpoint under ``cfg.ckpt_dir`` (resharding when it was
+    saved under another layout), else starts from ``cfg.init_from``'s weights, else from init.
+    Raises LayoutError when ``layout`` cannot run the config or the world size differs.
+    """
+    ctx, pm, opt, schedule = build(cfg, layout, device)
+    rank0 = ctx.rank == 0
+    log = MetricsLog(cfg.metrics_file, enabled=rank0)
+    log.write({"event": "start", "layout": layout.to_dict(), "layout_text": str(layout), "world": layout.world_size,
+               "restart": restart_count(), "device": str(ctx.device)})
+    mgr = (CheckpointManager(cfg.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_save)
+           if cfg.ckpt_dir else None)
+    result = TrainResult(pm=pm, opt=opt)
+    step, sample_index = 0, 0
+    latest = _latest(mgr) if mgr is not None else None
+    if latest is not None:
+        result.resumed = restore(latest, pm, opt, schedule, cfg)
+        step, sample_index = result.resumed.step, result.resumed.sample_index
+        log.write({"event": "resume", "step": step, "from": latest, "resharded": result.resumed.resharded,
+                   "layout_text": str(layout)})
+    elif cfg.init_from:
+        load_weights(cfg.init_from, pm)
+        log.write({"event": "init_from", "step": 0, "from": cfg.init_from})
+    result.start_step = step
+
+    source = SampleSource(cfg.seq_len, cfg.seed)
+    fb = ForwardBackward(pm, cfg.microbatches, cfg.schedule)
+    metadata = save_metadata(cfg, layout)
+    handle: SaveHandle | None = None
+    t_start = time.perf_counter()
+    while step < cfg.last_step:
+        if (cfg.fail_at_step == step and ctx.rank == cfg.fail_rank and restart_count() == 0):
+            MetricsLog(cfg.metrics_file).write({"event": "fail", "step": step, "rank": ctx.rank})
+            os.kill(os.getpid(), signal.SIGKILL)  # die hard, as a lost node would: no cleanup at all
+        t0 = time.perf_counter()
+        ids = rank_batch(source, sample_index, cfg.global_batch, ctx.data_rank, ctx.data_world).to(ctx.device)
+        local = fb(ids)
+        stall = 0.0
+        if handle is not None:
+            t = time.perf_counter()
+            handle.staged()  # the optimizer is about to change what the save is copying
+            stall += time.perf_counter() - t
+            handle = None
+        lr = schedule.lr(step)
+        grad_norm = opt.step(lr)
+        step += 1
+        sample_index += cfg.global_batch
+        schedule.last_step = step
+        loss = _global_loss(ctx, local)
+        result.losses[step] = loss
+        if mgr is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.last_step):
+            t = time.perf_counter()
+            # The previous save's retention (gc on rank 0's background thread, after its commit)
+            # must be over on every rank before any rank starts writing the next one: with ckpt's
+            # plan cache a rank may create the new step directory at once, and a concurrent gc
+            # would take that lease-less directory for a crashed save's leftovers and remove it.
+            mgr.wait()
+            _barrier(ctx)
+            state = training_state(pm, opt, step, sample_index, schedule)
+            saved = mgr.save(step, state, user_metadata=metadata, layout=layout.to_dict())
+            handle = saved if isinstance(saved, SaveHandle) else None  # None: --sync-save committed it
+            stall += time.perf_counter() - t
+            result.last_checkpoint = mgr.url_for(step)
+            log.write({"event": "save", "step": step, "url": result.last_checkpoint})
+        dt = time.perf_counter() - t0
+        log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                   "tokens_per_s": round(cfg.global_batch * cfg.seq_len / dt, 1),
+                   "ckpt_stall_ms": round(stall * 1e3, 3), "step_ms": round(dt * 1e3, 3)})
+    if mgr is not None:
+        mgr.wait()  # the last checkpoint is committed before this returns
+    result.final_step = step
+    log.write({"event": "end", "step": step, "wall_s": round(time.perf_counter() - t_start, 3)})
+    return result

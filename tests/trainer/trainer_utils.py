@@ -1,0 +1,62 @@
+"""Helpers for the trainer tests: run :func:`ckpt.trainer.train.train` on forked gloo ranks and get
+rank 0's per-step losses back; read a checkpoint's tensors whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+import ckpt
+from ckpt.dtypes import dtype_from_name
+from ckpt.resharders.layout import Layout
+from ckpt.trainer.config import TrainConfig
+from ckpt.trainer.train import train
+from tests.dist_utils import run_ranks
+
+# Loss parity with the single-process run. Forward and gradients agree to ~1e-7 relative (see
+# test_parallel_grads); AdamW divides each element by its own gradient's magnitude, so an element
+# whose gradient is ~eps (1e-8) turns fp32 summation-order noise into a visible update, and after
+# ten steps losses of ~5 differ by up to ~1.5e-5 under TP. A real bug moves them by 1e-2 or more.
+LOSS_TOL = {"rtol": 1e-5, "atol": 2e-5}
+
+
+def _worker(rank: int, world: int, cfg: TrainConfig, layout: Layout, out: str) -> None:
+    result = train(cfg, layout)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"losses": result.losses, "start": result.start_step,
+                       "resharded": result.resumed.resharded if result.resumed else None}, f)
+
+
+def run_training(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """Train on ``layout.world_size`` forked gloo ranks (also for one rank, so that every run has
+    the same process and thread setup); rank 0's ``{"losses": {step: loss}, "start", "resharded"}``."""
+    fd, out = tempfile.mkstemp(prefix="ckpt-train-", suffix=".json")
+    os.close(fd)
+    try:
+        run_ranks(layout.world_size, _worker, cfg, layout, out)
+        with open(out) as f:
+            data = json.load(f)
+    finally:
+        os.unlink(out)
+    data["losses"] = {int(k): v for k, v in data["losses"].items()}
+    return data
+
+
+def checkpoint_tensors(url: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole, in this process."""
+    manifest = ckpt.inspect(url)
+    state = {k: torch.empty(t.shape, dtype=dtype_from_name(t.dtype)) for k, t in manifest.tensors.items()}
+    ckpt.load(state, url, strict=False)
+    return state
+
+
+def losses_close(got: dict[int, float], want: dict[int, float]) -> None:
+    """Same steps, losses within :data:`LOSS_TOL`."""
+    assert sorted(got) == sorted(want)
+    torch.testing.assert_close(torch.tensor([got[k] for k in sorted(got)], dtype=torch.float64),
+                               torch.tensor([want[k] for k in sorted(want)], dtype=torch.float64), **LOSS_TOL)
