@@ -1,0 +1,88 @@
+"""``ckpt export-hf`` and ``ckpt import-hf``: Hugging Face interop for the embedded MoE."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from ckpt.cli.common import console, err_console, handle_errors, human_bytes, parse_storage_options, print_json
+from ckpt.formats.hf import export_hf, import_hf
+
+StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
+BudgetOpt = typer.Option("1GiB", "--memory-budget",
+                         help="bytes of data buffers, e.g. 1GiB (peak memory: this + the largest tensor)")
+WorkersOpt = typer.Option(4, "--workers", min=1, help="parallel readers")
+
+
+@contextmanager
+def _bar(what: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A byte progress bar on stderr (stdout stays clean for --json)."""
+    if not enabled:
+        yield None
+        return
+    columns = (TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update
+
+
+@handle_errors
+def export_hf_cmd(
+    src: str = typer.Argument(..., help="checkpoint directory or URL (any layout)"),
+    out: str = typer.Argument(..., help="output directory for the Hugging Face model"),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: as stored)"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors file, e.g. 5GB"),
+    memory_budget: str = BudgetOpt,
+    workers: int = WorkersOpt,
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace a model already in OUT"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    storage_option: list[str] = StorageOpt,
+) -> None:
+    """Export the model weights of SRC as a Hugging Face Qwen3-MoE model (config.json, safetensors, index)."""
+    with _bar("export", not (quiet or json_out)) as progress:
+        r = export_hf(src, out, dtype=dtype, max_shard_size=max_shard_size, memory_budget=memory_budget,
+                      workers=workers, overwrite=overwrite, storage_options=parse_storage_options(storage_option),
+                      progress=progress)
+    if json_out:
+        print_json(r.to_dict())
+        return
+    console.print(f"wrote {r.out_dir}: {r.tensors} tensors ({r.dtype}, {human_bytes(r.total_size)}) in "
+                  f"{len(r.files)} file(s), {r.seconds:.1f} s", highlight=False)
+
+
+@handle_errors
+def import_hf_cmd(
+    hf_dir: str = typer.Argument(..., help="Hugging Face model directory (config.json + safetensors)"),
+    dst: str = typer.Argument(..., help="checkpoint directory or URL to write"),
+    to: str | None = typer.Option(None, "--to", help="target layout, e.g. tp=2,ep=2 (default: single)"),
+    dtype: str | None = typer.Option(None, "--dtype", help="cast to bf16 | fp16 | fp32 (default: keep)"),
+    memory_budget: str = BudgetOpt,
+    workers: int = WorkersOpt,
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace a committed checkpoint at DST"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    storage_option: list[str] = StorageOpt,
+) -> None:
+    """Import a Hugging Face Qwen3-MoE model as a weights-only checkpoint the trainer can start from."""
+    with _bar("import", not (quiet or json_out)) as progress:
+        r = import_hf(hf_dir, dst, to=to, dtype=dtype, memory_budget=memory_budget, workers=workers,
+                      overwrite=overwrite, storage_options=parse_storage_options(storage_option), progress=progress)
+    if json_out:
+        print_json(r.to_dict())
+        return
+    console.print(f"wrote {r.dst_url}: {r.tensors} tensors ({human_bytes(r.total_bytes)}), layout {r.layout}, "
+                  f"{r.seconds:.1f} s", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``export-hf`` and ``import-hf`` to the app."""
+    app.command("export-hf")(export_hf_cmd)
+    app.command("import-hf")(import_hf_cmd)
