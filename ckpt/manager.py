@@ -155,20 +155,16 @@ def select_removals(infos: list[CheckpointInfo], keep_last: int | None, keep_eve
 
 
 def gc(root: str, *, keep_last: int | None = None, keep_every: int | None = None, dry_run: bool = False,
-       storage_options: dict[str, Any] | None = None, spare_after_step: int | None = None,
-       spare_newer_than: float | None = None) -> list[CheckpointInfo]:
+       storage_options: dict[str, Any] | None = None, spare_after_step: int | None = None) -> list[CheckpointInfo]:
     """Remove incomplete checkpoints (no live save) and, with ``keep_last``, old committed ones.
 
     ``spare_after_step``: never touch steps above it (a save of a later step may be starting on
-    other ranks before its lease exists). ``spare_newer_than``: never touch directories modified
-    after this UNIX time. Returns what was (or, with ``dry_run``, would be) removed.
+    other ranks before its lease exists). Returns what was (or, with ``dry_run``, would be) removed.
     """
     storage = get_storage(root, **(storage_options or {}))
     try:
         infos = _list(storage, root)
-        protect = {c.step for c in infos
-                   if (spare_after_step is not None and c.step > spare_after_step)
-                   or (spare_newer_than is not None and c.mtime > spare_newer_than)}
+        protect = {c.step for c in infos if spare_after_step is not None and c.step > spare_after_step}
         doomed = select_removals(infos, keep_last, keep_every, protect)
         if not dry_run:
             for c in doomed:
@@ -208,9 +204,9 @@ class CheckpointManager:
         self._last: SaveHandle | None = None
         self._rank = Comm(group).rank
         if gc_on_start and self._rank == 0:
-            # Incomplete leftovers of a crash; a directory touched since we started may already be
-            # a save of this job that other ranks began.
-            gc(self.root, storage_options=self.storage_options, spare_newer_than=time.time() - 1.0)
+            # Incomplete leftovers of a crash. No save of this job can have started yet: the first
+            # save of a process plans collectively, so it waits for the coordinator to get here.
+            gc(self.root, storage_options=self.storage_options)
 
     def url_for(self, step: int) -> str:
         """Where the checkpoint of ``step`` lives."""
