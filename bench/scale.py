@@ -127,6 +127,7 @@ def simulate(layout: Layout, target: Layout, layers: int, sample: int) -> dict[s
     t0 = time.perf_counter()
     decls = [RankDecl(pieces=rank_pieces(params, layout, r, layers, DSV3_RULES)) for r in range(layout.world_size)]
     res["declare_s"] = time.perf_counter() - t0
+    _progress(res, "declare_s")
     res["declared_pieces"] = sum(len(d.pieces) for d in decls)
     # what each rank sends to the coordinator for planning (msgpack of its declaration)
     per_rank = [len(msgpack.packb(d.to_wire(), use_bin_type=True)) for d in decls[:: max(1, len(decls) // 64)]]
@@ -136,6 +137,7 @@ def simulate(layout: Layout, target: Layout, layers: int, sample: int) -> dict[s
     plan = plan_save(decls, save_id="sim", step=1)
     res["global_plan_s"] = time.perf_counter() - t0
     res["peak_rss_after_plan_gb"] = rss_gb()
+    _progress(res, "global_plan_s")
     res["manifest_shards"] = sum(len(t.shards) for t in plan.manifest.tensors.values())
     loads = [a.nbytes for a in plan.assignments]
     holders = [b for b in loads if b]
@@ -166,6 +168,7 @@ def simulate(layout: Layout, target: Layout, layers: int, sample: int) -> dict[s
     m2 = decode_manifest(data)
     res["manifest_decode_s"] = time.perf_counter() - t0
     res["peak_rss_gb"] = rss_gb()
+    _progress(res, "manifest_decode_s")
     # one target rank's load plan, for a sample of target ranks
     rng = random.Random(0)
     times = []
@@ -177,9 +180,15 @@ def simulate(layout: Layout, target: Layout, layers: int, sample: int) -> dict[s
         rp = plan_load(m2, reqs)
         times.append(time.perf_counter() - t0)
         res.setdefault("load_plan_ops", []).append(len(rp.ops))
+        print(f"load plan of target rank {r}: {times[-1]:.3f} s, {len(rp.ops)} reads", flush=True)
     res["load_plan_s_max"] = max(times)
     res["load_plan_s_median"] = sorted(times)[len(times) // 2]
     return res
+
+
+def _progress(res: dict[str, Any], key: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {key} = {res[key]:.3f}  "
+          f"({ {k: v for k, v in res.items() if not isinstance(v, list)} })", flush=True)
 
 
 def _numel(s: tuple[int, ...]) -> int:
@@ -195,8 +204,10 @@ def dcp_plan(layout: Layout, layers: int, out: str) -> None:
     from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-    from torch.distributed.checkpoint.planner_helpers import _create_write_items  # noqa: F401 (API presence)
-    from torch.distributed.checkpoint.utils import dedup_save_plans  # type: ignore[attr-defined]
+    try:  # where DCP keeps it varies across versions (private module in 2.13)
+        from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    except ImportError:
+        from torch.distributed.checkpoint.utils import dedup_save_plans  # type: ignore[attr-defined,no-redef]
 
     params = dsv3_params(layers)
     t0 = time.perf_counter()

@@ -370,11 +370,11 @@ def _plan_pair(frags: list[_Frag], ti: int, req: LoadRequest, s: ShardEntry, sha
         s_off, d_off, lens = (np.array(x, dtype=np.int64) for x in (ss, dd, nn))
     i = 0
     total = int(lens.sum())
+    s_end = s_off + lens  # increasing: the segments of one stored piece are disjoint and sorted
     while i < len(lens):
-        j = i
         span_start = int(s_off[i])
-        while j + 1 < len(lens) and int(s_off[j + 1] + lens[j + 1]) - span_start <= max_el:
-            j += 1
+        # the longest run of segments from i whose span fits in one read
+        j = max(i, int(np.searchsorted(s_end, span_start + max_el, side="right")) - 1)
         sl = slice(i, j + 1)
         fstart = s.offset + span_start * isz
         fend = s.offset + int(s_off[j] + lens[j]) * isz

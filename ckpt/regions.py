@@ -82,36 +82,50 @@ def global_runs(region: Region, shape: tuple[int, ...]) -> tuple[np.ndarray, np.
     return (starts + lo)[keep], (hi - lo)[keep]
 
 
+def bounding_box(region: Region, shape: tuple[int, ...]) -> Box:
+    """A box that contains ``region`` (a flat range: its box, or the whole tensor)."""
+    if isinstance(region, Box):
+        return region
+    return region.box if region.box is not None else Box(tuple(0 for _ in shape), tuple(shape))
+
+
 def flat_segments(src: Region, dst: Region, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Common elements of two regions as segments: ``(src_local_off, dst_local_off, length)``.
 
-    Offsets are in each region's local row-major order (a flat region's local order is the global
-    flat order). Used whenever at least one side is flat.
+    Offsets are in each region's local row-major order (a flat region's local order is the flat
+    order of its box, or of the tensor). Used whenever at least one side is flat.
     """
+    e = np.zeros(0, dtype=np.int64)
+    if isinstance(src, Flat) and isinstance(dst, Flat) and src.box == dst.box:
+        # Same block split two ways (e.g. ZeRO over a different DP size): one range intersection.
+        lo, hi = max(src.start, dst.start), min(src.stop, dst.stop)
+        if hi <= lo:
+            return e, e, e
+        one = np.ones(1, dtype=np.int64)
+        return one * (lo - src.start), one * (lo - dst.start), one * (hi - lo)
+    if intersect_boxes(bounding_box(src, shape), bounding_box(dst, shape)) is None and len(shape):
+        return e, e, e
     s_starts, s_lens = global_runs(src, shape)
     d_starts, d_lens = global_runs(dst, shape)
+    if not len(s_starts) or not len(d_starts):
+        return e, e, e
     # Local position of each run's first element = cumulative length of the previous runs.
     s_local = np.concatenate([[0], np.cumsum(s_lens)[:-1]]).astype(np.int64)
     d_local = np.concatenate([[0], np.cumsum(d_lens)[:-1]]).astype(np.int64)
-    # Two-pointer merge over sorted, disjoint run lists, vectorized by searchsorted.
-    out_s, out_d, out_n = [], [], []
-    s_ends = s_starts + s_lens
-    for i in range(len(d_starts)):
-        lo, hi = d_starts[i], d_starts[i] + d_lens[i]
-        a = int(np.searchsorted(s_ends, lo, side="right"))
-        b = int(np.searchsorted(s_starts, hi, side="left"))
-        if a >= b:
-            continue
-        ss, se = s_starts[a:b], s_ends[a:b]
-        cs, ce = np.maximum(ss, lo), np.minimum(se, hi)
-        keep = ce > cs
-        out_s.append(s_local[a:b][keep] + (cs - ss)[keep])
-        out_d.append(d_local[i] + (cs - lo)[keep])
-        out_n.append((ce - cs)[keep])
-    if not out_n:
-        e = np.zeros(0, dtype=np.int64)
+    s_ends, d_ends = s_starts + s_lens, d_starts + d_lens
+    # For every dst run, the src runs it overlaps are [a, b): all pairs, vectorized.
+    a = np.searchsorted(s_ends, d_starts, side="right")
+    b = np.searchsorted(s_starts, d_ends, side="left")
+    cnt = np.maximum(b - a, 0)
+    if not cnt.sum():
         return e, e, e
-    return np.concatenate(out_s), np.concatenate(out_d), np.concatenate(out_n)
+    di = np.repeat(np.arange(len(d_starts)), cnt)
+    si = np.repeat(a, cnt) + (np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+    lo = np.maximum(s_starts[si], d_starts[di])
+    hi = np.minimum(s_ends[si], d_ends[di])
+    keep = hi > lo
+    lo, hi, si, di = lo[keep], hi[keep], si[keep], di[keep]
+    return s_local[si] + (lo - s_starts[si]), d_local[di] + (lo - d_starts[di]), hi - lo
 
 
 def check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> None:
