@@ -144,10 +144,10 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
         result.losses[step] = loss
         if mgr is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.last_step):
             t = time.perf_counter()
-            # The previous save's retention (gc on rank 0's background thread, after its commit)
-            # must be over on every rank before any rank starts writing the next one: with ckpt's
-            # plan cache a rank may create the new step directory at once, and a concurrent gc
-            # would take that lease-less directory for a crashed save's leftovers and remove it.
+            # Every rank starts a save only once the previous one (and its retention) is over
+            # everywhere. The manager itself spares later steps from retention (a rank with a cached
+            # plan may create the new step directory before rank 0's lease exists); this barrier
+            # keeps save starts aligned anyway, at the cost of one tiny all-reduce per save.
             mgr.wait()
             _barrier(ctx)
             state = training_state(pm, opt, step, sample_index, schedule)
