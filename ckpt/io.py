@@ -186,7 +186,7 @@ def verify_shards(storage: Storage, manifest: Any, requests: list[Any], *, worke
                                  f"found {crc:#010x}); the file is corrupted, nothing was loaded from it")
         return int(s.length)
 
-    unique = list({(it[2].file, it[2].offset): it for it in todo}.values())
+    unique = list({(it[2].file, it[2].offset, it[2].length, it[2].checksum): it for it in todo}.values())
     if workers <= 1 or len(unique) <= 1:
         return sum(check(it) for it in unique)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-verify") as ex:
