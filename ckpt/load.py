@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any
 
 import torch
 
 from ckpt.comm import Comm, error_payload, raise_payload
-from ckpt.errors import CheckpointError, ManifestError, MismatchError
+from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
 from ckpt.io import run_read_plan, verify_shards
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, plan_load
+from ckpt.regions import check_tiling
 from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.storage import Storage, get_storage
 
@@ -122,7 +124,7 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
     for it in items:
         if isinstance(it, ObjectItem):
             if it.key in subtrees:
-                values[it.key] = _nest(it.key, {k: _object_value(manifest, k, rank, strict)
+                values[it.key] = _nest(it.key, {k: _object_value(manifest, k, rank, strict, verify)
                                                 for k in subtrees[it.key]})
                 continue
             if it.key not in manifest.objects:
@@ -132,7 +134,7 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
             o = manifest.objects[it.key]
             if o.per_rank is not None and rank not in o.per_rank and not strict:
                 continue
-            values[it.key] = _object_value(manifest, it.key, rank, strict)
+            values[it.key] = _object_value(manifest, it.key, rank, strict, verify)
             continue
         assert isinstance(it, TensorItem)
         if it.key not in manifest.tensors:
@@ -153,6 +155,12 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
     t1 = time.perf_counter()
     phases["plan"] = t1 - t0
     if verify:
+        for req in requests:  # a manifest whose shards do not tile a tensor cannot be trusted either
+            t = manifest.tensors[req.key]
+            try:
+                check_tiling(req.key, tuple(t.shape), [s.region for s in t.shards])
+            except LayoutError as e:
+                raise IntegrityError(f"{e}; the manifest is corrupted, nothing was loaded") from None
         phases["bytes_verified"] = verify_shards(storage, manifest, requests, workers=workers)
         phases["verify"] = time.perf_counter() - t1
         t1 = time.perf_counter()
@@ -172,8 +180,10 @@ def _few(keys: list[str], n: int = 8) -> str:
     return s + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def _object_value(manifest: Manifest, key: str, rank: int, strict: bool) -> Any:
+def _object_value(manifest: Manifest, key: str, rank: int, strict: bool, verify: bool = False) -> Any:
     o = manifest.objects[key]
+    if verify and o.data is not None and o.checksum is not None and zlib.crc32(o.data) != o.checksum:
+        raise IntegrityError(f"object {key!r}: checksum mismatch in the manifest; it is corrupted")
     if o.per_rank is not None:
         if rank not in o.per_rank:
             if strict:

@@ -86,6 +86,12 @@ def _list(storage: Storage, root: str) -> list[CheckpointInfo]:
         top = f.split("/", 1)[0]
         if STEP_DIR.match(top):
             groups.setdefault(top, []).append(f)
+    local_root = getattr(storage, "root", None)
+    if isinstance(local_root, str) and os.path.isdir(local_root):
+        # A crash between mkdir and the first write leaves a step directory with no file in it.
+        for name in os.listdir(local_root):
+            if STEP_DIR.match(name) and os.path.isdir(os.path.join(local_root, name)):
+                groups.setdefault(name, [])
     out = []
     for name, fs in groups.items():
         m = STEP_DIR.match(name)
@@ -227,10 +233,26 @@ class CheckpointManager:
                      storage_options=self.storage_options)
             self._after_commit(m)
             return m
-        self._last = self._saver.save(state, url, step=step, user_metadata=user_metadata, layout=layout,
-                                      storage_options=self.storage_options, policy=self.policy,
-                                      on_commit=self._after_commit)
+        try:
+            self._last = self._saver.save(state, url, step=step, user_metadata=user_metadata, layout=layout,
+                                          storage_options=self.storage_options, policy=self.policy,
+                                          on_commit=self._after_commit)
+        except BaseException:
+            if self._rank == 0:
+                self._drop_lease(step)  # nothing is writing there: let gc collect what is left
+            raise
+        if self._last.skipped and self._rank == 0:
+            self._drop_lease(step)
         return self._last
+
+    def _drop_lease(self, step: int) -> None:
+        storage = get_storage(self.url_for(step), **self.storage_options)
+        try:
+            storage.delete(LEASE)
+        except CheckpointError:
+            pass
+        finally:
+            storage.close()
 
     def _write_lease(self, step: int) -> None:
         lease = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()

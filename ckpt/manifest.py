@@ -209,8 +209,12 @@ class Manifest:
         )
 
 
+_INT_MAX = 2**63 - 1  # every offset, length and size must fit an int64 (numpy, file offsets)
+MAX_DIMS = 64
+
+
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, int) and not isinstance(v, bool) and -_INT_MAX <= v <= _INT_MAX
 
 
 def _key(key: Any) -> str:
@@ -232,8 +236,8 @@ def _get(d: Any, name: str, typ: type, what: str) -> Any:
 
 
 def _int_list(v: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(_is_int(x) and x >= 0 for x in v):
-        raise ManifestError(f"{what}: {v!r} is not a list of non-negative integers")
+    if not isinstance(v, list) or len(v) > MAX_DIMS or not all(_is_int(x) and x >= 0 for x in v):
+        raise ManifestError(f"{what}: {str(v)[:80]} is not a list of at most {MAX_DIMS} non-negative int64 values")
     return tuple(v)
 
 
@@ -242,6 +246,8 @@ def _tensor_from_dict(key: str, t: Any, files: dict[str, int]) -> TensorEntry:
     dtype = _get(t, "dtype", str, what)
     size = itemsize(dtype_from_name(dtype, key=key))
     shape = _int_list(_get(t, "shape", list, what), f"{what} shape")
+    if math.prod(shape) > _INT_MAX:
+        raise ManifestError(f"{what}: shape {list(shape)} has more than 2**63 elements")
     shards: list[ShardEntry] = []
     for i, s in enumerate(_get(t, "shards", list, what)):
         swhat = f"{what} shard {i}"

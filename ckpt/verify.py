@@ -93,7 +93,11 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
     good_files: set[str] = set()
     headers: dict[str, dict[str, Any]] = {}
     for path, size in m.files.items():
-        actual = storage.size(path)
+        try:
+            actual = storage.size(path)
+        except CheckpointError as e:  # e.g. a symlink that leads outside the checkpoint
+            report.problems.append(Problem("path", str(e), file=path))
+            continue
         if actual is None:
             report.problems.append(Problem("missing-file", f"{path}: file is missing", file=path))
             continue
@@ -126,10 +130,12 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
             if s.file not in good_files:
                 continue
             he = headers[s.file].get(entry_name(key, i)) if s.file in headers else None
-            if s.file in headers and (he is None or he.start != s.offset or he.length != s.length):
+            if s.file in headers and (he is None or he.start != s.offset or he.length != s.length
+                                      or (he.dtype, he.shape) != _header_type(t.dtype, s)):
                 report.problems.append(Problem(
                     "header", f"tensor {key!r} shard {i}: {s.file} header does not list bytes "
-                    f"[{s.offset}, {s.offset + s.length}) as {entry_name(key, i)!r}", tensor=key, file=s.file))
+                    f"[{s.offset}, {s.offset + s.length}) as {entry_name(key, i)!r} with dtype/shape "
+                    f"{_header_type(t.dtype, s)}", tensor=key, file=s.file))
                 continue
             if deep and s.checksum is not None:
                 try:
@@ -152,6 +158,17 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
                 raise CheckpointError(f"object {key!r}: checksum mismatch")
         except CheckpointError as e:
             report.problems.append(Problem("object", str(e), tensor=key))
+
+
+def _header_type(dtype: str, s: Any) -> tuple[str, tuple[int, ...]]:
+    """The (safetensors dtype, shape) a shard's header entry must have (see docs/FORMAT.md)."""
+    from ckpt.dtypes import dtype_from_name, safetensors_dtype
+    from ckpt.shards import Box
+
+    st = safetensors_dtype(dtype_from_name(dtype))
+    if st is None:
+        return "U8", (s.length,)
+    return st, tuple(s.region.lengths) if isinstance(s.region, Box) else (s.region.numel,)
 
 
 def _crc_range(storage: Storage, path: str, offset: int, length: int) -> int:

@@ -6,6 +6,7 @@ decoder allocate more than the file justifies.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import msgpack
@@ -67,15 +68,30 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not msgpack-serializable")
 
 
+_DEPTH = threading.local()
+MAX_TUPLE_DEPTH = 64
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == _EXT_NUMPY_SCALAR:
         dt, raw = _unpack(data, "object")
-        dtype = np.dtype(dt)
-        if dtype.hasobject or len(raw) != dtype.itemsize:
+        try:
+            dtype = np.dtype(dt) if isinstance(dt, str) and len(dt) <= 8 else None
+        except (TypeError, ValueError):
+            dtype = None
+        if dtype is None or dtype.kind not in "biufc" or not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
             raise ManifestError("object: malformed numpy scalar")
         return np.frombuffer(raw, dtype=dtype)[0]
     if code == _EXT_TUPLE:
-        return tuple(_unpack(data, "object", _ext_hook))
+        # Each nested tuple is a nested unpack: bound the depth so hostile bytes cannot recurse deep.
+        depth = getattr(_DEPTH, "n", 0)
+        if depth >= MAX_TUPLE_DEPTH:
+            raise ManifestError(f"object: tuples nested deeper than {MAX_TUPLE_DEPTH}")
+        _DEPTH.n = depth + 1
+        try:
+            return tuple(_unpack(data, "object", _ext_hook))
+        finally:
+            _DEPTH.n = depth
     raise ManifestError(f"object: unknown msgpack extension type {code}")
 
 
