@@ -12,6 +12,7 @@ Subcommands::
     fuzz        long fuzzing of the manifest/header/object parsers and verify; single-fault corruption census
     hashcost    save time with and without CRC-32 checksumming
     scale       simulated planning for a DeepSeek-V3-sized MoE on 16,384 ranks, ckpt vs DCP
+    bytecheckpoint  ByteCheckpoint 0.0.2 vs ckpt vs DCP: 2 torchrun ranks, FSDP2 + AdamW on CPU (optional dep)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import bench.bytecheckpoint_bench as bytecheckpoint_bench
 from bench import async_bench, crash, fuzz, hashcost, hf_export, multirank, reshard, s3_bench, save_load, scale
 
 COMMANDS = {
@@ -32,6 +34,7 @@ COMMANDS = {
     "fuzz": (fuzz, "fuzz the parsers of untrusted bytes (100k inputs) and census single-fault corruptions"),
     "hashcost": (hashcost, "save time with and without CRC-32 checksums"),
     "scale": (scale, "simulated DeepSeek-V3 planning at 16,384 ranks: ckpt vs DCP's planner, no tensors"),
+    "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 
 

@@ -196,9 +196,18 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
+def _numeric(cell: str) -> bool:
+    try:
+        float(cell.rstrip("x"))
+    except ValueError:
+        return cell == "-"
+    return True
+
+
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """The same table as GitHub markdown (first column left-aligned, the rest right-aligned)."""
+    """The same table as GitHub markdown: numeric columns right-aligned, text columns left-aligned."""
+    align = [i > 0 and all(_numeric(str(r[i])) for r in rows) for i in range(len(columns))]
     lines = ["| " + " | ".join(columns) + " |",
-             "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(columns))) + "|"]
+             "|" + "|".join("---:" if a else ":---" for a in align) + "|"]
     lines += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)

@@ -127,7 +127,7 @@ class AsyncSaver:
              user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
              layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
              policy: str = "wait", on_commit: Callable[[Manifest], None] | None = None,
-             data_format: str = "safetensors") -> SaveHandle:
+             data_format: str = "safetensors", on_error: Callable[[BaseException], None] | None = None) -> SaveHandle:
         """Start saving ``state`` to ``url``; see :func:`async_save`."""
         if policy not in ("wait", "skip"):
             raise ValueError(f"policy must be 'wait' or 'skip', got {policy!r}")
@@ -158,7 +158,7 @@ class AsyncSaver:
             self._launch_cuda_copies(prep, buffers, cuda_pieces, handle)
         self.inflight = handle
         self._thread = threading.Thread(target=self._run, name="ckpt-async-save", daemon=True,
-                                        args=(handle, prep, buffers, storage, comm, commit_comm, on_commit))
+                                        args=(handle, prep, buffers, storage, comm, commit_comm, on_commit, on_error))
         self._thread.start()
         return handle
 
@@ -179,7 +179,8 @@ class AsyncSaver:
         handle._cuda_event = ev
 
     def _run(self, handle: SaveHandle, prep: Prepared, buffers: dict[int, torch.Tensor], storage: Any,
-             comm: Comm, commit_comm: Comm, on_commit: Callable[[Manifest], None] | None) -> None:
+             comm: Comm, commit_comm: Comm, on_commit: Callable[[Manifest], None] | None,
+             on_error: Callable[[BaseException], None] | None = None) -> None:
         try:
             if handle._cuda_event is not None:
                 handle._cuda_event.synchronize()
@@ -203,6 +204,11 @@ class AsyncSaver:
                 on_commit(handle.manifest)
         except BaseException as e:  # noqa: BLE001 - surfaced on the handle and on the next save
             handle.error = e
+            if on_error is not None:
+                try:
+                    on_error(e)
+                except CheckpointError:
+                    pass  # cleanup is best effort; the save's own error is what matters
         finally:
             handle._staged.set()
             handle._done.set()

@@ -236,7 +236,8 @@ class CheckpointManager:
         try:
             self._last = self._saver.save(state, url, step=step, user_metadata=user_metadata, layout=layout,
                                           storage_options=self.storage_options, policy=self.policy,
-                                          on_commit=self._after_commit)
+                                          on_commit=self._after_commit,
+                                          on_error=lambda e: self._drop_lease(step) if self._rank == 0 else None)
         except BaseException:
             if self._rank == 0:
                 self._drop_lease(step)  # nothing is writing there: let gc collect what is left

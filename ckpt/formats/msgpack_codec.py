@@ -6,6 +6,7 @@ decoder allocate more than the file justifies.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -75,10 +76,9 @@ MAX_TUPLE_DEPTH = 64
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == _EXT_NUMPY_SCALAR:
         dt, raw = _unpack(data, "object")
-        try:
-            dtype = np.dtype(dt) if isinstance(dt, str) and len(dt) <= 8 else None
-        except (TypeError, ValueError):
-            dtype = None
+        # Only plain numeric dtype strings: np.dtype parses some others with ast.literal_eval.
+        ok = isinstance(dt, str) and re.fullmatch(r"[<>|=]?[biufc]\d{1,2}", dt) is not None
+        dtype = np.dtype(dt) if ok else None
         if dtype is None or dtype.kind not in "biufc" or not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
             raise ManifestError("object: malformed numpy scalar")
         return np.frombuffer(raw, dtype=dtype)[0]
