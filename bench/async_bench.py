@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-import ckpt
 from bench.common import (
     fmt,
     fresh_dir,
@@ -307,5 +306,4 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2, default=str)
-    _ = ckpt
     return 0

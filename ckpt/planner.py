@@ -10,7 +10,6 @@ returns ``ReadOp``s: byte ranges per file (coalesced) plus the copies that move 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -505,11 +504,6 @@ def _shift(c: Copy, by: int) -> Copy:
     if isinstance(c, StridedCopy):
         return StridedCopy(c.target, c.buf_offset + by, c.lengths, c.src_strides, c.dst_offsets)
     return SegmentCopy(c.target, c.buf_offsets + by, c.dst_offsets, c.lengths)
-
-
-def region_numel(r: Region) -> int:
-    """Number of elements of a region."""
-    return r.numel if isinstance(r, Flat) else math.prod(r.lengths)
 
 
 __all__ = [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,10 +155,3 @@ def rebuild_state(state: Any, values: dict[str, Any], prefix: str = "") -> Any:
         return type(state)(out) if isinstance(state, tuple) else out
     return values.get(prefix, state)
 
-
-def local_view(item: TensorItem) -> torch.Tensor:
-    """The item's local data as a tensor shaped like its region (flat regions: 1-D)."""
-    return item.local
-
-
-Hook = Callable[[str], None]
