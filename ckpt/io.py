@@ -146,6 +146,20 @@ def _segments(buf: torch.Tensor, c: SegmentCopy, t: torch.Tensor, isz: int) -> N
         flat[d : d + n].copy_(typed[b // isz : b // isz + n])
 
 
+def crc_of_range(storage: Storage, path: str, offset: int, length: int) -> int:
+    """CRC32 of bytes ``[offset, offset + length)`` of ``path``, read in bounded chunks."""
+    crc = 0
+    buf = bytearray(min(length, CHUNK))
+    pos = 0
+    while pos < length:
+        n = min(len(buf), length - pos)
+        mv = memoryview(buf)[:n]
+        storage.read_into(path, offset + pos, mv)
+        crc = zlib.crc32(mv, crc)
+        pos += n
+    return crc
+
+
 def verify_shards(storage: Storage, manifest: Any, requests: list[Any], *, workers: int = 4) -> int:
     """Check the CRC32 of every stored shard that intersects ``requests``; returns bytes hashed.
 
@@ -171,15 +185,7 @@ def verify_shards(storage: Storage, manifest: Any, requests: list[Any], *, worke
         if s.checksum is None:
             raise IntegrityError(f"tensor {key!r} shard {i}: no checksum in the manifest to verify {s.file} "
                                  f"bytes [{s.offset}, {s.offset + s.length}); load with verify=False")
-        crc = 0
-        buf = bytearray(min(s.length, CHUNK))
-        pos = 0
-        while pos < s.length:
-            n = min(len(buf), s.length - pos)
-            mv = memoryview(buf)[:n]
-            storage.read_into(s.file, s.offset + pos, mv)
-            crc = zlib.crc32(mv, crc)
-            pos += n
+        crc = crc_of_range(storage, s.file, s.offset, s.length)
         if crc != s.checksum:
             raise IntegrityError(f"tensor {key!r} shard {i}: checksum mismatch in {s.file} bytes "
                                  f"[{s.offset}, {s.offset + s.length}) (stored {s.checksum:#010x}, "

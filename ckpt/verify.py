@@ -9,6 +9,7 @@ from typing import Any
 from ckpt.errors import CheckpointError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
 from ckpt.formats.safetensors_header import parse_header
+from ckpt.io import crc_of_range
 from ckpt.manifest import MANIFEST_NAME, Manifest, entry_name
 from ckpt.regions import check_tiling
 from ckpt.storage import Storage, get_storage
@@ -139,7 +140,7 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
                 continue
             if deep and s.checksum is not None:
                 try:
-                    crc = _crc_range(storage, s.file, s.offset, s.length)
+                    crc = crc_of_range(storage, s.file, s.offset, s.length)
                 except CheckpointError as e:
                     report.problems.append(Problem("checksum", str(e), tensor=key, file=s.file))
                     continue
@@ -169,16 +170,3 @@ def _header_type(dtype: str, s: Any) -> tuple[str, tuple[int, ...]]:
     if st is None:
         return "U8", (s.length,)
     return st, tuple(s.region.lengths) if isinstance(s.region, Box) else (s.region.numel,)
-
-
-def _crc_range(storage: Storage, path: str, offset: int, length: int) -> int:
-    crc = 0
-    buf = bytearray(min(length, READ_CHUNK))
-    pos = 0
-    while pos < length:
-        n = min(len(buf), length - pos)
-        mv = memoryview(buf)[:n]
-        storage.read_into(path, offset + pos, mv)
-        crc = zlib.crc32(mv, crc)
-        pos += n
-    return crc
