@@ -14,8 +14,6 @@ from ckpt.manifest import MANIFEST_NAME, Manifest, entry_name
 from ckpt.regions import check_tiling
 from ckpt.storage import Storage, get_storage
 
-READ_CHUNK = 16 * 1024 * 1024
-
 
 @dataclass(slots=True)
 class Problem:
