@@ -28,7 +28,6 @@ import torch
 from bench.common import (
     fmt,
     fresh_dir,
-    fsync_path,
     gbps,
     machine_info,
     markdown_table,
@@ -37,7 +36,9 @@ from bench.common import (
     remove,
     run_dd,
 )
-from bench.save_load import make_state
+
+# The synchronous contenders are the save-load benchmark's own (same files, same fsyncs).
+from bench.save_load import _st_save, _torch_save, make_state
 
 
 def _rss() -> int:
@@ -130,24 +131,6 @@ class SyncSaver:
         self.fn(state, d)
         t = time.perf_counter() - t0
         return {"blocking": t, "staged": t, "done": t}
-
-
-def _torch_save(state: dict[str, torch.Tensor], d: str) -> None:
-    p = os.path.join(d, "model.pt")
-    with open(p, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(d)
-
-
-def _st_save(state: dict[str, torch.Tensor], d: str) -> None:
-    from safetensors.torch import save_file
-
-    p = os.path.join(d, "model.safetensors")
-    save_file({k: v.contiguous() for k, v in state.items()}, p)
-    fsync_path(p)
-    fsync_path(d)
 
 
 def pinned_d2h_gbps(nbytes: int = 1 << 30) -> float:
