@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StorageError
 from ckpt.planner import ReadOp, ReadPlan, SegmentCopy, StridedCopy, WriteAssignment
@@ -66,7 +66,7 @@ def write_assignment(storage: Storage, a: WriteAssignment, sources: list[torch.T
                 if pending is not None:
                     pending.result()
                 pending = ex.submit(w.write, chunk)
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
             sums.append(crc)
             del owner
         if pending is not None:
@@ -155,7 +155,7 @@ def crc_of_range(storage: Storage, path: str, offset: int, length: int) -> int:
         n = min(len(buf), length - pos)
         mv = memoryview(buf)[:n]
         storage.read_into(path, offset + pos, mv)
-        crc = zlib.crc32(mv, crc)
+        crc = crc32(mv, crc)
         pos += n
     return crc
 

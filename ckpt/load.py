@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any
 
 import torch
 
+from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
@@ -182,7 +182,7 @@ def _few(keys: list[str], n: int = 8) -> str:
 
 def _object_value(manifest: Manifest, key: str, rank: int, strict: bool, verify: bool = False) -> Any:
     o = manifest.objects[key]
-    if verify and o.data is not None and o.checksum is not None and zlib.crc32(o.data) != o.checksum:
+    if verify and o.data is not None and o.checksum is not None and crc32(o.data) != o.checksum:
         raise IntegrityError(f"object {key!r}: checksum mismatch in the manifest; it is corrupted")
     if o.per_rank is not None:
         if rank not in o.per_rank:

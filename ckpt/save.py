@@ -14,7 +14,6 @@ import hashlib
 import posixpath
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
@@ -23,6 +22,7 @@ from typing import Any
 import msgpack
 import torch
 
+from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.errors import CheckpointError, CheckpointExistsError, CollectiveError, StateError
 from ckpt.formats import zarr_layout
@@ -335,7 +335,7 @@ def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manife
             s.file, s.checksum = ok["file"], crc
     objects: dict[str, ObjectEntry] = {}
     for key, data in prep.decl.objects.items():
-        objects[key] = ObjectEntry(data=data, checksum=zlib.crc32(data))
+        objects[key] = ObjectEntry(data=data, checksum=crc32(data))
     per_rank: dict[str, dict[int, bytes]] = {}
     for rank, r in enumerate(results):
         for key, data in r["ok"]["objects"].items():

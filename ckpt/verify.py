@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt.checksum import crc32
 from ckpt.errors import CheckpointError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
 from ckpt.formats.safetensors_header import parse_header
@@ -153,7 +153,7 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
         try:
             for b in blobs:
                 decode_object(b, key=key)
-            if o.data is not None and o.checksum is not None and zlib.crc32(o.data) != o.checksum:
+            if o.data is not None and o.checksum is not None and crc32(o.data) != o.checksum:
                 raise CheckpointError(f"object {key!r}: checksum mismatch")
         except CheckpointError as e:
             report.problems.append(Problem("object", str(e), tensor=key))

@@ -29,7 +29,6 @@ import struct
 import tempfile
 import time
 import uuid
-import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_from_name, dtype_name, safetensors_dtype
 from ckpt.errors import (
     CheckpointError,
@@ -309,7 +309,7 @@ def _fill(storage: Storage, manifest: Manifest, items: list[_Item], buf: torch.T
             t = out
         mv = byte_view(t)
         if checksums is not None:
-            checksums.append(zlib.crc32(mv))
+            checksums.append(crc32(mv))
         views.append(mv)
     return views
 

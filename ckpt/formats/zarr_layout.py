@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from typing import Any
 
 import torch
 
+from ckpt.checksum import crc32
 from ckpt.errors import LayoutError, StateError
 from ckpt.shards import Box, Region
 from ckpt.storage.base import Storage
@@ -111,6 +111,6 @@ def write_chunks(storage: Storage, pieces: list[tuple[str, Box, torch.Tensor]],
         except BaseException:
             w.abort()
             raise
-        out.append((path, size, zlib.crc32(mv)))
+        out.append((path, size, crc32(mv)))
         del owner
     return out

@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from typing import Any
 import msgpack
 import torch
 
+from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import CheckpointError, CheckpointExistsError, IntegrityError, StateError, StorageError
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
@@ -232,7 +232,7 @@ class _Rewrite:
                 n = min(len(buf), e.length - pos)
                 mv = memoryview(buf)[:n]
                 self.dst.read_into(a.file, e.offset + pos, mv)
-                crc = zlib.crc32(mv, crc)
+                crc = crc32(mv, crc)
                 pos += n
             if crc != want:
                 return None
@@ -290,7 +290,7 @@ class _Rewrite:
                     return  # a writer failed: its error is the one to report
                 n = min(len(buf), length - pos)
                 self.src.read_into(file, offset + pos, buf[:n])
-                crc = zlib.crc32(buf[:n], crc)
+                crc = crc32(buf[:n], crc)
                 pos += n
             if crc != checksum:
                 self.failed.set()
@@ -378,7 +378,7 @@ class _Rewrite:
                     rp = plan_load(narrowed(self.source, piece.key, part), [req], contiguous_targets=[True],
                                    max_read=chunk, max_gap=gap)
                     wk.reader.run(rp, [raw.view(dtype).view(lens)], [piece.dtype])
-                    crc = zlib.crc32(mv, crc)
+                    crc = crc32(mv, crc)
                     inflight[turn] = wk.writer.submit(w.write, mv)
                     turn ^= 1
                     self._advance(nbytes)
@@ -411,7 +411,7 @@ class _Rewrite:
                 m.tensors[ent.key].shards[ent.shard].checksum = crc
         for obj in m.objects.values():
             if obj.data is not None and obj.checksum is None:
-                obj.checksum = zlib.crc32(obj.data)
+                obj.checksum = crc32(obj.data)
         m.created = time.time()
         m.stats = {"reshard_s": round(time.perf_counter() - self.started, 3), "bytes": self.plan.tensor_bytes,
                    "resumed_files": len(self.resumed), "plan_id": self.plan.plan_id,
