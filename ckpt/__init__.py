@@ -17,6 +17,7 @@ from ckpt.errors import (
     IntegrityError,
     LayoutError,
     ManifestError,
+    ManifestIntegrityError,
     MismatchError,
     StateError,
     StorageError,
@@ -32,7 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CheckpointExistsError", "CollectiveError", "FormatVersionError", "IntegrityError",
-    "LayoutError", "ManifestError", "MismatchError", "StateError", "StorageError",
+    "LayoutError", "ManifestError", "ManifestIntegrityError", "MismatchError", "StateError", "StorageError",
     "Shard", "FlatShard", "PerRank", "Manifest", "VerifyReport", "Problem",
     "save", "load", "inspect", "verify", "async_save", "SaveHandle", "CheckpointManager",
 ]

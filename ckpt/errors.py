@@ -19,6 +19,10 @@ class IntegrityError(CheckpointError):
     """Stored bytes do not match their checksum, size, or the manifest's description."""
 
 
+class ManifestIntegrityError(ManifestError, IntegrityError):
+    """The manifest's bytes do not match its own checksum (format 2): it was damaged after the save."""
+
+
 class LayoutError(CheckpointError):
     """Shards do not describe a valid tiling (overlap, gap, out of bounds) or a layout is invalid."""
 

@@ -11,12 +11,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ckpt.columns import ShardColumns
 from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import FormatVersionError, ManifestError
 from ckpt.shards import Box, Flat, Region
 
 FORMAT_NAME = "ckpt"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (2, 0)
+READABLE_MAJORS = (1, 2)  # format 1: shards as maps, no manifest checksum (still read)
 MANIFEST_NAME = "manifest.msgpack"
 DATA_DIR = "data"
 HASH_ALGORITHM = "crc32"
@@ -70,13 +74,39 @@ class ShardEntry:
         return d
 
 
-@dataclass(slots=True)
 class TensorEntry:
-    """A global tensor: dtype name, global shape, and its stored shards."""
+    """A global tensor: dtype name, global shape, and its stored shards.
 
-    dtype: str
-    shape: tuple[int, ...]
-    shards: list[ShardEntry] = field(default_factory=list)
+    A decoded format-2 manifest keeps the shards as columns (``ShardColumns``) and builds the
+    ``ShardEntry`` list only when ``shards`` is first read; :meth:`shards_overlapping` finds the
+    shards a region needs without building it.
+    """
+
+    __slots__ = ("dtype", "shape", "_shards", "_cols")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], shards: list[ShardEntry] | None = None, *,
+                 columns: ShardColumns | None = None):
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self._cols = columns
+        self._shards: list[ShardEntry] | None = shards if shards is not None or columns is not None else []
+
+    @property
+    def shards(self) -> list[ShardEntry]:
+        """The shards as objects (built from the columns on first access; mutations stick)."""
+        if self._shards is None:
+            assert self._cols is not None
+            self._shards = self._cols.rows()
+            self._cols = None  # the list is the truth from now on
+        return self._shards
+
+    @shards.setter
+    def shards(self, value: list[ShardEntry]) -> None:
+        self._shards, self._cols = value, None
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards) if self._shards is not None else len(self._cols or ())
 
     @property
     def numel(self) -> int:
@@ -84,10 +114,43 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
+        if self._shards is None and self._cols is not None:
+            return self._cols.nbytes
         return sum(s.length for s in self.shards)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "shards": [s.to_dict() for s in self.shards]}
+    def shards_overlapping(self, region: Region) -> list[ShardEntry]:
+        """The shards that may hold elements of ``region`` (a superset; cheap on decoded manifests)."""
+        if self._shards is not None or self._cols is None:
+            return self.shards
+        box = region if isinstance(region, Box) else region.box
+        if box is None:  # a flat range of the whole tensor: its rows along dim 0
+            row = math.prod(self.shape[1:]) or 1
+            lo, hi = region.start // row, -(-region.stop // row)  # type: ignore[union-attr]
+            box = Box((lo,) + tuple(0 for _ in self.shape[1:]), (hi - lo,) + self.shape[1:]) if self.shape else None
+        if box is None:
+            return self.shards
+        return self._cols.rows(self._cols.candidates(box, self.shape))
+
+    def columns(self, files: list[str], file_index: dict[str, int]) -> ShardColumns:
+        """The shards as columns against the manifest's file list."""
+        if self._shards is None and self._cols is not None and self._cols.files is files:
+            return self._cols
+        return ShardColumns.from_rows(self.shards, len(self.shape), files, file_index)
+
+    def to_dict(self, files: list[str] | None = None, file_index: dict[str, int] | None = None) -> dict[str, Any]:
+        """Format-2 form: shards as columns against ``files`` (default: the files this tensor uses)."""
+        if files is None or file_index is None:
+            files = sorted({s.file for s in self.shards})
+            file_index = {f: i for i, f in enumerate(files)}
+        return {"dtype": self.dtype, "shape": list(self.shape), "shards": self.columns(files, file_index).to_wire()}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorEntry):
+            return NotImplemented
+        return (self.dtype, self.shape, self.shards) == (other.dtype, other.shape, other.shards)
+
+    def __repr__(self) -> str:
+        return f"TensorEntry(dtype={self.dtype!r}, shape={self.shape}, shards={self.num_shards})"
 
 
 @dataclass(slots=True)
@@ -124,6 +187,7 @@ class Manifest:
     stats: dict[str, Any] | None = None
     data_format: str = "safetensors"  # or "zarr" (docs/FORMAT.md)
     partial: bool = False  # not stored: a non-coordinator rank's view of a save (its own pieces only)
+    _file_list: list[str] | None = field(default=None, repr=False, compare=False)  # as decoded (columns index it)
 
     @property
     def total_bytes(self) -> int:
@@ -131,17 +195,24 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors.values())
 
     def to_dict(self) -> dict[str, Any]:
+        """The format-2 body: everything but the envelope (format, version, checksum) that
+        ``ckpt.formats.msgpack_codec.encode_manifest`` wraps around its encoding."""
+        files = list(self.files)
+        if self._file_list is not None and self._file_list == files:
+            files = self._file_list  # decoded columns refer to this list: re-encode them as they are
+        index = {f: i for i, f in enumerate(files)}
+        for key, t in self.tensors.items():
+            for s in (t.shards if t._shards is not None else ()):
+                if s.file not in index:
+                    raise ManifestError(f"tensor {key!r}: shard file {s.file!r} is not listed in the manifest's files")
         d: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "version": list(self.version),
             "step": self.step,
             "created": self.created,
             "world_size": self.world_size,
             "layout": self.layout,
-            "hash": self.hash_algorithm,
-            "tensors": {k: t.to_dict() for k, t in self.tensors.items()},
+            "tensors": {k: t.to_dict(files, index) for k, t in self.tensors.items()},
             "objects": {k: o.to_dict() for k, o in self.objects.items()},
-            "files": {p: {"size": s} for p, s in self.files.items()},
+            "files": [[p, self.files[p]] for p in files],
             "user": self.user_metadata,
         }
         if self.stats is not None:
@@ -151,31 +222,46 @@ class Manifest:
         return d
 
     @classmethod
-    def from_dict(cls, d: Any) -> Manifest:
-        """Validate a decoded manifest against the schema; raise ManifestError naming the field."""
+    def from_dict(cls, d: Any, version: tuple[int, int] | None = None) -> Manifest:
+        """Validate a decoded manifest against the schema; raise ManifestError naming the field.
+
+        ``d`` is a format-1 manifest (a map carrying its own format and version) or, with
+        ``version`` given by the envelope, a format-2 body.
+        """
         if not isinstance(d, dict):
             raise ManifestError("manifest: top level is not a map; the file is not a ckpt manifest")
-        if d.get("format") != FORMAT_NAME:
-            raise ManifestError(f"manifest: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
-        version = d.get("version")
-        if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) for v in version)):
-            raise ManifestError(f"manifest: version {version!r} is not [major, minor]")
-        if version[0] != FORMAT_VERSION[0]:
-            raise FormatVersionError(
-                f"manifest: format version {version[0]}.{version[1]} is not supported by this ckpt "
-                f"(reads {FORMAT_VERSION[0]}.x); upgrade ckpt to read this checkpoint"
-            )
-        files_raw = _get(d, "files", dict, "manifest")
+        if version is None:
+            if d.get("format") != FORMAT_NAME:
+                raise ManifestError(f"manifest: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
+            version = parse_version(d.get("version"))
+            if version[0] >= 2:
+                raise ManifestError(f"manifest: a format {version[0]} manifest without its checksum envelope")
+        if version[0] == 1:
+            files_raw = _get(d, "files", dict, "manifest")
+            pairs: list[tuple[Any, Any]] = [(p, f.get("size") if isinstance(f, dict) else None)
+                                            for p, f in files_raw.items()]
+        else:
+            files_raw = _get(d, "files", list, "manifest")
+            if not all(isinstance(f, list) and len(f) == 2 for f in files_raw):
+                raise ManifestError("manifest: files is not a list of [path, size]")
+            pairs = [(f[0], f[1]) for f in files_raw]
         files: dict[str, int] = {}
-        for p, f in files_raw.items():
+        size: Any
+        for p, size in pairs:
             check_relpath(p, "manifest files")
-            size = _get(f, "size", int, f"file {p!r}") if isinstance(f, dict) else None
-            if size is None or size < 0:
+            if not _is_int(size) or size < 0:
                 raise ManifestError(f"file {p!r}: size missing or negative in manifest")
+            if p in files:
+                raise ManifestError(f"file {p!r}: listed twice in the manifest's files")
             files[p] = size
+        file_list = list(files)
+        sizes = np.array([files[p] for p in file_list], dtype=np.int64)
         tensors: dict[str, TensorEntry] = {}
         for key, t in _get(d, "tensors", dict, "manifest").items():
-            tensors[_key(key)] = _tensor_from_dict(key, t, files)
+            if version[0] == 1:
+                tensors[_key(key)] = _tensor_from_dict(key, t, files)
+            else:
+                tensors[_key(key)] = _tensor_from_columns(key, t, file_list, sizes)
         objects: dict[str, ObjectEntry] = {}
         for key, o in _get(d, "objects", dict, "manifest").items():
             objects[_key(key)] = _object_from_dict(key, o)
@@ -204,9 +290,21 @@ class Manifest:
         return cls(
             tensors=tensors, objects=objects, files=files, step=step, created=float(created),
             world_size=world_size, layout=layout, user_metadata=user, hash_algorithm=hash_alg,
-            version=(version[0], version[1]), stats=stats if isinstance(stats, dict) else None,
-            data_format=data_format,
+            version=version, stats=stats if isinstance(stats, dict) else None,
+            data_format=data_format, _file_list=file_list,
         )
+
+
+def parse_version(version: Any) -> tuple[int, int]:
+    """``[major, minor]`` as a tuple; FormatVersionError for a major this ckpt cannot read."""
+    if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) for v in version)):
+        raise ManifestError(f"manifest: version {version!r} is not [major, minor]")
+    if version[0] not in READABLE_MAJORS:
+        raise FormatVersionError(
+            f"manifest: format version {version[0]}.{version[1]} is not supported by this ckpt "
+            f"(reads {', '.join(f'{m}.x' for m in READABLE_MAJORS)}); upgrade ckpt to read this checkpoint"
+        )
+    return (version[0], version[1])
 
 
 _INT_MAX = 2**63 - 1  # every offset, length and size must fit an int64 (numpy, file offsets)
@@ -293,6 +391,17 @@ def _tensor_from_dict(key: str, t: Any, files: dict[str, int]) -> TensorEntry:
             raise ManifestError(f"{swhat}: checksum {checksum!r} is not an integer")
         shards.append(ShardEntry(region, file, offset, length, checksum))
     return TensorEntry(dtype, shape, shards)
+
+
+def _tensor_from_columns(key: str, t: Any, files: list[str], sizes: np.ndarray) -> TensorEntry:
+    what = f"tensor {key!r}"
+    dtype = _get(t, "dtype", str, what)
+    size = itemsize(dtype_from_name(dtype, key=key))
+    shape = _int_list(_get(t, "shape", list, what), f"{what} shape")
+    if math.prod(shape) > _INT_MAX:
+        raise ManifestError(f"{what}: shape {list(shape)} has more than 2**63 elements")
+    cols = ShardColumns.from_wire(_get(t, "shards", dict, what), shape, size, files, sizes, what)
+    return TensorEntry(dtype, shape, columns=cols)
 
 
 def _object_from_dict(key: str, o: Any) -> ObjectEntry:

@@ -334,7 +334,8 @@ def plan_load(manifest: Manifest, requests: list[LoadRequest], *, contiguous_tar
         isz = itemsize(dtype_from_name(t.dtype))
         direct_ok = bool(contiguous_targets and contiguous_targets[ti])
         covered = 0
-        for s in t.shards:
+        # Decoded manifests keep shards as columns: only the candidates that can overlap are built.
+        for s in t.shards_overlapping(req.region):
             covered += _plan_pair(frags, ti, req, s, tuple(t.shape), isz, direct_ok, max_read)
         if covered != req.region.numel:
             raise LayoutError(f"tensor {req.key!r}: stored shards cover {covered} of the {req.region.numel} "

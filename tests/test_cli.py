@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 
-import msgpack
 import pytest
 import torch
 from typer.testing import CliRunner
 
 import ckpt
 from ckpt.cli.app import app
-from ckpt.manifest import MANIFEST_NAME
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -87,12 +85,10 @@ def test_verify_catches_overlapping_shard(tmp_path):
     from tests.dist_utils import run_ranks
 
     run_ranks(2, _save_rows, url)
-    p = os.path.join(url, MANIFEST_NAME)
-    with open(p, "rb") as f:
-        d = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
-    d["tensors"]["w"]["shards"][1]["box"][0] = [2, 0]  # rows [2, 6) overlap rows [0, 4)
-    with open(p, "wb") as f:
-        f.write(msgpack.packb(d, use_bin_type=True))
+    from tests.manifest_edit import edit_manifest
+
+    # rows [2, 6) overlap rows [0, 4)
+    edit_manifest(url, lambda d: d["tensors"]["w"]["shards"][1]["box"].__setitem__(0, [2, 0]))
     r = runner.invoke(app, ["verify", url])
     assert r.exit_code == 1
     assert "coverage" in r.output and "overlap" in r.output and "'w'" in r.output

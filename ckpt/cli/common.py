@@ -18,6 +18,7 @@ err_console = Console(stderr=True)
 
 # Expected failures: one line on stderr, no traceback.
 EXIT_CODES: dict[type[errors.CheckpointError], int] = {
+    errors.ManifestIntegrityError: 3,  # before ManifestError: a damaged manifest is corruption
     errors.ManifestError: 2,
     errors.IntegrityError: 3,
     errors.StorageError: 4,

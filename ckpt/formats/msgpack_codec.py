@@ -13,16 +13,23 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ckpt.errors import ManifestError, StateError
-from ckpt.manifest import Manifest
+from ckpt.checksum import crc32
+from ckpt.errors import ManifestError, ManifestIntegrityError, StateError
+from ckpt.manifest import FORMAT_NAME, HASH_ALGORITHM, Manifest, parse_version
 
 _EXT_NUMPY_SCALAR = 1
 _EXT_TUPLE = 2
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Encode a manifest to msgpack bytes."""
-    return msgpack.packb(manifest.to_dict(), use_bin_type=True)
+    """Encode a manifest: a small envelope (format, version, CRC32 of the body) around the body.
+
+    The checksum covers every byte of the body (tensors, objects, per-rank objects, step, metadata),
+    so a flipped byte anywhere in the manifest is caught when it is decoded.
+    """
+    body = msgpack.packb(manifest.to_dict(), use_bin_type=True)
+    return msgpack.packb({"format": FORMAT_NAME, "version": list(manifest.version), "hash": HASH_ALGORITHM,
+                          "checksum": crc32(body), "body": body}, use_bin_type=True)
 
 
 def _unpack(data: bytes, what: str, ext_hook: Any = None) -> Any:
@@ -41,13 +48,35 @@ def _unpack(data: bytes, what: str, ext_hook: Any = None) -> Any:
 
 
 def decode_manifest(data: bytes, *, url: str = "manifest") -> Manifest:
-    """Decode and validate manifest bytes; raise ManifestError (never anything else) on bad input."""
-    d = _unpack(data, f"{url}")
+    """Decode and validate manifest bytes; raise ManifestError (never anything else) on bad input.
+
+    Format 2: the envelope's CRC32 must match the body (else ``ManifestIntegrityError``); the body's
+    shard columns are validated here and turned into objects only when used. Format 1 manifests
+    (no envelope, no checksum) are still read.
+    """
+    outer = _unpack(data, f"{url}")
     try:
-        return Manifest.from_dict(d)
+        if isinstance(outer, dict) and "body" in outer:
+            if outer.get("format") != FORMAT_NAME:
+                raise ManifestError(f"manifest: format is {outer.get('format')!r}, expected {FORMAT_NAME!r}")
+            version = parse_version(outer.get("version"))
+            if outer.get("hash") != HASH_ALGORITHM:
+                raise ManifestError(f"manifest: checksum algorithm {outer.get('hash')!r} unknown (this ckpt "
+                                    f"knows {HASH_ALGORITHM})")
+            body, want = outer["body"], outer.get("checksum")
+            if not isinstance(body, bytes) or not isinstance(want, int) or isinstance(want, bool):
+                raise ManifestError("manifest: envelope body or checksum malformed")
+            got = crc32(body)
+            if got != want:
+                raise ManifestIntegrityError(
+                    f"manifest: its checksum does not match ({got:#010x}, recorded {want:#010x}): the manifest "
+                    "is corrupted; restore it from a copy or use an earlier checkpoint"
+                )
+            return Manifest.from_dict(_unpack(body, f"{url} body"), version)
+        return Manifest.from_dict(outer)
     except ManifestError as e:
         raise type(e)(f"{url}: {e}") from None
-    except (TypeError, ValueError, AttributeError, KeyError, OverflowError, RecursionError) as e:
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError, RecursionError, IndexError) as e:
         raise ManifestError(f"{url}: manifest violates the schema ({type(e).__name__}: {e})") from None
 
 

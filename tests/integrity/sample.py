@@ -216,14 +216,22 @@ def save_two_rank_sample(url: str) -> dict[str, Any]:
     return {**_two_rank_tensors(), "step": 3, "rng": [0, "seed"]}
 
 
-_DATA_FIELDS = ("format", "version", "hash", "tensors", "objects", "files")
+_DATA_FIELDS = ("format", "version", "hash", "checksum", "tensors", "objects", "files")
 
 
 def _decode(raw: bytes) -> Any:
     import msgpack
 
+    # Format 2: judge a flip by what it changes in the envelope or the body it wraps (the body's
+    # checksum makes any such change detectable; the classes say what the change would have meant).
     try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        d = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        if isinstance(d, dict) and isinstance(d.get("body"), bytes):
+            body = msgpack.unpackb(d.pop("body"), raw=False, strict_map_key=False)
+            if not isinstance(body, dict):
+                return None
+            d = {**body, **d}
+        return d
     except (ValueError, TypeError, UnicodeDecodeError, msgpack.ExtraData, msgpack.FormatError,
             msgpack.StackError):
         return None

@@ -27,6 +27,8 @@ from ckpt.errors import CheckpointError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
 from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, parse_header
 from ckpt.manifest import MANIFEST_NAME
+from tests.manifest_edit import read_manifest
+from tests.manifest_edit import write_manifest as _write_manifest
 
 
 def _peak(fn: Callable[[], Any]) -> tuple[int, BaseException | None]:
@@ -85,14 +87,7 @@ def _forked(fn: Callable[[], None], timeout: float) -> str:
 def _saved(tmp_path, state: dict | None = None) -> tuple[str, dict]:
     url = str(tmp_path / "c")
     ckpt.save(state or {"a": torch.ones(3), "o": 1}, url)
-    with open(os.path.join(url, MANIFEST_NAME), "rb") as f:
-        d = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
-    return url, d
-
-
-def _write_manifest(url: str, d: dict) -> None:
-    with open(os.path.join(url, MANIFEST_NAME), "wb") as f:
-        f.write(msgpack.packb(d, use_bin_type=True))
+    return url, read_manifest(url)
 
 
 # ------------------------------------------------------------------------------------------------

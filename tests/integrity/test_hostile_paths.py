@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import msgpack
 import pytest
 import torch
 
@@ -38,12 +37,9 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def _edit_manifest(url: str, edit: Any) -> None:
-    p = os.path.join(url, MANIFEST_NAME)
-    with open(p, "rb") as f:
-        d = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
-    edit(d)
-    with open(p, "wb") as f:
-        f.write(msgpack.packb(d, use_bin_type=True))
+    from tests.manifest_edit import edit_manifest
+
+    edit_manifest(url, edit)
 
 
 def _save(url: str) -> tuple[str, dict[str, torch.Tensor]]:

@@ -11,7 +11,6 @@ import os
 import struct
 from collections.abc import Callable
 
-import msgpack
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -32,13 +31,15 @@ def two(tmp_path) -> str:
 
 
 def _manifest(url: str) -> dict:
-    with open(os.path.join(url, MANIFEST_NAME), "rb") as f:
-        return msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+    from tests.manifest_edit import read_manifest
+
+    return read_manifest(url)
 
 
 def _write_manifest(url: str, d: dict) -> None:
-    with open(os.path.join(url, MANIFEST_NAME), "wb") as f:
-        f.write(msgpack.packb(d, use_bin_type=True))
+    from tests.manifest_edit import write_manifest
+
+    write_manifest(url, d)
 
 
 def _files(url: str) -> list[str]:
