@@ -26,3 +26,44 @@ except ImportError:  # pragma: no cover - exercised only where isal has no wheel
 def crc32(data: Any, value: int = 0) -> int:
     """CRC32 of a bytes-like ``data`` continuing from ``value`` (same result as ``zlib.crc32``)."""
     return _crc(data, value)
+
+
+_POLY = 0xEDB88320  # CRC32 (zlib), reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a(x) * b(x)`` modulo the CRC32 polynomial (zlib's ``multmodp``; ``a`` nonzero)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine_py(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's ``crc32_combine``)."""
+    p, k, n = 1 << 31, 3, len2  # x^(8 * len2)
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
+crc32_combine: Callable[[int, int, int], int]
+"""CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+try:
+    from isal.isal_zlib import crc32_combine as _isal_combine
+
+    crc32_combine = _isal_combine
+except ImportError:  # pragma: no cover - where isal has no wheel
+    crc32_combine = crc32_combine_py

@@ -44,13 +44,17 @@ def export_hf_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a model already in OUT"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    no_verify_source: bool = typer.Option(False, "--no-verify-source",
+                                          help="skip checking the source's checksums (corruption would be exported)"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
-    """Export the model weights of SRC as a Hugging Face Qwen3-MoE model (config.json, safetensors, index)."""
+    """Export the model weights of SRC as a Hugging Face Qwen3-MoE model (config.json, safetensors, index).
+    Every source shard's checksum is checked on the way; a corrupted source stops the export and removes what
+    it wrote (exit 3)."""
     with _bar("export", not (quiet or json_out)) as progress:
         r = export_hf(src, out, dtype=dtype, max_shard_size=max_shard_size, memory_budget=memory_budget,
                       workers=workers, overwrite=overwrite, storage_options=parse_storage_options(storage_option),
-                      progress=progress)
+                      progress=progress, verify_source=not no_verify_source)
     if json_out:
         print_json(r.to_dict())
         return

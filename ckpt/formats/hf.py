@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -57,6 +57,7 @@ from ckpt.resharders.layout import Layout
 from ckpt.resharders.rules import MOE_RULES
 from ckpt.save import read_manifest
 from ckpt.shards import Box, full_box
+from ckpt.source_checks import VERIFY_CHUNK, SourceChecks, VerifyingReads
 from ckpt.storage import Storage, get_storage
 from ckpt.trainer.model import ModelConfig
 
@@ -325,7 +326,7 @@ def _check_cast(it: _Item, src: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _stream(src: Storage, manifest: Manifest, files: list[_OutFile], dst: Storage, *, budget: int, workers: int,
-            checksums: bool, progress: Progress | None, sink: _Sink) -> _Streamed:
+            checksums: bool, progress: Progress | None, sink: _Sink, verify_source: bool = False) -> _Streamed:
     """Write ``files`` to ``dst``, reading their items from ``manifest``'s tensors in ``src``.
 
     Memory: two buffers of at most 3/8 of ``budget`` each (one filling while the other is written),
@@ -333,12 +334,29 @@ def _stream(src: Storage, manifest: Manifest, files: list[_OutFile], dst: Storag
     alone exceeds a buffer, one dedicated buffer (its stored bytes, plus its cast result if any),
     never two at once. Raises whatever reading or writing raised; the caller
     removes partial files (``sink.opened``).
+
+    ``verify_source``: check the CRC32 of every stored shard (with a checksum) of the tensors read,
+    hashing bytes as the reads land (each once, whatever the order) and reading the bytes of a shard
+    the items skip through one more buffer (at most ``VERIFY_CHUNK``) once the last batch using its
+    tensor is read, before that batch is written. Raises IntegrityError on a mismatch.
     """
     items = [it for f in files for it in f.items]
     cap = max(_ALIGN, budget * 3 // 8)
     max_read = max(1 << 20, min(DEFAULT_MAX_READ, budget // (4 * max(1, workers))))
     batches = _batches(items, cap)
     costs = [sum(items[i].cost for i in b) for b in batches]
+    reader: Storage = src
+    checks: SourceChecks | None = None
+    last: dict[str, int] = {}  # tensor key -> the last batch that reads it
+    if verify_source:
+        for k, batch in enumerate(batches):
+            for i in batch:
+                last[items[i].req.key] = k
+        checks = SourceChecks(manifest, list(last), src.url, min(VERIFY_CHUNK, max(1 << 16, budget // 16)))
+        reader = cast(Storage, VerifyingReads(src, checks))
+    finished: list[list[str]] = [[] for _ in batches]
+    for key, k in last.items():
+        finished[k].append(key)
     slab_size = max((c for c in costs if c <= cap), default=0)
     slabs: list[torch.Tensor | None] = [None, None]
     total = sum(it.out_bytes for it in items)
@@ -375,8 +393,10 @@ def _stream(src: Storage, manifest: Manifest, files: list[_OutFile], dst: Storag
                     buf = slab
                 held += dedicated
                 peak = max(peak, held)
-                views = _fill(src, manifest, [items[i] for i in batch], buf, workers=workers, max_read=max_read,
+                views = _fill(reader, manifest, [items[i] for i in batch], buf, workers=workers, max_read=max_read,
                               checksums=sums if checksums else None)
+                if checks is not None:
+                    checks.finish(finished[k], src)  # the shards no later batch reads: all match, or raise
                 pending.append((ex.submit(sink.write, views, buf), dedicated))
                 del buf, views
             while pending:
@@ -592,7 +612,7 @@ def _check_empty_target(dst: Storage, overwrite: bool, names: set[str]) -> list[
 def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = None,
               max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
               workers: int = 4, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
-              progress: Progress | None = None) -> HFExportResult:
+              progress: Progress | None = None, verify_source: bool = True) -> HFExportResult:
     """Export the model weights of the checkpoint at ``src_url`` (any layout) as a Hugging Face model.
 
     Writes ``model-0000k-of-0000n.safetensors`` (each at most ``max_shard_size`` bytes unless one
@@ -608,12 +628,19 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         workers: parallel readers.
         overwrite: replace a model already in ``out_dir`` (other files there are kept).
         progress: called as ``progress(bytes_written, total_bytes)`` from the calling thread.
+        verify_source: check the CRC32 of every source shard the export reads against the source
+            manifest (shards stored without a checksum are skipped). The CRCs are computed from the
+            bytes as they are read (one more hashing pass, no second read), plus a read of the
+            parts of a shard the export skips (vocab padding) through a buffer of at most 16 MiB.
+            Without it, corrupted source bytes would be exported as they are.
 
     Raises (all before anything is written to ``out_dir``): ManifestError (no committed checkpoint,
     no or unknown model config), MismatchError (tensors that do not match the config; a dtype the
     export cannot hold), StateError (bad argument), CheckpointExistsError (``out_dir`` holds a
-    model). A float16 overflow or an I/O error found while streaming raises after removing the
-    files written so far.
+    model). A float16 overflow, an I/O error or (``verify_source``) an IntegrityError (a source
+    shard that does not match its checksum, naming the tensor, file and byte range) found while
+    streaming raises after removing the files written so far: the index and ``config.json`` are
+    written only after every tensor was read, verified and written.
 
     Example::
 
@@ -637,7 +664,7 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         sink = _Sink(dst, plan.files)
         try:
             res = _stream(src, manifest, plan.files, dst, budget=budget, workers=workers, checksums=False,
-                          progress=progress, sink=sink)
+                          progress=progress, sink=sink, verify_source=verify_source)
             dst.commit(INDEX_NAME, (json.dumps(plan.index, indent=2) + "\n").encode())
             dst.commit(CONFIG_NAME, (json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n").encode())
         except BaseException:

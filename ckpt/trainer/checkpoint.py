@@ -29,7 +29,7 @@ longer correspond; training uses no randomness after init, so nothing depends on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -116,13 +116,15 @@ def save_metadata(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Resume:
-    """What a restore found: the checkpoint's step and data position, and where it came from."""
+    """What a restore found: the checkpoint's step and data position, and where it came from;
+    ``load_stats``: this rank's ``ckpt.load(..., stats=)`` figures (phase durations in s, bytes)."""
 
     url: str
     step: int
     sample_index: int
     saved_layout: dict[str, Any] | None
     resharded: bool
+    load_stats: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def _check_model_config(manifest: Manifest, cfg: TrainConfig, url: str) -> None:
@@ -169,7 +171,8 @@ def restore(url: str, pm: ParallelModel, opt: ZeroAdamW, schedule: LRSchedule, c
         state["rng"] = ckpt.PerRank(None)
     else:
         _require(manifest, state, url, ("model.", "optim."))
-    out = ckpt.load(state, url, strict=same)
+    stats: dict[str, Any] = {}
+    out = ckpt.load(state, url, strict=same, stats=stats)
     opt.step_count = int(out["optim"]["step"])
     train = out["train"]
     if not isinstance(train.get("lr_scheduler"), dict):
@@ -177,19 +180,22 @@ def restore(url: str, pm: ParallelModel, opt: ZeroAdamW, schedule: LRSchedule, c
     schedule.load_state_dict(train["lr_scheduler"])
     if same:
         set_rng_state(out.get("rng"))
-    return Resume(url, int(train["step"]), int(train["sample_index"]), saved, not same)
+    return Resume(url, int(train["step"]), int(train["sample_index"]), saved, not same, stats)
 
 
-def load_weights(url: str, pm: ParallelModel) -> None:
+def load_weights(url: str, pm: ParallelModel) -> dict[str, Any]:
     """Load only ``model.*`` (e.g. a checkpoint imported from Hugging Face), resharded to this
-    rank's blocks; other keys in the checkpoint are ignored (collective).
+    rank's blocks; other keys in the checkpoint are ignored (collective). Returns this rank's
+    ``ckpt.load(..., stats=)`` figures.
 
     Raises MismatchError naming missing ``model.*`` tensors or a global shape that differs.
     """
     manifest = ckpt.inspect(url)
     state = {"model": model_state(pm)}
     _require(manifest, state, url, ("model.",))
-    ckpt.load(state, url, strict=False)
+    stats: dict[str, Any] = {}
+    ckpt.load(state, url, strict=False, stats=stats)
+    return stats
 
 
 def load_full_model(url: str, config: ModelConfig | None = None) -> MoEForCausalLM:

@@ -1,9 +1,21 @@
 """Per-step metrics as JSON lines, and a loss-curve PNG (matplotlib is an optional extra).
 
 Records are ``{"step", "loss", "lr", "grad_norm", "tokens_per_s", "ckpt_stall_ms", ...}`` per step
-and ``{"event": "start" | "resume" | "save" | "fail" | "end", "step", ...}`` for what happened.
-Every attempt of a run (a torchrun restart, a relaunch under another layout) appends to the same
-file, so the file tells the run's whole story.
+and ``{"event": "start" | "resume" | "init_from" | "save" | "checkpoint" | "save_failed" | "fail" |
+"end", "step", ...}`` for what happened. Every attempt of a run (a torchrun restart, a relaunch
+under another layout) appends to the same file, so the file tells the run's whole story.
+
+Checkpoint figures (rank 0's own, durations in ms, sizes in bytes):
+
+- ``save`` is written when a save starts; ``checkpoint`` when it has committed (an async save is
+  picked up once its handle is done, without waiting for it): ``step`` (the checkpoint's),
+  ``plan_ms``, ``stage_ms``, ``persist_ms``, ``commit_ms`` (async saves; see :func:`save_record`),
+  ``bytes_written`` (this rank's data file), ``checkpoint_bytes`` (all files of the checkpoint),
+  ``ranks`` and ``across_ranks`` (min / median / max over ranks and the slowest rank, from the
+  manifest's ``stats``). ``save_failed`` carries the save's ``error`` instead.
+- ``resume`` / ``init_from`` carry the load's phases (:func:`load_fields`): ``manifest_ms``,
+  ``plan_ms``, ``read_ms``, ``copy_ms``, ``bytes_read``, ``read_ops``, and ``restore_ms``
+  (the whole restore, as the trainer timed it).
 """
 
 from __future__ import annotations
@@ -12,6 +24,69 @@ import json
 import os
 import time
 from typing import Any
+
+from ckpt.manifest import DATA_DIR, Manifest
+
+SAVE_PHASES = ("plan", "stage", "persist", "commit")
+LOAD_PHASES = ("manifest", "plan", "verify", "read", "copy")
+
+
+def _ms(seconds: Any) -> float:
+    return round(float(seconds) * 1e3, 3)
+
+
+def rank_bytes(manifest: Manifest, rank: int) -> int:
+    """Bytes of the data files ``rank`` wrote in the save that returned ``manifest``.
+
+    A non-coordinator's (partial) manifest lists only its own files; in the coordinator's full
+    manifest a rank's safetensors file is ``data/<rank:05d>-<random>.safetensors`` (docs/FORMAT.md).
+    """
+    if manifest.partial:
+        return sum(manifest.files.values())
+    prefix = f"{DATA_DIR}/{rank:05d}-"
+    return sum(size for name, size in manifest.files.items() if name.startswith(prefix))
+
+
+def save_record(step: int, url: str, rank: int, manifest: Manifest | None, stats: dict[str, float] | None, *,
+                async_save: bool, save_s: float | None = None) -> dict[str, Any]:
+    """The ``checkpoint`` record of a committed save, as seen by ``rank``.
+
+    ``stats``: this rank's phase durations in seconds (``SaveHandle.stats``: ``plan``, ``stage``,
+    ``persist``, ``commit``, the last from the end of ``persist`` to the commit's status, which
+    includes waiting for the slowest rank). A synchronous ``ckpt.save`` returns no per-rank figures
+    to the coordinator, only the aggregate: pass ``stats=None`` and ``save_s`` (the blocking call).
+    ``manifest``: what the save returned (the full one on the coordinator: then ``checkpoint_bytes``
+    and the ``across_ranks`` aggregate are added).
+    """
+    rec: dict[str, Any] = {"event": "checkpoint", "step": step, "url": url, "rank": rank, "async": async_save}
+    if save_s is not None:
+        rec["save_ms"] = _ms(save_s)
+    for phase in SAVE_PHASES:
+        if stats and phase in stats:
+            rec[f"{phase}_ms"] = _ms(stats[phase])
+    if manifest is None:
+        return rec
+    rec["bytes_written"] = rank_bytes(manifest, rank)
+    if not manifest.partial:
+        rec["checkpoint_bytes"] = sum(manifest.files.values())
+    agg = manifest.stats or {}
+    if "ranks" in agg and not manifest.partial:
+        rec["ranks"] = agg["ranks"]
+        rec["across_ranks"] = {
+            phase: {"min_ms": _ms(a["min"]), "median_ms": _ms(a["median"]), "max_ms": _ms(a["max"]),
+                    "slowest_rank": a["slowest_rank"]}
+            for phase in SAVE_PHASES if isinstance(a := agg.get(phase), dict)}
+    return rec
+
+
+def load_fields(stats: dict[str, Any]) -> dict[str, Any]:
+    """``ckpt.load(..., stats=)`` figures as record fields: ``<phase>_ms``, ``bytes_read``, ``read_ops``
+    (and ``bytes_verified`` after a verified load)."""
+    out: dict[str, Any] = {f"{p}_ms": _ms(stats[p]) for p in LOAD_PHASES if p in stats}
+    for key, name in (("bytes_read", "bytes_read"), ("bytes_verified", "bytes_verified"), ("ops", "read_ops")):
+        if key in stats:
+            out[name] = int(stats[key])
+    return out
 
 
 class MetricsLog:

@@ -8,6 +8,7 @@ One step, on every rank::
     handle.staged()                  # the previous async save has copied the state out
     opt.step(lr)                     # reduce grads, clip, AdamW on the ZeRO range, all-gather
     save every N steps (async)       # CheckpointManager: plan now, stage + write in the background
+    log the previous save's figures  # once its handle is done (never waited for): "checkpoint" record
 
 Example::
 
@@ -27,11 +28,12 @@ import torch
 from ckpt.async_save import SaveHandle
 from ckpt.comm import Comm
 from ckpt.manager import CheckpointManager
+from ckpt.manifest import Manifest
 from ckpt.resharders.layout import Layout
 from ckpt.trainer.checkpoint import Resume, load_weights, restore, save_metadata, training_state
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.data import SampleSource, rank_batch
-from ckpt.trainer.metrics import MetricsLog
+from ckpt.trainer.metrics import MetricsLog, load_fields, save_record
 from ckpt.trainer.parallel import ParallelContext, all_reduce_, pick_device
 from ckpt.trainer.parallelize import ParallelModel, parallelize
 from ckpt.trainer.pp import ForwardBackward
@@ -90,6 +92,24 @@ def _global_loss(ctx: ParallelContext, local: torch.Tensor | None) -> float:
     return float(t) / ctx.data_world
 
 
+def _log_finished(log: MetricsLog, h: SaveHandle | None, rank: int) -> SaveHandle | None:
+    """Write the ``checkpoint`` (or ``save_failed``) record of ``h`` if it has finished; never blocks.
+
+    Returns ``h`` while it is still running (to try again later), else None.
+    """
+    if h is None or not h.is_done:
+        return h
+    if not log.path or h.skipped:
+        return None
+    if h.error is not None:
+        log.write({"event": "save_failed", "step": h.step, "url": h.url,
+                   "error": f"{type(h.error).__name__}: {h.error}"})
+    else:
+        log.write(save_record(h.step if h.step is not None else -1, h.url, rank, h.manifest, h.stats,
+                              async_save=True))
+    return None
+
+
 def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = None) -> TrainResult:
     """Train (or resume) under ``layout`` until ``cfg.last_step``; collective over the world.
 
@@ -108,19 +128,24 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     step, sample_index = 0, 0
     latest = _latest(mgr) if mgr is not None else None
     if latest is not None:
+        t = time.perf_counter()
         result.resumed = restore(latest, pm, opt, schedule, cfg)
+        restore_ms = round((time.perf_counter() - t) * 1e3, 3)
         step, sample_index = result.resumed.step, result.resumed.sample_index
         log.write({"event": "resume", "step": step, "from": latest, "resharded": result.resumed.resharded,
-                   "layout_text": str(layout)})
+                   "layout_text": str(layout), "restore_ms": restore_ms, **load_fields(result.resumed.load_stats)})
     elif cfg.init_from:
-        load_weights(cfg.init_from, pm)
-        log.write({"event": "init_from", "step": 0, "from": cfg.init_from})
+        t = time.perf_counter()
+        stats = load_weights(cfg.init_from, pm)
+        log.write({"event": "init_from", "step": 0, "from": cfg.init_from,
+                   "restore_ms": round((time.perf_counter() - t) * 1e3, 3), **load_fields(stats)})
     result.start_step = step
 
     source = SampleSource(cfg.seq_len, cfg.seed)
     fb = ForwardBackward(pm, cfg.microbatches, cfg.schedule)
     metadata = save_metadata(cfg, layout)
-    handle: SaveHandle | None = None
+    handle: SaveHandle | None = None  # the save to wait for (staged) before the next optimizer step
+    pending: SaveHandle | None = None  # the async save whose "checkpoint" record is not written yet
     t_start = time.perf_counter()
     while step < cfg.last_step:
         if (cfg.fail_at_step == step and ctx.rank == cfg.fail_rank and restart_count() == 0):
@@ -148,20 +173,34 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
             # everywhere. The manager itself spares later steps from retention (a rank with a cached
             # plan may create the new step directory before rank 0's lease exists); this barrier
             # keeps save starts aligned anyway, at the cost of one tiny all-reduce per save.
-            mgr.wait()
+            try:
+                mgr.wait()
+            finally:
+                pending = _log_finished(log, pending, ctx.rank)  # done now (or failed: recorded, then raised)
             _barrier(ctx)
             state = training_state(pm, opt, step, sample_index, schedule)
+            t_save = time.perf_counter()
             saved = mgr.save(step, state, user_metadata=metadata, layout=layout.to_dict())
+            t_end = time.perf_counter()
             handle = saved if isinstance(saved, SaveHandle) else None  # None: --sync-save committed it
-            stall += time.perf_counter() - t
+            stall += t_end - t
             result.last_checkpoint = mgr.url_for(step)
             log.write({"event": "save", "step": step, "url": result.last_checkpoint})
+            if handle is not None:
+                pending = handle
+            elif rank0 and isinstance(saved, Manifest):
+                log.write(save_record(step, result.last_checkpoint, ctx.rank, saved, None, async_save=False,
+                                      save_s=t_end - t_save))
         dt = time.perf_counter() - t0
         log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": round(cfg.global_batch * cfg.seq_len / dt, 1),
                    "ckpt_stall_ms": round(stall * 1e3, 3), "step_ms": round(dt * 1e3, 3)})
+        pending = _log_finished(log, pending, ctx.rank)  # only if it already committed: no waiting
     if mgr is not None:
-        mgr.wait()  # the last checkpoint is committed before this returns
+        try:
+            mgr.wait()  # the last checkpoint is committed before this returns
+        finally:
+            pending = _log_finished(log, pending, ctx.rank)
     result.final_step = step
     log.write({"event": "end", "step": step, "wall_s": round(time.perf_counter() - t_start, 3)})
     return result
