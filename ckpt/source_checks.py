@@ -127,8 +127,13 @@ class SourceChecks:
         for key in keys:
             checks = self.by_key.setdefault(key, [])
             for i, s in enumerate(manifest.tensors[key].shards):
-                if not s.length or s.checksum is None:
-                    continue  # nothing stored, or nothing to compare with
+                if not s.length:
+                    continue  # nothing stored
+                if s.checksum is None:  # every writer records one: the manifest was edited
+                    raise IntegrityError(
+                        f"tensor {key!r} shard {i}: no checksum in the manifest to verify {url}/{s.file} bytes "
+                        f"[{s.offset}, {s.offset + s.length}) against; pass verify_source=False "
+                        "(--no-verify-source) to export the bytes as they are")
                 ident = (s.file, s.offset, s.length, s.checksum)
                 if ident in seen:
                     continue

@@ -136,7 +136,14 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
                     f"[{s.offset}, {s.offset + s.length}) as {entry_name(key, i)!r} with dtype/shape "
                     f"{_header_type(t.dtype, s)}", tensor=key, file=s.file))
                 continue
-            if deep and s.checksum is not None:
+            if deep and s.length and s.checksum is None:
+                # Every writer records one: a missing checksum means the manifest was edited.
+                report.problems.append(Problem(
+                    "checksum", f"tensor {key!r} shard {i}: no checksum in the manifest to verify {s.file} bytes "
+                    f"[{s.offset}, {s.offset + s.length}) against", tensor=key, file=s.file))
+                continue
+            if deep and s.length:
+                assert s.checksum is not None
                 try:
                     crc = crc_of_range(storage, s.file, s.offset, s.length)
                 except CheckpointError as e:

@@ -629,7 +629,7 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         overwrite: replace a model already in ``out_dir`` (other files there are kept).
         progress: called as ``progress(bytes_written, total_bytes)`` from the calling thread.
         verify_source: check the CRC32 of every source shard the export reads against the source
-            manifest (shards stored without a checksum are skipped). The CRCs are computed from the
+            manifest (a shard without one is refused: the manifest was edited). The CRCs are computed from the
             bytes as they are read (one more hashing pass, no second read), plus a read of the
             parts of a shard the export skips (vocab padding) through a buffer of at most 16 MiB.
             Without it, corrupted source bytes would be exported as they are.

@@ -187,7 +187,15 @@ class LocalStorage:
             finally:
                 os.close(fd)
             os.replace(tmp, full)
-            _fsync_dir(os.path.dirname(full))
+            # The new name, and the names of the directories made for it up to the checkpoint
+            # directory's own entry in its parent (a manager's step directory), must survive a
+            # power loss together: otherwise the newest checkpoint can vanish whole after a crash.
+            d, stop = os.path.dirname(full), os.path.dirname(self.root)
+            while True:
+                _fsync_dir(d)
+                if len(d) <= len(stop):
+                    break
+                d = os.path.dirname(d)
         except OSError as e:
             try:
                 os.unlink(tmp)

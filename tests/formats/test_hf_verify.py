@@ -277,3 +277,21 @@ def test_shard_crc_from_reads_in_any_order(seed: int) -> None:
         assert (not errors) == ok, errors
         if not ok:
             assert len(errors) == 1 and "bytes [300, 4300)" in str(errors[0])
+
+
+def test_a_shard_without_checksum_is_refused_unless_verification_is_off(sharded: str, tmp_path: Path) -> None:
+    from tests.manifest_edit import edit_manifest
+
+    src = str(tmp_path / "src")
+    shutil.copytree(sharded, src)
+
+    def drop(d: dict) -> None:
+        key = next(k for k in d["tensors"] if k.startswith("model."))
+        d["tensors"][key]["shards"][0].pop("checksum")
+
+    edit_manifest(src, drop)
+    with pytest.raises(ckpt.IntegrityError, match="no checksum in the manifest"):
+        export_hf(src, str(tmp_path / "hf"))
+    assert not os.path.exists(tmp_path / "hf" / "config.json")
+    export_hf(src, str(tmp_path / "hf2"), verify_source=False)
+    assert os.path.exists(tmp_path / "hf2" / "config.json")

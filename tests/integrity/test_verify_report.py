@@ -165,6 +165,11 @@ def test_shard_without_checksum_is_refused_by_verified_load(two: str):
     _write_manifest(two, d)
     with pytest.raises(ckpt.IntegrityError, match="no checksum"):
         ckpt.load({"w": torch.zeros(10, 6)}, two, verify=True, strict=False)
+    # verify --deep says so too, instead of passing a shard it could not check
+    rep = ckpt.verify(two, deep=True)
+    assert [(p.kind, p.tensor) for p in rep.problems] == [("checksum", "w")]
+    assert "shard 0: no checksum in the manifest" in rep.problems[0].message
+    assert ckpt.verify(two).ok  # the shallow check has nothing to say about checksums
 
 
 def test_header_prefix_pointing_past_the_file_is_a_header_problem(two: str):

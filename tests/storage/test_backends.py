@@ -213,3 +213,19 @@ def test_load_without_checkpoint(backend: Backend) -> None:
     url, opts = backend
     with pytest.raises(ckpt.ManifestError):
         ckpt.load({"x": torch.empty(2)}, url, storage_options=opts)
+
+
+def test_local_commit_makes_the_checkpoint_directory_entry_durable(tmp_path, monkeypatch):
+    # A manager's step directory is created by the save; the commit fsyncs the checkpoint directory
+    # and its parent (where the step directory's name lives), not only the manifest's directory.
+    import ckpt.storage.local as local
+
+    synced: list[str] = []
+    real = local._fsync_dir
+    monkeypatch.setattr(local, "_fsync_dir", lambda p: (synced.append(os.path.abspath(p)), real(p)))
+    root = tmp_path / "run" / "step-0000000001"
+    local.LocalStorage(str(root)).commit("manifest.msgpack", b"x")
+    assert synced == [str(root), str(tmp_path / "run")]
+    synced.clear()
+    local.LocalStorage(str(root)).commit("data/sub/f", b"y")
+    assert synced == [str(root / "data" / "sub"), str(root / "data"), str(root), str(tmp_path / "run")]
