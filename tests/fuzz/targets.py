@@ -37,6 +37,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import ckpt
+from ckpt.checksum import crc32
 from ckpt.errors import CheckpointError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_object
 from ckpt.formats.safetensors_header import parse_header
@@ -558,16 +559,31 @@ def _nest_tuple(inner: bytes, depth: int) -> bytes:
     return out
 
 
+def sealed(bodies: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    """Format-2 manifests around ``bodies`` with a valid checksum: the envelope's CRC stops every
+    plain mutation at the door, so these reach the body's parser (the shard columns) too."""
+    return bodies.map(lambda b: msgpack.packb({"format": "ckpt", "version": [2, 0], "hash": "crc32",
+                                                "checksum": crc32(b), "body": b}, use_bin_type=True))
+
+
+def seed_bodies(seeds: Seeds) -> list[bytes]:
+    """The bodies of the seed manifests (format 2)."""
+    return [msgpack.unpackb(m)["body"] for m in seeds.manifests]
+
+
 def strategies(seeds: Seeds, *, big: bool = True) -> dict[str, list[tuple[str, st.SearchStrategy[bytes]]]]:
     """For each target, its (strategy name, strategy) list: random bytes, mutated seeds, structured."""
     return {
         "manifest": [("random", st.binary(max_size=4096)), ("mutated", mutated(seeds.manifests)),
+                     ("mutated body, resealed", sealed(mutated(seed_bodies(seeds)))),
                      ("structured", manifest_bytes(big))],
         "header": [("random", st.binary(max_size=1024)), ("mutated", mutated(seeds.headers)),
                    ("structured", header_bytes())],
         "object": [("random", st.binary(max_size=256)), ("mutated", mutated(seeds.objects)),
                    ("structured", object_bytes())],
-        "verify": [("mutated", mutated(seeds.manifests)), ("structured", manifest_bytes(big))],
+        "verify": [("mutated", mutated(seeds.manifests)),
+                   ("mutated body, resealed", sealed(mutated(seed_bodies(seeds)))),
+                   ("structured", manifest_bytes(big))],
     }
 
 
