@@ -143,28 +143,37 @@ class ShardColumns:
 
     # -- lookup -------------------------------------------------------------------------------
 
-    def candidates(self, want: Box, shape: tuple[int, ...]) -> np.ndarray:
-        """Rows whose bounding box overlaps ``want`` (a superset of the shards that intersect it)."""
+    def candidates(self, want: Region, shape: tuple[int, ...]) -> np.ndarray:
+        """Rows that may hold elements of ``want`` (a superset of the shards that intersect it).
+
+        Bounding boxes first; then flat ranges where both sides are flat ranges of the same block
+        (ZeRO state split two ways: of a block's 128 pieces only the few that overlap are kept).
+        """
         nd = len(shape)
-        if nd == 0 or len(self) == 0:
-            return np.arange(len(self))
+        n = len(self)
+        if nd == 0 or n == 0:
+            return np.arange(n)
+        lo, hi = self._bounds(shape)
+        w_lo, w_hi = _bounds_of(want, shape)
+        hit = ((lo < w_hi) & (hi > w_lo)).all(axis=1)
+        if isinstance(want, Flat):
+            if want.box is None:
+                same = self.kind == KIND_FLAT
+            else:
+                key = np.asarray(want.box.offsets + want.box.lengths, dtype=np.int64)
+                same = (self.kind == KIND_FLAT_IN_BOX) & (self.box == key).all(axis=1)
+            hit &= ~same | ((self.flat[:, 0] < want.stop) & (self.flat[:, 1] > want.start))
+        return np.nonzero(hit)[0]
+
+    def _bounds(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, the bounding box ``[lo, hi)`` of its region."""
+        nd = len(shape)
         lo = self.box[:, :nd].copy()
         hi = lo + self.box[:, nd:]
         plain = self.kind == KIND_FLAT
         if plain.any():
-            # A flat range of the whole tensor lies within rows [start // row, ceil(stop / row)) of dim 0.
-            row = 1
-            for s in shape[1:]:
-                row *= s
-            row = max(row, 1)
-            lo[plain] = 0
-            hi[plain] = np.asarray(shape, dtype=np.int64)
-            lo[plain, 0] = self.flat[plain, 0] // row
-            hi[plain, 0] = -(-self.flat[plain, 1] // row)
-        w_lo = np.asarray(want.offsets, dtype=np.int64)
-        w_hi = w_lo + np.asarray(want.lengths, dtype=np.int64)
-        hit = ((lo < w_hi) & (hi > w_lo)).all(axis=1)
-        return np.nonzero(hit)[0]
+            lo[plain], hi[plain] = _flat_rows(self.flat[plain, 0], self.flat[plain, 1], shape)
+        return lo, hi
 
     # -- wire ---------------------------------------------------------------------------------
 
@@ -267,3 +276,27 @@ class ShardColumns:
 
 def _first(mask: np.ndarray) -> int:
     return int(np.argmax(mask))
+
+
+def _flat_rows(start: np.ndarray, stop: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Bounding boxes of flat ranges of a tensor: rows ``[start // row, ceil(stop / row))`` of dim 0."""
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    row = max(row, 1)
+    lo = np.zeros((len(start), len(shape)), dtype=np.int64)
+    hi = np.tile(np.asarray(shape, dtype=np.int64), (len(start), 1))
+    lo[:, 0] = start // row
+    hi[:, 0] = -(-stop // row)
+    return lo, hi
+
+
+def _bounds_of(region: Region, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The bounding box ``[lo, hi)`` of one region."""
+    if isinstance(region, Flat) and region.box is None:
+        lo, hi = _flat_rows(np.array([region.start]), np.array([region.stop]), shape)
+        return lo[0], hi[0]
+    box = region if isinstance(region, Box) else region.box
+    assert box is not None
+    lo = np.asarray(box.offsets, dtype=np.int64)
+    return lo, lo + np.asarray(box.lengths, dtype=np.int64)

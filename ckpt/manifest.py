@@ -122,14 +122,7 @@ class TensorEntry:
         """The shards that may hold elements of ``region`` (a superset; cheap on decoded manifests)."""
         if self._shards is not None or self._cols is None:
             return self.shards
-        box = region if isinstance(region, Box) else region.box
-        if box is None:  # a flat range of the whole tensor: its rows along dim 0
-            row = math.prod(self.shape[1:]) or 1
-            lo, hi = region.start // row, -(-region.stop // row)  # type: ignore[union-attr]
-            box = Box((lo,) + tuple(0 for _ in self.shape[1:]), (hi - lo,) + self.shape[1:]) if self.shape else None
-        if box is None:
-            return self.shards
-        return self._cols.rows(self._cols.candidates(box, self.shape))
+        return self._cols.rows(self._cols.candidates(region, self.shape))
 
     def columns(self, files: list[str], file_index: dict[str, int]) -> ShardColumns:
         """The shards as columns against the manifest's file list."""

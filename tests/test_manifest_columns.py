@@ -194,8 +194,17 @@ def _grid_manifest(rows: int, cols: int, bands: int, tiles: int) -> Manifest:
     for s in flat:
         s.length = s.region.numel * 4
         s.offset, off = off, off + s.length
+    zero = []  # ZeRO over TP blocks: each band's box split into 3 flat ranges of its own flattening
+    for i in range(bands):
+        r0, r1 = i * rows // bands, (i + 1) * rows // bands
+        band = Box((r0, 0), (r1 - r0, cols))
+        for k in range(3):
+            a, b = k * band.numel // 3, (k + 1) * band.numel // 3
+            zero.append(ShardEntry(Flat(a, b, band), "data/x.safetensors", off, (b - a) * 4, 0))
+            off += (b - a) * 4
     return Manifest(tensors={"w": TensorEntry("float32", (rows, cols), shards),
-                             "f": TensorEntry("float32", (rows, cols), flat)},
+                             "f": TensorEntry("float32", (rows, cols), flat),
+                             "z": TensorEntry("float32", (rows, cols), zero)},
                     files={"data/x.safetensors": off})
 
 
@@ -210,8 +219,14 @@ def test_lookup_on_columns_plans_exactly_what_the_full_scan_plans(rows, cols, ba
     want = Box((r0, c0), (data.draw(st.integers(1, rows - r0)), data.draw(st.integers(1, cols - c0))))
     start = data.draw(st.integers(0, rows * cols - 1))
     fwant = Flat(start, data.draw(st.integers(start + 1, rows * cols)))
+    i = data.draw(st.integers(0, bands - 1))
+    band = Box((i * rows // bands, 0), ((i + 1) * rows // bands - i * rows // bands, cols))
+    a = data.draw(st.integers(0, band.numel - 1))
+    zwant = Flat(a, data.draw(st.integers(a + 1, band.numel)), band)  # the same block, split another way
     reqs = [LoadRequest("w", "float32", (rows, cols), want), LoadRequest("f", "float32", (rows, cols), fwant),
-            LoadRequest("w", "float32", (rows, cols), fwant), LoadRequest("f", "float32", (rows, cols), want)]
+            LoadRequest("w", "float32", (rows, cols), fwant), LoadRequest("f", "float32", (rows, cols), want),
+            LoadRequest("z", "float32", (rows, cols), zwant), LoadRequest("z", "float32", (rows, cols), want),
+            LoadRequest("z", "float32", (rows, cols), fwant), LoadRequest("w", "float32", (rows, cols), zwant)]
     got = plan_load(lazy, reqs)
     assert all(t._shards is None for t in lazy.tensors.values())  # planned from the columns
     expected = plan_load(m, reqs)
@@ -223,6 +238,11 @@ def test_lookup_on_columns_plans_exactly_what_the_full_scan_plans(rows, cols, ba
         o < w0 + wl and w0 < o + n for o, n, w0, wl in zip(s.region.offsets, s.region.lengths, want.offsets,
                                                          want.lengths, strict=True))]
     assert {(s.offset) for s in inter} <= {s.offset for s in cand}
+    # same block split two ways: only the flat pieces whose ranges overlap are candidates
+    zc = lazy.tensors["z"].shards_overlapping(zwant)
+    assert {s.offset for s in zc} == {s.offset for s in m.tensors["z"].shards
+                                      if s.region.start < zwant.stop and zwant.start < s.region.stop
+                                      and s.region.box == band}
 
 
 def test_load_of_a_format_1_manifest_still_works(tmp_path):
