@@ -78,7 +78,9 @@ class SaveHandle:
         self._piece_ready: dict[int, threading.Event] = {}
         self._cuda_event: Any = None
         self.manifest: Manifest | None = None
-        self.stats: dict[str, float] = {}  # this rank's phase durations (s): plan, stage, persist, commit
+        # this rank's figures: durations (s) plan, stage, persist, commit; bytes (data written);
+        # sent/received (metadata bytes of the save protocol)
+        self.stats: dict[str, float] = {}
         self.error: BaseException | None = None
         self._stage_error: BaseException | None = None
         self._error_seen = False

@@ -84,7 +84,8 @@ _SYNC_CACHES: dict[Any, PlanCache] = {}
 def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None = None,
          user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
          layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
-         timeout: float | None = DEFAULT_TIMEOUT_S, data_format: str = "safetensors") -> Manifest:
+         timeout: float | None = DEFAULT_TIMEOUT_S, data_format: str = "safetensors",
+         stats: dict[str, float] | None = None) -> Manifest:
     """Save ``state`` to ``url`` as one committed checkpoint; collective over ``group`` when distributed.
 
     ``state`` is a nested dict of tensors (replicated: written once), ``ckpt.Shard``,
@@ -94,6 +95,10 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
 
     ``data_format="zarr"`` writes each tensor as a zarr v3 array (one chunk per shard; needs a
     uniform shard grid) instead of one safetensors file per rank; see :mod:`ckpt.formats.zarr_layout`.
+
+    ``stats``, when given, receives this rank's figures: durations in seconds (``plan``, ``stage``,
+    ``persist``, ``commit``), ``bytes`` (data written) and ``sent``/``received`` (metadata bytes).
+    The coordinator's manifest holds them aggregated over ranks (``manifest.stats``).
 
     Raises:
         CheckpointExistsError: ``url`` already holds a committed checkpoint and ``overwrite`` is False.
@@ -117,7 +122,11 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
         t1 = time.perf_counter()
         result = persist(storage, prep, prep.sources, comm.who)
         prep.stats["persist"] = time.perf_counter() - t1
-        return commit(comm, storage, prep, result, timeout=timeout, cache=cache)
+        t2 = time.perf_counter()
+        m = commit(comm, storage, prep, result, timeout=timeout, cache=cache)
+        if stats is not None:
+            stats.update(prep.stats, commit=time.perf_counter() - t2)
+        return m
     finally:
         storage.close()
 
@@ -238,12 +247,14 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
             todo = [e for e in a.entries if e.length]
             pieces = [(e.key, prep.decl.pieces[e.piece].region, sources[e.piece]) for e in todo]
             chunks = zarr_layout.write_chunks(storage, pieces, wait_piece, [e.piece for e in todo])  # type: ignore[arg-type]
+            prep.stats["bytes"] = sum(c[1] for c in chunks)
             by_shard = {(e.key, e.shard): c for e, c in zip(todo, chunks, strict=True)}
             return {"ok": {**base, "file": None,
                            "chunks": [list(by_shard.get((e.key, e.shard), ("", 0, 0))) for e in a.entries]}}
         name = f"{a.file.rsplit('.', 1)[0].rsplit('-', 1)[0]}-{uuid.uuid4().hex[:12]}.safetensors"
         size, sums = write_assignment(storage, WriteAssignment(name, a.header, a.entries), sources,
                                       wait_piece=wait_piece)
+        prep.stats["bytes"] = size  # this rank's data bytes (file size, header included)
         return {"ok": {**base, "file": name, "size": size, "sums": sums}}
     except (CheckpointError, OSError) as e:
         return error_payload(e, who)
@@ -255,8 +266,9 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
 
     Raises the first rank's error on every rank otherwise; the files this save wrote are removed.
     """
+    prep.stats.update(sent=comm.sent, received=comm.received)  # metadata bytes so far
     if "ok" in result:
-        result["ok"]["stats"] = dict(prep.stats, sent=comm.sent, received=comm.received)
+        result["ok"]["stats"] = dict(prep.stats)
     box: list[Manifest] = []
 
     def reply(results: list[Any]) -> list[Any]:

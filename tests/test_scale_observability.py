@@ -102,7 +102,12 @@ def test_slow_rank_is_named_at_commit_instead_of_hanging(tmp_path):
 
 
 def _timed(rank: int, world: int, root: str) -> None:
-    ckpt.save(_pieces(rank, world), root)
+    mine: dict = {}
+    ckpt.save(_pieces(rank, world), root, stats=mine)
+    assert {"plan", "stage", "persist", "commit", "sent", "received"} <= set(mine)
+    # the bytes this rank wrote are exactly its data file
+    files = [f for f in os.listdir(os.path.join(root, "data")) if f.startswith(f"{rank:05d}-")]
+    assert len(files) == 1 and mine["bytes"] == os.path.getsize(os.path.join(root, "data", files[0]))
     stats: dict = {}
     ckpt.load(_pieces(rank, world), root, stats=stats)
     assert {"manifest", "plan", "read", "copy", "bytes_read"} <= set(stats)
@@ -120,6 +125,9 @@ def test_timings_in_manifest_handle_and_cli(tmp_path):
         assert st[phase]["min"] <= st[phase]["median"] <= st[phase]["max"]
     r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["inspect", url, "--timings"])
     assert r.exit_code == 0 and "persist" in r.output and "slowest rank" in r.output
+    total = sum(ckpt.inspect(url).files.values())
+    assert st["bytes"]["min"] + st["bytes"]["max"] == total  # two ranks: both data files, nothing else
     h = ckpt.async_save({"w": torch.ones(8)}, str(tmp_path / "a"))
     h.done()
-    assert {"plan", "stage", "persist", "commit"} <= set(h.stats)
+    assert {"plan", "stage", "persist", "commit", "sent", "received"} <= set(h.stats)
+    assert h.stats["bytes"] == sum(ckpt.inspect(str(tmp_path / "a")).files.values())

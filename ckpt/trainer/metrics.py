@@ -66,7 +66,8 @@ def save_record(step: int, url: str, rank: int, manifest: Manifest | None, stats
             rec[f"{phase}_ms"] = _ms(stats[phase])
     if manifest is None:
         return rec
-    rec["bytes_written"] = rank_bytes(manifest, rank)
+    # async handles report the bytes themselves; a sync save's are found from the file names
+    rec["bytes_written"] = int(stats["bytes"]) if stats and "bytes" in stats else rank_bytes(manifest, rank)
     if not manifest.partial:
         rec["checkpoint_bytes"] = sum(manifest.files.values())
     agg = manifest.stats or {}
