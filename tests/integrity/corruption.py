@@ -108,8 +108,10 @@ def minor_version_only(raw: bytes, mutated: bytes) -> bool:
     env, m_env = _envelope(raw), _envelope(mutated)
     if env is None or m_env is None:
         return False
-    return ({k: v for k, v in m_env.items() if k != "version"} == {k: v for k, v in env.items() if k != "version"}
-            and isinstance(m_env.get("version"), list) and m_env["version"][:1] == env["version"][:1])
+    v = m_env.get("version")
+    return ({k: x for k, x in m_env.items() if k != "version"} == {k: x for k, x in env.items() if k != "version"}
+            and isinstance(v, list) and len(v) == 2 and v[0] == env["version"][0]
+            and isinstance(v[1], int) and not isinstance(v[1], bool))  # [2, {}] is malformed, not a minor
 
 
 def refused(out: Outcome) -> bool:
