@@ -3,10 +3,11 @@ descriptors only (no tensor is allocated).
 
 Measures, for ckpt: the save-side global plan (dedup + writer balance + file/offset assignment),
 manifest encode size and decode time, one rank's load plan under an 8,192-rank target layout
-(after the manifest is decoded), writer balance across ranks holding replicas, and per-rank
-metadata bytes of the save protocol. For torch DCP: the same save-side planning through its
-planner API (``create_default_global_save_plan`` after ``dedup_save_plans``) on equivalent
-metadata (``SavePlan``s of ``WriteItem``s), side by side, in a child process with a time limit.
+(after the manifest is decoded), writer balance within replica groups (ranks linked by pieces
+they both hold: ``replica_groups``), and per-rank metadata bytes of the save protocol. For torch
+DCP: the same save-side planning through its planner API (``create_default_global_save_plan``
+after ``dedup_save_plans``) on equivalent metadata (``SavePlan``s of ``WriteItem``s), side by side,
+in a child process with a time limit.
 
     python -m bench scale [--ranks-layout tp=8,ep=64,pp=16,dp=2,zero=1] [--target tp=8,ep=32,pp=16,dp=2,zero=1]
                           [--layers 61] [--sample-ranks 8] [--dcp-timeout 600]
@@ -30,7 +31,8 @@ from bench.common import print_table
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
 from ckpt.planner import LoadRequest, PieceDecl, RankDecl, plan_load, plan_save
 from ckpt.resharders.layout import Layout
-from ckpt.resharders.rules import Placement, Rule, RuleSet, optim_region, param_box
+from ckpt.resharders.rules import Placement, Rule, RuleSet, param_box, zero_range
+from ckpt.shards import Box, Flat
 
 # DeepSeek-V3 (671B): hidden 7168, 61 layers (first 3 dense), 256 routed + 1 shared expert of FFN
 # 2048, dense FFN 18432, vocab 129280, 128 heads; MLA attention (q_lora 1536, kv_lora 512,
@@ -88,32 +90,110 @@ def dsv3_params(layers: int = 61, dense_layers: int = 3) -> list[tuple[str, tupl
     return out
 
 
-_STAGES: dict[tuple[int, int, int], list[list[tuple[str, tuple[int, ...]]]]] = {}
+_STAGES: dict[tuple[int, int, int, int], list[list[tuple[str, tuple[int, ...], Placement]]]] = {}
+_BOXES: dict[tuple[Any, ...], tuple[list[int], list[int], int]] = {}
 
 
 def _by_stage(params: list[tuple[str, tuple[int, ...]]], layers: int, pp: int,
-              rules: RuleSet) -> list[list[tuple[str, tuple[int, ...]]]]:
-    key = (id(params), layers, pp)
+              rules: RuleSet) -> list[list[tuple[str, tuple[int, ...], Placement]]]:
+    key = (id(params), id(rules), layers, pp)
     if key not in _STAGES:
-        stages: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(pp)]
+        stages: list[list[tuple[str, tuple[int, ...], Placement]]] = [[] for _ in range(pp)]
         for name, shape in params:
-            stages[rules.stage_of(name, layers, pp)].append((name, shape))
+            stages[rules.stage_of(name, layers, pp)].append((name, shape, rules.placement(name)))
         _STAGES[key] = stages
     return _STAGES[key]
 
 
 def rank_pieces(params: list[tuple[str, tuple[int, ...]]], layout: Layout, rank: int, layers: int,
                 rules: RuleSet) -> list[PieceDecl]:
-    """What one rank declares: its stage's bf16 parameter blocks and fp32 AdamW moments (ZeRO-1)."""
+    """What one rank declares: its stage's bf16 parameter blocks and fp32 AdamW moments (ZeRO-1).
+
+    Same pieces as ``param_box`` / ``optim_region`` of every parameter of the rank's stage, but the
+    parameter's block is computed once per (parameter, TP index, EP index) that it depends on and
+    the ZeRO range inline (``optim_region``'s own logic): the 3.1 M pieces of 16,384 ranks in ~12 s
+    instead of ~60 s of fnmatch. Every rank still gets its own Region objects (fresh tuples), as
+    ``RankDecl.from_wire`` gives the coordinator, so that the measured plan does not profit from
+    shared objects.
+    """
     c = layout.coord(rank)
     out = []
-    for name, shape in _by_stage(params, layers, layout.pp, rules)[c.pp]:
-        out.append(PieceDecl("model." + name, "bfloat16", shape, param_box(name, shape, layout, c, rules)))
-        reg = optim_region(name, shape, layout, c, rules)
+    for name, shape, pl in _by_stage(params, layers, layout.pp, rules)[c.pp]:
+        bk = (id(rules), layout, name, c.tp if pl.tp_dim is not None else -1, c.ep if pl.ep_dim is not None else -1)
+        got = _BOXES.get(bk)
+        if got is None:
+            b = param_box(name, shape, layout, c, rules)
+            got = _BOXES[bk] = (list(b.offsets), list(b.lengths), b.numel)
+        offs, lens, n = got
+        out.append(PieceDecl("model." + name, "bfloat16", tuple(list(shape)), Box(tuple(offs), tuple(lens))))
+        reg: Box | Flat
+        if layout.zero == 0:
+            reg = Box(tuple(offs), tuple(lens))
+        else:
+            s, e = zero_range(n, layout, c, pl.is_expert)
+            reg = Flat(s, e) if tuple(lens) == shape else Flat(s, e, Box(tuple(offs), tuple(lens)))
         if reg.numel:
-            out.append(PieceDecl("optim.exp_avg." + name, "float32", shape, reg))
-            out.append(PieceDecl("optim.exp_avg_sq." + name, "float32", shape, reg))
+            out.append(PieceDecl("optim.exp_avg." + name, "float32", tuple(list(shape)), reg))
+            out.append(PieceDecl("optim.exp_avg_sq." + name, "float32", tuple(list(shape)), reg))
     return out
+
+
+def replica_groups(decls: list[RankDecl]) -> tuple[list[list[int]], int]:
+    """The replica groups of a save, and the number of distinct non-empty pieces declared.
+
+    A replica group is a connected component of the graph whose nodes are the ranks and where two
+    ranks are joined when they both declare some non-empty piece (same key, same region): the sets
+    of ranks among which the writer choice can move bytes. Components, not a fixed grouping by
+    layout coordinates: under ``tp=8,ep=64,pp=16,dp=2`` the dense blocks of one (pp, tp) are
+    replicated over its 128 (dp, ep) ranks, the expert blocks over dp pairs, unsplit parameters and
+    their ZeRO chunks over the 8 TP ranks, so one pipeline stage (1,024 ranks) is one group; a
+    grouping by (pp, tp) mixed ranks whose bytes the planner cannot trade and hid that. Ranks that
+    share nothing are not in any group. Union-find over the first declarer of each piece: O(pieces).
+    """
+    first: dict[tuple[Any, ...], int] = {}
+    parent = list(range(len(decls)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for rank, d in enumerate(decls):
+        for p in d.pieces:
+            r = p.region
+            if isinstance(r, Box):
+                if 0 in r.lengths:
+                    continue
+                sig: tuple[Any, ...] = (p.key, r.offsets, r.lengths)
+            else:
+                if r.stop <= r.start:
+                    continue
+                sig = (p.key, r.start, r.stop) if r.box is None else (p.key, r.start, r.stop, r.box.offsets,
+                                                                        r.box.lengths)
+            f = first.setdefault(sig, rank)
+            if f != rank:
+                a, b = find(f), find(rank)
+                if a != b:
+                    parent[b] = a
+    members: dict[int, list[int]] = {}
+    for r in range(len(decls)):
+        members.setdefault(find(r), []).append(r)
+    return [g for g in members.values() if len(g) > 1], len(first)
+
+
+def replica_balance(groups: list[list[int]], loads: list[int]) -> dict[str, Any]:
+    """Writer balance within replica groups (``replica_groups``): over the groups, the largest
+    ``(max - min) / mean`` and ``max / mean`` of their ranks' written bytes (target: within 5%)."""
+    spread, peak = 0.0, 0.0
+    for g in groups:
+        b = [loads[r] for r in g]
+        mean = sum(b) / len(b)
+        if mean:
+            spread = max(spread, (max(b) - min(b)) / mean)
+            peak = max(peak, max(b) / mean)
+    return {"replica_groups": len(groups), "replica_group_ranks_max": max(map(len, groups), default=0),
+            "replica_group_imbalance_max": spread, "replica_group_max_over_mean": peak}
 
 
 def rss_gb() -> float:
@@ -134,7 +214,8 @@ def simulate(layout: Layout, target: Layout, layers: int, sample: int) -> dict[s
     res["decl_bytes_per_rank_median"] = sorted(per_rank)[len(per_rank) // 2]
     gc.collect()
     t0 = time.perf_counter()
-    plan = plan_save(decls, save_id="sim", step=1)
+    # As ckpt.save plans a safetensors save: large replicated pieces may be written in parts.
+    plan = plan_save(decls, save_id="sim", step=1, split_replicas=True)
     res["global_plan_s"] = time.perf_counter() - t0
     res["peak_rss_after_plan_gb"] = rss_gb()
     _progress(res, "global_plan_s")
@@ -143,12 +224,10 @@ def simulate(layout: Layout, target: Layout, layers: int, sample: int) -> dict[s
     holders = [b for b in loads if b]
     res["writers"] = len(holders)
     res["writer_bytes_max_over_mean"] = max(holders) / (sum(holders) / len(holders))
-    # balance among ranks that hold the same replicated pieces: per (pp, tp) group of dense replicas
-    groups: dict[tuple[int, int], list[int]] = {}
-    for r, b in enumerate(loads):
-        c = layout.coord(r)
-        groups.setdefault((c.pp, c.tp), []).append(b)
-    res["replica_group_imbalance_max"] = max((max(g) - min(g)) / (sum(g) / len(g)) for g in groups.values() if sum(g))
+    groups, distinct = replica_groups(decls)
+    res["distinct_pieces"] = distinct
+    res["split_extra_shards"] = res["manifest_shards"] - distinct
+    res.update(replica_balance(groups, loads))
     # per-rank reply bytes (its assignment)
     reply = [len(msgpack.packb(a.to_wire(), use_bin_type=True)) for a in plan.assignments[:: max(1, len(loads) // 64)]]
     res["assignment_bytes_per_rank_median"] = sorted(reply)[len(reply) // 2]
@@ -285,8 +364,12 @@ def main(args: argparse.Namespace) -> int:
     if args.dcp_timeout > 0:
         res["dcp"] = run_dcp(layout, args.layers, args.dcp_timeout, args.dir)
     rows = [[name, f"{res[k]:.3f}", f"< {goal:g}", "met" if res[k] < goal else "MISSED"] for name, k, goal in TARGETS]
-    rows.append(["writer bytes imbalance in replica groups", f"{100 * res['replica_group_imbalance_max']:.2f}%",
-                 "< 5%", "met" if res["replica_group_imbalance_max"] < 0.05 else "MISSED"])
+    # Within each replica group (see replica_groups), not across groups: stages hold different bytes.
+    rows.append(["writer bytes (max - min) / mean, worst replica group",
+                 f"{100 * res['replica_group_imbalance_max']:.2f}%", "< 5%",
+                 "met" if res["replica_group_imbalance_max"] < 0.05 else "MISSED"])
+    rows.append(["writer bytes max / mean, worst replica group", f"{res['replica_group_max_over_mean']:.4f}",
+                 "< 1.05", "met" if res["replica_group_max_over_mean"] < 1.05 else "MISSED"])
     print_table(f"{res['world']} ranks ({res['layout']}) -> {res['target']}", ["figure", "ckpt", "target", ""], rows)
     print(json.dumps({k: v for k, v in res.items() if k != "load_plan_ops"}, indent=1, default=str))
     if args.json:

@@ -13,6 +13,7 @@ Call order for the training loop::
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 import time
 import weakref
@@ -23,7 +24,9 @@ import torch
 
 from ckpt.comm import Comm
 from ckpt.errors import CheckpointError
+from ckpt.io import entry_source
 from ckpt.manifest import Manifest
+from ckpt.planner import WriteAssignment
 from ckpt.save import DEFAULT_TIMEOUT_S, PlanCache, Prepared, commit, persist, prepare
 from ckpt.storage import get_storage
 
@@ -45,8 +48,9 @@ def _commit_comm(comm: Comm) -> Comm:
 
 
 class StagingPool:
-    """Host buffers for one rank's pieces, allocated on the first save and reused while the
-    structure (sizes, dtypes, devices) stays the same. Pinned when sources live on a GPU."""
+    """Host buffers for what one rank writes (its pieces, or its parts of split replicas), allocated
+    on the first save and reused while the structure (sizes, dtypes, devices) stays the same.
+    Pinned when sources live on a GPU."""
 
     def __init__(self) -> None:
         self.key: tuple[Any, ...] | None = None
@@ -153,18 +157,19 @@ class AsyncSaver:
         prep.stats["plan"] = time.perf_counter() - t0
         handle = SaveHandle(url, step)
         pieces = [e.piece for e in prep.assignment.entries]
-        buffers = self.pool.buffers_for(pieces, prep.sources)
+        views = _staged_views(prep)
+        buffers = self.pool.buffers_for(pieces, views)
         handle._piece_ready = {i: threading.Event() for i in pieces}
-        cuda_pieces = [i for i in pieces if prep.sources[i].device.type == "cuda"]
+        cuda_pieces = [i for i in pieces if views[i].device.type == "cuda"]
         if cuda_pieces:
-            self._launch_cuda_copies(prep, buffers, cuda_pieces, handle)
+            self._launch_cuda_copies(views, buffers, cuda_pieces, handle)
         self.inflight = handle
         self._thread = threading.Thread(target=self._run, name="ckpt-async-save", daemon=True,
                                         args=(handle, prep, buffers, storage, comm, commit_comm, on_commit, on_error))
         self._thread.start()
         return handle
 
-    def _launch_cuda_copies(self, prep: Prepared, buffers: dict[int, torch.Tensor], pieces: list[int],
+    def _launch_cuda_copies(self, views: list[torch.Tensor], buffers: dict[int, torch.Tensor], pieces: list[int],
                             handle: SaveHandle) -> None:
         # Device-to-host copies on a side stream: the next forward/backward overlaps them.
         if self._stream is None:
@@ -173,7 +178,7 @@ class AsyncSaver:
         self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream):
             for i in pieces:
-                src = prep.sources[i]
+                src = views[i]
                 buffers[i].copy_(src.detach(), non_blocking=True)
                 src.record_stream(self._stream)
         ev = torch.cuda.Event()
@@ -196,8 +201,15 @@ class AsyncSaver:
                     raise CheckpointError(f"staging for {handle.url} failed: {handle._stage_error}")
 
             sources = [buffers.get(i, s) for i, s in enumerate(prep.sources)]
+            written = prep
+            a = prep.assignment
+            if any(e.count is not None for e in a.entries):
+                # The buffers of parts of split replicas hold just the part: write them whole.
+                # (The commit keeps ``prep``, whose entries say which part each shard is.)
+                written = dataclasses.replace(prep, assignment=WriteAssignment(
+                    a.file, a.header, [dataclasses.replace(e, start=0, count=None) for e in a.entries]))
             t0 = time.perf_counter()
-            result = persist(storage, prep, sources, comm.who, wait_piece=wait_piece)
+            result = persist(storage, written, sources, comm.who, wait_piece=wait_piece)
             stager.join()
             prep.stats["persist"] = time.perf_counter() - t0
             handle.manifest = commit(commit_comm, storage, prep, result, timeout=self.timeout, cache=self.cache)
@@ -219,9 +231,10 @@ class AsyncSaver:
     def _stage_cpu(self, prep: Prepared, buffers: dict[int, torch.Tensor], handle: SaveHandle) -> None:
         t0 = time.perf_counter()
         try:
+            views = _staged_views(prep)
             for e in prep.assignment.entries:
                 i = e.piece
-                src = prep.sources[i]
+                src = views[i]
                 if src.device.type != "cuda":  # CUDA pieces were copied on the side stream
                     buffers[i].copy_(src.detach())
                 handle._piece_ready[i].set()
@@ -238,6 +251,15 @@ class AsyncSaver:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def _staged_views(prep: Prepared) -> list[torch.Tensor]:
+    """``prep.sources``, each piece this rank writes narrowed to what it writes of it: the whole
+    piece, or its part of a split replica (``entry_source``, a view). Only that is staged."""
+    views = list(prep.sources)
+    for e in prep.assignment.entries:
+        views[e.piece] = entry_source(prep.sources[e.piece], e.start, e.count)
+    return views
 
 
 _SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()

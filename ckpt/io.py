@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,10 +38,28 @@ def host_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
     return byte_view(t), t
 
 
+def entry_source(t: torch.Tensor, start: int, count: int | None) -> torch.Tensor:
+    """What a write entry writes of its piece's local tensor ``t``: all of it (``count`` None), or
+    elements ``[start, start + count)`` of its row-major data (a part, see ``WriteEntry``).
+
+    A part is whole rows of a box piece or a range of a (1-D) flat piece, so it is ``t.narrow``
+    along dim 0: a view whatever ``t``'s strides or device, and what gets copied to the host (or
+    made contiguous) afterwards is the part only, not the whole piece.
+    """
+    if count is None:
+        return t
+    if t.dim():
+        row = math.prod(t.shape[1:])
+        if row and start % row == 0 and count % row == 0:
+            return t.narrow(0, start // row, count // row)
+    return t.reshape(-1).narrow(0, start, count)  # not row-aligned (no planner makes these): copies if strided
+
+
 def write_assignment(storage: Storage, a: WriteAssignment, sources: list[torch.Tensor],
                      pool: ThreadPoolExecutor | None = None,
                      wait_piece: Callable[[int], None] | None = None) -> tuple[int, list[int]]:
-    """Write one rank's data file: header, then each piece's bytes, hashing as they go.
+    """Write one rank's data file: header, then each entry's bytes (its piece, or the part of it the
+    entry names: ``entry_source``), hashing as they go.
 
     Writes and CRC32 run concurrently (both release the GIL): while the writer thread writes a
     chunk, the calling thread hashes it. Returns ``(file size, checksums in entry order)``.
@@ -57,7 +76,7 @@ def write_assignment(storage: Storage, a: WriteAssignment, sources: list[torch.T
         for e in a.entries:
             if wait_piece is not None:
                 wait_piece(e.piece)
-            mv, owner = host_bytes(sources[e.piece])
+            mv, owner = host_bytes(entry_source(sources[e.piece], e.start, e.count))
             if len(mv) != e.length:
                 raise StorageError(f"{a.file}: piece {e.key!r} has {len(mv)} bytes, plan says {e.length}")
             crc = 0

@@ -30,6 +30,7 @@ from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest, encode_
 from ckpt.io import write_assignment
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.planner import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
+from ckpt.regions import sub_region
 from ckpt.state import ObjectItem, TensorItem, flatten_state
 from ckpt.storage import Storage, get_storage
 
@@ -203,7 +204,10 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
             return [_structure_error(stray)] * comm.world
         try:
             decls = [RankDecl.from_wire(g["decl"]) for g in got]
-            plan = plan_save(decls, save_id="pending", step=step, user_metadata=user_metadata, layout=layout)
+            # Safetensors writers can write part of a replicated piece (balance); zarr needs one
+            # chunk per declared piece on a uniform grid, so it keeps pieces whole.
+            plan = plan_save(decls, save_id="pending", step=step, user_metadata=user_metadata, layout=layout,
+                             split_replicas=data_format == "safetensors")
             if data_format == "zarr":
                 for key, t in plan.manifest.tensors.items():
                     zarr_layout.check_key(key)
@@ -392,7 +396,8 @@ def _partial_manifest(prep: Prepared, result: dict[str, Any], status: dict[str, 
     for ent, (path, offset, crc) in zip(a.entries, where, strict=True):
         p = prep.decl.pieces[ent.piece]
         t = tensors.setdefault(p.key, TensorEntry(p.dtype, p.shape, []))
-        t.shards.append(ShardEntry(p.region, path, offset, ent.length, crc))
+        region = p.region if ent.count is None else sub_region(p.region, ent.start, ent.count)
+        t.shards.append(ShardEntry(region, path, offset, ent.length, crc))
     for c in ok.get("chunks", []):
         if c[0]:
             files[c[0]] = c[1]

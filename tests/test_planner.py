@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import struct
+from unittest import mock
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -10,10 +13,11 @@ from hypothesis import strategies as st
 
 from ckpt.dtypes import dtype_name
 from ckpt.errors import LayoutError
-from ckpt.formats.safetensors_header import parse_header
-from ckpt.io import byte_view, run_read_plan
+from ckpt.formats.safetensors_header import build_header, parse_header
+from ckpt.io import byte_view, entry_source, run_read_plan
 from ckpt.manifest import entry_name
 from ckpt.planner import LoadRequest, PieceDecl, RankDecl, plan_load, plan_save
+from ckpt.regions import check_tiling, sub_region
 from ckpt.shards import Box, Flat, Region
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,7 +85,7 @@ def _local(g: torch.Tensor, r: Region) -> torch.Tensor:
     return g[tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths, strict=True))].clone()
 
 
-def _save_in_memory(g, src, ranks, replicas):
+def _save_in_memory(g, src, ranks, replicas, split=False):
     key, dt = "t", dtype_name(g.dtype)
     decls = [RankDecl() for _ in range(ranks)]
     holders: dict[int, list[Region]] = {r: [] for r in range(ranks)}
@@ -94,7 +98,7 @@ def _save_in_memory(g, src, ranks, replicas):
         for region in holders[r]:
             decls[r].pieces.append(PieceDecl(key, dt, tuple(g.shape), region))
             sources[r].append(_local(g, region))
-    plan = plan_save(decls, save_id="x")
+    plan = plan_save(decls, save_id="x", split_replicas=split)
     files: dict[str, bytearray] = {}
     for r, a in enumerate(plan.assignments):
         if a.file is None:
@@ -102,7 +106,7 @@ def _save_in_memory(g, src, ranks, replicas):
         buf = bytearray(a.header)
         for e in a.entries:
             assert e.offset == len(buf)
-            buf += bytes(byte_view(sources[r][e.piece].contiguous()))
+            buf += bytes(byte_view(entry_source(sources[r][e.piece], e.start, e.count).contiguous()))
         files[a.file] = buf
         assert plan.manifest.files[a.file] == len(buf)
     return plan, files
@@ -153,6 +157,117 @@ def test_load_plan_reshards_bitwise(c, max_read):
         needed += want.numel() * want.element_size()
     # With max_gap=0 a rank reads exactly the bytes it needs, never more.
     assert storage.bytes_read == needed
+
+
+@st.composite
+def replicated_case(draw):
+    """Like ``case``, with every piece held by 2 ranks or more (what splitting applies to)."""
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+    src = draw(sharding(shape))
+    dst = draw(sharding(shape))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]))
+    ranks = draw(st.integers(2, 5))
+    return shape, src, dst, dtype, ranks, draw(st.integers(2, ranks))
+
+
+@SETTINGS
+@given(st.one_of(case(), replicated_case()), st.sampled_from([1, 8, 64]))
+def test_split_replicas_tile_and_load_bitwise(c, min_part):
+    # Parts of replicated pieces, with the minimum part size lowered to a few bytes so that these
+    # tiny tensors split: they must still tile the tensor, sit where their entries say, and read
+    # back bitwise under any other sharding.
+    shape, src, dst, dtype, ranks, replicas = c
+    g = torch.randn(shape, dtype=torch.float64).to(dtype) if dtype.is_floating_point else \
+        torch.randint(0, 100, shape, dtype=dtype)
+    with mock.patch("ckpt.planner.SPLIT_MIN_PART_BYTES", min_part):
+        plan, files = _save_in_memory(g, src, ranks, replicas, split=True)
+    t = plan.manifest.tensors["t"]
+    check_tiling("t", tuple(shape), [s.region for s in t.shards])
+    for a in plan.assignments:
+        # at most one entry per local piece: the async stager keeps one buffer per piece
+        assert len({e.piece for e in a.entries}) == len(a.entries)
+        for e in a.entries:
+            s = t.shards[e.shard]
+            assert (s.file, s.offset, s.length) == (a.file, e.offset, e.length)
+            if e.count is not None:
+                assert e.count > 0 and s.region.numel == e.count
+    storage = MemStorage(files)
+    for region in dst:
+        want = _local(g, region)
+        target = torch.zeros_like(want)
+        rp = plan_load(plan.manifest, [LoadRequest("t", dtype_name(dtype), tuple(shape), region)],
+                       contiguous_targets=[True], max_gap=0)
+        run_read_plan(storage, rp, [target], [dtype_name(dtype)], workers=1)
+        assert torch.equal(target.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+
+
+@SETTINGS
+@given(st.data())
+def test_check_tiling_agrees_with_counting_elements(data):
+    # The grid fast path and the general check against a brute-force count, on exact tilings and
+    # on tilings with cells dropped, duplicated, or extra random boxes (a dropped cell and a duplicate
+    # make as many boxes as cells).
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    boxes = [r for r in data.draw(sharding(shape)) if isinstance(r, Box)] or [Box((0,) * len(shape), shape)]
+    for change in data.draw(st.lists(st.sampled_from(["drop", "dup", "extra"]), max_size=2)):
+        if change == "drop" and len(boxes) > 1:
+            boxes.pop(data.draw(st.integers(0, len(boxes) - 1)))
+        elif change == "dup":
+            boxes.append(boxes[data.draw(st.integers(0, len(boxes) - 1))])
+        elif change == "extra":
+            offs = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+            boxes.append(Box(offs, tuple(data.draw(st.integers(1, n - o)) for o, n in zip(offs, shape, strict=True))))
+    count = torch.zeros(shape, dtype=torch.int64)
+    for b in boxes:
+        count[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths, strict=True))] += 1
+    exact = bool((count == 1).all())
+    try:
+        check_tiling("t", shape, list(boxes))
+    except LayoutError:
+        assert not exact
+    else:
+        assert exact
+
+
+def test_check_tiling_grid_with_a_cell_twice_and_one_missing():
+    # As many boxes as grid cells, every row and column interval present: only the duplicate tells.
+    a, b, c = Box((0, 0), (2, 2)), Box((0, 2), (2, 2)), Box((2, 0), (2, 2))
+    try:
+        check_tiling("t", (4, 4), [a, b, c, a])
+    except LayoutError as e:
+        assert "overlap" in str(e)
+    else:
+        raise AssertionError("a duplicated cell standing in for a missing one was accepted")
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.text(max_size=8), st.sampled_from(["BF16", "F32", "U8"]),
+                          st.lists(st.integers(0, 10**12), max_size=3), st.integers(0, 10**12)), max_size=6),
+       st.sampled_from([None, {}, {"format": "ckpt", "rank": "3"}, {"\u00fc": '"'}]))
+def test_build_header_is_the_json_of_the_header_dict(entries, metadata):
+    # build_header writes the JSON itself (speed); it must be byte for byte json.dumps of the dict.
+    entries = [(f"{name}@{i}", dt, tuple(shape), n) for i, (name, dt, shape, n) in enumerate(entries)]
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    pos, rel = 0, []
+    for name, dt, shape, n in entries:
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        rel.append(pos)
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    want = struct.pack("<Q", len(raw)) + raw
+    assert build_header(entries, metadata) == (want, [len(want) + r for r in rel])
+
+
+def test_sub_region():
+    assert sub_region(Box((2, 3), (6, 4)), 8, 12) == Box((4, 3), (3, 4))
+    assert sub_region(Flat(10, 50, Box((0, 0), (8, 8))), 5, 7) == Flat(15, 22, Box((0, 0), (8, 8)))
+    try:
+        sub_region(Box((0, 0), (6, 4)), 2, 4)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a part that is not whole rows of a box was accepted")
 
 
 def test_overlap_and_gap_are_refused():

@@ -7,8 +7,10 @@ order so that every entry is aligned to its element size (the buffer has no hole
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,25 +30,38 @@ class HeaderEntry:
     length: int
 
 
-def build_header(entries: list[tuple[str, str, tuple[int, ...], int]],
+def build_header(entries: Iterable[tuple[str, str, tuple[int, ...], int]],
                  metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
-    """Lay out ``(name, st_dtype, shape, nbytes)`` entries in the given order.
+    """Lay out ``(name, st_dtype, shape, nbytes)`` entries in the given order (names must be unique).
 
-    Returns the header bytes (length prefix included) and each entry's absolute file offset.
+    Returns the header bytes (length prefix included) and each entry's absolute file offset. The JSON
+    is the same as ``json.dumps(header, separators=(",", ":"))`` of the header dict, written out
+    directly: a 16,384-rank save plans 1.3 M entries, and building a dict per entry for the encoder
+    cost more than the rest of the file layout.
     """
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = metadata
+    parts = ['"__metadata__":' + json.dumps(metadata, separators=(",", ":"))] if metadata else []
     pos = 0
     rel: list[int] = []
     for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        parts.append(f"{_json_str(name)}{_type_json(dtype, tuple(shape))}{pos},{pos + nbytes}]}}")
         rel.append(pos)
         pos += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = ("{" + ",".join(parts) + "}").encode()
     raw += b" " * (-len(raw) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
     return prefix, [len(prefix) + r for r in rel]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _type_json(dtype: str, shape: tuple[int, ...]) -> str:
+    """``:{"dtype":..,"shape":[..],"data_offsets":[`` of an entry. Cached across calls: the ranks of a
+    large save hold blocks of the same few thousand shapes, and formatting one costs ~2 us."""
+    return f':{{"dtype":{_json_str(dtype)},"shape":{json.dumps(list(shape), separators=(",", ":"))},"data_offsets":['
+
+
+# ``json.dumps(s)`` for a str (quoted, escaped, ASCII-only), without the encoder set-up per call:
+# this is the function json.dumps itself uses for strings (the C one when available).
+_json_str = json.encoder.encode_basestring_ascii
 
 
 def parse_header(head: bytes, file_size: int, *, path: str) -> dict[str, HeaderEntry]:
