@@ -56,11 +56,12 @@ def _print_timings(stats: dict, json_out: bool) -> None:
     table = Table("figure", "min", "median", "max", "slowest rank")
     for k, v in stats.items():
         if isinstance(v, dict) and {"min", "median", "max"} <= set(v):
-            nbytes = k in ("sent", "received")
+            nbytes = k in ("sent", "received", "bytes")
             cells = [f"{v[q]:.0f} B" if nbytes else f"{v[q]:.4f} s" for q in ("min", "median", "max")]
             table.add_row(k, *cells, str(v.get("slowest_rank", "-")))
-    console.print(f"save over {stats.get('ranks', '?')} rank(s); coordinator commit "
-                  f"{stats.get('commit_s', float('nan')):.4f} s")
+    # commit_s is measured after the manifest is written: only the saving process's copy has it
+    commit = f"; coordinator commit {stats['commit_s']:.4f} s" if "commit_s" in stats else ""
+    console.print(f"save over {stats.get('ranks', '?')} rank(s){commit}")
     console.print(table)
 
 
