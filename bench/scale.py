@@ -200,7 +200,61 @@ def rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
-def simulate(layout: Layout, target: Layout, layers: int, sample: int) -> dict[str, Any]:
+def _distribution_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from ckpt.comm import Comm
+    from ckpt.load import fetch_manifest
+    from ckpt.storage import get_storage
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    comm, storage = Comm(None), get_storage(root)
+    times: dict[str, float] = {}
+    for mode in ("broadcast", "each"):
+        dist.barrier()
+        t0 = time.perf_counter()
+        m = fetch_manifest(storage, comm, manifest_read=mode)
+        dist.barrier()  # the slowest rank's time: everyone holds the decoded manifest
+        times[mode] = time.perf_counter() - t0
+        del m
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def manifest_distribution(data: bytes, ranks: int, root: str) -> dict[str, Any]:
+    """Every rank gets the decoded manifest: read once and broadcast over gloo vs every rank reading it.
+
+    ``ranks`` local processes (fork) on this machine; the file is in the page cache, so "each" is
+    the best case of a storage that serves many readers well.
+    """
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as tmp_mp
+
+    d = tempfile.mkdtemp(prefix="ckpt-scale-manifest-", dir=root)
+    try:
+        with open(os.path.join(d, "manifest.msgpack"), "wb") as f:
+            f.write(data)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = os.path.join(d, "times.json")
+        tmp_mp.start_processes(_distribution_rank, args=(ranks, port, d, out), nprocs=ranks, start_method="fork")
+        with open(out) as f:
+            times = json.load(f)
+    finally:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+    return {"ranks": ranks, "mb": len(data) / 1e6, "broadcast_s": times["broadcast"], "each_s": times["each"]}
+
+
+def simulate(layout: Layout, target: Layout, layers: int, sample: int, dist_ranks: int = 0,
+             dist_dir: str = "/tmp") -> dict[str, Any]:
     params = dsv3_params(layers)
     res: dict[str, Any] = {"layout": str(layout), "target": str(target), "world": layout.world_size,
                            "params": len(params), "param_count": sum(_numel(s) for _, s in params)}
@@ -248,6 +302,9 @@ def simulate(layout: Layout, target: Layout, layers: int, sample: int) -> dict[s
     res["manifest_decode_s"] = time.perf_counter() - t0
     res["peak_rss_gb"] = rss_gb()
     _progress(res, "manifest_decode_s")
+    if dist_ranks > 1:
+        res["manifest_distribution"] = manifest_distribution(data, dist_ranks, dist_dir)
+        print(f"manifest to {dist_ranks} ranks: {res['manifest_distribution']}", flush=True)
     # one target rank's load plan, for a sample of target ranks
     rng = random.Random(0)
     times = []
@@ -354,13 +411,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=61)
     p.add_argument("--sample-ranks", type=int, default=8)
     p.add_argument("--dcp-timeout", type=float, default=600.0, help="0 skips DCP")
+    p.add_argument("--manifest-ranks", type=int, default=8,
+                   help="local gloo ranks that fetch the simulated manifest (broadcast vs each); 0 skips")
     p.add_argument("--dir", default="/tmp")
     p.add_argument("--json", default=None)
 
 
 def main(args: argparse.Namespace) -> int:
     layout, target = Layout.parse(args.layout), Layout.parse(args.target)
-    res = simulate(layout, target, args.layers, args.sample_ranks)
+    res = simulate(layout, target, args.layers, args.sample_ranks, args.manifest_ranks, args.dir)
     if args.dcp_timeout > 0:
         res["dcp"] = run_dcp(layout, args.layers, args.dcp_timeout, args.dir)
     rows = [[name, f"{res[k]:.3f}", f"< {goal:g}", "met" if res[k] < goal else "MISSED"] for name, k, goal in TARGETS]
