@@ -332,13 +332,19 @@ def _int_list(v: Any, what: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _tensor_from_dict(key: str, t: Any, files: dict[str, int]) -> TensorEntry:
+def _tensor_head(key: str, t: Any) -> tuple[str, str, int, tuple[int, ...]]:
+    """A tensor entry's ``(what, dtype, itemsize, shape)``, validated (both formats)."""
     what = f"tensor {key!r}"
     dtype = _get(t, "dtype", str, what)
     size = itemsize(dtype_from_name(dtype, key=key))
     shape = _int_list(_get(t, "shape", list, what), f"{what} shape")
     if math.prod(shape) > _INT_MAX:
         raise ManifestError(f"{what}: shape {list(shape)} has more than 2**63 elements")
+    return what, dtype, size, shape
+
+
+def _tensor_from_dict(key: str, t: Any, files: dict[str, int]) -> TensorEntry:
+    what, dtype, size, shape = _tensor_head(key, t)
     shards: list[ShardEntry] = []
     for i, s in enumerate(_get(t, "shards", list, what)):
         swhat = f"{what} shard {i}"
@@ -387,12 +393,7 @@ def _tensor_from_dict(key: str, t: Any, files: dict[str, int]) -> TensorEntry:
 
 
 def _tensor_from_columns(key: str, t: Any, files: list[str], sizes: np.ndarray) -> TensorEntry:
-    what = f"tensor {key!r}"
-    dtype = _get(t, "dtype", str, what)
-    size = itemsize(dtype_from_name(dtype, key=key))
-    shape = _int_list(_get(t, "shape", list, what), f"{what} shape")
-    if math.prod(shape) > _INT_MAX:
-        raise ManifestError(f"{what}: shape {list(shape)} has more than 2**63 elements")
+    what, dtype, size, shape = _tensor_head(key, t)
     cols = ShardColumns.from_wire(_get(t, "shards", dict, what), shape, size, files, sizes, what)
     return TensorEntry(dtype, shape, columns=cols)
 
