@@ -219,22 +219,24 @@ class CheckpointManager:
         return join_url(self.root, step_dir(step))
 
     def save(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
-             layout: dict[str, Any] | None = None) -> SaveHandle | Manifest:
+             layout: dict[str, Any] | None = None, overwrite: bool = False) -> SaveHandle | Manifest:
         """Save ``state`` as the checkpoint of ``step`` (collective); async unless disabled.
 
         Returns the async handle, or the manifest for a synchronous manager. Retention runs after
-        the commit, on the coordinator.
+        the commit, on the coordinator. ``overwrite``: replace a committed checkpoint of the same
+        step (e.g. a damaged one a resumed run is redoing); otherwise that is CheckpointExistsError.
         """
         url = self.url_for(step)
         if self._rank == 0:
             self._write_lease(step)
         if not self.async_save:
             m = save(state, url, group=self.group, step=step, user_metadata=user_metadata, layout=layout,
-                     storage_options=self.storage_options)
+                     storage_options=self.storage_options, overwrite=overwrite)
             self._after_commit(m)
             return m
         try:
             self._last = self._saver.save(state, url, step=step, user_metadata=user_metadata, layout=layout,
+                                          overwrite=overwrite,
                                           storage_options=self.storage_options, policy=self.policy,
                                           on_commit=self._after_commit,
                                           on_error=lambda e: self._drop_lease(step) if self._rank == 0 else None)

@@ -24,7 +24,7 @@ import torch
 
 from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
-from ckpt.errors import CheckpointError, CheckpointExistsError, CollectiveError, StateError
+from ckpt.errors import CheckpointError, CheckpointExistsError, CollectiveError, ManifestIntegrityError, StateError
 from ckpt.formats import zarr_layout
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest, encode_object
 from ckpt.io import write_assignment
@@ -174,7 +174,14 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
     previous: Manifest | None = None
     if comm.rank == 0 and err is None:
         try:
-            previous = read_manifest(storage)
+            try:
+                previous = read_manifest(storage)
+            except ManifestIntegrityError:
+                if not overwrite:
+                    raise
+                # Replacing a checkpoint whose manifest is damaged: its files cannot be listed, so they
+                # stay (unreferenced) instead of being cleaned up after the commit.
+                previous = None
             if previous is not None and not overwrite:
                 raise CheckpointExistsError(
                     f"{storage.url}: already holds a committed checkpoint (step {previous.step}); "

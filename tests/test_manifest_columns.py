@@ -257,3 +257,20 @@ def test_load_of_a_format_1_manifest_still_works(tmp_path):
     got = ckpt.load(out, url, verify=True)
     assert torch.equal(out["a"], src["a"]) and got["o"] == (1, 2)
     assert ckpt.verify(url, deep=True).ok
+
+
+def test_overwrite_replaces_a_checkpoint_whose_manifest_is_damaged(tmp_path):
+    url = str(tmp_path / "c")
+    ckpt.save({"a": torch.zeros(4)}, url)
+    path = os.path.join(url, MANIFEST_NAME)
+    with open(path, "r+b") as f:
+        f.seek(-2, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-2, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(ckpt.ManifestIntegrityError):  # never silently replaced
+        ckpt.save({"a": torch.ones(4)}, url)
+    ckpt.save({"a": torch.ones(4)}, url, overwrite=True)
+    out = {"a": torch.zeros(4)}
+    ckpt.load(out, url, verify=True)
+    assert torch.equal(out["a"], torch.ones(4))

@@ -145,10 +145,12 @@ def diff_cmd(
     atol: float = typer.Option(0.0, "--atol", min=0.0, help="absolute tolerance (0: bitwise)"),
     json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
     show_all: bool = typer.Option(False, "--all", help="list equal tensors too"),
+    no_verify: bool = typer.Option(False, "--no-verify", help="compare without checking the shards' checksums"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
-    """Compare two checkpoints tensor by tensor, whatever their layouts. Exit 0 only when equal (within --atol)."""
-    r = diff(a, b, atol, storage_options=parse_storage_options(storage_option))
+    """Compare two checkpoints tensor by tensor, whatever their layouts. Exit 0 only when equal (within --atol).
+    Every shard compared is first checked against its checksum (a corrupted one: exit 3)."""
+    r = diff(a, b, atol, storage_options=parse_storage_options(storage_option), verify=not no_verify)
     if json_out:
         print_json(r.to_dict())
     else:

@@ -36,6 +36,8 @@ def train_cmd(
     fail_at_step: int | None = typer.Option(None, "--fail-at-step", help="fault injection: a rank dies at step S"),
     fail_rank: int = typer.Option(0, "--fail-rank", min=0, help="which rank dies (with --fail-at-step)"),
     init_from: str | None = typer.Option(None, "--init-from", help="start from this checkpoint's model.* weights"),
+    no_verify_restore: bool = typer.Option(False, "--no-verify-restore",
+                                           help="restore without checking the checkpoint's checksums"),
     seq_len: int = typer.Option(32, "--seq-len", min=2, help="tokens per sample"),
     global_batch: int = typer.Option(8, "--global-batch", min=1, help="samples per step over all ranks"),
     microbatches: int = typer.Option(2, "--microbatches", min=1, help="pipeline microbatches per rank"),
@@ -60,7 +62,8 @@ def train_cmd(
         cfg = TrainConfig(model=model_config(config), seq_len=seq_len, global_batch=global_batch,
                           microbatches=microbatches, schedule=schedule, steps=steps, stop_after=stop_after, lr=lr,
                           seed=seed, ckpt_dir=ckpt_dir, save_every=save_every, keep_last=keep_last,
-                          async_save=not sync_save, init_from=init_from, fail_at_step=fail_at_step,
+                          async_save=not sync_save, init_from=init_from, verify_restore=not no_verify_restore,
+                          fail_at_step=fail_at_step,
                           fail_rank=fail_rank, metrics_path=metrics, device=device)
     except ValueError as e:
         _error(str(e))

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from ckpt.dtypes import dtype_from_name, itemsize
-from ckpt.errors import StateError
+from ckpt.errors import IntegrityError, StateError
 from ckpt.formats.msgpack_codec import decode_object
-from ckpt.io import ScratchReader
+from ckpt.io import ScratchReader, verify_shards
 from ckpt.load import fetch_manifest
 from ckpt.manifest import Manifest, ObjectEntry
 from ckpt.planner import LoadRequest, plan_load
@@ -72,6 +72,7 @@ class DiffReport:
     tensors: list[TensorDiff] = field(default_factory=list)
     objects: list[TensorDiff] = field(default_factory=list)  # status EQUAL / DIFFERENT / ONLY_*
     bytes_compared: int = 0
+    bytes_verified: int = 0  # stored bytes whose CRC32 was checked (both sides)
 
     @property
     def ok(self) -> bool:
@@ -89,12 +90,13 @@ class DiffReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "atol": self.atol, "ok": self.ok, "counts": self.counts(),
+                "bytes_verified": self.bytes_verified,
                 "bytes_compared": self.bytes_compared, "tensors": [t.to_dict() for t in self.tensors],
                 "objects": [o.to_dict() for o in self.objects]}
 
 
 def diff(a_url: str, b_url: str, atol: float = 0.0, *, chunk_bytes: int = DEFAULT_CHUNK,
-         storage_options: dict[str, Any] | None = None) -> DiffReport:
+         storage_options: dict[str, Any] | None = None, verify: bool = True) -> DiffReport:
     """Compare the checkpoints at ``a_url`` and ``b_url`` tensor by tensor, regardless of layouts.
 
     A tensor is ``equal`` when bitwise identical, ``close`` when every element differs by at most
@@ -102,8 +104,12 @@ def diff(a_url: str, b_url: str, atol: float = 0.0, *, chunk_bytes: int = DEFAUL
     global shape differ; ``only_in_a`` / ``only_in_b`` when missing on one side. Objects are
     compared after decoding (per-rank objects on the ranks both sides have).
 
-    Raises ManifestError / StorageError when either checkpoint cannot be read (problems *in* the
-    values are reported, not raised).
+    ``verify`` (default): before a tensor's values are compared, every stored shard of it on both
+    sides is checked against its CRC32, so a difference is never a corrupted byte in disguise.
+
+    Raises ManifestError / StorageError when either checkpoint cannot be read, IntegrityError
+    (``verify``) when a shard of either does not match its checksum, naming the checkpoint, tensor,
+    file and byte range (problems *in* the values are reported, not raised).
 
     Example::
 
@@ -121,6 +127,8 @@ def diff(a_url: str, b_url: str, atol: float = 0.0, *, chunk_bytes: int = DEFAUL
         ra, rb = ScratchReader(sa, chunk_bytes), ScratchReader(sb, chunk_bytes)
         bufs = (torch.empty(chunk_bytes, dtype=torch.uint8), torch.empty(chunk_bytes, dtype=torch.uint8))
         for key in sorted(set(ma.tensors) | set(mb.tensors)):
+            if verify:
+                report.bytes_verified += _verify(key, (a_url, ma, sa), (b_url, mb, sb))
             report.tensors.append(_tensor(key, ma, mb, ra, rb, bufs, float(atol), chunk_bytes, report))
         for key in sorted(set(ma.objects) | set(mb.objects)):
             report.objects.append(_object(key, ma.objects.get(key), mb.objects.get(key)))
@@ -128,6 +136,23 @@ def diff(a_url: str, b_url: str, atol: float = 0.0, *, chunk_bytes: int = DEFAUL
     finally:
         sa.close()
         sb.close()
+
+
+def _verify(key: str, *sides: tuple[str, Manifest, Any]) -> int:
+    """CRC32 of every stored shard of ``key`` on each side, when both sides hold it with the same
+    dtype and shape (otherwise its values are not compared). Returns the bytes hashed."""
+    ts = [m.tensors.get(key) for _, m, _ in sides]
+    if any(t is None for t in ts) or len({(t.dtype, tuple(t.shape)) for t in ts if t is not None}) != 1:
+        return 0
+    n = 0
+    for url, m, storage in sides:
+        t = m.tensors[key]
+        try:
+            n += verify_shards(storage, m, [LoadRequest(key, t.dtype, tuple(t.shape), full_box(tuple(t.shape)))])
+        except IntegrityError as e:
+            raise IntegrityError(f"{url}: {e}. Nothing was compared; pass verify=False (--no-verify) to compare "
+                                 "the bytes as they are") from None
+    return n
 
 
 def _desc(m: Manifest, key: str) -> str | None:

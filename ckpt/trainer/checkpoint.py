@@ -172,7 +172,7 @@ def restore(url: str, pm: ParallelModel, opt: ZeroAdamW, schedule: LRSchedule, c
     else:
         _require(manifest, state, url, ("model.", "optim."))
     stats: dict[str, Any] = {}
-    out = ckpt.load(state, url, strict=same, stats=stats)
+    out = ckpt.load(state, url, strict=same, stats=stats, verify=cfg.verify_restore)
     opt.step_count = int(out["optim"]["step"])
     train = out["train"]
     if not isinstance(train.get("lr_scheduler"), dict):
@@ -183,7 +183,7 @@ def restore(url: str, pm: ParallelModel, opt: ZeroAdamW, schedule: LRSchedule, c
     return Resume(url, int(train["step"]), int(train["sample_index"]), saved, not same, stats)
 
 
-def load_weights(url: str, pm: ParallelModel) -> dict[str, Any]:
+def load_weights(url: str, pm: ParallelModel, *, verify: bool = True) -> dict[str, Any]:
     """Load only ``model.*`` (e.g. a checkpoint imported from Hugging Face), resharded to this
     rank's blocks; other keys in the checkpoint are ignored (collective). Returns this rank's
     ``ckpt.load(..., stats=)`` figures.
@@ -194,7 +194,7 @@ def load_weights(url: str, pm: ParallelModel) -> dict[str, Any]:
     state = {"model": model_state(pm)}
     _require(manifest, state, url, ("model.",))
     stats: dict[str, Any] = {}
-    ckpt.load(state, url, strict=False, stats=stats)
+    ckpt.load(state, url, strict=False, stats=stats, verify=verify)
     return stats
 
 

@@ -40,6 +40,8 @@ class TrainConfig:
         async_save: save in the background (else block until committed).
         init_from: start from the weights (``model.*`` only) of this checkpoint when ``ckpt_dir``
             holds none yet.
+        verify_restore: check the CRC32 of every stored shard a rank restores (``ckpt.load(...,
+            verify=True)``); a checkpoint that fails on any rank is skipped for the next older one.
         fail_at_step / fail_rank: fault injection: that rank SIGKILLs itself when it reaches this
             step, in the first attempt of a torchrun job only.
         metrics_path: JSON lines, one per step (rank 0 writes); None: ``<ckpt_dir>/metrics.jsonl``
@@ -68,6 +70,7 @@ class TrainConfig:
     keep_last: int = 3
     async_save: bool = True
     init_from: str | None = None
+    verify_restore: bool = True
     fail_at_step: int | None = None
     fail_rank: int = 0
     metrics_path: str | None = None

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ckpt.async_save import SaveHandle
 from ckpt.comm import Comm
+from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StorageError
 from ckpt.manager import CheckpointManager
 from ckpt.manifest import Manifest
 from ckpt.resharders.layout import Layout
@@ -70,11 +73,47 @@ def build(cfg: TrainConfig, layout: Layout, device: torch.device | None = None
     return ctx, pm, opt, schedule
 
 
-def _latest(mgr: CheckpointManager) -> str | None:
-    # Rank 0 decides, so that every rank resumes from the same checkpoint even if one commits meanwhile.
+def _committed(mgr: CheckpointManager) -> list[tuple[int, str]]:
+    # Rank 0 lists (newest first), so that every rank tries the same checkpoints in the same order
+    # even if one commits meanwhile.
     comm = Comm(None)
-    url = mgr.latest() if comm.rank == 0 else None
-    return comm.broadcast(url) if comm.enabled and comm.world > 1 else url
+    found = [(c.step, c.url) for c in reversed(mgr.list()) if c.committed] if comm.rank == 0 else None
+    return [tuple(x) for x in comm.broadcast(found)] if comm.enabled and comm.world > 1 else (found or [])
+
+
+def _resume(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, cfg: TrainConfig,
+            ctx: ParallelContext, log: MetricsLog) -> tuple[str, Resume, float, int] | None:
+    """Restore the newest committed checkpoint that every rank restores; None when there is none.
+    Returns its URL, what was restored, the time it took and the newest step skipped (-1: none;
+    the run replaces the skipped checkpoints when it saves those steps again).
+
+    A checkpoint that fails on any rank with damaged or missing data (IntegrityError with
+    ``verify_restore``, StorageError, ManifestError) is skipped for the next older one, and a
+    ``restore_failed`` record says why: a damaged newest checkpoint must not cost the run the good
+    one before it. Ranks agree through a one-element all-reduce after each attempt (a load raises
+    on one rank only). Raises CheckpointError when every committed checkpoint failed.
+    """
+    urls = _committed(mgr)
+    skipped = -1
+    for ckpt_step, url in urls:
+        t = time.perf_counter()
+        err: CheckpointError | None = None
+        try:
+            res: Resume | None = restore(url, pm, opt, schedule, cfg)
+        except (IntegrityError, StorageError, ManifestError) as e:
+            err, res = e, None
+        failed = all_reduce_(torch.tensor([0.0 if err is None else 1.0], device=ctx.device), ctx.groups["world"])
+        if float(failed.item()) == 0 and res is not None:
+            return url, res, time.perf_counter() - t, skipped
+        skipped = max(skipped, ckpt_step)
+        why = f"{type(err).__name__}: {err}" if err is not None else "failed on another rank"
+        print(f"[rank {ctx.rank}] cannot restore {url} ({why}); trying an older checkpoint", file=sys.stderr)
+        log.write({"event": "restore_failed", "from": url, "error": why, "ranks_failed": int(failed.item())})
+    if urls:
+        raise CheckpointError(f"{cfg.ckpt_dir}: none of the {len(urls)} committed checkpoint(s) could be restored "
+                              "(see the restore_failed records and the errors above); run `ckpt verify --deep` on "
+                              "them, or pass verify_restore=False / --no-verify-restore to load them as they are")
+    return None
 
 
 def _barrier(ctx: ParallelContext) -> None:
@@ -126,17 +165,17 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
            if cfg.ckpt_dir else None)
     result = TrainResult(pm=pm, opt=opt)
     step, sample_index = 0, 0
-    latest = _latest(mgr) if mgr is not None else None
-    if latest is not None:
-        t = time.perf_counter()
-        result.resumed = restore(latest, pm, opt, schedule, cfg)
-        restore_ms = round((time.perf_counter() - t) * 1e3, 3)
+    found = _resume(mgr, pm, opt, schedule, cfg, ctx, log) if mgr is not None else None
+    redo_upto = -1  # steps up to this hold checkpoints skipped as damaged: saving them replaces them
+    if found is not None:
+        latest, result.resumed, restore_s, redo_upto = found
+        restore_ms = round(restore_s * 1e3, 3)
         step, sample_index = result.resumed.step, result.resumed.sample_index
         log.write({"event": "resume", "step": step, "from": latest, "resharded": result.resumed.resharded,
                    "layout_text": str(layout), "restore_ms": restore_ms, **load_fields(result.resumed.load_stats)})
     elif cfg.init_from:
         t = time.perf_counter()
-        stats = load_weights(cfg.init_from, pm)
+        stats = load_weights(cfg.init_from, pm, verify=cfg.verify_restore)
         log.write({"event": "init_from", "step": 0, "from": cfg.init_from,
                    "restore_ms": round((time.perf_counter() - t) * 1e3, 3), **load_fields(stats)})
     result.start_step = step
@@ -180,7 +219,8 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
             _barrier(ctx)
             state = training_state(pm, opt, step, sample_index, schedule)
             t_save = time.perf_counter()
-            saved = mgr.save(step, state, user_metadata=metadata, layout=layout.to_dict())
+            saved = mgr.save(step, state, user_metadata=metadata, layout=layout.to_dict(),
+                             overwrite=step <= redo_upto)
             t_end = time.perf_counter()
             handle = saved if isinstance(saved, SaveHandle) else None  # None: --sync-save committed it
             stall += t_end - t

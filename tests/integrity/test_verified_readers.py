@@ -74,3 +74,22 @@ def test_export_hf_refuses_a_corrupted_source(corrupted: str, tmp_path):
     assert r.exit_code == 3, r.output  # IntegrityError's exit code
     assert "model.model.embed_tokens.weight" in r.output and "checksum mismatch" in r.output, r.output
     assert not (tmp_path / "hf2").exists()
+
+
+def test_diff_refuses_a_corrupted_side_unless_told_not_to(corrupted: str, tmp_path):
+    from ckpt.resharders.diff import diff
+    from tests.resharders.moe_states import save_single
+
+    clean = str(tmp_path / "clean")
+    save_single(clean, dtype=torch.bfloat16)
+    assert diff(clean, clean).ok and diff(clean, clean).bytes_verified == 2 * ckpt.inspect(clean).total_bytes
+    with pytest.raises(ckpt.IntegrityError, match=r"src: tensor 'model.model.embed_tokens.weight' shard 0: "
+                                                  "checksum mismatch"):
+        diff(clean, corrupted)
+    r = runner.invoke(app, ["diff", clean, corrupted])
+    assert r.exit_code == 3 and "embed_tokens" in r.output and "--no-verify" in r.output, r.output
+    # without verification the flipped byte is just a difference in values
+    rep = diff(clean, corrupted, verify=False)
+    assert [t.key for t in rep.problems] == ["model.model.embed_tokens.weight"] and rep.bytes_verified == 0
+    r = runner.invoke(app, ["diff", clean, corrupted, "--no-verify"])
+    assert r.exit_code == 1 and "DIFFERENT" in r.output
