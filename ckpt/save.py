@@ -280,7 +280,7 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
     prep.stats.update(sent=comm.sent, received=comm.received)  # metadata bytes so far
     if "ok" in result:
         result["ok"]["stats"] = dict(prep.stats)
-    box: list[Manifest] = []
+    box: list[tuple[Manifest, bytes]] = []  # the committed manifest and its encoding
 
     def reply(results: list[Any]) -> list[Any]:
         t0 = time.perf_counter()
@@ -313,7 +313,7 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
             if prep.previous is not None:  # overwrite: drop files only the old checkpoint used
                 _cleanup_files(storage, [f for f in prep.previous.files if f not in manifest.files])
             manifest.stats["commit_s"] = time.perf_counter() - t0
-            box.append(manifest)
+            box.append((manifest, data))
         except CheckpointError as e:
             _cleanup_files(storage, written)
             return [error_payload(e, comm.who)] * comm.world
@@ -327,8 +327,8 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
         raise_payload(status)
     if box:
         # A fresh object: the cached plan's skeleton is refilled by the next save.
-        m = decode_manifest(encode_manifest(box[0]))
-        m.stats = box[0].stats
+        m = decode_manifest(box[0][1])
+        m.stats = box[0][0].stats  # with commit_s, measured after the write
         return m
     return _partial_manifest(prep, result, status["ok"])
 
