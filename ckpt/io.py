@@ -192,7 +192,7 @@ def verify_shards(storage: Storage, manifest: Any, requests: list[Any], *, worke
     for req in requests:
         t = manifest.tensors[req.key]
         want_s, want_l = global_runs(req.region, tuple(t.shape))
-        for i, s in enumerate(t.shards):
+        for i, s in t.indexed_shards_overlapping(req.region):  # decoded manifests: only the candidates
             if s.length == 0:
                 continue
             have_s, have_l = global_runs(s.region, tuple(t.shape))

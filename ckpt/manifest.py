@@ -120,9 +120,14 @@ class TensorEntry:
 
     def shards_overlapping(self, region: Region) -> list[ShardEntry]:
         """The shards that may hold elements of ``region`` (a superset; cheap on decoded manifests)."""
+        return [s for _, s in self.indexed_shards_overlapping(region)]
+
+    def indexed_shards_overlapping(self, region: Region) -> list[tuple[int, ShardEntry]]:
+        """Like :meth:`shards_overlapping`, with each shard's index in the tensor's shard list."""
         if self._shards is not None or self._cols is None:
-            return self.shards
-        return self._cols.rows(self._cols.candidates(region, self.shape))
+            return list(enumerate(self.shards))
+        idx = self._cols.candidates(region, self.shape)
+        return list(zip(idx.tolist(), self._cols.rows(idx), strict=True))
 
     def columns(self, files: list[str], file_index: dict[str, int]) -> ShardColumns:
         """The shards as columns against the manifest's file list."""
