@@ -219,19 +219,22 @@ class CheckpointManager:
         return join_url(self.root, step_dir(step))
 
     def save(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
-             layout: dict[str, Any] | None = None, overwrite: bool = False) -> SaveHandle | Manifest:
+             layout: dict[str, Any] | None = None, overwrite: bool = False,
+             stats: dict[str, float] | None = None) -> SaveHandle | Manifest:
         """Save ``state`` as the checkpoint of ``step`` (collective); async unless disabled.
 
         Returns the async handle, or the manifest for a synchronous manager. Retention runs after
         the commit, on the coordinator. ``overwrite``: replace a committed checkpoint of the same
         step (e.g. a damaged one a resumed run is redoing); otherwise that is CheckpointExistsError.
+        ``stats``: a synchronous manager fills in this rank's figures (``ckpt.save(stats=)``); an
+        async one puts them on the handle (``h.stats``).
         """
         url = self.url_for(step)
         if self._rank == 0:
             self._write_lease(step)
         if not self.async_save:
             m = save(state, url, group=self.group, step=step, user_metadata=user_metadata, layout=layout,
-                     storage_options=self.storage_options, overwrite=overwrite)
+                     storage_options=self.storage_options, overwrite=overwrite, stats=stats)
             self._after_commit(m)
             return m
         try:

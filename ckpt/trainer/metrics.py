@@ -51,10 +51,10 @@ def save_record(step: int, url: str, rank: int, manifest: Manifest | None, stats
                 async_save: bool, save_s: float | None = None) -> dict[str, Any]:
     """The ``checkpoint`` record of a committed save, as seen by ``rank``.
 
-    ``stats``: this rank's phase durations in seconds (``SaveHandle.stats``: ``plan``, ``stage``,
-    ``persist``, ``commit``, the last from the end of ``persist`` to the commit's status, which
-    includes waiting for the slowest rank). A synchronous ``ckpt.save`` returns no per-rank figures
-    to the coordinator, only the aggregate: pass ``stats=None`` and ``save_s`` (the blocking call).
+    ``stats``: this rank's figures (``SaveHandle.stats`` or ``ckpt.save(stats=)``): durations in
+    seconds ``plan``, ``stage``, ``persist``, ``commit`` (from the end of ``persist`` to the commit's
+    status, which includes waiting for the slowest rank) and ``bytes``. ``save_s``: how long a
+    synchronous save blocked the caller.
     ``manifest``: what the save returned (the full one on the coordinator: then ``checkpoint_bytes``
     and the ``across_ranks`` aggregate are added).
     """

@@ -219,8 +219,9 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
             _barrier(ctx)
             state = training_state(pm, opt, step, sample_index, schedule)
             t_save = time.perf_counter()
+            own: dict[str, float] = {}  # a synchronous save's figures for this rank
             saved = mgr.save(step, state, user_metadata=metadata, layout=layout.to_dict(),
-                             overwrite=step <= redo_upto)
+                             overwrite=step <= redo_upto, stats=own)
             t_end = time.perf_counter()
             handle = saved if isinstance(saved, SaveHandle) else None  # None: --sync-save committed it
             stall += t_end - t
@@ -229,7 +230,7 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
             if handle is not None:
                 pending = handle
             elif rank0 and isinstance(saved, Manifest):
-                log.write(save_record(step, result.last_checkpoint, ctx.rank, saved, None, async_save=False,
+                log.write(save_record(step, result.last_checkpoint, ctx.rank, saved, own, async_save=False,
                                       save_s=t_end - t_save))
         dt = time.perf_counter() - t0
         log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,

@@ -52,9 +52,9 @@ def test_metrics_log_save_and_load_figures(tmp_path: Path) -> None:
         assert records.index(r) > records.index(next(s for s in records if s.get("event") == "save"
                                                      and s["step"] == r["step"]))
         _check_checkpoint(r, root)
-    for r in done[:2]:  # async: this rank's own phases
+    for r in done:  # async and sync: this rank's own phases
         assert all(r[f"{p}_ms"] >= 0 for p in ("plan", "stage", "persist", "commit")) and r["persist_ms"] > 0
-    assert done[2]["save_ms"] > 0 and "persist_ms" not in done[2]  # sync: the aggregate only
+    assert done[2]["save_ms"] >= done[2]["persist_ms"]  # sync: the blocking call holds every phase
 
     resume = next(r for r in records if r.get("event") == "resume")
     assert resume["step"] == 2 and resume["resharded"] is False
