@@ -77,19 +77,6 @@ class ShardColumns:
 
     # -- rows ---------------------------------------------------------------------------------
 
-    def region(self, i: int) -> Region:
-        """The region of shard ``i``."""
-        k = int(self.kind[i])
-        nd = self.box.shape[1] // 2
-        box = None
-        if k != KIND_FLAT:
-            row = self.box[i].tolist()
-            box = Box(tuple(row[:nd]), tuple(row[nd:]))
-        if k == KIND_BOX:
-            assert box is not None
-            return box
-        return Flat(int(self.flat[i, 0]), int(self.flat[i, 1]), box)
-
     def rows(self, indices: np.ndarray | None = None) -> list[Any]:
         """``ShardEntry`` objects for the given rows (all by default), in row order."""
         from ckpt.manifest import ShardEntry
