@@ -11,7 +11,7 @@ from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
-from ckpt.io import run_read_plan, verify_shards
+from ckpt.io import default_workers, read_gap, run_read_plan, verify_shards
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, plan_load
 from ckpt.regions import check_tiling
@@ -46,7 +46,7 @@ def fetch_manifest(storage: Storage, comm: Comm | None = None, *, manifest_read:
 
 
 def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = True, verify: bool = False,
-         storage_options: dict[str, Any] | None = None, workers: int = 4,
+         storage_options: dict[str, Any] | None = None, workers: int | None = None,
          max_read: int = DEFAULT_MAX_READ, max_gap: int | None = None, manifest_read: str = "broadcast",
          stats: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fill the tensors of ``state`` in place from the checkpoint at ``url``, resharding as needed.
@@ -57,7 +57,8 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
 
     ``stats``, when given a dict, receives this rank's phase durations in seconds (manifest, plan,
     verify, read, copy) and byte counts. ``manifest_read`` picks how ranks get the manifest (see
-    :func:`fetch_manifest`).
+    :func:`fetch_manifest`). ``workers``: this rank's reader threads (default 4; fewer from local
+    files when the ranks on this host outnumber its cores: :func:`ckpt.io.default_workers`).
 
     With ``verify=True`` every stored shard this rank touches is read whole and its checksum
     checked before any destination tensor is written (a verification pass, then the copy pass).
@@ -79,7 +80,9 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
         t0 = time.perf_counter()
         manifest = fetch_manifest(storage, comm, manifest_read=manifest_read)
         t_manifest = time.perf_counter() - t0
-        gap = max_gap if max_gap is not None else getattr(storage, "coalesce_gap", 4096)
+        gap = max_gap if max_gap is not None else read_gap(storage)
+        if workers is None:
+            workers = default_workers(storage, comm.world)
         phases: dict[str, Any] = {"manifest": t_manifest}
         out = _load(manifest, storage, state, comm.rank, strict, workers, max_read, verify, gap, phases)
         if stats is not None:
@@ -164,7 +167,7 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
         phases["bytes_verified"] = verify_shards(storage, manifest, requests, workers=workers)
         phases["verify"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-    run_read_plan(storage, plan, targets, [r.dtype for r in requests], workers=workers)
+    run_read_plan(storage, plan, targets, [r.dtype for r in requests], workers=workers, map_files=True)
     t2 = time.perf_counter()
     phases["read"] = t2 - t1  # reads and the copies into place, overlapped across reader threads
     for dst, staging in finals:

@@ -57,3 +57,6 @@ class Storage(Protocol):
     #   coalesce_gap: int - bytes of unneeded data worth reading to merge two ranges (local 4096, S3 1 MiB)
     #   read_ranges(path, [(offset, length), ...]) -> list[bytes] - ranges fetched in parallel
     #   sync_dir(path) - make names created in a directory durable (local)
+    #   readv(path, [(offset, length), ...], buf, base) - several ranges into one buffer (local)
+    #   map_range(path, offset, length) -> (mmap, index) | None - a private map of a byte range,
+    #       copied from directly by ckpt.load (local; looked up on the class, see ckpt.io._mapper)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 
@@ -131,6 +132,34 @@ class LocalStorage:
                     self.read_into(path, off, buf[off - base : off - base + n])  # short read: retry or raise
         except OSError as e:
             raise StorageError(f"{os.path.join(self.root, path)}: read failed ({e.strerror})") from e
+
+    def map_range(self, path: str, offset: int, length: int) -> tuple[mmap.mmap, int] | None:
+        """Bytes ``[offset, offset + length)`` of ``path`` as a private memory map: ``(map, index of
+        offset in it)``; None where the file cannot be mapped (the caller reads instead).
+
+        Readers copy straight out of the page cache through the map: no read call per byte run and
+        no copy into a buffer. The map is copy-on-write (``ACCESS_COPY``) so that tensors can view
+        it without a read-only warning; nothing writes to it, so no page is ever copied, and its
+        commit charge is ``length`` (bounded by the planner's ``max_read``), not the file's size.
+        Close the map when done. Raises StorageError when the file is shorter than the range (a
+        map would turn the missing bytes into SIGBUS instead). Checkpoint data files are never
+        modified after the commit; one truncated while it is being loaded also ends in SIGBUS.
+        """
+        if length <= 0:
+            return None
+        fd = self._fd(path)
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            raise StorageError(f"{os.path.join(self.root, path)}: cannot stat ({e.strerror})") from e
+        if offset + length > size:
+            raise StorageError(f"{os.path.join(self.root, path)}: file ends before byte {offset + length} "
+                               f"(it has {size} bytes); the file is truncated")
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            return mmap.mmap(fd, offset + length - base, access=mmap.ACCESS_COPY, offset=base), offset - base
+        except (OSError, ValueError, OverflowError):  # a filesystem without mmap, no address space: read
+            return None
 
     def read_file(self, path: str) -> bytes:
         try:
