@@ -165,7 +165,8 @@ class AsyncSaver:
             self._launch_cuda_copies(views, buffers, cuda_pieces, handle)
         self.inflight = handle
         self._thread = threading.Thread(target=self._run, name="ckpt-async-save", daemon=True,
-                                        args=(handle, prep, buffers, storage, comm, commit_comm, on_commit, on_error))
+                                        args=(handle, prep, views, buffers, storage, comm, commit_comm, on_commit,
+                                              on_error))
         self._thread.start()
         return handle
 
@@ -185,13 +186,13 @@ class AsyncSaver:
         ev.record(self._stream)
         handle._cuda_event = ev
 
-    def _run(self, handle: SaveHandle, prep: Prepared, buffers: dict[int, torch.Tensor], storage: Any,
-             comm: Comm, commit_comm: Comm, on_commit: Callable[[Manifest], None] | None,
+    def _run(self, handle: SaveHandle, prep: Prepared, views: list[torch.Tensor], buffers: dict[int, torch.Tensor],
+             storage: Any, comm: Comm, commit_comm: Comm, on_commit: Callable[[Manifest], None] | None,
              on_error: Callable[[BaseException], None] | None = None) -> None:
         try:
             if handle._cuda_event is not None:
                 handle._cuda_event.synchronize()
-            stager = threading.Thread(target=self._stage_cpu, args=(prep, buffers, handle), name="ckpt-stage",
+            stager = threading.Thread(target=self._stage_cpu, args=(prep, views, buffers, handle), name="ckpt-stage",
                                       daemon=True)
             stager.start()
 
@@ -228,10 +229,10 @@ class AsyncSaver:
             handle._done.set()
             storage.close()
 
-    def _stage_cpu(self, prep: Prepared, buffers: dict[int, torch.Tensor], handle: SaveHandle) -> None:
+    def _stage_cpu(self, prep: Prepared, views: list[torch.Tensor], buffers: dict[int, torch.Tensor],
+                   handle: SaveHandle) -> None:
         t0 = time.perf_counter()
         try:
-            views = _staged_views(prep)
             for e in prep.assignment.entries:
                 i = e.piece
                 src = views[i]

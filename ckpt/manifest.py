@@ -135,11 +135,8 @@ class TensorEntry:
             return self._cols
         return ShardColumns.from_rows(self.shards, len(self.shape), files, file_index)
 
-    def to_dict(self, files: list[str] | None = None, file_index: dict[str, int] | None = None) -> dict[str, Any]:
-        """Format-2 form: shards as columns against ``files`` (default: the files this tensor uses)."""
-        if files is None or file_index is None:
-            files = sorted({s.file for s in self.shards})
-            file_index = {f: i for i, f in enumerate(files)}
+    def to_dict(self, files: list[str], file_index: dict[str, int]) -> dict[str, Any]:
+        """Format-2 form: shards as columns against the manifest's ``files`` (``file_index``: path -> index)."""
         return {"dtype": self.dtype, "shape": list(self.shape), "shards": self.columns(files, file_index).to_wire()}
 
     def __eq__(self, other: object) -> bool:
@@ -199,16 +196,19 @@ class Manifest:
         if self._file_list is not None and self._file_list == files:
             files = self._file_list  # decoded columns refer to this list: re-encode them as they are
         index = {f: i for i, f in enumerate(files)}
+        tensors: dict[str, Any] = {}
         for key, t in self.tensors.items():
-            for s in (t.shards if t._shards is not None else ()):
-                if s.file not in index:
-                    raise ManifestError(f"tensor {key!r}: shard file {s.file!r} is not listed in the manifest's files")
+            try:
+                tensors[key] = t.to_dict(files, index)
+            except KeyError as e:  # a shard's file missing from self.files (looked up while building columns)
+                raise ManifestError(f"tensor {key!r}: shard file {e.args[0]!r} is not listed in the manifest's "
+                                    "files") from None
         d: dict[str, Any] = {
             "step": self.step,
             "created": self.created,
             "world_size": self.world_size,
             "layout": self.layout,
-            "tensors": {k: t.to_dict(files, index) for k, t in self.tensors.items()},
+            "tensors": tensors,
             "objects": {k: o.to_dict() for k, o in self.objects.items()},
             "files": [[p, self.files[p]] for p in files],
             "user": self.user_metadata,

@@ -253,6 +253,7 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
             "stats": prep.stats}
     try:
         if a.file is None:
+            prep.stats["bytes"] = 0  # nothing of this rank's is stored (replicas written by others)
             return {"ok": {**base, "file": None}}
         if prep.data_format == "zarr":
             todo = [e for e in a.entries if e.length]

@@ -274,3 +274,10 @@ def test_overwrite_replaces_a_checkpoint_whose_manifest_is_damaged(tmp_path):
     out = {"a": torch.zeros(4)}
     ckpt.load(out, url, verify=True)
     assert torch.equal(out["a"], torch.ones(4))
+
+
+def test_encoding_a_shard_whose_file_is_not_listed_names_tensor_and_file():
+    m = _manifest()
+    del m.files["data/b.safetensors"]
+    with pytest.raises(ckpt.ManifestError, match=r"tensor 'box': shard file 'data/b.safetensors' is not listed"):
+        encode_manifest(m)
