@@ -16,6 +16,7 @@ import atexit
 import dataclasses
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -216,7 +217,11 @@ class AsyncSaver:
             handle.manifest = commit(commit_comm, storage, prep, result, timeout=self.timeout, cache=self.cache)
             handle.stats = dict(prep.stats, commit=time.perf_counter() - t0 - prep.stats["persist"])
             if on_commit is not None and commit_comm.rank == 0:
-                on_commit(handle.manifest)
+                try:
+                    on_commit(handle.manifest)
+                except Exception as e:  # noqa: BLE001 - committed already: not the save's failure
+                    warnings.warn(f"{handle.url}: committed, but the after-commit step failed: {e}", RuntimeWarning,
+                                  stacklevel=1)
         except BaseException as e:  # noqa: BLE001 - surfaced on the handle and on the next save
             handle.error = e
             if on_error is not None:

@@ -11,15 +11,16 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt import transaction
 from ckpt.async_save import AsyncSaver, SaveHandle
 from ckpt.comm import Comm
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, StorageError
 from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.load import load
 from ckpt.manifest import MANIFEST_NAME, Manifest
@@ -38,7 +39,14 @@ def step_dir(step: int) -> str:
 
 @dataclass(slots=True)
 class CheckpointInfo:
-    """One entry under a root: committed or not, its size and age."""
+    """One entry under a root: its state, size and age.
+
+    ``status``: ``committed`` (manifest present and readable), ``incomplete`` (no manifest: an
+    unfinished save), ``unreadable`` (a manifest this ckpt cannot read: damaged, a newer format, not
+    a regular file), ``foreign`` (no manifest, and files no writer of ours makes), ``link`` (a
+    symlink to a directory elsewhere). Only ``incomplete`` entries with no live lease, and committed
+    ones retention drops, are ever removed; ``note`` says why an entry is kept.
+    """
 
     step: int
     name: str
@@ -47,10 +55,22 @@ class CheckpointInfo:
     live: bool  # an incomplete directory that a running save still holds a lease on
     bytes: int
     mtime: float
+    status: str = ""  # derived from ``committed`` when not given
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.status:
+            self.status = "committed" if self.committed else "incomplete"
+
+    @property
+    def removable(self) -> bool:
+        """Whether gc may ever delete this entry (only our own checkpoints and unfinished saves)."""
+        return self.status == "committed" or (self.status == "incomplete" and not self.live)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "name": self.name, "url": self.url, "committed": self.committed,
-                "live": self.live, "bytes": self.bytes, "mtime": self.mtime}
+                "live": self.live, "bytes": self.bytes, "mtime": self.mtime, "status": self.status,
+                "note": self.note}
 
 
 def _lease_live(data: bytes) -> bool:
@@ -70,77 +90,151 @@ def _lease_live(data: bytes) -> bool:
     return time.time() - t < LEASE_GRACE_S
 
 
-def list_checkpoints(root: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
-    """Every ``step-N`` directory under ``root``, oldest first, with its commit state and size."""
+def list_checkpoints(root: str, storage_options: dict[str, Any] | None = None, *,
+                     missing_ok: bool = False) -> list[CheckpointInfo]:
+    """Every ``step-N`` directory under ``root``, oldest first, with its status and size.
+
+    Raises StorageError when ``root`` is a local path that is not a directory, or does not exist
+    (unless ``missing_ok``: a manager's root before its first save).
+    """
     storage = get_storage(root, **(storage_options or {}))
     try:
+        if not (missing_ok and _local_dir(storage, "") is not None and not os.path.lexists(storage.url)):
+            _check_root(storage)
         return _list(storage, root)
     finally:
         storage.close()
 
 
-def _list(storage: Storage, root: str) -> list[CheckpointInfo]:
-    files = storage.list("")
-    groups: dict[str, list[str]] = {}
-    for f in files:
-        top = f.split("/", 1)[0]
-        if STEP_DIR.match(top):
-            groups.setdefault(top, []).append(f)
+def _check_root(storage: Storage) -> None:
     local_root = getattr(storage, "root", None)
-    if isinstance(local_root, str) and os.path.isdir(local_root):
-        # A crash between mkdir and the first write leaves a step directory with no file in it.
+    if isinstance(local_root, str) and "://" not in storage.url and not os.path.isdir(local_root):
+        what = "is not a directory" if os.path.exists(local_root) else "does not exist"
+        raise StorageError(f"{local_root}: {what}; pass the directory that holds the step-N checkpoints")
+
+
+def _local_dir(storage: Storage, name: str) -> str | None:
+    root = getattr(storage, "root", None)
+    if isinstance(root, str) and "://" not in storage.url:
+        return os.path.join(root, name)
+    return None
+
+
+def _list(storage: Storage, root: str) -> list[CheckpointInfo]:
+    groups: dict[str, list[str]] = {}
+    links: set[str] = set()
+    local_root = getattr(storage, "root", None)
+    if isinstance(local_root, str) and "://" not in storage.url:
+        if not os.path.isdir(local_root):
+            return []
         for name in os.listdir(local_root):
-            if STEP_DIR.match(name) and os.path.isdir(os.path.join(local_root, name)):
-                groups.setdefault(name, [])
+            if not STEP_DIR.match(name):
+                continue
+            full = os.path.join(local_root, name)
+            if os.path.islink(full):
+                links.add(name)  # never followed: a link may point at a checkpoint we do not own
+                groups[name] = []
+            elif os.path.isdir(full):
+                # A crash between mkdir and the first write leaves a step directory with no file in it.
+                groups[name] = _walk(storage, name)
+    else:
+        for f in storage.list(""):
+            top = f.split("/", 1)[0]
+            if STEP_DIR.match(top):
+                groups.setdefault(top, []).append(f)
     out = []
     for name, fs in groups.items():
         m = STEP_DIR.match(name)
         assert m is not None
-        committed = False
+        info = CheckpointInfo(int(m.group(1)), name, join_url(root, name), False, False, 0, _mtime(storage, name),
+                              status="incomplete")
+        if name in links:
+            info.status, info.note = "link", "a symlink: gc never follows or removes it"
+            out.append(info)
+            continue
+        info.bytes = sum(_size(storage, f) for f in fs)
         if f"{name}/{MANIFEST_NAME}" in fs:
             try:
                 decode_manifest(storage.read_file(f"{name}/{MANIFEST_NAME}"))
-                committed = True
-            except CheckpointError:
-                committed = False  # unreadable manifest: not a checkpoint we can load
-        live = False
-        if not committed and f"{name}/{LEASE}" in fs:
-            try:
-                live = _lease_live(storage.read_file(f"{name}/{LEASE}"))
-            except CheckpointError:
-                live = False
-        sizes = [storage.size(f) or 0 for f in fs]
-        mtime = _mtime(storage, name)
-        out.append(CheckpointInfo(int(m.group(1)), name, join_url(root, name), committed, live, sum(sizes), mtime))
+                info.committed, info.status = True, "committed"
+            except CheckpointError as e:
+                info.status, info.note = "unreadable", f"kept: {e}"
+        else:
+            info.status = "incomplete"
+            if f"{name}/{LEASE}" in fs:
+                try:
+                    info.live = _lease_live(storage.read_file(f"{name}/{LEASE}"))
+                except CheckpointError:
+                    info.live = False
+            odd = transaction.foreign_files([f[len(name) + 1:] for f in fs], None)
+            if odd:
+                info.status, info.note = "foreign", f"kept: holds files no ckpt writer makes ({', '.join(odd[:3])})"
+        out.append(info)
     return sorted(out, key=lambda c: c.step)
 
 
+def _walk(storage: Storage, name: str) -> list[str]:
+    """Files under one local step directory (symlinks listed, never followed)."""
+    d = _local_dir(storage, name)
+    assert d is not None
+    out = []
+    for dirpath, _dirs, files in os.walk(d):
+        rel = os.path.relpath(dirpath, os.path.dirname(d))
+        out += [f"{rel}/{f}" if rel != "." else f for f in files]
+    return out
+
+
+def _size(storage: Storage, path: str) -> int:
+    try:
+        return storage.size(path) or 0
+    except CheckpointError:
+        return 0
+
+
 def _mtime(storage: Storage, name: str) -> float:
-    root = getattr(storage, "root", None)
-    if isinstance(root, str) and os.path.isdir(os.path.join(root, name)):
-        return os.path.getmtime(os.path.join(root, name))
+    d = _local_dir(storage, name)
+    if d is not None:
+        try:
+            return os.lstat(d).st_mtime
+        except OSError:
+            return 0.0
     return 0.0
 
 
-def _remove(storage: Storage, name: str) -> None:
-    root = getattr(storage, "root", None)
-    if isinstance(root, str) and os.path.isdir(os.path.join(root, name)):
-        # Remove the manifest first: if we crash half-way, what is left is an incomplete directory.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(root, name, MANIFEST_NAME))
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+def _remove(storage: Storage, info: CheckpointInfo) -> None:
+    """Delete one of our entries: the manifest first (what is left is an unfinished save), then only
+    the files the manifest lists and our writers' scaffolding, then empty directories. Anything
+    else in the directory stays."""
+    name = info.name
+    if not info.removable:
         return
-    files = [f for f in storage.list(name + "/")]
-    files.sort(key=lambda f: not f.endswith(MANIFEST_NAME))  # manifest first
-    for f in files:
-        storage.delete(f)
+    files = _walk(storage, name) if _local_dir(storage, name) is not None else storage.list(name + "/")
+    rel = [f[len(name) + 1:] for f in files]
+    listed: set[str] = set()
+    if info.status == "committed":
+        try:
+            listed = set(decode_manifest(storage.read_file(f"{name}/{MANIFEST_NAME}")).files)
+        except CheckpointError:
+            return  # changed since it was listed: leave it for the next gc
+        storage.delete(f"{name}/{MANIFEST_NAME}")
+    ours = set(rel) - set(transaction.foreign_files(rel, None)) - {MANIFEST_NAME}
+    for f in sorted((listed & set(rel)) | ours):
+        if f in listed and not transaction.in_data_area(f):
+            continue  # a hostile manifest cannot make gc delete anything outside the data area
+        with contextlib.suppress(CheckpointError):  # e.g. a symlink leading outside: left, reported by ls
+            storage.delete(f"{name}/{f}")
+    d = _local_dir(storage, name)
+    if d is not None:
+        for dirpath, _dirs, _files in sorted(os.walk(d, topdown=False), key=lambda t: -len(t[0])):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
 
 
 def select_removals(infos: list[CheckpointInfo], keep_last: int | None, keep_every: int | None,
                     protect: set[int] | None = None) -> list[CheckpointInfo]:
     """Which entries retention/gc removes: incomplete ones that no live save holds, and committed ones
     older than the newest ``keep_last`` (except multiples of ``keep_every``). The newest committed
-    checkpoint is never removed. Pure function."""
+    checkpoint is never removed; unreadable, foreign and symlinked entries never are. Pure function."""
     protect = protect or set()
     committed = [c for c in infos if c.committed]
     keep: set[int] = {c.step for c in committed[-max(keep_last or 0, 1):]} if committed else set()
@@ -150,34 +244,39 @@ def select_removals(infos: list[CheckpointInfo], keep_last: int | None, keep_eve
         keep |= {c.step for c in committed if c.step % keep_every == 0}
     out = []
     for c in infos:
-        if c.step in protect:
+        if c.step in protect or not c.removable:
             continue
-        if not c.committed:
-            if not c.live:
-                out.append(c)
-        elif c.step not in keep:
+        if not c.committed or c.step not in keep:
             out.append(c)
     return out
 
 
 def gc(root: str, *, keep_last: int | None = None, keep_every: int | None = None, dry_run: bool = False,
        storage_options: dict[str, Any] | None = None, spare_after_step: int | None = None) -> list[CheckpointInfo]:
-    """Remove incomplete checkpoints (no live save) and, with ``keep_last``, old committed ones.
+    """Remove unfinished saves (no manifest, no live lease, only our files) and, with ``keep_last``,
+    old committed checkpoints; report-and-keep everything else (see :class:`CheckpointInfo`).
 
     ``spare_after_step``: never touch steps above it (a save of a later step may be starting on
     other ranks before its lease exists). Returns what was (or, with ``dry_run``, would be) removed.
+    Raises StorageError when ``root`` is a local path that does not exist.
     """
     storage = get_storage(root, **(storage_options or {}))
     try:
-        infos = _list(storage, root)
-        protect = {c.step for c in infos if spare_after_step is not None and c.step > spare_after_step}
-        doomed = select_removals(infos, keep_last, keep_every, protect)
-        if not dry_run:
-            for c in doomed:
-                _remove(storage, c.name)
-        return doomed
+        _check_root(storage)
+        return _gc(storage, root, keep_last, keep_every, dry_run, spare_after_step)
     finally:
         storage.close()
+
+
+def _gc(storage: Storage, root: str, keep_last: int | None, keep_every: int | None, dry_run: bool,
+        spare_after_step: int | None) -> list[CheckpointInfo]:
+    infos = _list(storage, root)
+    protect = {c.step for c in infos if spare_after_step is not None and c.step > spare_after_step}
+    doomed = select_removals(infos, keep_last, keep_every, protect)
+    if not dry_run:
+        for c in doomed:
+            _remove(storage, c)
+    return doomed
 
 
 class CheckpointManager:
@@ -209,10 +308,15 @@ class CheckpointManager:
         self._saver = AsyncSaver(group)
         self._last: SaveHandle | None = None
         self._rank = Comm(group).rank
+        self.retention_errors: list[str] = []  # failures of retention after committed saves (warnings)
         if gc_on_start and self._rank == 0:
             # Incomplete leftovers of a crash. No save of this job can have started yet: the first
             # save of a process plans collectively, so it waits for the coordinator to get here.
-            gc(self.root, storage_options=self.storage_options)
+            storage = get_storage(self.root, **self.storage_options)
+            try:
+                _gc(storage, self.root, None, None, False, None)
+            finally:
+                storage.close()
 
     def url_for(self, step: int) -> str:
         """Where the checkpoint of ``step`` lives."""
@@ -269,16 +373,23 @@ class CheckpointManager:
             storage.close()
 
     def _after_commit(self, m: Manifest) -> None:
+        """Drop the lease and apply retention. The checkpoint is committed already: a failure here
+        is a warning (kept in ``retention_errors``), never the save's failure."""
         assert m.step is not None
-        storage = get_storage(self.url_for(m.step), **self.storage_options)
         try:
-            storage.delete(LEASE)
-        finally:
-            storage.close()
-        # Later steps may be starting already (with a cached plan, other ranks write before the
-        # coordinator's lease exists): spare them.
-        gc(self.root, keep_last=self.keep_last, keep_every=self.keep_every, storage_options=self.storage_options,
-           spare_after_step=m.step)
+            storage = get_storage(self.url_for(m.step), **self.storage_options)
+            try:
+                storage.delete(LEASE)
+            finally:
+                storage.close()
+            # Later steps may be starting already (with a cached plan, other ranks write before the
+            # coordinator's lease exists): spare them.
+            gc(self.root, keep_last=self.keep_last, keep_every=self.keep_every, storage_options=self.storage_options,
+               spare_after_step=m.step)
+        except Exception as e:  # noqa: BLE001 - retention is best effort after a successful commit
+            msg = f"step {m.step} is committed, but retention under {self.root} failed: {e}"
+            self.retention_errors.append(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
     def wait(self) -> None:
         """Block until the save in flight has finished; raise its error if it failed."""
@@ -289,7 +400,7 @@ class CheckpointManager:
 
     def list(self) -> list[CheckpointInfo]:
         """All checkpoint directories under the root, oldest first."""
-        return list_checkpoints(self.root, self.storage_options)
+        return list_checkpoints(self.root, self.storage_options, missing_ok=True)
 
     def latest(self) -> str | None:
         """URL of the newest committed checkpoint (manifest present and readable), or None."""

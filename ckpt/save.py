@@ -11,7 +11,6 @@ report, in which the coordinator checks that every rank's structure fingerprint 
 from __future__ import annotations
 
 import hashlib
-import posixpath
 import time
 import uuid
 from collections.abc import Callable
@@ -22,11 +21,12 @@ from typing import Any
 import msgpack
 import torch
 
+from ckpt import transaction
 from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
-from ckpt.errors import CheckpointError, CheckpointExistsError, CollectiveError, ManifestIntegrityError, StateError
+from ckpt.errors import CollectiveError, StateError
 from ckpt.formats import zarr_layout
-from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest, encode_object
+from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest, encode_object
 from ckpt.io import write_assignment
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.planner import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
@@ -45,10 +45,10 @@ def build_decl(state: dict[str, Any], rank: int) -> tuple[RankDecl, list[TensorI
     for it in items:
         if isinstance(it, ObjectItem):
             data = encode_object(it.value, key=it.key)
-            if it.per_rank:
-                decl.per_rank_objects[it.key] = data
-            elif rank == 0:
-                decl.objects[it.key] = data
+            decode_object(data, key=it.key)  # what we store must read back (rule 1 of the transaction)
+            # Every rank declares its global objects: the commit saves the union of all ranks' keys
+            # and refuses a key two ranks give different values (nothing is dropped silently).
+            (decl.per_rank_objects if it.per_rank else decl.objects)[it.key] = data
     return decl, tensors
 
 
@@ -147,6 +147,7 @@ class Prepared:
     layout: dict[str, Any] | None = None
     overwrite: bool = False
     data_format: str = "safetensors"
+    zarr_root: str = zarr_layout.ZARR_DIR  # this save's zarr tree (fresh when one exists already)
     cached: bool = False
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -164,34 +165,26 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
     decl = RankDecl()
     fp = ""
     try:
-        decl, items = build_decl(state, comm.rank)
-        sources = [t.local for t in items]
         if data_format not in ("safetensors", "zarr"):
             raise StateError(f"data_format must be 'safetensors' or 'zarr', got {data_format!r}")
+        step, user_metadata = transaction.check_header(step, user_metadata, layout)
+        decl, items = build_decl(state, comm.rank)
+        sources = [t.local for t in items]
         fp = fingerprint(decl) + data_format
-    except CheckpointError as e:
+    except Exception as e:  # noqa: BLE001 - any failure reaches every rank as a typed error naming this one
         err = error_payload(e, comm.who)
     previous: Manifest | None = None
     if comm.rank == 0 and err is None:
         try:
-            try:
-                previous = read_manifest(storage)
-            except ManifestIntegrityError:
-                if not overwrite:
-                    raise
-                # Replacing a checkpoint whose manifest is damaged: its files cannot be listed, so they
-                # stay (unreferenced) instead of being cleaned up after the commit.
-                previous = None
-            if previous is not None and not overwrite:
-                raise CheckpointExistsError(
-                    f"{storage.url}: already holds a committed checkpoint (step {previous.step}); "
-                    "pass overwrite=True to replace it, or save to a new path"
-                )
-        except CheckpointError as e:
+            previous = transaction.begin(storage, overwrite=overwrite)
+        except Exception as e:  # noqa: BLE001
             err = error_payload(e, None)
     common = dict(decl=decl, fingerprint=fp, previous=previous, step=step, user_metadata=user_metadata,
                   layout=layout, overwrite=overwrite, data_format=data_format)
-    if err is None and cache is not None and cache.fingerprint == fp and cache.assignment is not None:
+    # zarr chunk names are fixed by zarr; each save gets a fresh tree chosen by the coordinator, so
+    # zarr saves always plan (no cached plan to skip the exchange).
+    if (err is None and cache is not None and cache.fingerprint == fp and cache.assignment is not None
+            and data_format != "zarr"):
         # Steady state: same structure as last time on this rank; no exchange. The commit report
         # carries the fingerprint so the coordinator can refuse a mismatch.
         cache.hits += 1
@@ -201,6 +194,7 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
     payload = err or {"phase": "plan", "decl": decl.to_wire(), "fp": fp}
     plan_box: list[SavePlan] = []
     fps: list[str] = []
+    zroot = zarr_layout.fresh_root(storage) if data_format == "zarr" and comm.rank == 0 and err is None else ""
 
     def reply(got: list[Any]) -> list[Any]:
         errs = [g for g in got if "err" in g]
@@ -219,11 +213,11 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
                 for key, t in plan.manifest.tensors.items():
                     zarr_layout.check_key(key)
                     zarr_layout.chunk_shape(key, t.shape, [s.region for s in t.shards])
-        except CheckpointError as e:  # a global-plan error names its tensor/ranks itself
+        except Exception as e:  # noqa: BLE001 - a global-plan error names its tensor/ranks itself
             return [error_payload(e, None)] * comm.world
         plan_box.append(plan)
         fps.extend(g["fp"] for g in got)
-        return [{"ok": a.to_wire()} for a in plan.assignments]
+        return [{"ok": a.to_wire(), "zroot": zroot} for a in plan.assignments]
 
     mine = comm.exchange(payload, reply, timeout=timeout, what="save planning")
     if "err" in mine:
@@ -232,7 +226,8 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
     plan = plan_box[0] if plan_box else None
     if cache is not None:
         cache.fingerprint, cache.assignment, cache.plan, cache.fingerprints = fp, assignment, plan, fps
-    return Prepared(assignment, sources, plan=plan, **common)  # type: ignore[arg-type]
+    return Prepared(assignment, sources, plan=plan, zarr_root=mine.get("zroot") or zarr_layout.ZARR_DIR,
+                    **common)  # type: ignore[arg-type]
 
 
 def _structure_error(ranks: list[int]) -> dict[str, Any]:
@@ -250,7 +245,7 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
     """
     a = prep.assignment
     base = {"phase": "commit", "fp": prep.fingerprint, "objects": prep.decl.per_rank_objects,
-            "stats": prep.stats}
+            "globals": prep.decl.objects, "stats": prep.stats}
     try:
         if a.file is None:
             prep.stats["bytes"] = 0  # nothing of this rank's is stored (replicas written by others)
@@ -258,7 +253,8 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
         if prep.data_format == "zarr":
             todo = [e for e in a.entries if e.length]
             pieces = [(e.key, prep.decl.pieces[e.piece].region, sources[e.piece]) for e in todo]
-            chunks = zarr_layout.write_chunks(storage, pieces, wait_piece, [e.piece for e in todo])  # type: ignore[arg-type]
+            chunks = zarr_layout.write_chunks(storage, pieces, wait_piece, [e.piece for e in todo],  # type: ignore[arg-type]
+                                              root=prep.zarr_root)
             prep.stats["bytes"] = sum(c[1] for c in chunks)
             by_shard = {(e.key, e.shard): c for e, c in zip(todo, chunks, strict=True)}
             return {"ok": {**base, "file": None,
@@ -268,7 +264,7 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
                                       wait_piece=wait_piece)
         prep.stats["bytes"] = size  # this rank's data bytes (file size, header included)
         return {"ok": {**base, "file": name, "size": size, "sums": sums}}
-    except (CheckpointError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the commit exchange
         return error_payload(e, who)
 
 
@@ -281,7 +277,7 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
     prep.stats.update(sent=comm.sent, received=comm.received)  # metadata bytes so far
     if "ok" in result:
         result["ok"]["stats"] = dict(prep.stats)
-    box: list[tuple[Manifest, bytes]] = []  # the committed manifest and its encoding
+    box: list[Manifest] = []  # the committed manifest, decoded from the bytes written
 
     def reply(results: list[Any]) -> list[Any]:
         t0 = time.perf_counter()
@@ -289,7 +285,7 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
         written += [c[0] for r in results if "ok" in r for c in r["ok"].get("chunks", []) if c[0]]
         errs = [r for r in results if "err" in r]
         if errs:
-            _cleanup_files(storage, written)
+            transaction.remove_files(storage, written)
             return [errs[0]] * comm.world
         stray = [i for i, r in enumerate(results) if r.get("ok", {}).get("phase") != "commit"]
         plan = prep.plan
@@ -297,7 +293,7 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
         if not stray and expected is not None:
             stray = [i for i, r in enumerate(results) if r["ok"]["fp"] != expected[i]]
         if stray or plan is None:
-            _cleanup_files(storage, written)
+            transaction.remove_files(storage, written)
             if cache is not None:
                 cache.clear()
             return [_structure_error(stray or [0])] * comm.world
@@ -305,18 +301,14 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
             manifest = _fill_manifest(plan, prep, results)
             manifest.stats = _aggregate([r["ok"]["stats"] for r in results])
             if prep.data_format == "zarr":
-                _write_zarr_metadata(storage, manifest)
+                written += _write_zarr_metadata(storage, manifest, prep.zarr_root)
             data = encode_manifest(manifest)
-            if hasattr(storage, "sync_dir"):  # data file names durable before the commit
-                for d in sorted({posixpath.dirname(f) for f in manifest.files}):
-                    storage.sync_dir(d)
-            storage.commit(MANIFEST_NAME, data)
-            if prep.previous is not None:  # overwrite: drop files only the old checkpoint used
-                _cleanup_files(storage, [f for f in prep.previous.files if f not in manifest.files])
-            manifest.stats["commit_s"] = time.perf_counter() - t0
-            box.append((manifest, data))
-        except CheckpointError as e:
-            _cleanup_files(storage, written)
+            committed = transaction.commit_manifest(storage, data, overwrite=prep.overwrite, written=written)
+            committed.stats = manifest.stats
+            committed.stats["commit_s"] = time.perf_counter() - t0
+            box.append(committed)
+        except Exception as e:  # noqa: BLE001 - every rank gets it, typed; this save's files are gone
+            transaction.remove_files(storage, written)
             return [error_payload(e, comm.who)] * comm.world
         return [{"ok": {"step": manifest.step, "created": manifest.created, "world_size": manifest.world_size}}
                 ] * comm.world
@@ -327,10 +319,7 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
             cache.clear()
         raise_payload(status)
     if box:
-        # A fresh object: the cached plan's skeleton is refilled by the next save.
-        m = decode_manifest(box[0][1])
-        m.stats = box[0][0].stats  # with commit_s, measured after the write
-        return m
+        return box[0]  # a fresh object (decoded): the cached plan's skeleton is refilled by the next save
     return _partial_manifest(prep, result, status["ok"])
 
 
@@ -358,11 +347,14 @@ def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manife
             s = tensors[ent.key].shards[ent.shard]
             s.file, s.checksum = ok["file"], crc
     objects: dict[str, ObjectEntry] = {}
-    for key, data in prep.decl.objects.items():
+    for key, data in merge_globals([r["ok"]["globals"] for r in results]).items():
         objects[key] = ObjectEntry(data=data, checksum=crc32(data))
     per_rank: dict[str, dict[int, bytes]] = {}
     for rank, r in enumerate(results):
         for key, data in r["ok"]["objects"].items():
+            if key in objects:
+                raise StateError(f"object {key!r}: rank {rank} saves it per rank (ckpt.PerRank) while other ranks "
+                                 "save it as one global value; wrap it in ckpt.PerRank on every rank")
             per_rank.setdefault(key, {})[rank] = data
     for key in sorted(per_rank):
         objects[key] = ObjectEntry(per_rank=per_rank[key])
@@ -370,27 +362,47 @@ def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manife
                     layout=prep.layout, user_metadata=dict(prep.user_metadata or {}), data_format=prep.data_format)
 
 
-def _write_zarr_metadata(storage: Storage, manifest: Manifest) -> None:
-    """The coordinator writes each array's ``zarr.json`` (and the group's); listed in the manifest's files."""
+def merge_globals(per_rank: list[dict[str, bytes]]) -> dict[str, bytes]:
+    """The union of every rank's global objects; StateError naming the key and the ranks when two
+    ranks give one key different values (never keep one silently)."""
+    out: dict[str, bytes] = {}
+    first: dict[str, int] = {}
+    for rank, objs in enumerate(per_rank):
+        for key, data in objs.items():
+            if key not in out:
+                out[key], first[key] = data, rank
+            elif out[key] != data:
+                raise StateError(f"object {key!r}: ranks {first[key]} and {rank} give different values for this global "
+                                 "key; wrap rank-specific values in ckpt.PerRank(...) or give each rank its own key")
+    return out
+
+
+def _write_zarr_metadata(storage: Storage, manifest: Manifest, root: str) -> list[str]:
+    """The coordinator writes each array's ``zarr.json`` (and the group's) under this save's zarr
+    tree; they are listed in the manifest's files. Returns their paths."""
     from ckpt.dtypes import dtype_from_name, itemsize
 
-    docs = {f"{zarr_layout.ZARR_DIR}/zarr.json": zarr_layout.group_metadata()}
+    docs = {f"{root}/zarr.json": zarr_layout.group_metadata()}
     for key, t in manifest.tensors.items():
         chunks = zarr_layout.chunk_shape(key, t.shape, [s.region for s in t.shards])
-        docs[f"{zarr_layout.ZARR_DIR}/{key}/zarr.json"] = zarr_layout.array_metadata(
+        docs[f"{root}/{key}/zarr.json"] = zarr_layout.array_metadata(
             t.dtype, itemsize(dtype_from_name(t.dtype)), t.shape, chunks)
         # An empty tensor has no chunk: point its (empty) shard at its metadata, which exists.
         for s in t.shards:
             if not s.file:
-                s.file = f"{zarr_layout.ZARR_DIR}/{key}/zarr.json"
+                s.file = f"{root}/{key}/zarr.json"
+    done: list[str] = []
     for path, data in docs.items():
         w = storage.open_writer(path)
+        done.append(path)
         try:
             w.write(data)
             manifest.files[path] = w.close()
         except BaseException:
             w.abort()
+            transaction.remove_files(storage, done)
             raise
+    return done
 
 
 def _partial_manifest(prep: Prepared, result: dict[str, Any], status: dict[str, Any]) -> Manifest:
@@ -425,11 +437,3 @@ def _aggregate(stats: list[dict[str, float]]) -> dict[str, Any]:
         vals = [float(s.get(k, 0.0)) for s in stats]
         out[k] = {"min": min(vals), "median": median(vals), "max": max(vals), "slowest_rank": vals.index(max(vals))}
     return out
-
-
-def _cleanup_files(storage: Storage, files: list[str]) -> None:
-    for f in files:
-        try:
-            storage.delete(f)
-        except CheckpointError:
-            pass  # best effort: gc removes leftovers; never mask the original error

@@ -37,6 +37,7 @@ from typing import Any, cast
 
 import torch
 
+from ckpt import transaction
 from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_from_name, dtype_name, safetensors_dtype
 from ckpt.errors import (
@@ -962,9 +963,7 @@ def import_hf(hf_dir: str, dst_url: str, *, to: str | Layout | None = None, dtyp
             reshard = _reshard_fn(target)
             dst = get_storage(dst_url, **opts)
             try:
-                if read_manifest(dst) is not None and not overwrite:
-                    raise CheckpointExistsError(f"{dst.url}: already holds a committed checkpoint; pass "
-                                                "overwrite=True (--overwrite) to replace it")
+                transaction.begin(dst, overwrite=overwrite)
                 local_root = getattr(dst, "root", None)
             finally:
                 dst.close()
@@ -1009,10 +1008,7 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
 
     dst = get_storage(dst_url, **opts)
     try:
-        previous = read_manifest(dst)
-        if previous is not None and not overwrite:
-            raise CheckpointExistsError(f"{dst.url}: already holds a committed checkpoint (step {previous.step}); "
-                                        "pass overwrite=True (--overwrite) to replace it, or import to a new path")
+        transaction.begin(dst, overwrite=overwrite)
         created = _new_local_root(dst)
         sink = _Sink(dst, [out])
         try:
@@ -1021,16 +1017,12 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
             manifest.files[out.path] = res.sizes[0]
             for e, crc in zip(assignment.entries, res.checksums, strict=True):
                 manifest.tensors[e.key].shards[e.shard].checksum = crc
-            if hasattr(dst, "sync_dir"):
-                dst.sync_dir(DATA_DIR)
-            dst.commit(MANIFEST_NAME, encode_manifest(manifest))
+            data = encode_manifest(manifest)
         except BaseException:
             _cleanup(dst, sink.opened, created)
             raise
-        if previous is not None:
-            for f in previous.files:
-                if f not in manifest.files:
-                    dst.delete(f)
+        # removes this import's files itself when the commit fails (and keeps them once committed)
+        manifest = transaction.commit_manifest(dst, data, overwrite=overwrite, written=sink.opened)
         return manifest, res.buffer_bytes
     finally:
         dst.close()

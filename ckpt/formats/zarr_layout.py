@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from typing import Any
 
 import torch
@@ -39,10 +40,20 @@ def zarr_dtype(dtype: str, itemsize: int) -> str:
 
 
 def check_key(key: str) -> None:
-    """Keys become directory names: refuse what would escape or nest unexpectedly."""
-    if "/" in key or key in (".", "..") or key.startswith("."):
-        raise StateError(f"tensor {key!r}: keys with '/' or a leading '.' cannot be zarr array names; "
-                         "rename it or use the safetensors layout")
+    """Keys become directory names: refuse what would escape, nest unexpectedly or not survive the
+    manifest's path rules (no '/', '\\', NUL or leading '.')."""
+    if (not key or any(c in key for c in "/\\\x00") or key.startswith(".")
+            or any(0xD800 <= ord(c) <= 0xDFFF for c in key)):
+        raise StateError(f"tensor {key!r}: keys with '/', '\\', NUL, a lone surrogate or a leading '.' cannot "
+                         "be zarr array names; rename it or use the safetensors layout")
+
+
+def fresh_root(storage: Storage) -> str:
+    """The zarr tree for a new save: ``zarr`` when nothing is there yet, else ``zarr-<random>``, so a
+    save never writes into chunk files a committed manifest may reference (chunk names are fixed)."""
+    if not storage.list(ZARR_DIR):
+        return ZARR_DIR
+    return f"{ZARR_DIR}-{uuid.uuid4().hex[:12]}"
 
 
 def chunk_shape(key: str, shape: tuple[int, ...], regions: list[Region]) -> tuple[int, ...]:
@@ -66,10 +77,10 @@ def chunk_shape(key: str, shape: tuple[int, ...], regions: list[Region]) -> tupl
     return chunk
 
 
-def chunk_path(key: str, region: Box) -> str:
+def chunk_path(key: str, region: Box, root: str = ZARR_DIR) -> str:
     """Relative path of the chunk file holding ``region`` (default key encoding, '/' separator)."""
     idx = [str(o // n) if n else "0" for o, n in zip(region.offsets, region.lengths, strict=True)]
-    return "/".join([ZARR_DIR, key, "c", *idx])
+    return "/".join([root, key, "c", *idx])
 
 
 def array_metadata(dtype: str, itemsize: int, shape: tuple[int, ...], chunks: tuple[int, ...]) -> bytes:
@@ -94,15 +105,17 @@ def group_metadata() -> bytes:
 
 
 def write_chunks(storage: Storage, pieces: list[tuple[str, Box, torch.Tensor]],
-                 wait_piece: Any = None, indices: list[int] | None = None) -> list[tuple[str, int, int]]:
-    """Write each ``(key, region, tensor)`` as its own chunk file; returns ``(path, size, crc32)`` each."""
+                 wait_piece: Any = None, indices: list[int] | None = None,
+                 root: str = ZARR_DIR) -> list[tuple[str, int, int]]:
+    """Write each ``(key, region, tensor)`` as its own chunk file under the zarr tree ``root``;
+    returns ``(path, size, crc32)`` each."""
     from ckpt.io import host_bytes
 
     out = []
     for n, (key, region, t) in enumerate(pieces):
         if wait_piece is not None and indices is not None:
             wait_piece(indices[n])
-        path = chunk_path(key, region)
+        path = chunk_path(key, region, root)
         mv, owner = host_bytes(t)
         w = storage.open_writer(path)
         try:

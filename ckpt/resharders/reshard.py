@@ -37,10 +37,11 @@ from typing import Any
 import msgpack
 import torch
 
+from ckpt import transaction
 from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_from_name, itemsize
-from ckpt.errors import CheckpointError, CheckpointExistsError, IntegrityError, StateError, StorageError
-from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
+from ckpt.errors import CheckpointError, IntegrityError, StateError, StorageError
+from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.io import ScratchReader, byte_view
 from ckpt.load import fetch_manifest
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
@@ -49,7 +50,6 @@ from ckpt.resharders.chunks import split_region
 from ckpt.resharders.layout import Layout
 from ckpt.resharders.plan import ReshardPlan, narrowed, plan
 from ckpt.resharders.rules import MOE_RULES, RuleSet
-from ckpt.save import read_manifest
 from ckpt.shards import Box
 from ckpt.storage import Storage, get_storage
 
@@ -115,10 +115,12 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
             raise StateError(f"{dst_url}: the destination is the source checkpoint; reshard never rewrites in "
                              "place, write to a new location")
         manifest = fetch_manifest(src)
-        previous = read_manifest(dst)
-        if previous is not None and not overwrite:
-            raise CheckpointExistsError(f"{dst.url}: already holds a committed checkpoint (step {previous.step}); "
-                                        "pass overwrite=True (--overwrite) to replace it, or choose a new location")
+        previous = transaction.begin(dst, overwrite=overwrite)
+        foreign = transaction.foreign_files(_listing(dst), previous)
+        if foreign:
+            raise StateError(f"{dst.url}: holds files that are not part of a ckpt checkpoint ({_few(foreign)}); "
+                             "reshard writes only to a new or empty location, an unfinished reshard, or over a "
+                             "checkpoint (--overwrite). Choose another destination; nothing was changed")
         p = plan(manifest, target, rules, stages=stages)
         if previous is not None and set(p.target_files) & set(previous.files):
             # Never write into a file the committed manifest references (same source and target
@@ -132,10 +134,21 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
         except IntegrityError:
             job.discard()  # files made from corrupted bytes must not be resumed later
             raise
-        return job.commit(previous)
+        return job.commit(overwrite)
     finally:
         src.close()
         dst.close()
+
+
+def _listing(dst: Storage) -> list[str]:
+    try:
+        return dst.list()
+    except CheckpointError:
+        return []  # the location does not exist yet
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 def _location(s: Storage) -> str:
@@ -183,14 +196,18 @@ class _Rewrite:
         return self.plan.save.assignments
 
     def clean(self, previous: Manifest | None) -> None:
-        """Remove what earlier, different attempts left: data files of no plan we keep, stale markers."""
+        """Remove what earlier, different attempts of ours left: data files with our writers' names
+        that no committed manifest lists and this plan does not resume, and stale markers. Nothing
+        else is touched (a committed checkpoint whose manifest cannot be read keeps its files)."""
+        if previous is None and self.dst.size(MANIFEST_NAME) is not None:
+            return
         keep = set(self.plan.target_files) | set(previous.files if previous is not None else ())
-        for f in self.dst.list(DATA_DIR):
-            if f not in keep:
-                self.dst.delete(f)
-        for f in self.dst.list(MARKER_DIR):
-            if not f.startswith(f"{MARKER_DIR}/{self.plan.plan_id}-"):
-                self.dst.delete(f)
+        stale = [f for f in _listing(self.dst) if f.startswith(f"{DATA_DIR}/") and f not in keep
+                 and transaction.OUR_DATA_FILE.match(f)]
+        transaction.remove_files(self.dst, stale)
+        for f in _listing(self.dst):
+            if f.startswith(f"{MARKER_DIR}/") and not f.startswith(f"{MARKER_DIR}/{self.plan.plan_id}-"):
+                _quiet_delete(self.dst, f)
 
     def resume(self, verify: bool) -> None:
         """Keep the files a previous attempt of this same plan finished (and that still hash right)."""
@@ -401,8 +418,8 @@ class _Rewrite:
                         msgpack.packb({"file": a.file, "size": size, "sums": sums}, use_bin_type=True))
         return sums
 
-    def commit(self, previous: Manifest | None) -> Manifest:
-        """Fill in checksums, write the manifest atomically, then remove markers and replaced files."""
+    def commit(self, overwrite: bool) -> Manifest:
+        """Fill in checksums, commit the manifest through the transaction, then remove markers."""
         m = self.plan.manifest
         for rank, a in enumerate(self.assignments):
             if a.file is None:
@@ -417,23 +434,17 @@ class _Rewrite:
                    "resumed_files": len(self.resumed), "plan_id": self.plan.plan_id,
                    "source_bytes_verified": self.bytes_verified}
         data = encode_manifest(m)
-        sync_dir = getattr(self.dst, "sync_dir", None)
-        if sync_dir is not None:
-            sync_dir(DATA_DIR)  # data file names durable before the commit
-        self.dst.commit(MANIFEST_NAME, data)
+        written = [a.file for a in self.assignments if a.file is not None]
+        committed = transaction.commit_manifest(self.dst, data, overwrite=overwrite, written=written)
         for rank in range(len(self.assignments)):
             _quiet_delete(self.dst, marker_name(self.plan.plan_id, rank))
-        if previous is not None:
-            for f in previous.files:
-                if f not in m.files:
-                    _quiet_delete(self.dst, f)
         root = getattr(self.dst, "root", None)
         if isinstance(root, str):
             try:
                 os.rmdir(os.path.join(root, MARKER_DIR))
             except OSError:
                 pass  # not empty or not there: harmless
-        return decode_manifest(data, url=f"{self.dst.url}/{MANIFEST_NAME}")
+        return committed
 
 
 def _quiet_delete(storage: Storage, path: str) -> None:

@@ -47,8 +47,12 @@ class Storage(Protocol):
 
     def delete(self, path: str) -> None: ...
 
-    def commit(self, path: str, data: bytes) -> None:
-        """Write ``data`` to ``path`` atomically: readers see the old content or all of the new."""
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Write ``data`` to ``path`` atomically: readers see the old content or all of the new.
+
+        ``exclusive``: create only; CheckpointExistsError when ``path`` exists (no-clobber rename
+        locally, a conditional PUT on S3, a check-then-write elsewhere).
+        """
         ...
 
     def close(self) -> None: ...

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ckpt.errors import StorageError
+from ckpt.errors import CheckpointExistsError, StorageError
+
+_COMMIT_LOCK = threading.RLock()
 
 
 class FsspecWriter:
@@ -132,8 +135,20 @@ class FsspecStorage:
         except FileNotFoundError:
             pass
 
-    def commit(self, path: str, data: bytes) -> None:
-        # Object stores have no rename; a single whole-object PUT is atomic for readers.
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        """One whole-object write (atomic for readers on object stores: they have no rename).
+
+        ``exclusive``: fsspec has no portable conditional write, so this checks then writes under a
+        process-wide lock: exclusive within a process; across processes a race stays possible (the
+        S3 and local backends are exclusive everywhere).
+        """
+        if exclusive:
+            with _COMMIT_LOCK:
+                if self.fs.exists(self._full(path)):
+                    raise CheckpointExistsError(f"{self.url}/{path}: already exists; nothing of this save was "
+                                                "committed (pass overwrite=True to replace it)")
+                self.commit(path, data)
+            return
         try:
             with self.fs.open(self._full(path), "wb") as f:
                 f.write(io.BytesIO(data).getbuffer())

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
 
-from ckpt.errors import ManifestError, StorageError
+from ckpt.errors import CheckpointExistsError, ManifestError, StorageError
 
 
 def _fsync_dir(path: str) -> None:
@@ -15,6 +16,32 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _link_no_clobber(src: str, dst: str) -> None:
+    """Give ``src`` the name ``dst`` only if ``dst`` does not exist (FileExistsError otherwise).
+
+    A hard link is atomic and never replaces; where links are not supported, an O_EXCL create of
+    the name reserves it and a rename fills it (readers may then see it empty for a moment, which
+    they report as a damaged manifest rather than a wrong one).
+    """
+    try:
+        os.link(src, dst)
+        return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+            raise
+    os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    os.replace(src, dst)
 
 
 class LocalWriter:
@@ -202,9 +229,14 @@ class LocalStorage:
         except OSError as e:
             raise StorageError(f"{os.path.join(self.root, path)}: directory fsync failed ({e.strerror})") from e
 
-    def commit(self, path: str, data: bytes) -> None:
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync of the directories).
+
+        ``exclusive``: never replace an existing ``path`` (a hard link of the temp file, which fails
+        when the name exists): CheckpointExistsError then, and nothing is changed.
+        """
         full = self._full(path)
-        tmp = f"{full}.tmp.{os.getpid()}"
+        tmp = f"{full}.tmp.{os.getpid()}.{threading.get_ident()}"
         try:
             os.makedirs(os.path.dirname(full), exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -215,7 +247,19 @@ class LocalStorage:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, full)
+            if exclusive:
+                _link_no_clobber(tmp, full)
+                _unlink_quiet(tmp)
+            else:
+                os.replace(tmp, full)
+        except FileExistsError:
+            _unlink_quiet(tmp)
+            raise CheckpointExistsError(f"{full}: another writer committed here first; nothing of this save "
+                                        "was committed (pass overwrite=True to replace it)") from None
+        except OSError as e:
+            _unlink_quiet(tmp)
+            raise StorageError(f"{full}: atomic commit failed ({e.strerror}); the previous state is unchanged") from e
+        try:
             # The new name, and the names of the directories made for it up to the checkpoint
             # directory's own entry in its parent (a manager's step directory), must survive a
             # power loss together: otherwise the newest checkpoint can vanish whole after a crash.
@@ -226,11 +270,8 @@ class LocalStorage:
                     break
                 d = os.path.dirname(d)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise StorageError(f"{full}: atomic commit failed ({e.strerror}); the previous state is unchanged") from e
+            raise StorageError(f"{full}: committed, but fsync of its directory failed ({e.strerror}); it may not "
+                               "survive a power loss") from e
 
     def close(self) -> None:
         with self._lock:

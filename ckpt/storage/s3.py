@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-from ckpt.errors import StorageError
+from ckpt.errors import CheckpointExistsError, StorageError
 from ckpt.storage.retry import RetryPolicy, describe, http_error, is_not_found
 
 T = TypeVar("T")
@@ -358,12 +358,31 @@ class S3Storage:
         self.request(self.key(path), "delete", "delete_object", not_found=lambda e: None,
                      Bucket=self.bucket, Key=self.key(path))
 
-    def commit(self, path: str, data: bytes) -> None:
-        # No rename on object stores: one whole-object PUT is atomic for readers.
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        """One whole-object PUT (atomic for readers; object stores have no rename).
+
+        ``exclusive``: a conditional PUT (``If-None-Match: *``); when the object exists the store
+        answers 412 and this raises CheckpointExistsError, unless the object holds exactly ``data``
+        (our own earlier try of this PUT succeeded and its reply was lost). A store that does not
+        implement conditional writes (501) gets a check-then-PUT, which a concurrent writer can race.
+        """
+        key = self.key(path)
+        cond: dict[str, Any] = {"IfNoneMatch": "*"} if exclusive else {}
         try:
-            self.request(self.key(path), "commit (PUT)", "put_object", Bucket=self.bucket, Key=self.key(path),
-                         Body=bytes(data))
+            self.request(key, "commit (PUT)", "put_object", Bucket=self.bucket, Key=key, Body=bytes(data), **cond)
         except StorageError as e:
+            status, code = http_error(e.__cause__ or e)
+            if exclusive and (status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")):
+                if self.size(path) == len(data) and self.read_file(path) == bytes(data):
+                    return
+                raise CheckpointExistsError(f"{self.what(key)}: another writer committed here first; nothing of "
+                                            "this save was committed (pass overwrite=True to replace it)") from None
+            if exclusive and (status == 501 or code == "NotImplemented"):
+                if self.size(path) is not None:
+                    raise CheckpointExistsError(f"{self.what(key)}: already exists; nothing of this save was "
+                                                "committed (pass overwrite=True to replace it)") from None
+                self.commit(path, data)
+                return
             raise StorageError(f"{e}; the checkpoint is not committed") from e.__cause__
 
     def close(self) -> None:

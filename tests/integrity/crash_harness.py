@@ -27,7 +27,6 @@ import mmap
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import time
@@ -55,7 +54,7 @@ KILL_POINTS = {
     "after-rename": "manifest renamed into place, directory not yet fsynced",
     "lease-delete": "after the commit, before the save's lease is removed",
     "gc": "entering retention gc after a commit",
-    "rmtree": "retention gc: old manifest unlinked, directory not yet removed",
+    "rmtree": "retention gc: old manifest deleted, its data files not yet removed",
 }
 ASYNC_ONLY = {"stage"}
 KEEP_LAST = 2
@@ -198,10 +197,10 @@ def _instrument(p: _Probe) -> None:
 
     _wrap(local_mod.LocalWriter, "close", close)
 
-    def commit(_self: Any, path: str, data: bytes) -> None:
+    def commit(_self: Any, path: str, data: bytes, **_k: Any) -> None:
         p.phase("commit" if path == MANIFEST_NAME else "lease")
 
-    def committed(_self: Any, path: str, data: bytes) -> None:
+    def committed(_self: Any, path: str, data: bytes, **_k: Any) -> None:
         if path == MANIFEST_NAME:
             p.phase("committed")
 
@@ -218,6 +217,18 @@ def _instrument(p: _Probe) -> None:
         real_replace(src, dst, *a, **k)
 
     os.replace = replace  # type: ignore[assignment]  # child process only
+
+    real_link = os.link
+
+    def link(src: Any, dst: Any, *a: Any, **k: Any) -> None:  # exclusive (no-clobber) commits
+        if str(dst).endswith(MANIFEST_NAME):
+            p.point("before-rename")
+            real_link(src, dst, *a, **k)
+            p.renamed = True
+            return
+        real_link(src, dst, *a, **k)
+
+    os.link = link  # type: ignore[assignment]  # child process only
 
     def fsync_dir(*a: Any, **k: Any) -> None:
         if p.renamed:
@@ -243,10 +254,14 @@ def _instrument(p: _Probe) -> None:
 
     _wrap(manager_mod, "gc", gc)
 
-    def rmtree(*a: Any, **k: Any) -> None:
-        p.point("rmtree")
+    def nothing(*a: Any, **k: Any) -> None:
+        pass
 
-    _wrap(shutil, "rmtree", rmtree)
+    def deleted(_self: Any, path: str, *a: Any, **k: Any) -> None:
+        if path.endswith(MANIFEST_NAME):
+            p.point("rmtree")
+
+    _wrap(local_mod.LocalStorage, "delete", nothing, deleted)
 
 
 def _child(root: str, mode: str, p: _Probe) -> None:
