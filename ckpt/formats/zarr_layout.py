@@ -111,19 +111,25 @@ def write_chunks(storage: Storage, pieces: list[tuple[str, Box, torch.Tensor]],
     returns ``(path, size, crc32)`` each."""
     from ckpt.io import host_bytes
 
-    out = []
-    for n, (key, region, t) in enumerate(pieces):
-        if wait_piece is not None and indices is not None:
-            wait_piece(indices[n])
-        path = chunk_path(key, region, root)
-        mv, owner = host_bytes(t)
-        w = storage.open_writer(path)
-        try:
-            w.write(mv)
-            size = w.close()
-        except BaseException:
-            w.abort()
-            raise
-        out.append((path, size, crc32(mv)))
-        del owner
+    out: list[tuple[str, int, int]] = []
+    try:
+        for n, (key, region, t) in enumerate(pieces):
+            if wait_piece is not None and indices is not None:
+                wait_piece(indices[n])
+            path = chunk_path(key, region, root)
+            mv, owner = host_bytes(t)
+            w = storage.open_writer(path)
+            try:
+                w.write(mv)
+                size = w.close()
+            except BaseException:
+                w.abort()
+                raise
+            out.append((path, size, crc32(mv)))
+            del owner
+    except BaseException:
+        from ckpt.transaction import remove_files
+
+        remove_files(storage, [o[0] for o in out])  # a failed save leaves none of its chunks behind
+        raise
     return out
