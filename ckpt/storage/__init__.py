@@ -24,7 +24,8 @@ def get_storage(url: str, **storage_options: Any) -> Storage:
     URLs, to the fsspec filesystem). Backends may expose ``coalesce_gap`` (bytes of unneeded data
     worth reading to merge two ranges; 0 on S3) and ``read_ranges(path, [(offset, length), ...])``.
 
-    Raises ImportError with an install hint when the backend's extra is missing.
+    Raises ImportError with an install hint when the backend's extra is missing, StorageError for
+    a protocol nobody knows.
     """
     if "://" not in url or url.startswith("file://"):
         from ckpt.storage.local import LocalStorage
@@ -39,6 +40,10 @@ def get_storage(url: str, **storage_options: Any) -> Storage:
         from ckpt.storage.fsspec_backend import FsspecStorage
 
         return FsspecStorage(url, **storage_options)
+    except ValueError as e:  # fsspec: "Protocol not known", bad options
+        from ckpt.errors import StorageError
+
+        raise StorageError(f"{url}: {e}; use a local path, s3://bucket/prefix or another URL fsspec knows") from None
     except ImportError as e:
         extra = _EXTRAS.get(protocol, protocol)
         raise ImportError(f"{protocol}:// needs an extra package: pip install 'ckpt[{extra}]' ({e})") from e
