@@ -16,7 +16,6 @@ import torch
 import ckpt
 from ckpt import transaction
 from ckpt.errors import CheckpointExistsError, StateError
-from ckpt.formats import zarr_layout
 from ckpt.manager import gc, list_checkpoints, step_dir
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.resharders.layout import Layout
@@ -270,9 +269,11 @@ def _root_with(tmp_path) -> str:
 def test_gc_keeps_damaged_newer_and_symlinked_checkpoints(tmp_path):
     root = _root_with(tmp_path)
     flip = os.path.join(root, step_dir(1), MANIFEST_NAME)
-    raw = bytearray(open(flip, "rb").read())
+    with open(flip, "rb") as fh:
+        raw = bytearray(fh.read())
     raw[len(raw) // 2] ^= 0x10
-    open(flip, "wb").write(bytes(raw))
+    with open(flip, "wb") as fh:
+        fh.write(bytes(raw))
     edit_manifest(os.path.join(root, step_dir(2)), lambda d: d.update(version=[9, 0]))
     outside = str(tmp_path / "elsewhere")
     ckpt.save(_state(7), outside, step=7)
@@ -295,7 +296,8 @@ def test_gc_removes_unfinished_saves_of_ours_and_old_committed_ones(tmp_path):
     root = _root_with(tmp_path)
     d = os.path.join(root, step_dir(9))
     os.makedirs(os.path.join(d, "data"))
-    open(os.path.join(d, "data", "00000-0123456789ab.safetensors"), "wb").write(b"partial")
+    with open(os.path.join(d, "data", "00000-0123456789ab.safetensors"), "wb") as fh:
+        fh.write(b"partial")
     os.makedirs(os.path.join(root, step_dir(10)))  # a crash between mkdir and the first write
     removed = {c.step for c in gc(root, keep_last=2)}
     assert removed == {1, 9, 10}

@@ -180,9 +180,11 @@ class GcMachine(RuleBasedStateMachine):
             ckpt.save(_state(s), d, step=s)
             m = os.path.join(d, MANIFEST_NAME)
             if kind == "flip":
-                raw = bytearray(open(m, "rb").read())
+                with open(m, "rb") as fh:
+                    raw = bytearray(fh.read())
                 raw[len(raw) // 3] ^= 0x04
-                open(m, "wb").write(bytes(raw))
+                with open(m, "wb") as fh:
+                    fh.write(bytes(raw))
             elif kind == "newer":
                 dd = read_manifest(d)
                 dd["version"] = [7, 0]
