@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ckpt import stateful
 from ckpt.comm import Comm
 from ckpt.errors import CheckpointError
 from ckpt.io import entry_source
@@ -150,6 +151,7 @@ class AsyncSaver:
             if prev.error is not None and not prev._error_seen:
                 prev._error_seen = True
                 raise CheckpointError(f"the previous async save to {prev.url} failed: {prev.error}") from prev.error
+        state = stateful.expand(state)
         storage = get_storage(url, **(storage_options or {}))
         commit_comm = _commit_comm(comm)
         t0 = time.perf_counter()

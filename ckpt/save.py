@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import torch
 
-from ckpt import transaction
+from ckpt import stateful, transaction
 from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.errors import CollectiveError, StateError
@@ -90,7 +90,9 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
     """Save ``state`` to ``url`` as one committed checkpoint; collective over ``group`` when distributed.
 
     ``state`` is a nested dict of tensors (replicated: written once), ``ckpt.Shard``,
-    ``ckpt.FlatShard``, DTensors, ``ckpt.PerRank`` values and msgpack-able objects. The coordinator
+    ``ckpt.FlatShard``, DTensors, ``ckpt.PerRank`` values, msgpack-able objects and Stateful values
+    (saved through their ``state_dict()``). Global objects are the union of every rank's keys; a
+    key two ranks give different values is refused (use ``ckpt.PerRank`` for per-rank values). The coordinator
     (group rank 0) gets the full committed manifest back; other ranks get a partial one holding the
     pieces they wrote (``manifest.partial``), so no rank receives O(world) metadata.
 
@@ -112,6 +114,7 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
         ckpt.save({"model": model.state_dict(), "step": 10}, "/ckpts/step-10")
     """
     comm = Comm(group)
+    state = stateful.expand(state)
     storage = get_storage(url, **(storage_options or {}))
     cache = _SYNC_CACHES.setdefault(id(group), PlanCache())
     try:
