@@ -110,6 +110,18 @@ def _tensor_item(key: str, v: Any) -> TensorItem:
     return TensorItem(key, local, dtype_name(local.dtype, key=key), gshape, region)
 
 
+def _dtensor_items(key: str, v: Any) -> list[TensorItem]:
+    from ckpt.dtensor import dtensor_pieces
+
+    gshape = tuple(v.shape)
+    dtype = dtype_name(v.dtype, key=key)
+    out = []
+    for box, local in dtensor_pieces(v, key):
+        check_region(box, gshape, key)
+        out.append(TensorItem(key, local, dtype, gshape, box))
+    return out
+
+
 def flatten_state(state: dict[str, Any]) -> list[Item]:
     """Flatten nested dicts (and lists that hold tensors) into items with ``.``-joined keys.
 
@@ -120,8 +132,8 @@ def flatten_state(state: dict[str, Any]) -> list[Item]:
     items: list[Item] = []
     seen: set[str] = set()
 
-    def add(item: Item) -> None:
-        if item.key in seen:
+    def add(item: Item, again: bool = False) -> None:
+        if item.key in seen and not again:
             raise StateError(f"key {item.key!r} appears twice after flattening nested keys with '.'; rename one")
         seen.add(item.key)
         items.append(item)
@@ -135,6 +147,9 @@ def flatten_state(state: dict[str, Any]) -> list[Item]:
         elif isinstance(v, list | tuple) and _contains_tensor(v):
             for i, x in enumerate(v):
                 walk(f"{prefix}.{i}" if prefix else str(i), x)
+        elif _is_dtensor(v):  # one item per box of its local tensor (several for strided placements)
+            for n, item in enumerate(_dtensor_items(prefix, v)):
+                add(item, again=n > 0)
         elif _is_tensorish(v):
             add(_tensor_item(prefix, v))
         elif isinstance(v, PerRank):

@@ -1,0 +1,117 @@
+"""FSDP2 x TP (2-D) and HSDP x TP states from real fully_shard / parallelize_module / DeviceMesh on 4
+forked gloo ranks: saved by ckpt, loaded on 2, 3 and 1 rank(s) and on another 2-D mesh, model and
+AdamW state bitwise equal to the originals gathered to full tensors; DCP side by side on one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ckpt
+from tests.dist_utils import run_ranks
+from tests.frameworks import fsdp_tp as F
+
+LAYOUTS = {
+    "dp2_tp2": ((2, 2), ("dp", "tp")),
+    "hsdp_tp": ((1, 2, 2), ("dp_replicate", "dp_shard", "tp")),
+    "dp1_tp4": ((1, 4), ("dp", "tp")),
+    "dp2": ((2,), ("dp",)),
+    "dp3": ((3,), ("dp",)),
+    "tp2": ((2,), ("tp",)),
+    "single": ((), ()),
+}
+
+
+def _save(rank: int, world: int, out: str, layout: str, how: str) -> None:
+    model, opt = F.build(*LAYOUTS[layout])
+    sd = F.state(model, opt)
+    if how == "ckpt":
+        ckpt.save(sd, os.path.join(out, "ckpt"))
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sd, checkpoint_id=os.path.join(out, "dcp"))
+    ref = F.full(sd)
+    if rank == 0:
+        torch.save(ref, os.path.join(out, "ref.pt"))
+
+
+def _load(rank: int, world: int, out: str, layout: str, how: str) -> None:
+    model, opt = F.build(*LAYOUTS[layout], train=False)
+    sd = F.state(model, opt)
+    if how == "ckpt":
+        got = ckpt.load(sd, os.path.join(out, "ckpt"))
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(sd, checkpoint_id=os.path.join(out, "dcp"))
+        got = sd
+    F.equal(F.full(got), torch.load(os.path.join(out, "ref.pt")))
+    # the model itself was updated in place: its gathered parameters are the saved ones
+    ref = torch.load(os.path.join(out, "ref.pt"))["model"]
+    F.equal(F.full(dict(model.state_dict())), ref)
+
+
+def _world(layout: str) -> int:
+    shape = LAYOUTS[layout][0]
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@pytest.mark.parametrize("src", ["dp2_tp2", "hsdp_tp"])
+def test_fsdp_tp_saved_on_4_loads_on_other_layouts_bitwise(tmp_path, src):
+    out = str(tmp_path)
+    run_ranks(4, _save, out, src, "ckpt")
+    m = ckpt.inspect(os.path.join(out, "ckpt"))
+    assert "model.up.weight" in m.tensors and "optim.state.up.weight.exp_avg" in m.tensors
+    for dst in (["dp2", "dp3", "single", "dp1_tp4", "tp2"] if src == "dp2_tp2" else ["dp2", "dp2_tp2"]):
+        run_ranks(_world(dst), _load, out, dst, "ckpt")
+
+
+def test_dcp_side_by_side_gives_identical_tensors(tmp_path):
+    out = str(tmp_path)
+    run_ranks(4, _save, out, "dp2_tp2", "dcp")
+    run_ranks(2, _load, out, "dp2", "dcp")   # DCP's own round trip to 2 ranks
+    run_ranks(4, _save, out, "dp2_tp2", "ckpt")
+    run_ranks(2, _load, out, "dp2", "ckpt")  # ckpt's: both equal the same gathered originals
+
+
+def _ep(rank: int, world: int, out: str, save: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)  # experts x hidden x inter
+    if save:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
+        dt = distribute_tensor(full, mesh, [Shard(0), Shard(1)])  # EP over experts, FSDP within
+        ckpt.save({"experts.w": dt}, out)
+        return
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    dt = distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])
+    ckpt.load({"experts.w": dt}, out)
+    assert torch.equal(dt.full_tensor(), full)
+
+
+def test_ep_sharded_experts_round_trip(tmp_path):
+    url = str(tmp_path / "ep")
+    run_ranks(4, _ep, url, True)
+    run_ranks(2, _ep, url, False)
+    run_ranks(1, _ep, url, False)
+
+
+def _partial(rank: int, world: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+    with pytest.raises(ckpt.StateError, match="'p'.*Partial.*reduce"):
+        ckpt.save({"p": dt}, out)
+
+
+def test_partial_placement_is_refused_naming_the_tensor(tmp_path):
+    run_ranks(2, _partial, str(tmp_path / "p"))
