@@ -5,6 +5,7 @@ Subcommands::
     save-load   ckpt.save/ckpt.load vs torch DCP, torch.save and safetensors (single process)
     hf-export   ckpt export-hf (streaming) vs load-everything + save_file / save_pretrained
     multirank   4 forked gloo ranks: save as Shard(0), resharded load as Shard(1), vs DCP
+    fsdp-tp     4 forked gloo ranks: FSDP2 x TP model + AdamW saved, loaded FSDP-only, vs DCP
     async       async save: blocking, staged, done times and memory vs DCP async_save and others
     s3          S3 (moto on loopback): save, load, quarter loads and bytes requested vs DCP's fsspec reader/writer
     reshard     ckpt reshard between layouts: throughput vs dd, peak RSS vs budget, vs DCP load + save
@@ -21,12 +22,25 @@ import argparse
 import sys
 
 import bench.bytecheckpoint_bench as bytecheckpoint_bench
-from bench import async_bench, crash, fuzz, hashcost, hf_export, multirank, reshard, s3_bench, save_load, scale
+from bench import (
+    async_bench,
+    crash,
+    fsdp_tp,
+    fuzz,
+    hashcost,
+    hf_export,
+    multirank,
+    reshard,
+    s3_bench,
+    save_load,
+    scale,
+)
 
 COMMANDS = {
     "save-load": (save_load, "save/load throughput vs DCP, torch.save, safetensors and dd"),
     "hf-export": (hf_export, "Hugging Face export time and peak RSS vs the naive load-then-save paths"),
     "multirank": (multirank, "4 gloo ranks: DTensor Shard(0) save, Shard(1) load vs DCP"),
+    "fsdp-tp": (fsdp_tp, "4 gloo ranks: FSDP2 x TP state saved, loaded as FSDP-only, vs DCP; bytes on disk"),
     "async": (async_bench, "async save: blocking/staged/done vs DCP async_save, torch.save, safetensors"),
     "s3": (s3_bench, "S3 on a loopback moto server: save/load/quarter loads, bytes requested vs DCP fsspec"),
     "reshard": (reshard, "offline reshard (ckpt reshard) throughput and peak RSS vs dd and DCP load+save"),
