@@ -115,3 +115,28 @@ def _partial(rank: int, world: int, out: str) -> None:
 
 def test_partial_placement_is_refused_naming_the_tensor(tmp_path):
     run_ranks(2, _partial, str(tmp_path / "p"))
+
+
+def _tied(rank: int, world: int, out: str, save: bool) -> None:
+    names = ("dp",) if world > 1 else ()
+    shape = (world,) if world > 1 else ()
+    model, opt = F.build(shape, names, train=save, tie=True)
+    assert model.out.weight is model.emb.weight
+    sd = F.state(model, opt, flatten_optimizer_state_dict=True)
+    if save:
+        ckpt.save(sd, out)
+        if rank == 0:
+            torch.save(F.full(sd), out + ".ref.pt")
+        return
+    got = ckpt.load(sd, out)
+    F.equal(F.full(got), torch.load(out + ".ref.pt"))
+    assert torch.equal(F.full(model.out.weight), F.full(model.emb.weight))  # still one tensor, loaded once
+
+
+def test_tied_embedding_and_flattened_optimizer_state(tmp_path):
+    url = str(tmp_path / "tied")
+    run_ranks(2, _tied, url, True)
+    m = ckpt.inspect(url)
+    assert "model.out.weight" in m.tensors and "model.emb.weight" in m.tensors
+    assert any(k.startswith("optim.state.emb.weight") for k in m.tensors)  # flattened optimizer keys
+    run_ranks(1, _tied, url, False)
