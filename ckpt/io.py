@@ -23,9 +23,11 @@ CHUNK = 16 * 1024 * 1024
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A flat byte view of a contiguous CPU tensor's memory (no copy)."""
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
+    if t.numel() == 0:
         return memoryview(b"")
+    # as_strided, not reshape: a contiguous tensor may still carry odd strides on size-1 dims
+    # (``w[:, 3]`` of a (1, 8) matrix has stride (8,)), which the byte reinterpretation refuses.
+    flat = t.as_strided((t.numel(),), (1,))
     arr: Any = flat.view(torch.uint8).numpy()
     return memoryview(arr).cast("B")
 

@@ -56,54 +56,36 @@ def _contains_tensor(v: Any) -> bool:
     return False
 
 
-def dtensor_region(dt: Any, key: str) -> Box:
-    """The global box this rank's local part of a DTensor covers (Shard/Replicate placements).
+def check_tensor(key: str, t: torch.Tensor) -> None:
+    """Refuse tensors whose bytes cannot be read or written in place, naming the key and the fix."""
+    if t.device.type == "meta":
+        raise StateError(f"tensor {key!r} is on the meta device (no data): materialize it first, e.g. "
+                         "model.to_empty(device=...) and initialize, before saving or loading")
+    if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
+        raise StateError(f"tensor {key!r}: {t.layout} / quantized / nested tensors are not supported; convert "
+                         "it to a dense tensor (e.g. t.to_dense() or t.dequantize())")
 
-    Shards follow ``torch.chunk`` semantics (what DTensor uses): chunks of ``ceil(n / k)``, so 7 rows
-    over 4 ranks give 2, 2, 2, 1; sharding one dim over several mesh dims nests left to right.
-    """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard as DShard
 
-    mesh = dt.device_mesh
-    coord = mesh.get_coordinate()
-    shape = tuple(dt.shape)
-    offsets = [0] * len(shape)
-    lengths = list(shape)
-    if coord is None:  # this rank is not part of the mesh: it holds nothing
-        return Box(tuple(offsets), tuple(0 for _ in shape))
-    for mesh_dim, p in enumerate(dt.placements):
-        if isinstance(p, Replicate):
-            continue
-        if type(p) is not DShard:
-            raise StateError(
-                f"tensor {key!r}: DTensor placement {p} is not supported; redistribute to Shard or "
-                "Replicate before saving (e.g. dt.redistribute(placements=[Replicate()]))"
-            )
-        d = p.dim if p.dim >= 0 else p.dim + len(shape)
-        k = mesh.size(mesh_dim)
-        c = coord[mesh_dim]
-        chunk = -(-lengths[d] // k) if lengths[d] else 0
-        start = min(c * chunk, lengths[d])
-        stop = min(start + chunk, lengths[d])
-        offsets[d] += start
-        lengths[d] = stop - start
-    return Box(tuple(offsets), tuple(lengths))
+def check_key(key: str) -> None:
+    """A flattened key must be non-empty UTF-8 text without NUL (it becomes a manifest key, a
+    safetensors entry name and, for zarr, a directory)."""
+    if not key:
+        raise StateError("an empty key ('') cannot be stored: give the value a name")
+    if "\x00" in key:
+        raise StateError(f"key {key!r} contains a NUL character; rename it")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StateError(f"key {key!r} is not valid UTF-8 text (a lone surrogate?); rename it") from None
 
 
 def _tensor_item(key: str, v: Any) -> TensorItem:
     region: Region
     if isinstance(v, Shard | FlatShard):
         local, gshape, region = v.local, v.global_shape, v.region
-    elif _is_dtensor(v):
-        local = v.to_local()
-        gshape = tuple(v.shape)
-        region = dtensor_region(v, key)
-        if tuple(local.shape) != region.lengths:
-            raise StateError(f"tensor {key!r}: DTensor local shape {tuple(local.shape)} does not match its "
-                             f"placements (expected {region.lengths}); uneven custom layouts need ckpt.Shard")
     else:
         local, gshape, region = v, tuple(v.shape), full_box(tuple(v.shape))
+    check_tensor(key, local)
     check_region(region, gshape, key)
     if isinstance(region, Box) and tuple(local.shape) != region.lengths:
         raise StateError(f"tensor {key!r}: local shape {tuple(local.shape)} differs from the region lengths")
@@ -116,6 +98,7 @@ def _dtensor_items(key: str, v: Any) -> list[TensorItem]:
     gshape = tuple(v.shape)
     dtype = dtype_name(v.dtype, key=key)
     out = []
+    check_tensor(key, v.to_local())
     for box, local in dtensor_pieces(v, key):
         check_region(box, gshape, key)
         out.append(TensorItem(key, local, dtype, gshape, box))
@@ -133,16 +116,19 @@ def flatten_state(state: dict[str, Any]) -> list[Item]:
     seen: set[str] = set()
 
     def add(item: Item, again: bool = False) -> None:
+        check_key(item.key)
         if item.key in seen and not again:
             raise StateError(f"key {item.key!r} appears twice after flattening nested keys with '.'; rename one")
         seen.add(item.key)
         items.append(item)
 
     def walk(prefix: str, v: Any) -> None:
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict) and (v or not prefix):  # an empty state holds nothing
             for k, x in v.items():
                 if not isinstance(k, str | int):
                     raise StateError(f"key {k!r} under {prefix or '<root>'!r} is not a string")
+                if k == "":
+                    raise StateError(f"an empty key ('') under {prefix or '<root>'!r} cannot be stored: name it")
                 walk(f"{prefix}.{k}" if prefix else str(k), x)
         elif isinstance(v, list | tuple) and _contains_tensor(v):
             for i, x in enumerate(v):

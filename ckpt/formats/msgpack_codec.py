@@ -19,6 +19,8 @@ from ckpt.manifest import FORMAT_NAME, HASH_ALGORITHM, Manifest, parse_version
 
 _EXT_NUMPY_SCALAR = 1
 _EXT_TUPLE = 2
+_EXT_SET = 3
+_EXT_FROZENSET = 4
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
@@ -85,7 +87,17 @@ def _default(obj: Any) -> Any:
         arr = np.asarray(obj)
         return msgpack.ExtType(_EXT_NUMPY_SCALAR, msgpack.packb([arr.dtype.str, arr.tobytes()], use_bin_type=True))
     if isinstance(obj, tuple):
-        return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), use_bin_type=True, default=_default))
+        if hasattr(obj, "_fields"):  # a namedtuple would come back as a plain tuple: say so instead
+            raise TypeError(f"namedtuple {type(obj).__name__} is not stored as such; store obj._asdict() "
+                            "or tuple(obj)")
+        # strict_types: a tuple nested in this one is a tuple again, not a list
+        return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), use_bin_type=True, default=_default,
+                                                         strict_types=True))
+    if isinstance(obj, set | frozenset):
+        # elements in the order of their encodings: equal sets encode to equal bytes on every rank
+        items = sorted(msgpack.packb(x, use_bin_type=True, default=_default, strict_types=True) for x in obj)
+        return msgpack.ExtType(_EXT_SET if isinstance(obj, set) else _EXT_FROZENSET,
+                               msgpack.packb(items, use_bin_type=True))
     try:
         import torch
 
@@ -121,6 +133,22 @@ def _ext_hook(code: int, data: bytes) -> Any:
             return tuple(_unpack(data, "object", _ext_hook))
         finally:
             _DEPTH.n = depth
+    if code in (_EXT_SET, _EXT_FROZENSET):
+        depth = getattr(_DEPTH, "n", 0)
+        if depth >= MAX_TUPLE_DEPTH:
+            raise ManifestError(f"object: containers nested deeper than {MAX_TUPLE_DEPTH}")
+        _DEPTH.n = depth + 1
+        try:
+            items = _unpack(data, "object")
+            if not isinstance(items, list) or not all(isinstance(x, bytes) for x in items):
+                raise ManifestError("object: malformed set")
+            try:
+                values = [_unpack(x, "object", _ext_hook) for x in items]
+                return set(values) if code == _EXT_SET else frozenset(values)
+            except TypeError:
+                raise ManifestError("object: a set holds an unhashable value") from None
+        finally:
+            _DEPTH.n = depth
     raise ManifestError(f"object: unknown msgpack extension type {code}")
 
 
@@ -131,8 +159,65 @@ def encode_object(value: Any, *, key: str = "?") -> bytes:
     except (TypeError, ValueError, OverflowError) as e:
         raise StateError(
             f"object {key!r}: cannot be stored ({e}); objects must be ints, floats, str, bytes, lists, "
-            "tuples, dicts or numpy scalars (tensors go in as tensors)"
+            "tuples, sets, dicts or numpy scalars (tensors go in as tensors)"
         ) from None
+
+
+def normalize_step(step: Any) -> int | None:
+    """``step`` as a Python int (numpy / torch integer scalars accepted) or None; StateError for
+    anything else (bool, float, even 2.0, str)."""
+    if step is None or (isinstance(step, int) and not isinstance(step, bool)):
+        return step
+    if isinstance(step, np.integer):
+        return int(step)
+    try:
+        import torch
+
+        if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point() \
+                and step.dtype != torch.bool and not step.is_complex():
+            return int(step.item())
+    except ImportError:  # pragma: no cover
+        pass
+    raise StateError(f"step must be an int or None, got {step!r} ({type(step).__name__})")
+
+
+def normalize_metadata(value: Any, where: str) -> Any:
+    """A copy of ``value`` (user metadata, layout) with numpy / torch scalars as Python values and
+    tuples as lists; StateError naming the path of anything metadata cannot hold (sets, objects,
+    non-string keys, strings that are not valid UTF-8)."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise StateError(f"{where}: key {k!r} is not a string; metadata keys must be strings")
+            _check_text(k, f"{where}: key {k!r}")
+            out[k] = normalize_metadata(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(value, list | tuple):
+        return [normalize_metadata(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if value is None or isinstance(value, bool | int | float | bytes):
+        return value
+    if isinstance(value, str):
+        _check_text(value, where)
+        return value
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() == 0:
+            return value.item()
+    except ImportError:  # pragma: no cover
+        pass
+    raise StateError(f"{where}: {type(value).__name__} cannot be stored in metadata; use ints, floats, "
+                     "bools, str, bytes, lists and dicts with str keys")
+
+
+def _check_text(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise StateError(f"{where}: not valid UTF-8 text (a lone surrogate?); it cannot be stored") from None
 
 
 def decode_object(data: bytes, *, key: str = "?") -> Any:

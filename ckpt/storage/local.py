@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 import threading
 
 from ckpt.errors import CheckpointExistsError, ManifestError, StorageError
@@ -16,6 +17,30 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _open_regular(full: str) -> int:
+    """Open ``full`` read-only, refusing anything but a regular file *before* it can block: a FIFO
+    is opened non-blocking and checked with fstat (a plain open of a FIFO waits for a writer)."""
+    fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageError(f"{full}: {_kind(st.st_mode)}, not a regular file; a checkpoint holds only regular "
+                               "files (remove or replace it)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _unlink_quiet(path: str) -> None:
@@ -120,7 +145,7 @@ class LocalStorage:
             fd = self._fds.get(key)
             if fd is None:
                 try:
-                    fd = os.open(self._full(path), os.O_RDONLY)
+                    fd = _open_regular(self._full(path))
                 except FileNotFoundError:
                     raise StorageError(f"{os.path.join(self.root, path)}: file is missing; the checkpoint is "
                                        "incomplete (run `ckpt verify`)") from None
@@ -190,7 +215,7 @@ class LocalStorage:
 
     def read_file(self, path: str) -> bytes:
         try:
-            with open(self._full(path), "rb") as f:
+            with os.fdopen(_open_regular(self._full(path)), "rb") as f:
                 return f.read()
         except FileNotFoundError:
             raise StorageError(f"{os.path.join(self.root, path)}: file not found") from None
@@ -198,10 +223,19 @@ class LocalStorage:
             raise StorageError(f"{os.path.join(self.root, path)}: cannot read ({e.strerror})") from e
 
     def size(self, path: str) -> int | None:
+        """Size of a regular file, None when there is none; StorageError for anything else there
+        (a FIFO, a directory, a symlink loop, a path below a regular file)."""
+        full = self._full(path)
         try:
-            return os.stat(self._full(path)).st_size
+            st = os.stat(full)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise StorageError(f"{full}: cannot stat ({e.strerror}); check the path") from e
+        if not stat.S_ISREG(st.st_mode):
+            raise StorageError(f"{full}: {_kind(st.st_mode)}, not a regular file; a checkpoint holds only regular "
+                               "files (remove or replace it)")
+        return st.st_size
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self._full(path))

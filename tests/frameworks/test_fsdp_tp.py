@@ -125,8 +125,9 @@ def _tied(rank: int, world: int, out: str, save: bool) -> None:
     sd = F.state(model, opt, flatten_optimizer_state_dict=True)
     if save:
         ckpt.save(sd, out)
+        ref = F.full(sd)  # a collective: every rank gathers
         if rank == 0:
-            torch.save(F.full(sd), out + ".ref.pt")
+            torch.save(ref, out + ".ref.pt")
         return
     got = ckpt.load(sd, out)
     F.equal(F.full(got), torch.load(out + ".ref.pt"))
