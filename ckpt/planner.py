@@ -23,7 +23,17 @@ from ckpt.dtypes import dtype_from_name, itemsize, safetensors_dtype
 from ckpt.errors import LayoutError, MismatchError, StateError
 from ckpt.formats.safetensors_header import build_header
 from ckpt.manifest import DATA_DIR, Manifest, ObjectEntry, ShardEntry, TensorEntry, entry_name
-from ckpt.regions import box_runs, check_tiling, flat_segments, intersect_boxes, split_dim, strides, sub_region
+from ckpt.regions import (
+    box_runs,
+    check_disjoint,
+    check_tiling,
+    flat_boxes,
+    flat_segments,
+    intersect_boxes,
+    split_dim,
+    strides,
+    sub_region,
+)
 from ckpt.shards import Box, Flat, Region
 
 # ---------------------------------------------------------------------------------------------
@@ -584,12 +594,33 @@ def plan_load(manifest: Manifest, requests: list[LoadRequest], *, contiguous_tar
         direct_ok = bool(contiguous_targets and contiguous_targets[ti])
         covered = 0
         # Decoded manifests keep shards as columns: only the candidates that can overlap are built.
-        for s in t.shards_overlapping(req.region):
+        cands = t.shards_overlapping(req.region)
+        for s in cands:
             covered += _plan_pair(frags, ti, req, s, tuple(t.shape), isz, direct_ok, max_read)
         if covered != req.region.numel:
             raise LayoutError(f"tensor {req.key!r}: stored shards cover {covered} of the {req.region.numel} "
                               "requested elements; the checkpoint is incomplete (run `ckpt verify`)")
+        # An element count can hide an overlap that makes up for a gap: with the count right, the
+        # cover is exact iff the candidates do not overlap inside the request (O(k log k)).
+        _check_disjoint(req, [s.region for s in cands], tuple(t.shape))
     return ReadPlan(_coalesce(frags, max_read, max_gap, max_waste, merge_direct))
+
+
+def _check_disjoint(req: LoadRequest, regions: list[Region], shape: tuple[int, ...]) -> None:
+    """LayoutError when two stored pieces overlap (inside the requested box, when it is one). Flat
+    pieces are cut into at most ``2 * ndim - 1`` boxes each, so any mix is checked exactly."""
+    if len(regions) < 2 or not len(shape):
+        return
+    full = Box((0,) * len(shape), shape)
+    boxes: list[Box] = []
+    for r in regions:
+        boxes += flat_boxes(r.start, r.stop, r.box or full) if isinstance(r, Flat) else [r]
+    if isinstance(req.region, Box):
+        boxes = [c for c in (intersect_boxes(b, req.region) for b in boxes) if c is not None]
+    try:
+        check_disjoint(req.key, boxes)
+    except LayoutError as e:
+        raise LayoutError(f"{e}; the manifest is corrupted, nothing was loaded (run `ckpt verify`)") from None
 
 
 def _plan_pair(frags: list[_Frag], ti: int, req: LoadRequest, s: ShardEntry, shape: tuple[int, ...],

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import math
+from typing import NoReturn
 
 import numpy as np
 
@@ -129,7 +131,74 @@ def flat_segments(src: Region, dst: Region, shape: tuple[int, ...]) -> tuple[np.
 
 
 def check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> None:
-    """Raise LayoutError unless ``regions`` cover every element of ``shape`` exactly once."""
+    """Raise LayoutError unless ``regions`` cover every element of ``shape`` exactly once.
+
+    O(n log n) for any set of pieces: flat pieces that tile the box they split (ZeRO) take a fast
+    path; any other mix is checked exactly by cutting each flat range into at most ``2 * ndim``
+    boxes, then boxes must be in bounds, disjoint (a sweep) and add up to the tensor.
+    """
+    try:
+        _check_tiling(key, shape, regions)
+    except LayoutError:
+        if any(isinstance(r, Flat) for r in regions) and _tiles_exactly(shape, regions):
+            return  # a valid tiling the grouped fast path cannot see (flat ranges mixed with boxes)
+        raise
+
+
+def _tiles_exactly(shape: tuple[int, ...], regions: list[Region]) -> bool:
+    full = Box((0,) * len(shape), tuple(shape))
+    boxes: list[Box] = []
+    for r in regions:
+        if isinstance(r, Flat):
+            b = r.box or full
+            if r.stop > b.numel or r.start < 0 or any(o + n > m for o, n, m in zip(b.offsets, b.lengths, shape,
+                                                                                    strict=True)):
+                return False
+            boxes += flat_boxes(r.start, r.stop, b)
+        elif r.numel:
+            if any(o < 0 or o + n > m for o, n, m in zip(r.offsets, r.lengths, shape, strict=True)):
+                return False
+            boxes.append(r)
+    if sum(b.numel for b in boxes) != math.prod(shape):
+        return False
+    try:
+        _check_box_overlaps("", boxes)
+    except LayoutError:
+        return False
+    return True
+
+
+def flat_boxes(start: int, stop: int, box: Box) -> list[Box]:
+    """Elements ``[start, stop)`` of ``box``'s row-major order as at most ``2 * ndim - 1`` boxes."""
+    out: list[Box] = []
+
+    def rec(a: int, b: int, dims: tuple[int, ...], prefix: tuple[int, ...]) -> None:
+        if a >= b:
+            return
+        if len(dims) == 1:
+            out.append(Box(prefix + (a,), (1,) * len(prefix) + (b - a,)))
+            return
+        inner = math.prod(dims[1:])
+        ra, ca = divmod(a, inner)
+        rb, cb = divmod(b, inner)
+        if ra == rb:
+            rec(ca, cb, dims[1:], prefix + (ra,))
+            return
+        if ca:
+            rec(ca, inner, dims[1:], prefix + (ra,))
+            ra += 1
+        if rb > ra:
+            out.append(Box(prefix + (ra,) + (0,) * (len(dims) - 1), (1,) * len(prefix) + (rb - ra,) + dims[1:]))
+        if cb:
+            rec(0, cb, dims[1:], prefix + (rb,))
+
+    if not box.lengths:
+        return [box] if stop > start else []
+    rec(start, stop, tuple(box.lengths), ())
+    return [Box(tuple(o + p for o, p in zip(b.offsets, box.offsets, strict=True)), b.lengths) for b in out]
+
+
+def _check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> None:
     total = math.prod(shape)
     if not regions:
         if total == 0:
@@ -206,25 +275,85 @@ def _is_grid(shape: tuple[int, ...], boxes: list[Box]) -> bool:
     return cells == n and len(set(zip(offs, lens, strict=True))) == n
 
 
+def check_disjoint(key: str, boxes: list[Box]) -> None:
+    """LayoutError naming two of ``boxes`` that overlap (O(n log n) for up to two separating dims)."""
+    _check_box_overlaps(key, [b for b in boxes if b.numel])
+
+
 def _check_box_overlaps(key: str, boxes: list[Box]) -> None:
+    """LayoutError naming two overlapping boxes, if any; O(n log n) in the number of boxes for one
+    or two separating dims (a sweep over one dim with the other's active intervals kept sorted),
+    and a sweep with vectorized checks among the simultaneously active boxes beyond that. Dims in
+    which every box has the same extent cannot separate boxes and are skipped."""
     n = len(boxes)
     if n < 2:
         return
-    lo = np.array([b.offsets for b in boxes], dtype=np.int64)
-    hi = lo + np.array([b.lengths for b in boxes], dtype=np.int64)
-    block = max(1, 4_000_000 // max(n, 1))
-    for i0 in range(0, n, block):
-        a_lo, a_hi = lo[i0 : i0 + block, None, :], hi[i0 : i0 + block, None, :]
-        ov = np.all((a_lo < hi[None, :, :]) & (lo[None, :, :] < a_hi), axis=2)
-        idx = np.arange(i0, min(i0 + block, n))
-        ov[np.arange(len(idx)), idx] = False
-        if ov.any():
-            i, j = np.argwhere(ov)[0]
-            a, b = boxes[i0 + int(i)], boxes[int(j)]
-            raise LayoutError(
-                f"tensor {key!r}: shards overlap: offsets {list(a.offsets)} lengths {list(a.lengths)} and "
-                f"offsets {list(b.offsets)} lengths {list(b.lengths)}; replicas must be identical pieces"
-            )
+    nd = len(boxes[0].offsets)
+    dims = [d for d in range(nd) if len({(b.offsets[d], b.lengths[d]) for b in boxes}) > 1]
+    if not dims:
+        _overlap(key, boxes[0], boxes[1])
+    x = dims[0]
+    # ends sort before starts at the same coordinate: half-open intervals that touch do not overlap
+    events = sorted([(b.offsets[x], 1, i) for i, b in enumerate(boxes)]
+                    + [(b.offsets[x] + b.lengths[x], 0, i) for i, b in enumerate(boxes)])
+    if len(dims) == 1:
+        depth = 0
+        for _pos, start, i in events:
+            if start:
+                if depth:
+                    _overlap(key, boxes[i], next(boxes[j] for j in range(n) if j != i and _meets(boxes[i], boxes[j])))
+                depth += 1
+            else:
+                depth -= 1
+        return
+    if len(dims) == 2:
+        y = dims[1]
+        los: list[int] = []  # active boxes' starts along y, sorted (they are disjoint along y)
+        ids: list[int] = []
+        for _pos, start, i in events:
+            lo, hi = boxes[i].offsets[y], boxes[i].offsets[y] + boxes[i].lengths[y]
+            k = bisect.bisect_left(los, lo)
+            if not start:
+                if k < len(los) and ids[k] == i:
+                    del los[k], ids[k]
+                continue
+            if k < len(los) and los[k] < hi:
+                _overlap(key, boxes[i], boxes[ids[k]])
+            if k > 0 and _hi(boxes[ids[k - 1]], y) > lo:
+                _overlap(key, boxes[i], boxes[ids[k - 1]])
+            los.insert(k, lo)
+            ids.insert(k, i)
+        return
+    rest = dims[1:]
+    lo_all = np.array([[b.offsets[d] for d in rest] for b in boxes], dtype=np.int64)
+    hi_all = lo_all + np.array([[b.lengths[d] for d in rest] for b in boxes], dtype=np.int64)
+    active: list[int] = []
+    for _pos, start, i in events:
+        if not start:
+            active.remove(i)
+            continue
+        if active:
+            a = np.array(active)
+            hit = np.all((lo_all[a] < hi_all[i]) & (lo_all[i] < hi_all[a]), axis=1)
+            if hit.any():
+                _overlap(key, boxes[i], boxes[int(a[int(np.argmax(hit))])])
+        active.append(i)
+
+
+def _hi(b: Box, d: int) -> int:
+    return b.offsets[d] + b.lengths[d]
+
+
+def _meets(a: Box, b: Box) -> bool:
+    return all(ao < bo + bl and bo < ao + al
+               for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True))
+
+
+def _overlap(key: str, a: Box, b: Box) -> NoReturn:
+    raise LayoutError(
+        f"tensor {key!r}: shards overlap: offsets {list(a.offsets)} lengths {list(a.lengths)} and "
+        f"offsets {list(b.offsets)} lengths {list(b.lengths)}; each element must be held by exactly one piece"
+    )
 
 
 def sub_region(region: Region, start: int, count: int) -> Region:

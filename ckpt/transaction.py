@@ -105,7 +105,8 @@ def read_current(storage: Storage, *, overwrite: bool) -> Manifest | None:
     """The committed manifest at ``storage``'s root (None when there is none).
 
     A damaged manifest (wrong checksum) is returned as None when overwriting: its files cannot be
-    listed, so they stay unreferenced rather than being guessed at. Without ``overwrite`` it raises.
+    listed, so they stay unreferenced rather than being guessed at. Without ``overwrite`` its error
+    is raised (the same type a reader gets); a manifest of a newer format is never replaced.
     """
     from ckpt.formats.msgpack_codec import decode_manifest
 
@@ -114,10 +115,9 @@ def read_current(storage: Storage, *, overwrite: bool) -> Manifest | None:
     try:
         return decode_manifest(storage.read_file(MANIFEST_NAME), url=f"{storage.url}/{MANIFEST_NAME}")
     except ManifestError as e:
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"{storage.url}: holds a manifest this ckpt cannot read ({e}); pass overwrite=True to replace it, "
-                "or save to a new path") from None
+        if not overwrite:  # the same error type a reader gets, and what to do about it
+            raise type(e)(f"{e}; a checkpoint is there: pass overwrite=True to replace it, or save to a new "
+                          "path") from None
         if isinstance(e, ManifestIntegrityError) or type(e) is ManifestError:
             return None
         raise

@@ -8,7 +8,7 @@ from typing import Any
 from ckpt.checksum import crc32
 from ckpt.errors import CheckpointError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
-from ckpt.formats.safetensors_header import parse_header
+from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, parse_header
 from ckpt.io import crc_of_range
 from ckpt.manifest import MANIFEST_NAME, Manifest, entry_name
 from ckpt.regions import check_tiling
@@ -19,7 +19,7 @@ from ckpt.storage import Storage, get_storage
 class Problem:
     """One thing wrong with a checkpoint."""
 
-    kind: str  # manifest | missing-file | size | header | coverage | checksum | object
+    kind: str  # manifest | missing-file | size | header | coverage | checksum | object | internal
     message: str
     tensor: str | None = None
     file: str | None = None
@@ -71,10 +71,16 @@ def verify(url: str, *, deep: bool = False, storage_options: dict[str, Any] | No
     file's safetensors header agrees with the manifest, that each tensor's shards tile it exactly
     (no gap, no overlap), that objects decode, and with ``deep=True`` every checksum.
     """
-    storage = get_storage(url, **(storage_options or {}))
     report = VerifyReport(url=url, deep=deep)
     try:
+        storage = get_storage(url, **(storage_options or {}))
+    except CheckpointError as e:
+        report.problems.append(Problem("manifest", str(e), file=MANIFEST_NAME))
+        return report
+    try:
         _verify(storage, report, deep)
+    except Exception as e:  # noqa: BLE001 - verify reports, it never raises (MemoryError, a backend's bug)
+        report.problems.append(Problem("internal", f"verification stopped: {type(e).__name__}: {e}"))
     finally:
         storage.close()
     return report
@@ -112,7 +118,9 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
             storage.read_into(path, 0, memoryview(head))
             if len(head) >= 8:
                 n = int.from_bytes(head[:8], "little")
-                if 8 + n > len(head) and 8 + n <= size:
+                # the header cap applies before allocating: a file claiming a huge header is refused by
+                # parse_header below without us reading (or allocating) it
+                if 8 + n > len(head) and 8 + n <= size and n <= MAX_HEADER_BYTES:
                     head = bytearray(8 + n)
                     storage.read_into(path, 0, memoryview(head))
             headers[path] = dict(parse_header(bytes(head), size, path=path))

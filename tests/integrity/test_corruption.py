@@ -270,3 +270,41 @@ def test_random_truncation_of_any_file_is_detected(two_rank: Sample, data: st.Da
     n = data.draw(st.integers(0, len(two_rank.raw[rel]) - 1), label="keep")
     out = two_rank.check(rel, two_rank.raw[rel][:n], workers=4)
     assert not out.verify_ok and out.verified_load_failed, f"{rel} truncated to {n}: {out}"
+
+
+def test_plain_load_refuses_shards_that_overlap_and_leave_a_gap(tmp_path):
+    # issue 13: without verify the element count matched (overlap = gap) and rows were never written
+    url = str(tmp_path / "two")
+    save_two_rank_sample(url)
+    d = _manifest(url)
+    d["tensors"]["w"]["shards"][1]["box"][0] = [4, 0]
+    _write_manifest(url, d)
+    with pytest.raises(ckpt.LayoutError, match="overlap"):
+        ckpt.load({"w": torch.zeros(10, 6)}, url, strict=False)
+    # a rank asking only for rows the damage does not touch still loads them
+    part = ckpt.load({"w": ckpt.Shard(torch.zeros(3, 6), (10, 6), (0, 0))}, url, strict=False)
+    assert part is not None
+
+
+def test_verify_never_allocates_a_claimed_huge_header(tmp_path):
+    # issue 13: a sparse 1 GiB data file whose header length says ~1 GiB made verify allocate it
+    import tracemalloc
+
+    url = str(tmp_path / "c")
+    ckpt.save({"w": torch.ones(4)}, url)
+    m = ckpt.inspect(url)
+    (f,) = m.files
+    path = os.path.join(url, f)
+    size = 1 << 30
+    with open(path, "r+b") as fh:
+        fh.write((size - 8).to_bytes(8, "little"))
+        fh.truncate(size)
+    d = _manifest(url)
+    d["files"][f]["size"] = size
+    _write_manifest(url, d)
+    tracemalloc.start()
+    report = ckpt.verify(url)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert not report.ok and any(p.kind == "header" for p in report.problems)
+    assert peak < 64 << 20
