@@ -100,6 +100,10 @@ def _save_rows(rank: int, world: int, url: str) -> None:
 
 
 def test_inspect_missing_is_one_line_error(tmp_path):
-    r = runner.invoke(app, ["inspect", str(tmp_path / "nope")])
-    assert r.exit_code == 2
-    assert "no committed checkpoint" in r.output and "Traceback" not in r.output
+    for cmd in ("inspect", "verify"):  # the same error line and exit code for both
+        r = runner.invoke(app, [cmd, str(tmp_path / "nope")])
+        assert r.exit_code == 2
+        assert r.output.startswith("error:") and "no such file or directory" in r.output
+        assert "may not have finished" not in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["verify", str(tmp_path)])  # a directory without a manifest
+    assert r.exit_code == 2 and "no committed checkpoint" in r.output

@@ -48,8 +48,7 @@ def _case(draw):
             total = int(np.prod(lens))
             a = draw(st.integers(0, total - 1))
             b = draw(st.integers(a + 1, total))
-            regions.append(Flat(a, b, box if draw(st.booleans()) else None) if box.lengths == shape or True
-                           else box)
+            regions.append(Flat(a, b, box if draw(st.booleans()) else None))  # None: a range of the tensor
     if draw(st.booleans()):  # also exact tilings: split along dim 0
         cuts = sorted(set(draw(st.lists(st.integers(1, shape[0] - 1), max_size=3)))) if shape[0] > 1 else []
         edges = [0, *cuts, shape[0]]

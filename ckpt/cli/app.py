@@ -12,6 +12,24 @@ app = typer.Typer(name="ckpt", help="Parallelism-agnostic checkpoints for PyTorc
 
 COMMAND_MODULES = ["inspect_verify", "manage", "reshard", "hf", "train"]
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("ckpt")
+        except PackageNotFoundError:  # run from a source tree
+            from ckpt import __version__ as v
+        typer.echo(f"ckpt {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Parallelism-agnostic checkpoints for PyTorch training."""
+
+
 for _name in COMMAND_MODULES:
     try:
         _mod = importlib.import_module(f"ckpt.cli.{_name}")

@@ -13,7 +13,8 @@ from rich.console import Console
 
 from ckpt import errors
 
-console = Console()
+# Piped output gets full values: rich would cut table cells to an 80-column terminal otherwise.
+console = Console(width=None if sys.stdout.isatty() else 100_000)
 err_console = Console(stderr=True)
 
 # Expected failures: one line on stderr, no traceback.
@@ -41,10 +42,12 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except errors.CheckpointError as e:
             code = next(c for t, c in EXIT_CODES.items() if isinstance(e, t))
-            err_console.print(f"[red]error:[/red] {e}", markup=True, highlight=False, soft_wrap=True)
+            err_console.print("[red]error:[/red] ", end="", highlight=False)
+            err_console.print(str(e), markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(code) from None
-        except ImportError as e:
-            err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        except ImportError as e:  # printed without markup: "[gcs]" in an install hint is not a style
+            err_console.print("[red]error:[/red] ", end="", highlight=False)
+            err_console.print(str(e), markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 import typer
 from rich.table import Table
@@ -13,6 +14,26 @@ from ckpt.cli.common import console, handle_errors, human_bytes, parse_storage_o
 StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
 
 
+def require_checkpoint(url: str, opts: dict) -> None:
+    """ManifestError when ``url`` holds no manifest (saying so when the path does not exist at all)."""
+    from ckpt.errors import ManifestError
+    from ckpt.manifest import MANIFEST_NAME
+    from ckpt.storage import get_storage
+
+    st = get_storage(url, **opts)
+    try:
+        if st.size(MANIFEST_NAME) is not None:
+            return
+        root = getattr(st, "root", None)
+    finally:
+        st.close()
+    if isinstance(root, str) and "://" not in url and not os.path.exists(root):
+        raise ManifestError(f"{url}: no such file or directory, so no committed checkpoint here; pass the "
+                            "checkpoint's directory")
+    raise ManifestError(f"{url}: no committed checkpoint here ({MANIFEST_NAME} is missing); the save may not have "
+                        "finished (see `ckpt ls` of its parent)")
+
+
 @handle_errors
 def inspect_cmd(
     url: str = typer.Argument(..., help="checkpoint directory or URL"),
@@ -21,7 +42,9 @@ def inspect_cmd(
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Show a checkpoint's step, layout, totals and tensors (reads only the manifest)."""
-    m = ckpt.inspect(url, storage_options=parse_storage_options(storage_option))
+    opts = parse_storage_options(storage_option)
+    require_checkpoint(url, opts)
+    m = ckpt.inspect(url, storage_options=opts)
     if timings:
         _print_timings(m.stats or {}, json_out)
         return
@@ -73,7 +96,9 @@ def verify_cmd(
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Check structure, file sizes, headers and coverage (and checksums with --deep). Exit 0 only if intact."""
-    r = ckpt.verify(url, deep=deep, storage_options=parse_storage_options(storage_option))
+    opts = parse_storage_options(storage_option)
+    require_checkpoint(url, opts)  # nothing there: one `error:` line and inspect's exit code, not a report
+    r = ckpt.verify(url, deep=deep, storage_options=opts)
     if json_out:
         print_json(r.to_dict())
     else:

@@ -34,11 +34,13 @@ def ls_cmd(
     if json_out:
         print_json([c.to_dict() for c in infos])
         return
-    table = Table("step", "state", "size", "age", "path")
+    table = Table("step", "state", "size", "age", "path", "note")
+    colors = {"committed": "green", "incomplete": "red", "unreadable": "magenta", "foreign": "magenta",
+              "link": "cyan"}
     for c in infos:
-        state = "[green]committed[/green]" if c.committed else ("[yellow]writing[/yellow]" if c.live
-                                                               else "[red]incomplete[/red]")
-        table.add_row(str(c.step), state, human_bytes(c.bytes), _age(c.mtime), c.url)
+        status = "writing" if c.live else c.status
+        state = f"[{colors.get(status, 'yellow')}]{status}[/]"
+        table.add_row(str(c.step), state, human_bytes(c.bytes), _age(c.mtime), c.url, c.note)
     console.print(table)
 
 
@@ -48,12 +50,21 @@ def gc_cmd(
     keep_last: int | None = typer.Option(None, "--keep-last", min=1, help="remove committed ones but the newest N"),
     keep_every: int | None = typer.Option(None, "--keep-every", min=1, help="also keep steps divisible by N"),
     dry_run: bool = typer.Option(False, "--dry-run", help="only show what would be removed"),
+    json_out: bool = typer.Option(False, "--json", help="print what was (or would be) removed and what was kept"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
-    """Remove incomplete checkpoints (crashed saves) and, with --keep-last, old committed ones."""
-    doomed = gc(root, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run,
-                storage_options=parse_storage_options(storage_option))
+    """Remove unfinished saves of ours and, with --keep-last, old committed ones. Entries gc cannot
+    prove are ours (unreadable manifest, foreign files, symlinks) are reported and kept."""
+    opts = parse_storage_options(storage_option)
+    doomed = gc(root, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run, storage_options=opts)
+    kept = [c for c in list_checkpoints(root, opts) if not c.removable]
+    if json_out:
+        print_json({"dry_run": dry_run, "removed": [c.to_dict() for c in doomed],
+                    "kept_not_ours": [c.to_dict() for c in kept]})
+        return
     verb = "would remove" if dry_run else "removed"
+    for c in kept:
+        console.print(f"kept {c.url} ({c.status}: {c.note})", highlight=False, markup=False)
     for c in doomed:
         console.print(f"{verb} {c.url} ({'committed' if c.committed else 'incomplete'}, {human_bytes(c.bytes)})",
                       highlight=False)

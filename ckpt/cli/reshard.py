@@ -10,11 +10,13 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 import ckpt
 from ckpt.cli.common import console, err_console, handle_errors, human_bytes, parse_storage_options, print_json
@@ -99,6 +101,16 @@ def plan_cmd(
                   f"{t['pieces']} pieces of {t['tensors']} tensors", highlight=False)
 
 
+class _AverageSpeed(ProgressColumn):
+    """Bytes done / time since the task started (rich's TransferSpeedColumn is a moving window)."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.elapsed or 0.0
+        if not elapsed or not task.completed:
+            return Text("?", style="progress.data.speed")
+        return Text(f"{task.completed / elapsed / 1e9:.2f} GB/s", style="progress.data.speed")
+
+
 @handle_errors
 def reshard_cmd(
     src: str = typer.Argument(..., help="source checkpoint directory or URL"),
@@ -111,6 +123,7 @@ def reshard_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a committed checkpoint at DST"),
     no_verify_source: bool = typer.Option(False, "--no-verify-source",
                                           help="skip checking the source's checksums (corruption would be copied)"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON (no progress bar)"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Write a new committed checkpoint at DST whose shards follow layout --to (streaming, resumable).
@@ -120,8 +133,10 @@ def reshard_cmd(
     m = ckpt.inspect(src, storage_options=opts)
     rs = rules_for(m, rules)
     t0 = time.perf_counter()
-    with Progress(TextColumn("[bold]reshard[/bold]"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=err_console, transient=False) as bar:
+    # The bar's speed and the summary's are the same measure: tensor bytes written / time since start.
+    with Progress(TextColumn("[bold]reshard[/bold]"), BarColumn(), DownloadColumn(), _AverageSpeed(),
+                  TimeRemainingColumn(), console=err_console, transient=False,
+                  disable=json_out or not err_console.is_terminal) as bar:
         task = bar.add_task("reshard", total=None)
 
         def progress(done: int, total: int) -> None:
@@ -133,8 +148,14 @@ def reshard_cmd(
     dt = time.perf_counter() - t0
     stats = out.stats or {}
     resumed = stats.get("resumed_files", 0)
+    moved = int(stats.get("bytes", out.total_bytes))
+    if json_out:
+        print_json({"dst": dst, "files": len(out.files), "total_bytes": out.total_bytes, "tensor_bytes": moved,
+                    "seconds": round(dt, 3), "gb_per_s": round(moved / max(dt, 1e-9) / 1e9, 3),
+                    "layout": short_layout(_layout(to)), "resumed_files": resumed, "step": out.step})
+        return
     console.print(f"[green]ok[/green]: {dst}: {len(out.files)} file(s), {human_bytes(out.total_bytes)} in {dt:.1f} s "
-                  f"({out.total_bytes / max(dt, 1e-9) / 1e9:.2f} GB/s), layout {short_layout(_layout(to))}"
+                  f"({moved / max(dt, 1e-9) / 1e9:.2f} GB/s of tensor data), layout {short_layout(_layout(to))}"
                   + (f", {resumed} file(s) kept from an interrupted run" if resumed else ""), highlight=False)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +145,10 @@ class RuleSet:
 
 def load_rules(path: str) -> RuleSet:
     """Read a TOML rules file (``--rules FILE``). Raises LayoutError with the file name on bad input."""
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: the same parser as a package
+        import tomli as tomllib
 
     try:
         with open(path, "rb") as f:

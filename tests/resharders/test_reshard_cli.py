@@ -83,3 +83,17 @@ def test_sizes_and_layout_names():
         parse_size("2 parsecs")
     assert short_layout(Layout()) == "single" and short_layout(Layout.parse("tp=2,dp=2,zero=1")) == "tp=2,dp=2,zero=1"
     assert short_layout({"tp": 2, "ep": 1}) == "tp=2" and short_layout(None) == "-"
+
+
+def test_reshard_json_and_user_files_in_dst_are_refused(src, tmp_path):
+    dst = str(tmp_path / "j")
+    r = runner.invoke(app, ["reshard", src, dst, "--to", "tp=2", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["layout"] and out["files"] >= 1 and out["tensor_bytes"] > 0 and out["gb_per_s"] > 0
+    user = tmp_path / "u"
+    (user / "data").mkdir(parents=True)
+    (user / "data" / "train.jsonl").write_text("{}\n")
+    r = runner.invoke(app, ["reshard", src, str(user), "--to", "tp=2"])
+    assert r.exit_code != 0 and r.output.startswith("error:") and "train.jsonl" in r.output
+    assert (user / "data" / "train.jsonl").read_text() == "{}\n"
