@@ -37,7 +37,8 @@ OUR_SCAFFOLD = re.compile(r"^(\.reshard/[0-9a-f]{12}-\d{5}\.done|\.writing|(.*/)
 
 
 def in_data_area(path: str) -> bool:
-    """True for a normalized relative path under ``data/`` or a zarr tree (``zarr/``, ``zarr-<id>/``).
+    """True for a data file of ours: ``data/<rank>-<id>.safetensors`` (the names our writers give)
+    or a file of a zarr tree (``zarr/``, ``zarr-<id>/``).
 
     The only files a transaction may ever delete; the manifest and anything else are never touched.
     """
@@ -46,7 +47,11 @@ def in_data_area(path: str) -> bool:
     except ManifestError:
         return False
     head, sep, rest = path.partition("/")
-    return bool(sep and rest) and (head == DATA_DIR or ZARR_AREA.match(head) is not None)
+    if head == DATA_DIR:
+        # only names our writers give: a hostile manifest listing a user's data/train.jsonl cannot
+        # make a clean-up delete it
+        return OUR_DATA_FILE.match(path) is not None
+    return bool(sep and rest) and ZARR_AREA.match(head) is not None
 
 
 def foreign_files(listing: Iterable[str], previous: Manifest | None) -> list[str]:

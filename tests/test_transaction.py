@@ -51,6 +51,7 @@ def _assert_loads(url: str, seed: int) -> None:
     ("data/00000-0123456789ab.safetensors", True), ("zarr/w/c/0/0", True), ("zarr-0123456789ab/zarr.json", True),
     (MANIFEST_NAME, False), ("data", False), ("data/", False), ("../data/x", False), ("/data/x", False),
     ("zarrx/w", False), ("train.jsonl", False), ("data/../manifest.msgpack", False), ("zarr-XYZ/a", False),
+    ("data/train.jsonl", False), ("data/00000-0123456789ab.safetensors.tmp", False),
 ])
 def test_data_area(path: str, ok: bool) -> None:
     assert transaction.in_data_area(path) is ok
