@@ -144,7 +144,8 @@ class AsyncSaver:
         if prev is not None:
             busy = not prev.is_done
             if comm.enabled and comm.world > 1 and policy == "skip":
-                busy = bool(comm.broadcast(busy))  # ranks must skip together: the coordinator decides
+                # ranks must skip together: the coordinator decides
+                busy = bool(comm.broadcast(busy, timeout=self.timeout, what="save skip decision"))
             if busy and policy == "skip":
                 return SaveHandle(url, step, skipped=True)
             self.wait()

@@ -9,7 +9,7 @@ import torch
 
 from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
-from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError
+from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
 from ckpt.io import default_workers, read_gap, run_read_plan, verify_shards
 from ckpt.manifest import MANIFEST_NAME, Manifest
@@ -19,36 +19,61 @@ from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.storage import Storage, get_storage
 
 
-def fetch_manifest(storage: Storage, comm: Comm | None = None, *, manifest_read: str = "broadcast") -> Manifest:
+def fetch_manifest(storage: Storage | None, comm: Comm | None = None, *, manifest_read: str = "broadcast",
+                   timeout: float | None = 600.0, failure: BaseException | None = None) -> Manifest:
     """The validated manifest on every rank.
 
-    ``manifest_read="broadcast"`` (default): the coordinator reads it once and broadcasts the bytes
-    (one read of the object store / filesystem per job). ``"each"``: every rank reads it itself (no
-    collective; better when the storage serves many readers well and the manifest is large).
+    ``manifest_read="broadcast"`` (default): the coordinator reads it once and sends the bytes to
+    every rank (one read of the object store / filesystem per job). ``"each"``: every rank reads it
+    itself (no collective; better when the storage serves many readers well and the manifest is large).
+
+    With ``"broadcast"`` on several ranks this is collective and agreed: every rank first reports
+    that it is ready (or ``failure``, an exception it already hit, e.g. opening ``storage``, which
+    may then be None), then the coordinator reads the manifest and sends every rank the same
+    verdict: the bytes, or the first error. So any exception on any rank, typed or not, is raised
+    on every rank as a CheckpointError (its class kept when it is one) naming the rank and the
+    cause ("rank 0: NotADirectoryError: ..."). ``timeout`` (seconds; None: gloo's own) bounds each
+    wait: a rank that does not arrive is named in a CollectiveError.
     """
     comm = comm or Comm(None)
     if manifest_read not in ("broadcast", "each"):
         raise ValueError(f"manifest_read must be 'broadcast' or 'each', got {manifest_read!r}")
-    payload: dict[str, Any] = {}
-    if comm.rank == 0 or manifest_read == "each":
+    collective = manifest_read == "broadcast" and not comm.single
+    mine: list[BaseException] = [failure] if failure is not None else []  # this rank's own failure
+
+    def read() -> dict[str, Any]:
+        if mine:
+            return error_payload(mine[0], comm.who if collective else None)
         try:
+            assert storage is not None, "fetch_manifest: no storage and no failure"
             if storage.size(MANIFEST_NAME) is None:
                 raise ManifestError(f"{storage.url}: no committed checkpoint here ({MANIFEST_NAME} is missing); "
                                     "the save may not have finished (see `ckpt ls`)")
-            payload = {"ok": storage.read_file(MANIFEST_NAME)}
-        except CheckpointError as e:
-            payload = error_payload(e, 0 if comm.world > 1 and manifest_read == "broadcast" else None)
-    if manifest_read == "broadcast" and not comm.single:
-        payload = comm.broadcast(payload)
+            return {"ok": storage.read_file(MANIFEST_NAME)}
+        except Exception as e:  # noqa: BLE001 - any failure reaches every rank, typed, naming this one
+            mine.append(e)
+            return error_payload(e, comm.who if collective else None)
+
+    if not collective:
+        payload = read()
+    else:
+        ready = error_payload(mine[0], comm.rank) if mine else {"ready": True}
+
+        def reply(got: list[Any]) -> list[Any]:
+            errs = [g for g in got if "err" in g]
+            return [errs[0] if errs else read()] * comm.world
+
+        payload = comm.exchange(ready, reply, timeout=timeout, what="load manifest")
     if "err" in payload:
-        raise_payload(payload)
-    return decode_manifest(payload["ok"], url=f"{storage.url}/{MANIFEST_NAME}")
+        raise_payload(payload, mine[0] if mine else None)  # the original chained on its own rank
+    url = storage.url if storage is not None else "?"
+    return decode_manifest(payload["ok"], url=f"{url}/{MANIFEST_NAME}")
 
 
 def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = True, verify: bool = False,
          storage_options: dict[str, Any] | None = None, workers: int | None = None,
          max_read: int = DEFAULT_MAX_READ, max_gap: int | None = None, manifest_read: str = "broadcast",
-         stats: dict[str, Any] | None = None) -> dict[str, Any]:
+         stats: dict[str, Any] | None = None, timeout: float | None = 600.0) -> dict[str, Any]:
     """Fill the tensors of ``state`` in place from the checkpoint at ``url``, resharding as needed.
 
     Each tensor, ``Shard``, ``FlatShard`` or DTensor in ``state`` says which region of which global
@@ -63,33 +88,57 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
     With ``verify=True`` every stored shard this rank touches is read whole and its checksum
     checked before any destination tensor is written (a verification pass, then the copy pass).
 
-    Raises:
-        MismatchError: (strict) a key missing from the checkpoint or not requested; a dtype or
+    ``timeout`` (seconds; None: no limit of ours, gloo's group timeout applies) bounds each wait
+    of the collective part, the manifest exchange (``manifest_read="broadcast"`` on several ranks):
+    a rank that does not arrive in time is named in a CollectiveError on every rank, and a failure
+    on any rank before or while the manifest is read reaches every rank. After it, each rank plans
+    and reads on its own (its errors are its own).
+
+    Raises (only CheckpointErrors; any other exception is raised as a CheckpointError naming its
+    type, the original chained as ``__cause__``):
+        MismatchError: (strict) a requested key missing from the checkpoint (stored keys that are not
+            requested are fine: ranks may load different subsets); a dtype or
             global shape mismatch, naming the key.
         IntegrityError: (verify) a shard's bytes do not match its checksum, naming tensor, file, range.
         ManifestError / StorageError: no committed checkpoint, or unreadable bytes.
+        CollectiveError: a rank did not arrive within ``timeout`` (named), or lost contact.
 
     Example::
 
         out = ckpt.load({"model": model.state_dict(), "step": 0}, "/ckpts/step-10")
         step = out["step"]
     """
-    comm = Comm(group)
-    storage = get_storage(url, **(storage_options or {}))
+    who: int | None = None
+    storage: Storage | None = None
     try:
-        t0 = time.perf_counter()
-        manifest = fetch_manifest(storage, comm, manifest_read=manifest_read)
-        t_manifest = time.perf_counter() - t0
-        gap = max_gap if max_gap is not None else read_gap(storage)
-        if workers is None:
-            workers = default_workers(storage, comm.world)
-        phases: dict[str, Any] = {"manifest": t_manifest}
-        out = _load(manifest, storage, state, comm.rank, strict, workers, max_read, verify, gap, phases)
-        if stats is not None:
-            stats.update(phases)
-        return out
-    finally:
-        storage.close()
+        try:
+            comm = Comm(group, timeout=timeout)
+            who = comm.who
+            failure: BaseException | None = None
+            try:
+                storage = get_storage(url, **(storage_options or {}))
+            except Exception as e:  # noqa: BLE001 - reported to every rank by the manifest exchange
+                failure = e
+            t0 = time.perf_counter()
+            manifest = fetch_manifest(storage, comm, manifest_read=manifest_read, timeout=timeout, failure=failure)
+            assert storage is not None
+            t_manifest = time.perf_counter() - t0
+            gap = max_gap if max_gap is not None else read_gap(storage)
+            if workers is None:
+                workers = default_workers(storage, comm.world)
+            phases: dict[str, Any] = {"manifest": t_manifest}
+            out = _load(manifest, storage, state, comm.rank, strict, workers, max_read, verify, gap, phases)
+            if stats is not None:
+                stats.update(phases)
+            return out
+        finally:
+            if storage is not None:
+                storage.close()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the public API raises only CheckpointErrors
+        where = f"rank {who}: " if who is not None else ""
+        raise CheckpointError(f"{where}loading {url}: {type(e).__name__}: {e}") from e
 
 
 def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int, strict: bool,
@@ -109,16 +158,13 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
                 subtrees[it.key] = sub
                 keys.update(sub)
     if strict:
+        # A rank loads what it asks for (as in DCP): stored keys it does not request are fine, ranks
+        # may request different key sets; a requested key the checkpoint lacks is an error.
         missing = sorted(k for k in keys if k not in manifest.tensors and k not in manifest.objects
                          and k not in subtrees)
-        unexpected = sorted(k for k in list(manifest.tensors) + list(manifest.objects) if k not in keys)
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing from the checkpoint: {_few(missing)}")
-            if unexpected:
-                parts.append(f"in the checkpoint but not requested: {_few(unexpected)}")
-            raise MismatchError(f"{storage.url}: " + "; ".join(parts) + " (pass strict=False to load the overlap)")
+        if missing:
+            raise MismatchError(f"{storage.url}: requested but missing from the checkpoint: {_few(missing)} "
+                                "(pass strict=False to skip missing keys)")
     values: dict[str, Any] = {}
     requests: list[LoadRequest] = []
     targets: list[torch.Tensor] = []
@@ -145,6 +191,9 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
                 raise MismatchError(f"key {it.key!r}: the checkpoint holds an object, the target is a tensor")
             continue
         dst = it.local
+        if any(st == 0 and n > 1 for st, n in zip(dst.stride(), dst.shape, strict=True)):
+            raise StateError(f"tensor {it.key!r}: the target is expanded (stride 0: several elements share one "
+                             "memory location) and cannot hold the loaded values; pass a real tensor (e.g. .clone())")
         if dst.device.type != "cpu" or not dst.is_contiguous():
             staging = torch.empty(dst.shape, dtype=dst.dtype)
             finals.append((dst, staging))

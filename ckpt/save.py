@@ -113,7 +113,7 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
 
         ckpt.save({"model": model.state_dict(), "step": 10}, "/ckpts/step-10")
     """
-    comm = Comm(group)
+    comm = Comm(group, timeout=timeout)
     state = stateful.expand(state)
     storage = get_storage(url, **(storage_options or {}))
     cache = _SYNC_CACHES.setdefault(id(group), PlanCache())

@@ -8,6 +8,7 @@ group again, and every rank resumes from the newest committed checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import uuid
@@ -23,6 +24,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _entry_script() -> str:
+    from ckpt.trainer.entry import worker_main
+
+    return os.path.abspath(worker_main.__file__)
+
+
 def torchrun_args(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3) -> list[str]:
     """The torchrun command line (after ``python -m torch.distributed.run``) for this run."""
     return [
@@ -34,7 +41,9 @@ def torchrun_args(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3) ->
         "--local-addr", "127.0.0.1",
         "--max-restarts", str(max_restarts),
         "--monitor-interval", "0.2",
-        "-m", "ckpt.trainer.worker",
+        # by path, not ``-m``: ``-m`` puts the working directory first on the workers' sys.path, and
+        # a folder named ``ckpt`` there would be imported instead of the installed package
+        _entry_script(),
         "--config-json", json.dumps(cfg.to_dict()),
         "--layout", str(layout),
     ]

@@ -30,6 +30,10 @@ def test_killed_rank_restarts_and_resumes_bitwise(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "ckpt.cli.app", "train", "--config", "tiny", "--tp", "1", "--ep", "2",
            "--pp", "1", "--dp", "1", "--steps", "8", "--save-every", "3", "--ckpt-dir", str(run_dir),
            "--fail-at-step", "6", "--fail-rank", "1", "--max-restarts", "1", "--device", "cpu"]
+    # A folder named ckpt in the working directory must not shadow the package in the workers
+    # (torchrun's ``-m`` would put the cwd first on their sys.path).
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "__init__.py").write_text("raise ImportError('the cwd ckpt/ folder was imported')\n")
     # One thread per rank, as in forked test ranks, so that the two runs do bitwise the same math.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
