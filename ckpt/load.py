@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ckpt import stateful
 from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError
@@ -127,7 +128,10 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
             if workers is None:
                 workers = default_workers(storage, comm.world)
             phases: dict[str, Any] = {"manifest": t_manifest}
-            out = _load(manifest, storage, state, comm.rank, strict, workers, max_read, verify, gap, phases)
+            # Stateful values (DCP's protocol) are asked through state_dict() and restored in place
+            request = stateful.expand(state)
+            out = _load(manifest, storage, request, comm.rank, strict, workers, max_read, verify, gap, phases)
+            stateful.restore(state, out)
             if stats is not None:
                 stats.update(phases)
             return out

@@ -102,3 +102,21 @@ def test_async_save_future_and_stateful_round_trip(tmp_path):
     c, target = Counter(0), torch.zeros(6)
     cdcp.load({"w": target, "c": c}, checkpoint_id=str(tmp_path / "a"))
     assert c.n == 7 and torch.equal(target, torch.arange(6.0))
+
+
+def test_ckpt_save_and_load_take_stateful_values(tmp_path):
+    class Sched:
+        def __init__(self, last: int) -> None:
+            self.last = last
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"last_epoch": self.last}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.last = sd["last_epoch"]
+
+    model = torch.nn.Linear(3, 2)
+    ckpt.save({"model": model, "sched": Sched(5)}, str(tmp_path / "c"))  # a module is Stateful too
+    model2, sched = torch.nn.Linear(3, 2), Sched(0)
+    ckpt.load({"model": model2, "sched": sched}, str(tmp_path / "c"))
+    assert sched.last == 5 and torch.equal(model2.weight, model.weight)
