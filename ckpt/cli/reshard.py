@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
+from typing import Any
 
 import typer
 from rich.progress import (
@@ -23,11 +25,12 @@ from ckpt.cli.common import console, err_console, handle_errors, human_bytes, pa
 from ckpt.errors import CheckpointError, StateError
 from ckpt.resharders.diff import diff
 from ckpt.resharders.layout import Layout
-from ckpt.resharders.plan import parse_stages, plan, rules_for
+from ckpt.resharders.plan import parse_stages, plan, rules_for, source_layout
 from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, reshard
 
 StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
-ToOpt = typer.Option(..., "--to", help="target layout, e.g. tp=2,ep=4,pp=2,dp=1,zero=1 (or 'single')")
+ToOpt = typer.Option(..., "--to", help="target layout, e.g. tp=2,ep=4,pp=2,dp=1,zero=1 (or 'single'); axes not "
+                     "given are 1, except zero, which keeps the source's stage unless given")
 RulesOpt = typer.Option(None, "--rules", help="TOML sharding rules (default: the embedded MoE's)")
 StagesOpt = typer.Option(None, "--stages", help="layers per pipeline stage, e.g. 3,1 (default: balanced)")
 
@@ -47,8 +50,15 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _layout(text: str) -> Layout:
-    return Layout.parse(text)
+def _layout(text: str, source: Any = None) -> Layout:
+    """``--to``: parallel axes not given are 1; ``zero`` not given keeps the source's ZeRO stage
+    (a ``zero=1`` checkpoint stays ZeRO-1 unless ``--to`` says ``zero=0``)."""
+    lay = Layout.parse(text)
+    given = {p.split("=", 1)[0].strip() for p in text.split(",") if "=" in p}
+    src = source_layout(source) if source is not None else None
+    if "zero" not in given and isinstance(src, dict) and isinstance(src.get("zero"), int) and src["zero"]:
+        lay = dataclasses.replace(lay, zero=src["zero"])
+    return lay
 
 
 def short_layout(lay: Layout | dict | None) -> str:
@@ -77,7 +87,7 @@ def plan_cmd(
 ) -> None:
     """Show how SRC would be rewritten for layout --to: one row per target rank; moves no data."""
     m = ckpt.inspect(src, storage_options=parse_storage_options(storage_option))
-    p = plan(m, _layout(to), rules_for(m, rules), stages=parse_stages(stages))
+    p = plan(m, _layout(to, m), rules_for(m, rules), stages=parse_stages(stages))
     if json_out:
         print_json(p.to_dict(detail=True))
         return
@@ -132,6 +142,7 @@ def reshard_cmd(
     budget = parse_size(memory_budget) if memory_budget else DEFAULT_MEMORY_BUDGET
     m = ckpt.inspect(src, storage_options=opts)
     rs = rules_for(m, rules)
+    target = _layout(to, m)
     t0 = time.perf_counter()
     # The bar's speed and the summary's are the same measure: tensor bytes written / time since start.
     with Progress(TextColumn("[bold]reshard[/bold]"), BarColumn(), DownloadColumn(), _AverageSpeed(),
@@ -142,7 +153,7 @@ def reshard_cmd(
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        out = reshard(src, dst, _layout(to), rules=rs, stages=parse_stages(stages), memory_budget=budget,
+        out = reshard(src, dst, target, rules=rs, stages=parse_stages(stages), memory_budget=budget,
                       workers=workers, progress=progress, overwrite=overwrite,
                       verify_source=not no_verify_source, storage_options=opts)
     dt = time.perf_counter() - t0
@@ -152,10 +163,10 @@ def reshard_cmd(
     if json_out:
         print_json({"dst": dst, "files": len(out.files), "total_bytes": out.total_bytes, "tensor_bytes": moved,
                     "seconds": round(dt, 3), "gb_per_s": round(moved / max(dt, 1e-9) / 1e9, 3),
-                    "layout": short_layout(_layout(to)), "resumed_files": resumed, "step": out.step})
+                    "layout": short_layout(target), "resumed_files": resumed, "step": out.step})
         return
     console.print(f"[green]ok[/green]: {dst}: {len(out.files)} file(s), {human_bytes(out.total_bytes)} in {dt:.1f} s "
-                  f"({moved / max(dt, 1e-9) / 1e9:.2f} GB/s of tensor data), layout {short_layout(_layout(to))}"
+                  f"({moved / max(dt, 1e-9) / 1e9:.2f} GB/s of tensor data), layout {short_layout(target)}"
                   + (f", {resumed} file(s) kept from an interrupted run" if resumed else ""), highlight=False)
 
 

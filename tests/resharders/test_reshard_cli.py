@@ -97,3 +97,15 @@ def test_reshard_json_and_user_files_in_dst_are_refused(src, tmp_path):
     r = runner.invoke(app, ["reshard", src, str(user), "--to", "tp=2"])
     assert r.exit_code != 0 and r.output.startswith("error:") and "train.jsonl" in r.output
     assert (user / "data" / "train.jsonl").read_text() == "{}\n"
+
+
+def test_to_without_zero_keeps_the_source_zero_stage(src, tmp_path):
+    z1 = str(tmp_path / "z1")
+    r = runner.invoke(app, ["reshard", src, z1, "--to", "dp=2,zero=1", "--json"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["reshard", z1, str(tmp_path / "a"), "--to", "tp=2,dp=2", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "zero=1" in json.loads(r.output)["layout"]
+    r = runner.invoke(app, ["reshard", z1, str(tmp_path / "b"), "--to", "tp=2,dp=2,zero=0", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "zero" not in json.loads(r.output)["layout"]
