@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_killed_rank_restarts_and_resumes_bitwise(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ckpt.cli.app", "train", "--config", "tiny", "--tp", "1", "--ep", "2",
+    # the console script, as a user runs it (``python -m`` would itself import a cwd ckpt/ folder)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ckpt"), "train", "--config", "tiny", "--tp", "1", "--ep", "2",
            "--pp", "1", "--dp", "1", "--steps", "8", "--save-every", "3", "--ckpt-dir", str(run_dir),
            "--fail-at-step", "6", "--fail-rank", "1", "--max-restarts", "1", "--device", "cpu"]
     # A folder named ckpt in the working directory must not shadow the package in the workers
