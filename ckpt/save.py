@@ -306,13 +306,17 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
             if prep.data_format == "zarr":
                 written += _write_zarr_metadata(storage, manifest, prep.zarr_root)
             data = encode_manifest(manifest)
-            committed = transaction.commit_manifest(storage, data, overwrite=prep.overwrite, written=written)
-            committed.stats = manifest.stats
-            committed.stats["commit_s"] = time.perf_counter() - t0
-            box.append(committed)
         except Exception as e:  # noqa: BLE001 - every rank gets it, typed; this save's files are gone
             transaction.remove_files(storage, written)
             return [error_payload(e, comm.who)] * comm.world
+        try:
+            # removes this save's files itself when nothing was committed (keeps them when it was)
+            committed = transaction.commit_manifest(storage, data, overwrite=prep.overwrite, written=written)
+        except Exception as e:  # noqa: BLE001
+            return [error_payload(e, comm.who)] * comm.world
+        committed.stats = manifest.stats
+        committed.stats["commit_s"] = time.perf_counter() - t0
+        box.append(committed)
         return [{"ok": {"step": manifest.step, "created": manifest.created, "world_size": manifest.world_size}}
                 ] * comm.world
 

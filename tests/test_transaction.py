@@ -336,3 +336,22 @@ def test_retention_failure_after_commit_is_a_warning(tmp_path, monkeypatch):
     mgr.save(3, _state(3)).done()  # the next save is not refused
     mgr.close()
     _assert_loads(mgr.url_for(3), 3)
+
+
+def test_failure_after_the_manifest_is_in_place_keeps_the_data(tmp_path, monkeypatch):
+    """A commit that fails after the rename (e.g. the directory fsync) must not delete the data
+    files the now-visible manifest references."""
+    from ckpt.storage.local import LocalStorage
+
+    real = LocalStorage.commit
+
+    def fsync_fails(self, path, data, **k):
+        real(self, path, data, **k)
+        raise ckpt.StorageError(f"{path}: committed, but fsync of its directory failed")
+
+    url = str(tmp_path / "c")
+    monkeypatch.setattr(LocalStorage, "commit", fsync_fails)
+    with pytest.raises(ckpt.StorageError, match="fsync"):
+        ckpt.save(_state(4), url)
+    monkeypatch.undo()
+    _assert_loads(url, 4)
