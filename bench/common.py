@@ -31,6 +31,18 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
     return time.perf_counter() - t0, out
 
 
+def timed_collective(fn: Callable[[], object]) -> float:
+    """Wall seconds of ``fn`` on every rank of the default group, barriers before and after (the
+    slowest rank's time)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
 def median(xs: Sequence[float]) -> float:
     """Median of ``xs``; NaN when empty (so a skipped measurement shows as missing, not as zero)."""
     return statistics.median(xs) if xs else float("nan")

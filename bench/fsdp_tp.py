@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import tempfile
-import time
 from typing import Any
 
 import torch
@@ -23,7 +22,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ckpt
-from bench.common import dir_bytes, fmt, gbps, machine_info, markdown_table, median, print_table, run_dd
+from bench.common import (
+    dir_bytes,
+    fmt,
+    gbps,
+    machine_info,
+    markdown_table,
+    median,
+    print_table,
+    run_dd,
+    timed_collective,
+)
 
 DIM = 1024
 
@@ -78,13 +87,7 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
     times: dict[str, list[float]] = {"ckpt save": [], "dcp save": [], "ckpt load": [], "dcp load": []}
     disk: dict[str, int] = {}
 
-    def timed(fn: Any) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
-
+    timed = timed_collective
     probe = "model.0.up.weight"
     want = src["model"]["0.up.weight"].full_tensor()
     for r in range(repeats):

@@ -16,7 +16,6 @@ import os
 import shutil
 import socket
 import tempfile
-import time
 from typing import Any
 
 import torch
@@ -24,7 +23,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ckpt
-from bench.common import drop_caches, fmt, gbps, machine_info, markdown_table, median, print_table, run_dd
+from bench.common import (
+    drop_caches,
+    fmt,
+    gbps,
+    machine_info,
+    markdown_table,
+    median,
+    print_table,
+    run_dd,
+    timed_collective,
+)
 
 
 def _shapes(total: int, n: int) -> list[tuple[int, int]]:
@@ -59,13 +68,7 @@ def _rank_main(rank: int, world: int, port: int, shapes: list[tuple[int, int]], 
     times: dict[str, list[float]] = {"ckpt save": [], "dcp save": [], "ckpt load": [], "dcp load": [],
                                      "ckpt load cold": [], "dcp load cold": []}
 
-    def timed(fn: Any) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
-
+    timed = timed_collective
     for r in range(repeats):
         for name in ("ckpt", "dcp"):
             d = os.path.join(root, f"{name}-{r}")

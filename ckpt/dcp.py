@@ -28,7 +28,7 @@ from ckpt.errors import StateError
 from ckpt.load import load as _load
 from ckpt.manifest import Manifest
 from ckpt.save import save as _save
-from ckpt.stateful import expand, update_in_place
+from ckpt.stateful import update_in_place
 
 
 def _url(checkpoint_id: str | os.PathLike[str] | None, **unsupported: Any) -> str:
@@ -62,7 +62,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     values get ``load_state_dict``. Keys stored but not requested are ignored (as in DCP).
     """
     url = _url(checkpoint_id, storage_reader=storage_reader, planner=planner)
-    out = _load(expand(state_dict), url, group=_group(process_group, no_dist), strict=True)
+    out = _load(state_dict, url, group=_group(process_group, no_dist), strict=True)  # expands Stateful values
     update_in_place(state_dict, out)
 
 

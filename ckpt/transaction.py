@@ -12,8 +12,8 @@ this order:
    committed by one atomic step, exclusive (no-clobber) unless overwriting; the loser of a race
    gets ``CheckpointExistsError`` and its own files are removed;
 5. after the commit, :func:`remove_replaced` deletes only files the replaced manifest lists and the
-   new one does not, and only inside the data area (``data/``, ``zarr/``, ``zarr-<id>/``), never
-   the manifest.
+   new one does not, and only data files of ours (:func:`in_data_area`: our writers' names under
+   ``data/``, files of a ``zarr/`` or ``zarr-<id>/`` tree), never the manifest.
 
 docs/RELIABILITY.md lists these rules and the tests that hold them.
 """
@@ -71,9 +71,9 @@ def check_header(step: Any, user_metadata: Any, layout: Any = None) -> tuple[int
     """
     from ckpt.formats import msgpack_codec as codec
 
-    step = _normalize_step(step)
-    meta = _normalize_metadata(user_metadata, "user_metadata")
-    lay = _normalize_metadata(layout, "layout") if layout is not None else None
+    step = codec.normalize_step(step)
+    meta = _metadata(user_metadata, "user_metadata")
+    lay = _metadata(layout, "layout") if layout is not None else None
     probe = Manifest(tensors={}, objects={}, files={}, step=step, layout=lay, user_metadata=meta)
     try:
         codec.decode_manifest(codec.encode_manifest(probe))
@@ -83,27 +83,14 @@ def check_header(step: Any, user_metadata: Any, layout: Any = None) -> tuple[int
     return step, meta
 
 
-def _normalize_step(step: Any) -> int | None:
-    from ckpt.formats import msgpack_codec as codec
-
-    fn = getattr(codec, "normalize_step", None)
-    if fn is not None:
-        return fn(step)  # type: ignore[no-any-return]
-    if step is None or (isinstance(step, int) and not isinstance(step, bool)):
-        return step
-    raise StateError(f"step must be an int or None, got {step!r} ({type(step).__name__})")
-
-
-def _normalize_metadata(value: Any, where: str) -> dict[str, Any]:
-    from ckpt.formats import msgpack_codec as codec
+def _metadata(value: Any, where: str) -> dict[str, Any]:
+    from ckpt.formats.msgpack_codec import normalize_metadata
 
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise StateError(f"{where} must be a dict, got {type(value).__name__}")
-    fn = getattr(codec, "normalize_metadata", None)
-    out = fn(value, where) if fn is not None else value
-    return dict(out)
+    return normalize_metadata(value, where)  # type: ignore[no-any-return]
 
 
 def read_current(storage: Storage, *, overwrite: bool) -> Manifest | None:

@@ -43,7 +43,7 @@ from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import CheckpointError, IntegrityError, StateError, StorageError
 from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.io import ScratchReader, byte_view
-from ckpt.load import fetch_manifest
+from ckpt.load import _few, fetch_manifest
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
 from ckpt.planner import LoadRequest, WriteAssignment, plan_load
 from ckpt.resharders.chunks import split_region
@@ -118,7 +118,7 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
         previous = transaction.begin(dst, overwrite=overwrite)
         foreign = transaction.foreign_files(_listing(dst), previous)
         if foreign:
-            raise StateError(f"{dst.url}: holds files that are not part of a ckpt checkpoint ({_few(foreign)}); "
+            raise StateError(f"{dst.url}: holds files that are not part of a ckpt checkpoint ({_few(foreign, 3)}); "
                              "reshard writes only to a new or empty location, an unfinished reshard, or over a "
                              "checkpoint (--overwrite). Choose another destination; nothing was changed")
         p = plan(manifest, target, rules, stages=stages)
@@ -145,10 +145,6 @@ def _listing(dst: Storage) -> list[str]:
         return dst.list()
     except CheckpointError:
         return []  # the location does not exist yet
-
-
-def _few(items: list[str], n: int = 3) -> str:
-    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 def _location(s: Storage) -> str:

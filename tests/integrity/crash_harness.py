@@ -206,29 +206,22 @@ def _instrument(p: _Probe) -> None:
 
     _wrap(local_mod.LocalStorage, "commit", commit, committed)
 
-    real_replace = os.replace
+    def naming(real: Callable[..., None]) -> Callable[..., None]:
+        """``os.replace`` (overwriting commits) or ``os.link`` (exclusive ones) with the kill point
+        before the manifest gets its name."""
 
-    def replace(src: Any, dst: Any, *a: Any, **k: Any) -> None:
-        if str(dst).endswith(MANIFEST_NAME):
-            p.point("before-rename")
-            real_replace(src, dst, *a, **k)
-            p.renamed = True
-            return
-        real_replace(src, dst, *a, **k)
+        def call(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+            if str(dst).endswith(MANIFEST_NAME):
+                p.point("before-rename")
+                real(src, dst, *a, **k)
+                p.renamed = True
+                return
+            real(src, dst, *a, **k)
 
-    os.replace = replace  # type: ignore[assignment]  # child process only
+        return call
 
-    real_link = os.link
-
-    def link(src: Any, dst: Any, *a: Any, **k: Any) -> None:  # exclusive (no-clobber) commits
-        if str(dst).endswith(MANIFEST_NAME):
-            p.point("before-rename")
-            real_link(src, dst, *a, **k)
-            p.renamed = True
-            return
-        real_link(src, dst, *a, **k)
-
-    os.link = link  # type: ignore[assignment]  # child process only
+    os.replace = naming(os.replace)  # type: ignore[assignment]  # child process only
+    os.link = naming(os.link)  # type: ignore[assignment]
 
     def fsync_dir(*a: Any, **k: Any) -> None:
         if p.renamed:
