@@ -50,11 +50,9 @@ def train_cmd(
     plot: str | None = typer.Option(None, "--plot", help="write the loss curve PNG here (needs matplotlib)"),
 ) -> None:
     """Train the embedded MoE on dp*tp*pp*ep processes (torchrun, elastic restarts), with checkpoints."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     from ckpt.resharders.layout import Layout
     from ckpt.trainer.config import TrainConfig, model_config
-    from ckpt.trainer.launch import launch
+    from ckpt.trainer.launch import TrainingFailed, launch
     from ckpt.trainer.metrics import plot_loss
 
     layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero)
@@ -74,10 +72,13 @@ def train_cmd(
     cfg.check_layout(layout)  # LayoutError: one line, exit 5, before any process starts
     _say(f"training {config} under {layout} on {layout.world_size} process(es) via torchrun")
     try:
-        launch(cfg, layout, max_restarts=max_restarts)
-    except ChildFailedError:
-        _error(f"training failed after {max_restarts} restart(s); see the worker tracebacks above")
-        raise typer.Exit(1) from None
+        restarts = launch(cfg, layout, max_restarts=max_restarts)
+    except TrainingFailed as e:
+        # a deterministic error (exit 5, like other bad input) is not retried; lost ranks are (exit 1)
+        _error(str(e) if e.final else f"{e}; gave up after {max_restarts} restart(s)")
+        raise typer.Exit(5 if e.final else 1) from None
+    if restarts:
+        _say(f"finished after {restarts} restart(s)")
     if ckpt_dir:
         from ckpt.manager import CheckpointManager
 
@@ -105,6 +106,7 @@ def demo_cmd(
     _say(f"held-out loss of the final model: {report.eval_loss:.3f}")
     _say(f"checkpoints: {report.ckpt_dir}")
     _say(f"metrics: {report.metrics}")
+    _say(f"worker logs: {os.path.join(report.out_dir, 'logs')}")
     _say(f"plot: {report.plot}" if report.plot else f"plot: {report.plot_note}")
     _say(f"hugging face: {report.hf_export} ({report.hf_note})" if report.hf_export
                   else f"hugging face: {report.hf_note}")

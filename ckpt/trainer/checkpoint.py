@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 import ckpt
+from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.errors import MismatchError
 from ckpt.manifest import Manifest
 from ckpt.resharders.layout import Layout
@@ -183,18 +184,49 @@ def restore(url: str, pm: ParallelModel, opt: ZeroAdamW, schedule: LRSchedule, c
     return Resume(url, int(train["step"]), int(train["sample_index"]), saved, not same, stats)
 
 
+def _cast_targets(manifest: Manifest, model: dict[str, Any], url: str
+                  ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Weights stored in another floating dtype (e.g. exported with ``--dtype bf16`` and imported
+    back) are read into staging blocks of the stored dtype and cast afterwards: ``(state to load,
+    [(parameter block, staging block)])``. A resume never goes through here: optimizer state must
+    match exactly, so ``restore`` keeps ``ckpt.load``'s dtype check."""
+    out: dict[str, Any] = {}
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, value in model.items():
+        entry = manifest.tensors.get(f"model.{name}")
+        local = value.local if isinstance(value, ckpt.Shard) else value
+        if entry is None or entry.dtype == dtype_name(local.dtype):
+            out[name] = value
+            continue
+        stored = dtype_from_name(entry.dtype, key=f"model.{name}")
+        if not (stored.is_floating_point and local.dtype.is_floating_point):
+            raise MismatchError(f"{url}: model.{name} is stored as {entry.dtype}, the model holds "
+                                f"{dtype_name(local.dtype)}; only floating-point weights are cast on --init-from")
+        stage = torch.empty(local.shape, dtype=stored, device=local.device)
+        out[name] = ckpt.Shard(stage, value.global_shape, value.offsets) if isinstance(value, ckpt.Shard) else stage
+        casts.append((local, stage))
+    return out, casts
+
+
 def load_weights(url: str, pm: ParallelModel, *, verify: bool = True) -> dict[str, Any]:
     """Load only ``model.*`` (e.g. a checkpoint imported from Hugging Face), resharded to this
-    rank's blocks; other keys in the checkpoint are ignored (collective). Returns this rank's
-    ``ckpt.load(..., stats=)`` figures.
+    rank's blocks; other keys in the checkpoint are ignored (collective). Weights stored in another
+    floating dtype (a bf16 export imported back) are cast to the model's dtype. Returns this rank's
+    ``ckpt.load(..., stats=)`` figures (with ``cast``: how many tensors were cast).
 
-    Raises MismatchError naming missing ``model.*`` tensors or a global shape that differs.
+    Raises MismatchError naming missing ``model.*`` tensors, a global shape that differs, or a
+    non-floating dtype that differs.
     """
     manifest = ckpt.inspect(url)
     state = {"model": model_state(pm)}
     _require(manifest, state, url, ("model.",))
+    state["model"], casts = _cast_targets(manifest, state["model"], url)
     stats: dict[str, Any] = {}
     ckpt.load(state, url, strict=False, stats=stats, verify=verify)
+    with torch.no_grad():
+        for dst, src in casts:
+            dst.copy_(src)
+    stats["cast"] = len(casts)
     return stats
 
 
@@ -213,5 +245,9 @@ def load_full_model(url: str, config: ModelConfig | None = None) -> MoEForCausal
     model = MoEForCausalLM(config)
     state = {"model": {k: v.data for k, v in model.named_parameters()}}
     _require(manifest, state, url, ("model.",))
+    state["model"], casts = _cast_targets(manifest, state["model"], url)
     ckpt.load(state, url, strict=False)
+    with torch.no_grad():
+        for dst, src in casts:
+            dst.copy_(src)
     return model

@@ -1,12 +1,15 @@
 """The main job (``ckpt demo``): train, lose a rank, resume, reshard onto fewer ranks, verify, export.
 
 1. train ``tiny`` on 4 ranks (``tp=2, ep=2``, ZeRO-1) through torchrun with async checkpoints;
-2. one rank SIGKILLs itself mid-run; torchrun restarts the group, which resumes from the newest
+2. one rank SIGKILLs itself mid-run; the launcher restarts the group, which resumes from the newest
    committed checkpoint (same layout: bitwise the same trajectory);
 3. stop, then continue on 2 ranks under another layout (``pp=2``, 1F1B), resharding at load;
 4. verify the final checkpoint (structure, coverage, checksums) and evaluate it in one process;
 5. export to Hugging Face and reload in transformers when the exporter (``ckpt.formats.hf``) exists;
 6. plot the loss curve with the saves, the failure and the resume marked (matplotlib optional).
+
+The workers' and torchrun's output (including the killed rank's peers' errors) goes to
+``<out>/logs/phase-<n>.log``; the console tells the story only.
 """
 
 from __future__ import annotations
@@ -89,7 +92,12 @@ def hf_roundtrip(url: str, out: str, config: ModelConfig) -> tuple[str | None, s
     except ImportError:
         return None, "skipped: transformers is not installed (pip install ckpt[hf])"
     export_hf(url, out)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    # keep the console to the story: transformers' "Loading weights" bar is noise here
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    finally:
+        transformers.utils.logging.enable_progress_bar()
     ours = load_full_model(url, config)
     ids = SampleSource(32, seed=12345).batch(0, 2)
     with torch.no_grad():
@@ -104,6 +112,8 @@ def run_demo(out_dir: str = "ckpt-demo", *, steps: int = 200, say: Callable[[str
     _prepare(out_dir)
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     report = DemoReport(out_dir, ckpt_dir, os.path.join(ckpt_dir, "metrics.jsonl"))
+    logs = os.path.join(out_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
     stop = int(steps * 0.6)
     fail_at = int(steps * 0.35)
     base = TrainConfig(steps=steps, global_batch=16, seq_len=64, save_every=max(steps // 10, 1), ckpt_dir=ckpt_dir,
@@ -115,11 +125,13 @@ def run_demo(out_dir: str = "ckpt-demo", *, steps: int = 200, say: Callable[[str
         (SECOND_LAYOUT, base, f"phase 2: {SECOND_LAYOUT.world_size} ranks ({SECOND_LAYOUT}), steps {stop}-{steps}, "
                               "resharded at load"),
     ]
-    for layout, cfg, text in phases:
+    for n, (layout, cfg, text) in enumerate(phases, 1):
         say(text)
         t = time.perf_counter()
-        launch(cfg, layout, max_restarts=2)
-        report.phases.append({"what": text, "layout": str(layout), "wall_s": round(time.perf_counter() - t, 1)})
+        log = os.path.join(logs, f"phase-{n}.log")
+        restarts = launch(cfg, layout, max_restarts=2, log=log)
+        report.phases.append({"what": text, "layout": str(layout), "restarts": restarts, "log": log,
+                              "wall_s": round(time.perf_counter() - t, 1)})
     report.final_checkpoint = CheckpointManager(ckpt_dir, gc_on_start=False).latest()
     if report.final_checkpoint is None:
         raise StateError(f"{ckpt_dir}: the run left no committed checkpoint")

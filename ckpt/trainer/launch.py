@@ -1,20 +1,45 @@
 """Launch a training run through torchrun (``torch.distributed.run``) on this machine.
 
-One process per rank of the layout, a c10d rendezvous on a free loopback port, elastic restarts: when
-a worker dies (e.g. SIGKILLed by fault injection), torchrun stops the others and starts the whole
-group again, and every rank resumes from the newest committed checkpoint.
+One process per rank of the layout, a c10d rendezvous on a free loopback port. Restarts are this
+launcher's, not torchrun's: each attempt is one torchrun (``--max-restarts 0``) that ends when any
+worker dies; the launcher then starts a fresh group, which resumes from the newest committed
+checkpoint. Doing the retry loop here lets it tell the two kinds of failure apart: a lost rank
+(SIGKILL, a dead peer, an I/O hiccup) is retried, while a deterministic error (a config, layout or
+dtype mismatch, a checkpoint that cannot be restored) would fail the same way every time, so a worker
+that hits one writes a record into ``CKPT_FATAL_DIR`` and exits with :data:`FINAL_EXIT_CODE`, and the
+launcher stops at once with that error instead of retrying it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import uuid
+from contextlib import ExitStack
+from typing import IO
 
+from ckpt.errors import CheckpointError
 from ckpt.resharders.layout import Layout
 from ckpt.trainer.config import TrainConfig
+
+ATTEMPT_ENV = "CKPT_ATTEMPT"  # which attempt a worker belongs to (0 = first start)
+FATAL_ENV = "CKPT_FATAL_DIR"  # where a worker records an error that retrying cannot fix
+FINAL_EXIT_CODE = 3  # a worker's exit code for such an error (also when run under plain torchrun)
+
+
+class TrainingFailed(CheckpointError):
+    """The training job failed: ``final`` when a worker hit a deterministic error (not retried),
+    else after every allowed restart was used."""
+
+    def __init__(self, message: str, *, final: bool, attempts: int):
+        super().__init__(message)
+        self.final = final
+        self.attempts = attempts
 
 
 def free_port() -> int:
@@ -30,8 +55,8 @@ def _entry_script() -> str:
     return os.path.abspath(worker_main.__file__)
 
 
-def torchrun_args(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3) -> list[str]:
-    """The torchrun command line (after ``python -m torch.distributed.run``) for this run."""
+def torchrun_args(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 0) -> list[str]:
+    """The torchrun command line (after ``python -m torch.distributed.run``) for one attempt."""
     return [
         "--nnodes", "1",
         "--nproc-per-node", str(layout.world_size),
@@ -49,19 +74,69 @@ def torchrun_args(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3) ->
     ]
 
 
-def torchrun_command(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3) -> list[str]:
+def torchrun_command(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 0) -> list[str]:
     """The full argv (this interpreter running torchrun), e.g. for ``subprocess.run``."""
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg, layout, max_restarts=max_restarts)]
 
 
-def launch(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3) -> None:
-    """Run the job under torchrun in this process (the elastic agent) until it ends.
+def final_errors(fatal_dir: str) -> list[dict[str, object]]:
+    """The deterministic-error records workers wrote (``rank``, ``type``, ``message``), by rank."""
+    records = []
+    for name in sorted(os.listdir(fatal_dir)):
+        try:
+            with open(os.path.join(fatal_dir, name)) as f:
+                records.append(json.load(f))
+        except (OSError, ValueError):
+            continue  # a worker killed while writing its record: the others still say what happened
+    return sorted(records, key=lambda r: int(r.get("rank", 0)))  # type: ignore[call-overload]
 
-    Raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` when workers fail
-    more than ``max_restarts`` times; LayoutError before starting anything when the layout cannot
-    run the config.
+
+def record_final_error(rank: int, error: BaseException) -> None:
+    """Called by a worker that hit a deterministic error: leave a record for the launcher."""
+    fatal_dir = os.environ.get(FATAL_ENV)
+    if not fatal_dir:
+        return
+    tmp = os.path.join(fatal_dir, f".rank-{rank}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"rank": rank, "type": type(error).__name__, "message": str(error)}, f)
+    os.replace(tmp, os.path.join(fatal_dir, f"rank-{rank}.json"))
+
+
+def launch(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3, log: str | None = None) -> int:
+    """Run the job under torchrun until it ends; returns how many restarts it took.
+
+    ``log``: append the workers' and torchrun's output to this file instead of this process's
+    stdout/stderr (the demo keeps its console to the story this way).
+
+    Raises:
+        LayoutError: before starting anything, when the layout cannot run the config.
+        TrainingFailed: ``final=True`` at the first deterministic error (named with its rank), or
+            after ``max_restarts`` restarts all failed.
     """
     cfg.check_layout(layout)
-    from torch.distributed.run import get_args_parser, run
-
-    run(get_args_parser().parse_args(torchrun_args(cfg, layout, max_restarts=max_restarts)))
+    fatal_dir = tempfile.mkdtemp(prefix="ckpt-fatal-")
+    try:
+        with ExitStack() as stack:
+            out: IO[str] | None = stack.enter_context(open(log, "a")) if log else None
+            rc = 0
+            for attempt in range(max_restarts + 1):
+                env = {**os.environ, ATTEMPT_ENV: str(attempt), FATAL_ENV: fatal_dir}
+                cmd = torchrun_command(cfg, layout)
+                if out is not None:
+                    out.write(f"==== attempt {attempt}: {' '.join(cmd)}\n")
+                    out.flush()
+                rc = subprocess.run(cmd, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT if out is not None else None, check=False).returncode
+                if rc == 0:
+                    return attempt
+                records = final_errors(fatal_dir)
+                if records:
+                    first = records[0]
+                    raise TrainingFailed(
+                        f"rank {first['rank']}: {first['type']}: {first['message']} (a deterministic error: "
+                        f"not retried)", final=True, attempts=attempt + 1)
+            where = f"; see {log}" if log else "; see the worker tracebacks above"
+            raise TrainingFailed(f"training failed {max_restarts + 1} time(s) (last exit code {rc}){where}",
+                                 final=False, attempts=max_restarts + 1)
+    finally:
+        shutil.rmtree(fatal_dir, ignore_errors=True)

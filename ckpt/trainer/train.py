@@ -57,8 +57,9 @@ class TrainResult:
 
 
 def restart_count() -> int:
-    """How many times torchrun restarted this job (0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """How many times this job was restarted: by ``ckpt.trainer.launch`` (``CKPT_ATTEMPT``) and by
+    torchrun's own restarts when run under plain torchrun (0 outside both)."""
+    return int(os.environ.get("CKPT_ATTEMPT", "0")) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def build(cfg: TrainConfig, layout: Layout, device: torch.device | None = None

@@ -122,6 +122,45 @@ def test_init_from_weights_only_checkpoint(tmp_path: Path) -> None:
     assert got[1] == pytest.approx(first, rel=1e-6)
 
 
+def test_init_from_a_bf16_export_imported_back_casts_the_weights(tmp_path: Path) -> None:
+    """export-hf --dtype bf16 -> import-hf -> train --init-from: the bf16 weights are cast to the
+    model's float32 (a resume would refuse the dtype; a weights-only init casts)."""
+    pytest.importorskip("transformers")
+    from ckpt.formats.hf import export_hf, import_hf
+
+    source = MoEForCausalLM(CONFIGS["tiny"])
+    source.init_weights(seed=7)
+    url = str(tmp_path / "weights")
+    ckpt.save({"model": {n: p.detach() for n, p in source.named_parameters()}}, url,
+              user_metadata={"model_config": CONFIGS["tiny"].to_dict(), "layout": Layout().to_dict(),
+                             "rules": "embedded-moe"})
+    export_hf(url, str(tmp_path / "hf"), dtype="bf16")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
+    assert {e.dtype for e in ckpt.inspect(str(tmp_path / "imported")).tensors.values()} == {"bfloat16"}
+    cfg = TrainConfig(steps=1, init_from=str(tmp_path / "imported"), async_save=False)
+    got = run_training(cfg, Layout(tp=2))["losses"]
+    rounded = MoEForCausalLM(CONFIGS["tiny"])
+    with torch.no_grad():
+        for p, q in zip(rounded.parameters(), source.parameters(), strict=True):
+            p.copy_(q.bfloat16())
+    ids = SampleSource(cfg.seq_len, cfg.seed).batch(0, cfg.global_batch)
+    with torch.no_grad():
+        first = float(rounded(ids, labels=ids)[1])  # type: ignore[index]
+    assert got[1] == pytest.approx(first, rel=1e-6)
+    # evaluating the imported checkpoint in one process casts the same way
+    full = load_full_model(str(tmp_path / "imported"))
+    for (n, p), q in zip(full.named_parameters(), rounded.parameters(), strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, q), n
+
+
+def test_init_from_refuses_a_non_float_dtype_change(tmp_path: Path) -> None:
+    source = MoEForCausalLM(CONFIGS["tiny"])
+    url = str(tmp_path / "ints")
+    ckpt.save({"model": {n: p.detach().to(torch.int32) for n, p in source.named_parameters()}}, url)
+    with pytest.raises(MismatchError, match="stored as int32.*only floating-point weights are cast"):
+        load_full_model(url, CONFIGS["tiny"])
+
+
 def test_restore_refuses_another_model_and_init_from_needs_every_weight(runs: dict[str, object],
                                                                          tmp_path: Path) -> None:
     root = Path(str(runs["root"]))

@@ -1,5 +1,5 @@
 """End to end through ``ckpt train`` and torchrun: a rank SIGKILLs itself right after the step-6 async
-save started (so that checkpoint may or may not have committed), torchrun restarts the group, the run
+save started (so that checkpoint may or may not have committed), the launcher restarts the group, the run
 resumes from the newest committed checkpoint and ends bitwise where an uninterrupted run ends.
 
 torchrun spawns fresh interpreters (~5 s of imports each on this box), so this file stays small.
@@ -12,13 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
+import ckpt
 from ckpt.cli.app import app
 from ckpt.manager import list_checkpoints, step_dir
 from ckpt.resharders.layout import Layout
 from ckpt.trainer.config import TrainConfig
+from ckpt.trainer.launch import FINAL_EXIT_CODE, TrainingFailed, launch
 from ckpt.trainer.metrics import read_metrics
 from tests.trainer.trainer_utils import checkpoint_tensors, run_training
 
@@ -79,6 +82,27 @@ def test_train_cli_rejects_a_layout_before_starting_processes() -> None:
     assert result.exit_code == 5 and "--fail-rank 2 is outside the 2 ranks" in result.output
 
 
+def test_a_deterministic_error_stops_the_job_without_restarts(tmp_path: Path) -> None:
+    """A worker's MismatchError (an --init-from checkpoint missing weights) would recur on every
+    restart: the worker exits with FINAL_EXIT_CODE, the launcher stops after one attempt."""
+    partial = str(tmp_path / "partial")
+    ckpt.save({"model": {"lm_head.weight": torch.zeros(256, 64)}}, partial)
+    cfg = TrainConfig(steps=2, init_from=partial, device="cpu")
+    log = tmp_path / "run.log"
+    with pytest.raises(TrainingFailed, match=r"rank 0: MismatchError: .*missing tensors.*not retried") as err:
+        launch(cfg, Layout(ep=2), max_restarts=3, log=str(log))
+    assert err.value.final and err.value.attempts == 1
+    text = log.read_text()
+    assert text.count("==== attempt") == 1 and f"exiting with code {FINAL_EXIT_CODE}" in text
+    # through the CLI: one error line, exit code 5, still one attempt
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "ckpt.cli.app", "train", "--ep", "2", "--steps", "2",
+                           "--init-from", partial, "--device", "cpu"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 5, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "error: rank 0: MismatchError" in proc.stderr and "gave up" not in proc.stderr
+
+
 def test_demo_main_job(tmp_path: Path) -> None:
     """`ckpt demo` (shortened): 4 ranks, a kill, a same-layout resume, 2 ranks resharded, verify."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -91,6 +115,12 @@ def test_demo_main_job(tmp_path: Path) -> None:
     assert "resumed at step 12 under dp=1,tp=1,pp=2,ep=1,zero=1 (resharded from another layout)" in out
     assert f"final checkpoint: {tmp_path / 'demo' / 'checkpoints' / step_dir(20)} (verified" in out
     assert "plot: " in out and "hugging face: " in out
+    # the console tells the story only: the workers' output and torchrun's warnings went to the logs
+    assert "Traceback" not in out + proc.stderr and "OMP_NUM_THREADS" not in out + proc.stderr
+    assert proc.stderr.strip() == "" and len(out.splitlines()) <= 16, out + proc.stderr
+    phase1 = (tmp_path / "demo" / "logs" / "phase-1.log").read_text()
+    assert "==== attempt 0:" in phase1 and "==== attempt 1:" in phase1  # the kill, then the restart
+    assert (tmp_path / "demo" / "logs" / "phase-2.log").read_text().count("==== attempt") == 1
     records = read_metrics(str(tmp_path / "demo" / "checkpoints" / "metrics.jsonl"))
     assert {r["step"] for r in records if "loss" in r} == set(range(1, 21))
     first, last = (next(r["loss"] for r in records if r.get("step") == s and "loss" in r) for s in (1, 20))
