@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +65,14 @@ def inspect(url: str, *, storage_options: dict[str, Any] | None = None) -> Manif
         storage.close()
 
 
-def verify(url: str, *, deep: bool = False, storage_options: dict[str, Any] | None = None) -> VerifyReport:
+def verify(url: str, *, deep: bool = False, storage_options: dict[str, Any] | None = None,
+           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Audit the checkpoint at ``url``; never raises for problems in the checkpoint, reports them.
 
     Checks the manifest schema, that every data file exists with the recorded size, that each
     file's safetensors header agrees with the manifest, that each tensor's shards tile it exactly
     (no gap, no overlap), that objects decode, and with ``deep=True`` every checksum.
+    ``progress(bytes hashed, bytes to hash)`` is called after each shard's checksum (deep only).
     """
     report = VerifyReport(url=url, deep=deep)
     try:
@@ -78,7 +81,7 @@ def verify(url: str, *, deep: bool = False, storage_options: dict[str, Any] | No
         report.problems.append(Problem("manifest", str(e), file=MANIFEST_NAME))
         return report
     try:
-        _verify(storage, report, deep)
+        _verify(storage, report, deep, progress)
     except Exception as e:  # noqa: BLE001 - verify reports, it never raises (MemoryError, a backend's bug)
         report.problems.append(Problem("internal", f"verification stopped: {type(e).__name__}: {e}"))
     finally:
@@ -86,7 +89,8 @@ def verify(url: str, *, deep: bool = False, storage_options: dict[str, Any] | No
     return report
 
 
-def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
+def _verify(storage: Storage, report: VerifyReport, deep: bool,
+            progress: Callable[[int, int], None] | None = None) -> None:
     try:
         raw = storage.read_file(MANIFEST_NAME)
         m = decode_manifest(raw, url=f"{storage.url}/{MANIFEST_NAME}")
@@ -127,6 +131,7 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
             good_files.add(path)
         except CheckpointError as e:
             report.problems.append(Problem("header", str(e), file=path))
+    to_hash = sum(s.length for t in m.tensors.values() for s in t.shards if s.file in good_files) if deep else 0
     for key, t in m.tensors.items():
         report.shards += len(t.shards)
         try:
@@ -158,6 +163,8 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool) -> None:
                     report.problems.append(Problem("checksum", str(e), tensor=key, file=s.file))
                     continue
                 report.bytes_hashed += s.length
+                if progress is not None:
+                    progress(report.bytes_hashed, to_hash)
                 if crc != s.checksum:
                     report.problems.append(Problem(
                         "checksum", f"tensor {key!r} shard {i}: checksum mismatch in {s.file} bytes "

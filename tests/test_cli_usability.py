@@ -63,3 +63,21 @@ def test_gc_json_reports_removed_and_kept(tmp_path):
     assert [(c["step"], c["status"]) for c in out["kept_not_ours"]] == [(2, "foreign")]
     r = runner.invoke(app, ["ls", str(root), "--json"])
     assert {c["step"]: c["status"] for c in json.loads(r.output)} == {1: "committed", 2: "foreign"}
+
+
+def test_verify_deep_reports_progress(tmp_path):
+    url = str(tmp_path / "c")
+    ckpt.save({"a": torch.arange(1000.0), "b": torch.ones(3, 300), "c": torch.zeros(0)}, url)
+    calls: list[tuple[int, int]] = []
+    r = ckpt.verify(url, deep=True, progress=lambda done, total: calls.append((done, total)))
+    assert r.ok and len(calls) == 2  # one call per hashed (non-empty) shard
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    assert calls[-1] == (r.bytes_hashed, r.bytes_hashed) == (4000 + 3600, 4000 + 3600)
+    assert ckpt.verify(url, progress=lambda d, t: calls.append((-1, -1))).ok and calls[-1] != (-1, -1)  # not deep
+    # on a terminal the CLI draws a bar on stderr; --quiet and --json draw none
+    env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "120"}
+    cmd = [sys.executable, "-m", "ckpt.cli.app", "verify", "--deep", url]
+    shown = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "verify" in shown.stderr and "7.6" in shown.stderr, shown.stderr
+    quiet = subprocess.run([*cmd, "--quiet"], env=env, capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0 and quiet.stderr == ""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import typer
@@ -79,3 +80,22 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+@contextmanager
+def byte_bar(what: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A byte progress bar on stderr (stdout stays clean for --json); yields ``update(done, total)``
+    or None when disabled (``--json``, ``--quiet``)."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = (TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update

@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from ckpt.cli.common import console, err_console, handle_errors, human_bytes, parse_storage_options, print_json
+from ckpt.cli.common import byte_bar, console, handle_errors, human_bytes, parse_storage_options, print_json
 from ckpt.formats.hf import export_hf, import_hf
 
 StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
 BudgetOpt = typer.Option("1GiB", "--memory-budget",
                          help="bytes of data buffers, e.g. 1GiB (peak memory: this + the largest tensor)")
 WorkersOpt = typer.Option(4, "--workers", min=1, help="parallel readers")
-
-
-@contextmanager
-def _bar(what: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
-    """A byte progress bar on stderr (stdout stays clean for --json)."""
-    if not enabled:
-        yield None
-        return
-    columns = (TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err_console, transient=True) as progress:
-        task = progress.add_task(what, total=None)
-
-        def update(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
-
-        yield update
 
 
 @handle_errors
@@ -51,7 +31,7 @@ def export_hf_cmd(
     """Export the model weights of SRC as a Hugging Face Qwen3-MoE model (config.json, safetensors, index).
     Every source shard's checksum is checked on the way; a corrupted source stops the export and removes what
     it wrote (exit 3)."""
-    with _bar("export", not (quiet or json_out)) as progress:
+    with byte_bar("export", not (quiet or json_out)) as progress:
         r = export_hf(src, out, dtype=dtype, max_shard_size=max_shard_size, memory_budget=memory_budget,
                       workers=workers, overwrite=overwrite, storage_options=parse_storage_options(storage_option),
                       progress=progress, verify_source=not no_verify_source)
@@ -76,7 +56,7 @@ def import_hf_cmd(
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Import a Hugging Face Qwen3-MoE model as a weights-only checkpoint the trainer can start from."""
-    with _bar("import", not (quiet or json_out)) as progress:
+    with byte_bar("import", not (quiet or json_out)) as progress:
         r = import_hf(hf_dir, dst, to=to, dtype=dtype, memory_budget=memory_budget, workers=workers,
                       overwrite=overwrite, storage_options=parse_storage_options(storage_option), progress=progress)
     if json_out:

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 import ckpt
-from ckpt.cli.common import console, handle_errors, human_bytes, parse_storage_options, print_json
+from ckpt.cli.common import byte_bar, console, handle_errors, human_bytes, parse_storage_options, print_json
 
 StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
 
@@ -93,12 +93,14 @@ def verify_cmd(
     url: str = typer.Argument(..., help="checkpoint directory or URL"),
     deep: bool = typer.Option(False, "--deep", help="also recompute every checksum (reads all data)"),
     json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar (--deep shows one on a terminal)"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Check structure, file sizes, headers and coverage (and checksums with --deep). Exit 0 only if intact."""
     opts = parse_storage_options(storage_option)
     require_checkpoint(url, opts)  # nothing there: one `error:` line and inspect's exit code, not a report
-    r = ckpt.verify(url, deep=deep, storage_options=opts)
+    with byte_bar("verify", deep and not (quiet or json_out)) as progress:
+        r = ckpt.verify(url, deep=deep, storage_options=opts, progress=progress)
     if json_out:
         print_json(r.to_dict())
     else:
