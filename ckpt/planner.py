@@ -73,13 +73,17 @@ class RankDecl:
     pieces: list[PieceDecl] = field(default_factory=list)
     objects: dict[str, bytes] = field(default_factory=dict)  # global objects (used from rank 0 only)
     per_rank_objects: dict[str, bytes] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # key -> key whose memory it shares (ckpt.aliases)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": [p.to_wire() for p in self.pieces], "o": self.objects, "p": self.per_rank_objects}
+        w = {"t": [p.to_wire() for p in self.pieces], "o": self.objects, "p": self.per_rank_objects}
+        if self.aliases:
+            w["a"] = self.aliases
+        return w
 
     @classmethod
     def from_wire(cls, w: dict[str, Any]) -> RankDecl:
-        return cls([PieceDecl.from_wire(p) for p in w["t"]], dict(w["o"]), dict(w["p"]))
+        return cls([PieceDecl.from_wire(p) for p in w["t"]], dict(w["o"]), dict(w["p"]), dict(w.get("a", {})))
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 import torch
 
+from ckpt import aliases as tied
 from ckpt import stateful, transaction
 from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
@@ -41,7 +42,8 @@ def build_decl(state: dict[str, Any], rank: int) -> tuple[RankDecl, list[TensorI
     """Flatten a state into this rank's declaration (metadata + encoded objects) and its tensors."""
     items = flatten_state(state)
     tensors = [i for i in items if isinstance(i, TensorItem)]
-    decl = RankDecl(pieces=[PieceDecl(t.key, t.dtype, t.global_shape, t.region) for t in tensors])
+    decl = RankDecl(pieces=[PieceDecl(t.key, t.dtype, t.global_shape, t.region) for t in tensors],
+                    aliases=tied.find_aliases(tensors))
     for it in items:
         if isinstance(it, ObjectItem):
             data = encode_object(it.value, key=it.key)
@@ -54,7 +56,8 @@ def build_decl(state: dict[str, Any], rank: int) -> tuple[RankDecl, list[TensorI
 
 def fingerprint(decl: RankDecl) -> str:
     """Hash of a declaration's structure (pieces and object keys, not values): equal -> same plan."""
-    wire = [[p.to_wire() for p in decl.pieces], sorted(decl.objects), sorted(decl.per_rank_objects)]
+    wire = [[p.to_wire() for p in decl.pieces], sorted(decl.objects), sorted(decl.per_rank_objects),
+            sorted(decl.aliases.items())]
     return hashlib.blake2b(msgpack.packb(wire, use_bin_type=True), digest_size=16).hexdigest()
 
 
@@ -73,10 +76,12 @@ class PlanCache:
     assignment: WriteAssignment | None = None
     plan: SavePlan | None = None  # coordinator only
     fingerprints: list[str] = field(default_factory=list)  # coordinator only: every rank's
+    aliases: dict[str, str] = field(default_factory=dict)  # the plan's accepted tied keys
     hits: int = 0
 
     def clear(self) -> None:
         self.fingerprint, self.assignment, self.plan, self.fingerprints = None, None, None, []
+        self.aliases = {}
 
 
 _SYNC_CACHES: dict[Any, PlanCache] = {}
@@ -151,6 +156,7 @@ class Prepared:
     overwrite: bool = False
     data_format: str = "safetensors"
     zarr_root: str = zarr_layout.ZARR_DIR  # this save's zarr tree (fresh when one exists already)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied keys stored as their target's shards
     cached: bool = False
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -191,7 +197,9 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
         # Steady state: same structure as last time on this rank; no exchange. The commit report
         # carries the fingerprint so the coordinator can refuse a mismatch.
         cache.hits += 1
-        return Prepared(cache.assignment, sources, plan=cache.plan, cached=True, **common)  # type: ignore[arg-type]
+        common["decl"], keep = tied.without(decl, cache.aliases)
+        return Prepared(cache.assignment, [sources[i] for i in keep], plan=cache.plan, cached=True,
+                        aliases=cache.aliases, **common)  # type: ignore[arg-type]
     if cache is not None:
         cache.clear()
     payload = err or {"phase": "plan", "decl": decl.to_wire(), "fp": fp}
@@ -208,6 +216,9 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
             return [_structure_error(stray)] * comm.world
         try:
             decls = [RankDecl.from_wire(g["decl"]) for g in got]
+            # tied keys are written once (zarr keeps one array per key, so it stores them apart)
+            agreed = tied.agree(decls) if data_format == "safetensors" else {}
+            decls = [tied.without(d, agreed)[0] for d in decls]
             # Safetensors writers can write part of a replicated piece (balance); zarr needs one
             # chunk per declared piece on a uniform grid, so it keeps pieces whole.
             plan = plan_save(decls, save_id="pending", step=step, user_metadata=user_metadata, layout=layout,
@@ -220,16 +231,20 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
             return [error_payload(e, None)] * comm.world
         plan_box.append(plan)
         fps.extend(g["fp"] for g in got)
-        return [{"ok": a.to_wire(), "zroot": zroot} for a in plan.assignments]
+        return [{"ok": a.to_wire(), "zroot": zroot, "aliases": agreed} for a in plan.assignments]
 
     mine = comm.exchange(payload, reply, timeout=timeout, what="save planning")
     if "err" in mine:
         raise_payload(mine)
     assignment = WriteAssignment.from_wire(mine["ok"])
     plan = plan_box[0] if plan_box else None
+    agreed = dict(mine.get("aliases") or {})
+    common["decl"], keep = tied.without(decl, agreed)
     if cache is not None:
         cache.fingerprint, cache.assignment, cache.plan, cache.fingerprints = fp, assignment, plan, fps
-    return Prepared(assignment, sources, plan=plan, zarr_root=mine.get("zroot") or zarr_layout.ZARR_DIR,
+        cache.aliases = agreed
+    return Prepared(assignment, [sources[i] for i in keep], plan=plan,
+                    zarr_root=mine.get("zroot") or zarr_layout.ZARR_DIR, aliases=agreed,
                     **common)  # type: ignore[arg-type]
 
 
@@ -353,6 +368,10 @@ def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manife
         for ent, crc in zip(a.entries, ok["sums"], strict=True):
             s = tensors[ent.key].shards[ent.shard]
             s.file, s.checksum = ok["file"], crc
+    for alias, target in sorted(prep.aliases.items()):  # tied keys: the same bytes, listed under both names
+        t = tensors[target]
+        tensors[alias] = TensorEntry(t.dtype, t.shape, [ShardEntry(s.region, s.file, s.offset, s.length, s.checksum)
+                                                        for s in t.shards])
     objects: dict[str, ObjectEntry] = {}
     for key, data in merge_globals([r["ok"]["globals"] for r in results]).items():
         objects[key] = ObjectEntry(data=data, checksum=crc32(data))

@@ -68,7 +68,8 @@ def test_fsdp_tp_saved_on_4_loads_on_other_layouts_bitwise(tmp_path, src):
     run_ranks(4, _save, out, src, "ckpt")
     m = ckpt.inspect(os.path.join(out, "ckpt"))
     assert "model.up.weight" in m.tensors and "optim.state.up.weight.exp_avg" in m.tensors
-    for dst in (["dp2", "dp3", "single", "dp1_tp4", "tp2"] if src == "dp2_tp2" else ["dp2", "dp2_tp2"]):
+    targets = ["dp2", "dp3", "single", "dp1_tp4", "tp2"] if src == "dp2_tp2" else ["dp2", "dp3", "single", "dp2_tp2"]
+    for dst in targets:
         run_ranks(_world(dst), _load, out, dst, "ckpt")
 
 
@@ -117,11 +118,11 @@ def test_partial_placement_is_refused_naming_the_tensor(tmp_path):
     run_ranks(2, _partial, str(tmp_path / "p"))
 
 
-def _tied(rank: int, world: int, out: str, save: bool) -> None:
-    names = ("dp",) if world > 1 else ()
-    shape = (world,) if world > 1 else ()
-    model, opt = F.build(shape, names, train=save, tie=True)
-    assert model.out.weight is model.emb.weight
+def _tied(rank: int, world: int, out: str, save: bool, layout: str = "", tie: bool = True) -> None:
+    names = LAYOUTS[layout][1] if layout else (("dp",) if world > 1 else ())
+    shape = LAYOUTS[layout][0] if layout else ((world,) if world > 1 else ())
+    model, opt = F.build(shape, names, train=save, tie=tie)
+    assert (model.out.weight is model.emb.weight) == tie
     sd = F.state(model, opt, flatten_optimizer_state_dict=True)
     if save:
         ckpt.save(sd, out)
@@ -129,9 +130,25 @@ def _tied(rank: int, world: int, out: str, save: bool) -> None:
         if rank == 0:
             torch.save(ref, out + ".ref.pt")
         return
-    got = ckpt.load(sd, out)
-    F.equal(F.full(got), torch.load(out + ".ref.pt"))
-    assert torch.equal(F.full(model.out.weight), F.full(model.emb.weight))  # still one tensor, loaded once
+    ref = torch.load(out + ".ref.pt")
+    if tie:
+        F.equal(F.full(ckpt.load(sd, out)), ref)
+    else:  # an untied model's optimizer has state the tied run never had: load the weights
+        F.equal(F.full(ckpt.load({"model": sd["model"]}, out)), {"model": ref["model"]})
+    # tied: still one tensor, loaded once; untied: both tensors hold the saved values
+    assert torch.equal(F.full(model.out.weight), ref["model"]["emb.weight"])
+    assert torch.equal(F.full(model.emb.weight), ref["model"]["emb.weight"])
+
+
+def _shared_bytes(url: str) -> None:
+    m = ckpt.inspect(url)
+    emb, out = m.tensors["model.emb.weight"], m.tensors["model.out.weight"]
+    where = {(s.file, s.offset, s.length, s.checksum) for s in emb.shards}
+    assert where == {(s.file, s.offset, s.length, s.checksum) for s in out.shards}  # saved once
+    stored = {(s.file, s.offset, s.length) for t in m.tensors.values() for s in t.shards}
+    # every byte range is stored once: the alias adds none
+    assert sum(n for _, _, n in stored) == sum(t.nbytes for t in m.tensors.values()) - out.nbytes
+    assert ckpt.verify(url, deep=True).ok
 
 
 def test_tied_embedding_and_flattened_optimizer_state(tmp_path):
@@ -140,4 +157,30 @@ def test_tied_embedding_and_flattened_optimizer_state(tmp_path):
     m = ckpt.inspect(url)
     assert "model.out.weight" in m.tensors and "model.emb.weight" in m.tensors
     assert any(k.startswith("optim.state.emb.weight") for k in m.tensors)  # flattened optimizer keys
+    _shared_bytes(url)
     run_ranks(1, _tied, url, False)
+
+
+def test_tied_weights_on_a_2d_mesh_save_once_and_load_tied_or_untied(tmp_path):
+    url = str(tmp_path / "tied2d")
+    run_ranks(4, _tied, url, True, "dp2_tp2")
+    _shared_bytes(url)
+    run_ranks(2, _tied, url, False, "dp2")                # tied on another mesh
+    run_ranks(3, _tied, url, False, "dp3", False)         # into an untied model: both keys filled
+
+
+def _half_tied(rank: int, world: int, out: str) -> None:
+    w = torch.arange(12.0).reshape(3, 4)
+    # rank 0 ties the two keys, rank 1 holds two separate (equal) copies: stored twice, nothing lost
+    state = {"a": w, "b": w if rank == 0 else w.clone()}
+    m = ckpt.save(state, out)
+    if rank == 0:
+        where = [{(s.file, s.offset) for s in m.tensors[k].shards} for k in ("a", "b")]
+        assert where[0] != where[1]
+    a, b = torch.zeros(3, 4), torch.zeros(3, 4)
+    ckpt.load({"a": a, "b": b}, out)
+    assert torch.equal(a, w) and torch.equal(b, w)
+
+
+def test_a_key_tied_on_one_rank_only_is_stored_apart(tmp_path):
+    run_ranks(2, _half_tied, str(tmp_path / "half"))
