@@ -11,7 +11,8 @@ from ckpt import stateful
 from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError
-from ckpt.formats.msgpack_codec import decode_manifest, decode_object
+from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest
+from ckpt.formats.sources import LOOKED_FOR, foreign_manifest
 from ckpt.io import default_workers, read_gap, run_read_plan, verify_shards
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, plan_load
@@ -48,8 +49,13 @@ def fetch_manifest(storage: Storage | None, comm: Comm | None = None, *, manifes
         try:
             assert storage is not None, "fetch_manifest: no storage and no failure"
             if storage.size(MANIFEST_NAME) is None:
-                raise ManifestError(f"{storage.url}: no committed checkpoint here ({MANIFEST_NAME} is missing); "
-                                    "the save may not have finished (see `ckpt ls`)")
+                # another tool's checkpoint (DCP, DeepSpeed) is read in place through a manifest
+                # describing its files; the bytes travel like ours, the format name beside them
+                foreign = foreign_manifest(storage)
+                if foreign is not None:
+                    return {"ok": encode_manifest(foreign), "src": foreign.source_format}
+                raise ManifestError(f"{storage.url}: no committed checkpoint here (looked for {LOOKED_FOR}); if it "
+                                    "is a ckpt save, it may not have finished (see `ckpt ls`)")
             return {"ok": storage.read_file(MANIFEST_NAME)}
         except Exception as e:  # noqa: BLE001 - any failure reaches every rank, typed, naming this one
             mine.append(e)
@@ -68,7 +74,9 @@ def fetch_manifest(storage: Storage | None, comm: Comm | None = None, *, manifes
     if "err" in payload:
         raise_payload(payload, mine[0] if mine else None)  # the original chained on its own rank
     url = storage.url if storage is not None else "?"
-    return decode_manifest(payload["ok"], url=f"{url}/{MANIFEST_NAME}")
+    m = decode_manifest(payload["ok"], url=f"{url}/{MANIFEST_NAME}")
+    m.source_format = str(payload.get("src", "ckpt"))
+    return m
 
 
 def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = True, verify: bool = False,
@@ -217,7 +225,9 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
                 check_tiling(req.key, tuple(t.shape), [s.region for s in t.shards])
             except LayoutError as e:
                 raise IntegrityError(f"{e}; the manifest is corrupted, nothing was loaded") from None
-        phases["bytes_verified"] = verify_shards(storage, manifest, requests, workers=workers)
+        # a foreign source (DCP, DeepSpeed) records no checksums: structure and sizes are all there is
+        phases["bytes_verified"] = (verify_shards(storage, manifest, requests, workers=workers)
+                                    if manifest.source_format == "ckpt" else 0)
         phases["verify"] = time.perf_counter() - t1
         t1 = time.perf_counter()
     run_read_plan(storage, plan, targets, [r.dtype for r in requests], workers=workers, map_files=True)

@@ -182,6 +182,9 @@ class Manifest:
     stats: dict[str, Any] | None = None
     data_format: str = "safetensors"  # or "zarr" (docs/FORMAT.md)
     partial: bool = False  # not stored: a non-coordinator rank's view of a save (its own pieces only)
+    # not stored: where the manifest came from: "ckpt", or a foreign format read in place ("dcp",
+    # "deepspeed"; ckpt.formats.sources), whose shards carry no checksums
+    source_format: str = "ckpt"
     _file_list: list[str] | None = field(default=None, repr=False, compare=False)  # as decoded (columns index it)
 
     @property

@@ -17,12 +17,12 @@ StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option k
 def require_checkpoint(url: str, opts: dict) -> None:
     """ManifestError when ``url`` holds no manifest (saying so when the path does not exist at all)."""
     from ckpt.errors import ManifestError
-    from ckpt.manifest import MANIFEST_NAME
+    from ckpt.formats.sources import LOOKED_FOR, detect
     from ckpt.storage import get_storage
 
     st = get_storage(url, **opts)
     try:
-        if st.size(MANIFEST_NAME) is not None:
+        if detect(st) is not None:  # ours, or a DCP / DeepSpeed checkpoint read in place
             return
         root = getattr(st, "root", None)
     finally:
@@ -30,8 +30,8 @@ def require_checkpoint(url: str, opts: dict) -> None:
     if isinstance(root, str) and "://" not in url and not os.path.exists(root):
         raise ManifestError(f"{url}: no such file or directory, so no committed checkpoint here; pass the "
                             "checkpoint's directory")
-    raise ManifestError(f"{url}: no committed checkpoint here ({MANIFEST_NAME} is missing); the save may not have "
-                        "finished (see `ckpt ls` of its parent)")
+    raise ManifestError(f"{url}: no committed checkpoint here (looked for {LOOKED_FOR}); a ckpt save may not "
+                        "have finished (see `ckpt ls` of its parent)")
 
 
 @handle_errors

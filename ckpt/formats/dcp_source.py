@@ -1,0 +1,195 @@
+"""A torch.distributed.checkpoint (DCP) directory as a ckpt source: its chunks become ckpt shards.
+
+DCP writes ``.metadata`` (a pickle of ``Metadata``: per key a ``TensorStorageMetadata`` with the
+chunks' offsets and sizes, or a ``BytesStorageMetadata``; per chunk a ``_StorageInfo`` naming the
+``__<rank>_<n>.distcp`` file and the byte range of the item) and data files in which each item is
+a ``torch.save`` blob (a zip whose ``data/0`` entry holds the tensor's raw bytes, stored, not
+compressed). :func:`dcp_manifest` reads ``.metadata`` with the restricted unpickler
+(:mod:`ckpt.formats.safe_pickle`: no code from the file runs), finds inside each blob the exact
+byte range of the tensor's elements, and returns a ckpt :class:`~ckpt.manifest.Manifest` whose
+shards point at those ranges. The load planner then reads only the bytes each rank needs, resharded
+into any layout, exactly as for a ckpt checkpoint. DCP records no checksums: such a source is
+checked for structure and sizes only (``Manifest.source_format`` says where it came from).
+
+Non-tensor values (DCP's bytes items) are ``torch.save`` blobs too; they come back as objects when
+the restricted unpickler accepts them and msgpack can hold them, else as the blob's raw bytes
+(listed in ``user_metadata["source"]["raw_objects"]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ckpt.checksum import crc32
+from ckpt.dtypes import dtype_name, itemsize
+from ckpt.errors import CheckpointError, ManifestError
+from ckpt.formats import torch_pickle as safe_pickle
+from ckpt.formats.msgpack_codec import encode_object
+from ckpt.manifest import Manifest, ObjectEntry, ShardEntry, TensorEntry, check_relpath
+from ckpt.shards import Box
+from ckpt.storage import Storage
+
+METADATA_NAME = ".metadata"
+MAX_METADATA_BYTES = 1 << 30  # a pickle this large is not a DCP metadata file we should trust
+
+
+def is_dcp(storage: Storage) -> bool:
+    """Whether ``storage`` holds a DCP checkpoint (its ``.metadata`` file)."""
+    return storage.size(METADATA_NAME) is not None
+
+
+def reader(storage: Storage, path: str) -> Callable[[int, int], bytes]:
+    """``read(offset, nbytes)`` of one file of ``storage`` (what :mod:`safe_pickle` reads through)."""
+
+    def read(offset: int, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        storage.read_into(path, offset, memoryview(buf))
+        return bytes(buf)
+
+    return read
+
+
+def read_metadata(storage: Storage) -> Any:
+    """DCP's ``Metadata`` object, unpickled with the DCP allowlist only."""
+    what = f"{storage.url}/{METADATA_NAME}"
+    size = storage.size(METADATA_NAME)
+    if size is None:
+        raise ManifestError(f"{what}: missing; not a DCP checkpoint")
+    if size > MAX_METADATA_BYTES:
+        raise ManifestError(f"{what}: {size} bytes; refusing a DCP metadata file over 1 GiB")
+    md = safe_pickle.loads(storage.read_file(METADATA_NAME), what=what, extra=safe_pickle.DCP_GLOBALS)
+    if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
+        raise ManifestError(f"{what}: does not hold DCP's Metadata (got {type(md).__name__})")
+    return md
+
+
+def _storage_index(md: Any, what: str) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+    """``(key, chunk offsets or None for bytes items) -> _StorageInfo``."""
+    out: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    for idx, info in (md.storage_data or {}).items():
+        offset = tuple(int(o) for o in idx.offset) if getattr(idx, "offset", None) is not None else None
+        out[(str(idx.fqn), offset)] = info
+        if getattr(info, "transform_descriptors", None):
+            raise ManifestError(
+                f"{what}: {idx.fqn!r} was written with DCP transform(s) {list(info.transform_descriptors)} "
+                "(e.g. compression), which ckpt does not decode; load it with torch.distributed.checkpoint "
+                "and save it again without transforms")
+    return out
+
+
+def _locate(read: Callable[[int, int], bytes], info: Any, key: str, dtype: torch.dtype,
+            sizes: tuple[int, ...], what: str) -> tuple[int, int]:
+    """The absolute ``(offset, length)`` of one chunk's elements inside its item's bytes."""
+    nbytes = itemsize(dtype) * _numel(sizes)
+    head = read(int(info.offset), 4) if info.length >= 4 else b""
+    if head != b"PK\x03\x04":
+        # DCP's raw serialization (no torch.save wrapper): the item is exactly the elements
+        if int(info.length) != nbytes:
+            raise ManifestError(f"{what}: {key!r} chunk at {list(sizes)}: item of {info.length} bytes is neither a "
+                                f"torch.save blob nor the {nbytes} raw bytes of its elements")
+        return int(info.offset), nbytes
+    z = safe_pickle.load_torch(read, int(info.offset), int(info.length), what=f"{what} ({key!r})")
+    refs = z.tensors()
+    if len(refs) != 1:
+        raise ManifestError(f"{what}: {key!r}: the item holds {len(refs)} tensors, DCP writes one")
+    ref = refs[0][1]
+    if ref.dtype != dtype or tuple(ref.shape) != tuple(sizes) or not ref.contiguous:
+        raise ManifestError(f"{what}: {key!r}: the stored chunk is {ref.dtype} {list(ref.shape)} "
+                            f"(contiguous: {ref.contiguous}), the metadata says {dtype} {list(sizes)}")
+    offset, length = ref.byte_range()
+    if length != nbytes or not (info.offset <= offset and offset + length <= info.offset + info.length):
+        raise ManifestError(f"{what}: {key!r}: tensor bytes [{offset}, {offset + length}) fall outside the item "
+                            f"[{info.offset}, {info.offset + info.length})")
+    return offset, length
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= int(s)
+    return n
+
+
+def _object(read: Callable[[int, int], bytes], info: Any, key: str, what: str) -> tuple[bytes, bool]:
+    """An object item as ckpt object bytes (msgpack), and whether it had to be kept raw."""
+    raw = read(int(info.offset), int(info.length))
+    try:
+        z = safe_pickle.load_torch(read, int(info.offset), int(info.length), what=f"{what} ({key!r})")
+        if not z.tensors():
+            return encode_object(z.obj, key=key), False
+    except CheckpointError:
+        pass  # not a torch.save blob we may read, or a value msgpack cannot hold: keep the bytes
+    return encode_object(raw, key=key), True
+
+
+def dcp_manifest(storage: Storage, *, workers: int = 8) -> Manifest:
+    """A ckpt manifest describing the DCP checkpoint in ``storage`` (no data is copied).
+
+    Raises:
+        ManifestError: ``.metadata`` is missing, not DCP's, refers to missing files or ranges outside
+            them, or uses DCP transforms; a global outside the allowlist stops the read (IntegrityError).
+    """
+    what = storage.url
+    md = read_metadata(storage)
+    index = _storage_index(md, f"{what}/{METADATA_NAME}")
+    files: dict[str, int] = {}
+    for info in index.values():
+        path = check_relpath(str(info.relative_path), f"{what}/{METADATA_NAME}")
+        if path not in files:
+            size = storage.size(path)
+            if size is None:
+                raise ManifestError(f"{what}: data file {path!r} named by {METADATA_NAME} is missing")
+            files[path] = size
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > files[path]:
+            raise ManifestError(f"{what}/{path}: item [{info.offset}, {info.offset + info.length}) lies beyond the "
+                                f"file's {files[path]} bytes (truncated?)")
+    jobs: list[tuple[str, int, Box, Any, torch.dtype]] = []
+    tensors: dict[str, TensorEntry] = {}
+    object_keys: list[str] = []
+    for key, meta in md.state_dict_metadata.items():
+        key = str(key)
+        if type(meta).__name__ == "BytesStorageMetadata":
+            object_keys.append(key)
+            continue
+        dtype = meta.properties.dtype
+        shape = tuple(int(s) for s in meta.size)
+        tensors[key] = TensorEntry(dtype_name(dtype, key=key), shape, [])
+        for n, chunk in enumerate(meta.chunks):
+            offsets = tuple(int(o) for o in chunk.offsets)
+            info = index.get((key, offsets))
+            if info is None:
+                raise ManifestError(f"{what}/{METADATA_NAME}: {key!r} chunk at {list(offsets)} has no storage entry")
+            jobs.append((key, n, Box(offsets, tuple(int(s) for s in chunk.sizes)), info, dtype))
+
+    def locate(job: tuple[str, int, Box, Any, torch.dtype]) -> ShardEntry:
+        key, _, box, info, dtype = job
+        path = str(info.relative_path)
+        if box.numel == 0:
+            return ShardEntry(box, path, 0, 0)
+        offset, length = _locate(reader(storage, path), info, key, dtype, box.lengths, f"{what}/{path}")
+        return ShardEntry(box, path, offset, length)
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:  # a few small reads per chunk: overlap them
+        shards = list(pool.map(locate, jobs))
+    for (key, _, _, _, _), shard in zip(jobs, shards, strict=True):
+        tensors[key].shards.append(shard)
+    objects: dict[str, ObjectEntry] = {}
+    raw_keys: list[str] = []
+    for key in object_keys:
+        info = index.get((key, None))
+        if info is None:
+            raise ManifestError(f"{what}/{METADATA_NAME}: object {key!r} has no storage entry")
+        data, raw = _object(reader(storage, str(info.relative_path)), info, key, f"{what}/{info.relative_path}")
+        objects[key] = ObjectEntry(data=data, checksum=crc32(data))
+        if raw:
+            raw_keys.append(key)
+    source: dict[str, Any] = {"format": "dcp", "version": str(getattr(md, "version", None) or "")}
+    if raw_keys:
+        source["raw_objects"] = raw_keys
+    m = Manifest(tensors=tensors, objects=objects, files=files, world_size=1, user_metadata={"source": source})
+    m.source_format = "dcp"
+    return m

@@ -1,0 +1,73 @@
+"""Checkpoints of other tools read in place: which format a directory holds, and its manifest.
+
+``ckpt.load``, ``inspect``, ``verify``, ``reshard``, ``diff``, ``export-hf`` and ``ckpt import``
+all take their manifest from :func:`ckpt.load.fetch_manifest`, which asks :func:`foreign_manifest`
+when a directory has no ``manifest.msgpack``: a DCP checkpoint (torchtitan, FSDP2 scripts,
+Megatron-Core's ``torch_dist``) or a DeepSpeed ZeRO checkpoint is described as a ckpt manifest whose
+shards are byte ranges inside the original files, so nothing is converted before it is read.
+"""
+
+from __future__ import annotations
+
+from ckpt.errors import ManifestError
+from ckpt.manifest import MANIFEST_NAME, Manifest
+from ckpt.storage import Storage
+
+# ZeRO-1/2 write mp_rank_00_model_states.pt; ZeRO-3 one zero_pp_rank_<r>_mp_rank_00_model_states.pt per rank
+DS_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+LOOKED_FOR = (f"{MANIFEST_NAME} (ckpt), .metadata (torch.distributed.checkpoint / torchtitan / Megatron-Core "
+              "torch_dist), latest or *_optim_states.pt (DeepSpeed ZeRO)")
+
+
+def deepspeed_root(storage: Storage) -> str | None:
+    """The DeepSpeed tag directory inside ``storage`` ("" for the directory itself), or None.
+
+    DeepSpeed's ``save_checkpoint(dir)`` writes ``dir/latest`` (the newest tag) and
+    ``dir/<tag>/mp_rank_00_model_states.pt`` (+ ``*_optim_states.pt``); either directory is accepted.
+    Only these names are probed: a large directory is never listed.
+    """
+    if any(storage.size(name) is not None for name in DS_MODEL_STATES):
+        return ""
+    if storage.size("latest") is not None and (storage.size("latest") or 0) < 4096:
+        tag = storage.read_file("latest").decode("utf-8", "replace").strip()
+        if tag and "/" not in tag and tag not in (".", "..") and any(
+                storage.size(f"{tag}/{name}") is not None for name in DS_MODEL_STATES):
+            return tag
+    return None
+
+
+def detect(storage: Storage) -> str | None:
+    """``"ckpt"``, ``"dcp"``, ``"deepspeed"`` or None: what ``storage`` holds (a few probes, no listing)."""
+    from ckpt.formats import dcp_source
+
+    if storage.size(MANIFEST_NAME) is not None:
+        return "ckpt"
+    if dcp_source.is_dcp(storage):
+        return "dcp"
+    if deepspeed_root(storage) is not None:
+        return "deepspeed"
+    return None
+
+
+def foreign_manifest(storage: Storage) -> Manifest | None:
+    """The manifest of a foreign checkpoint in ``storage``, or None when it holds none we read."""
+    from ckpt.formats import dcp_source
+
+    if dcp_source.is_dcp(storage):
+        return dcp_source.dcp_manifest(storage)
+    tag = deepspeed_root(storage)
+    if tag is not None:
+        import importlib
+
+        from ckpt.storage.local import LocalStorage
+
+        deepspeed = importlib.import_module("ckpt.formats.deepspeed")
+
+        if not isinstance(storage, LocalStorage):
+            raise ManifestError(f"{storage.url}: DeepSpeed checkpoints are read from local directories only; "
+                                "copy it to a local disk first")
+        m = deepspeed.deepspeed_manifest(storage.root, tag=tag or None) if tag else \
+            deepspeed.deepspeed_manifest(storage.root)
+        m.source_format = "deepspeed"
+        return m
+    return None
