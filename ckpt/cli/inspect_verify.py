@@ -106,6 +106,8 @@ def verify_cmd(
     else:
         for p in r.problems:
             console.print(f"[red]{p.kind}[/red]: {p.message}", highlight=False, soft_wrap=True)
+        if r.note:
+            console.print(f"note: {r.note}", highlight=False, markup=False, soft_wrap=True)
         what = "deep " if deep else ""
         if r.ok:
             console.print(f"[green]ok[/green]: {what}verify of {url}: {r.tensors} tensors, {r.shards} shards, "

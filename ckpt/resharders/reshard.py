@@ -266,7 +266,7 @@ class _Rewrite:
         budget = self.budget
         vex: ThreadPoolExecutor | None = None
         verifier: Future[None] | None = None
-        if verify_source:
+        if verify_source and self.source.source_format == "ckpt":  # DCP/DeepSpeed sources have no checksums
             vbytes = min(VERIFY_CHUNK, max(4096, budget // 8))
             budget -= vbytes
             vex = ThreadPoolExecutor(1, "ckpt-reshard-verify")

@@ -1,0 +1,142 @@
+"""DCP checkpoints (made by torch.distributed.checkpoint itself) as ckpt sources: loaded resharded
+by ckpt.load on other layouts, bitwise; bytes items as objects; hostile pickles refused without
+running anything; truncated data files named."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckpt
+from ckpt.errors import IntegrityError, ManifestError
+from tests.dist_utils import run_ranks
+from tests.frameworks import fsdp_tp as F
+
+# dcp.save in one process (no group) warns that it assumes a single process: that is the intent here
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+LAYOUTS = {
+    "dp2_tp2": ((2, 2), ("dp", "tp")),
+    "dp2": ((2,), ("dp",)),
+    "dp3": ((3,), ("dp",)),
+    "tp2": ((2,), ("tp",)),
+    "single": ((), ()),
+}
+
+
+def _dcp_save(rank: int, world: int, out: str, layout: str) -> None:
+    model, opt = F.build(*LAYOUTS[layout])
+    sd = F.state(model, opt, flatten_optimizer_state_dict=True)
+    # torchtitan's shape: model / optimizer (flattened) / lr_scheduler / dataloader (per rank) / train_state
+    sd["lr_scheduler"] = {"last_epoch": 3, "base_lrs": [0.01]}
+    sd["dataloader"] = {f"dp_rank_{rank}": pickle.dumps({"position": 17 + rank})}
+    sd["train_state"] = {"step": 3, "ntokens_seen": 1234}
+    dcp.save(sd, checkpoint_id=os.path.join(out, "dcp"))
+    ref = F.full(sd)
+    if rank == 0:
+        torch.save({"model": ref["model"], "optim": ref["optim"]}, os.path.join(out, "ref.pt"))
+
+
+def _ckpt_load(rank: int, world: int, out: str, layout: str) -> None:
+    model, opt = F.build(*LAYOUTS[layout], train=False)
+    sd = F.state(model, opt, flatten_optimizer_state_dict=True)
+    sd["lr_scheduler"] = None
+    sd["train_state"] = None
+    sd["dataloader"] = {f"dp_rank_{rank}": None} if rank < 4 else {}
+    got = ckpt.load(sd, os.path.join(out, "dcp"))
+    ref = torch.load(os.path.join(out, "ref.pt"))
+    F.equal(F.full({"model": got["model"], "optim": got["optim"]}), ref)
+    assert got["lr_scheduler"] == {"last_epoch": 3, "base_lrs": [0.01]}
+    assert got["train_state"] == {"step": 3, "ntokens_seen": 1234}
+    if rank < 4:  # the per-rank bytes come back as bytes (ckpt never unpickles them)
+        assert pickle.loads(got["dataloader"][f"dp_rank_{rank}"]) == {"position": 17 + rank}
+
+
+@pytest.mark.parametrize("dst", ["dp3", "single", "tp2"])
+def test_fsdp_tp_dcp_checkpoint_loads_resharded_by_ckpt(tmp_path, dst):
+    out = str(tmp_path)
+    run_ranks(4, _dcp_save, out, "dp2_tp2")
+    m = ckpt.inspect(os.path.join(out, "dcp"))
+    assert m.source_format == "dcp" and "model.up.weight" in m.tensors
+    assert all(s.checksum is None for t in m.tensors.values() for s in t.shards)
+    run_ranks(LAYOUTS[dst][0][0] if LAYOUTS[dst][0] else 1, _ckpt_load, out, dst)
+
+
+def _plain_dcp(tmp_path: Path) -> tuple[str, dict[str, object]]:
+    sd: dict[str, object] = {"w": torch.randn(9, 4), "h": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+                             "i": torch.tensor([1, 2, 3], dtype=torch.int64), "e": torch.zeros(0, 2),
+                             "meta": {"name": "x", "epochs": (1, 2)}}
+    url = str(tmp_path / "plain")
+    dcp.save(sd, checkpoint_id=url)
+    return url, sd
+
+
+def test_plain_dcp_round_trips_through_ckpt_load_and_reads_only_what_it_needs(tmp_path):
+    url, sd = _plain_dcp(tmp_path)
+    out = ckpt.load({"w": ckpt.Shard(torch.zeros(3, 4), (9, 4), (3, 0)), "h": torch.zeros(2, 3, dtype=torch.bfloat16),
+                     "i": torch.zeros(3, dtype=torch.int64), "e": torch.zeros(0, 2), "meta": None}, url)
+    assert torch.equal(out["w"].local, sd["w"][3:6])  # type: ignore[index]
+    assert torch.equal(out["h"], sd["h"]) and torch.equal(out["i"], sd["i"])  # type: ignore[arg-type]
+    assert out["meta"] == {"name": "x", "epochs": (1, 2)}
+    r = ckpt.verify(url, deep=True)
+    assert r.ok and "no checksums" in r.note
+
+
+def test_truncated_dcp_data_file_is_named(tmp_path):
+    url, _ = _plain_dcp(tmp_path)
+    data = next(p for p in Path(url).iterdir() if p.suffix == ".distcp")
+    raw = data.read_bytes()
+    data.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ManifestError, match=rf"{data.name}.*beyond the file's .* bytes \(truncated\?\)"):
+        ckpt.load({"w": torch.zeros(9, 4)}, url)
+    r = ckpt.verify(url)
+    assert not r.ok and data.name in r.problems[0].message
+
+
+class _Boom:
+    def __reduce__(self):  # what a hostile checkpoint would do: run a shell command on unpickling
+        return (os.system, (f"touch {self.marker}",))
+
+    marker = ""
+
+
+def test_hostile_dcp_metadata_runs_nothing(tmp_path):
+    url, _ = _plain_dcp(tmp_path)
+    marker = tmp_path / "pwned"
+    _Boom.marker = str(marker)
+    meta = Path(url) / ".metadata"
+    md = pickle.loads(meta.read_bytes())  # our own, trusted file: the test builds the hostile one from it
+    md.storage_meta = _Boom()
+    meta.write_bytes(pickle.dumps(md))
+    refused = r"refusing to unpickle global '(posix|os)\.system'.*nothing from the file"
+    with pytest.raises(IntegrityError, match=refused):
+        ckpt.inspect(url)
+    assert not marker.exists()
+    r = ckpt.verify(url)
+    assert not r.ok and ("posix.system" in r.problems[0].message or "os.system" in r.problems[0].message)
+    assert not marker.exists()
+
+
+def test_hostile_bytes_item_is_kept_raw_and_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+    _Boom.marker = str(marker)
+    buf = io.BytesIO()
+    torch.save(_Boom(), buf)  # torch.save pickles the reduce: loading it would run os.system
+    sd = {"w": torch.ones(2), "evil": buf.getvalue()}  # a bytes value holding a hostile torch.save blob
+    url = str(tmp_path / "c")
+    dcp.save(sd, checkpoint_id=url)
+    out = ckpt.load({"w": torch.zeros(2), "evil": None}, url)
+    assert out["evil"] == buf.getvalue() and not marker.exists()
+
+
+def test_not_a_checkpoint_lists_what_was_looked_for(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "notes.txt").write_text("hi")
+    with pytest.raises(ManifestError, match=r"looked for manifest.msgpack .* \.metadata .*DeepSpeed"):
+        ckpt.load({"w": torch.zeros(1)}, str(tmp_path / "x"))
