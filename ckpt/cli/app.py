@@ -10,7 +10,7 @@ import typer
 app = typer.Typer(name="ckpt", help="Parallelism-agnostic checkpoints for PyTorch training.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
-COMMAND_MODULES = ["inspect_verify", "manage", "reshard", "hf", "train"]
+COMMAND_MODULES = ["inspect_verify", "manage", "reshard", "convert", "hf", "train"]
 
 def _version(value: bool) -> None:
     if value:

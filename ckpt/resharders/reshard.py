@@ -69,7 +69,8 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
             progress: Progress | None = None, overwrite: bool = False, verify_source: bool = True,
             verify_resumed: bool = True,
             storage_options: dict[str, Any] | None = None,
-            dst_storage_options: dict[str, Any] | None = None) -> Manifest:
+            dst_storage_options: dict[str, Any] | None = None,
+            source_manifest: Manifest | None = None) -> Manifest:
     """Write a new committed checkpoint at ``dst_url`` holding the checkpoint at ``src_url`` with
     shards that follow layout ``target``; returns the new manifest.
 
@@ -88,6 +89,8 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
             alongside the rewrite); on a mismatch nothing is committed. Without it, corrupted source
             bytes would be copied and given fresh checksums, i.e. hidden from ``ckpt verify``.
         verify_resumed: when resuming, re-hash finished files before keeping them.
+        source_manifest: the source's manifest when the caller built it (``ckpt import`` of a
+            ``torch.save`` file: shards are byte ranges of that file under ``src_url``).
 
     Raises:
         CheckpointExistsError: ``dst_url`` holds a committed checkpoint and ``overwrite`` is False.
@@ -114,7 +117,7 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
         if _location(src) == _location(dst):
             raise StateError(f"{dst_url}: the destination is the source checkpoint; reshard never rewrites in "
                              "place, write to a new location")
-        manifest = fetch_manifest(src)
+        manifest = source_manifest if source_manifest is not None else fetch_manifest(src)
         previous = transaction.begin(dst, overwrite=overwrite)
         foreign = transaction.foreign_files(_listing(dst), previous)
         if foreign:

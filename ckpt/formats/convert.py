@@ -1,0 +1,248 @@
+"""Converters between ckpt and the ecosystem's formats, streaming under a memory budget.
+
+- :func:`import_checkpoint`: a DCP directory (torchtitan, FSDP2, Megatron-Core ``torch_dist``), a
+  DeepSpeed ZeRO directory or a ``torch.save`` file -> a committed ckpt checkpoint, whole tensors or
+  resharded to ``to`` (the offline resharder does the copying: its source is the foreign files'
+  byte ranges, its destination a normal ckpt checkpoint with checksums).
+- :func:`export_dcp`: a ckpt checkpoint (or any source above) -> a DCP directory that
+  ``torch.distributed.checkpoint.load`` reads on any layout; one ``__<r>_0.distcp`` per target rank
+  of ``to`` (or per source data file), each tensor piece a ``torch.save`` blob as DCP writes it.
+
+Nothing from a foreign file is unpickled outside the allowlist (:mod:`ckpt.formats.torch_pickle`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from ckpt.checksum import crc32
+from ckpt.dtypes import dtype_from_name, dtype_name, itemsize
+from ckpt.errors import CheckpointExistsError, ManifestError, StateError
+from ckpt.formats import torch_pickle
+from ckpt.formats.dcp_source import METADATA_NAME, reader
+from ckpt.formats.msgpack_codec import decode_object, encode_object
+from ckpt.io import run_read_plan
+from ckpt.load import fetch_manifest
+from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
+from ckpt.planner import LoadRequest, plan_load
+from ckpt.resharders.chunks import split_region
+from ckpt.resharders.layout import Layout
+from ckpt.resharders.plan import plan as reshard_plan
+from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, Progress, reshard
+from ckpt.resharders.rules import MOE_RULES, RuleSet
+from ckpt.shards import Box, Flat, Region
+from ckpt.storage import Storage, get_storage
+
+
+def torch_save_manifest(storage: Storage, name: str) -> Manifest:
+    """A manifest describing the ``torch.save`` file ``name`` of ``storage`` in place: tensors (nested
+    dict keys joined with ``.``) point at their bytes; other values become objects."""
+    what = f"{storage.url}/{name}"
+    size = storage.size(name)
+    if size is None:
+        raise ManifestError(f"{what}: no such file")
+    z = torch_pickle.load_torch(reader(storage, name), 0, size, what=what)
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, ObjectEntry] = {}
+
+    def walk(v: Any, key: str) -> None:
+        if isinstance(v, dict) and v and all(isinstance(k, (str, int)) for k in v):
+            for k, x in v.items():
+                walk(x, f"{key}.{k}" if key else str(k))
+            return
+        if isinstance(v, torch_pickle.TensorRef):
+            if not v.contiguous:
+                raise ManifestError(f"{what}: tensor {key!r} is stored non-contiguous (strides {list(v.stride)}); "
+                                    "torch.load it, make it contiguous and ckpt.save it instead")
+            offset, length = v.byte_range()
+            whole = Box((0,) * len(v.shape), v.shape)
+            tensors[key or "tensor"] = TensorEntry(dtype_name(v.dtype, key=key), v.shape,
+                                                   [ShardEntry(whole, name, offset, length)])
+            return
+        if any(isinstance(r, torch_pickle.TensorRef) for _, r in torch_pickle.TorchZip(v, what).tensors()):
+            raise ManifestError(f"{what}: {key!r} holds tensors inside a list or tuple; ckpt imports tensors "
+                                "under dict keys (torch.load it and ckpt.save it instead)")
+        data = encode_object(v, key=key or "value")
+        objects[key or "value"] = ObjectEntry(data=data, checksum=crc32(data))
+
+    walk(z.obj, "")
+    m = Manifest(tensors=tensors, objects=objects, files={name: size},
+                 user_metadata={"source": {"format": "torch.save", "file": name}})
+    m.source_format = "torch.save"
+    return m
+
+
+def import_checkpoint(src: str, dst: str, *, to: Layout | None = None, rules: RuleSet = MOE_RULES,
+                      memory_budget: int = DEFAULT_MEMORY_BUDGET, workers: int = 2, progress: Progress | None = None,
+                      overwrite: bool = False, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Convert a DCP / DeepSpeed directory or a ``torch.save`` file at ``src`` into a committed ckpt
+    checkpoint at ``dst`` (whole tensors, or resharded to ``to`` with ``rules``), streaming.
+
+    Raises:
+        ManifestError: ``src`` is none of those formats (the message lists what was looked for), or
+            already a ckpt checkpoint (use ``ckpt reshard``).
+        IntegrityError: a pickle names a global outside the allowlist, or a file is damaged.
+    """
+    manifest: Manifest | None = None
+    src_dir = src
+    if "://" not in src and os.path.isfile(src):
+        src_dir, name = os.path.split(os.path.abspath(src))
+        st = get_storage(src_dir)
+        try:
+            manifest = torch_save_manifest(st, name)
+        finally:
+            st.close()
+    else:
+        st = get_storage(src, **(storage_options or {}))
+        try:
+            if st.size(MANIFEST_NAME) is not None:
+                raise ManifestError(f"{src}: already a ckpt checkpoint; use `ckpt reshard` to change its layout")
+            manifest = fetch_manifest(st)
+        finally:
+            st.close()
+    return reshard(src_dir, dst, to or Layout(), rules=rules, memory_budget=memory_budget, workers=workers,
+                   progress=progress, overwrite=overwrite, storage_options=storage_options,
+                   source_manifest=manifest)
+
+
+def _pieces(manifest: Manifest, to: Layout | None, rules: RuleSet) -> dict[int, list[tuple[str, Box]]]:
+    """Target file index -> the (key, box) pieces it stores: the ranks of ``to``, or the source's own
+    shards (flat shards, e.g. ZeRO-1 optimizer state, are stored as their whole tensor or box)."""
+    out: dict[int, list[tuple[str, Box]]] = {}
+    seen: set[tuple[str, Box]] = set()
+
+    def add(f: int, key: str, r: Region, shape: tuple[int, ...]) -> None:
+        box = r if isinstance(r, Box) else (r.box if isinstance(r, Flat) and r.box is not None
+                                            else Box((0,) * len(shape), shape))
+        if (key, box) not in seen:
+            seen.add((key, box))
+            out.setdefault(f, []).append((key, box))
+
+    if to is None:
+        files = {name: i for i, name in enumerate(sorted(manifest.files))}
+        for key, t in sorted(manifest.tensors.items()):
+            for s in t.shards:
+                add(files.get(s.file, 0), key, s.region, t.shape)
+    else:
+        p = reshard_plan(manifest, to, rules)
+        for rp in p.ranks:
+            for key, r in sorted(rp.holds.items()):
+                add(rp.rank, key, r, manifest.tensors[key].shape)
+    return out
+
+
+def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleSet = MOE_RULES,
+               memory_budget: int = DEFAULT_MEMORY_BUDGET, workers: int = 4, progress: Progress | None = None,
+               overwrite: bool = False, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the checkpoint at ``src`` (ckpt, or any source ckpt reads) as a DCP checkpoint in the
+    local directory ``dst_dir``; returns a summary (files, bytes, tensors, objects).
+
+    Pieces larger than a quarter of ``memory_budget`` are written as several DCP chunks, so peak
+    memory stays near the budget. ``.metadata`` is written last (atomically): until then ``dst_dir``
+    is not a DCP checkpoint (with ``overwrite`` the old ``.metadata`` is removed first). Per-rank
+    objects (``ckpt.PerRank``) become ``{rank: value}`` objects.
+
+    Raises:
+        CheckpointExistsError: ``dst_dir`` already holds a DCP checkpoint and ``overwrite`` is False.
+        StateError: ``dst_dir`` holds other files.
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    if "://" in dst_dir:
+        raise StateError(f"{dst_dir}: DCP export writes to a local directory")
+    os.makedirs(dst_dir, exist_ok=True)
+    present = os.listdir(dst_dir)
+    if METADATA_NAME in present and not overwrite:
+        raise CheckpointExistsError(f"{dst_dir}: already holds a DCP checkpoint; pass --overwrite to replace it")
+    stray = [n for n in present if n != METADATA_NAME and not (n.startswith("__") and n.endswith(".distcp"))]
+    if stray:
+        raise StateError(f"{dst_dir}: holds other files ({', '.join(sorted(stray)[:3])}); export to an empty directory")
+    st = get_storage(src, **(storage_options or {}))
+    try:
+        manifest = fetch_manifest(st)
+        pieces = _pieces(manifest, to, rules)
+        if METADATA_NAME in present:
+            # replacing (--overwrite): the old files are rewritten below, so the old .metadata goes first
+            # and nothing claims to be a DCP checkpoint until the new one is complete
+            os.remove(os.path.join(dst_dir, METADATA_NAME))
+        total = sum(b.numel * itemsize(dtype_from_name(manifest.tensors[k].dtype)) for ps in pieces.values()
+                    for k, b in ps)
+        chunk = max(1 << 20, memory_budget // 4)
+        sdm: dict[str, Any] = {}
+        storage_data: dict[Any, Any] = {}
+        done = 0
+        written: dict[str, int] = {}
+        for f in sorted(pieces):
+            rel = f"__{f}_0.distcp"
+            with open(os.path.join(dst_dir, rel + ".tmp"), "wb") as out:
+                for key, box in pieces[f]:
+                    t = manifest.tensors[key]
+                    dtype = dtype_from_name(t.dtype)
+                    md = sdm.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype),
+                                                                   torch.Size(t.shape), []))
+                    parts = [box] if box.numel == 0 else list(split_region(box, max(1, chunk // itemsize(dtype))))
+                    for part in parts:
+                        assert isinstance(part, Box)
+                        value = _read_box(st, manifest, key, part, workers)
+                        offset = out.tell()
+                        torch.save(value, out)
+                        md.chunks.append(ChunkStorageMetadata(torch.Size(part.offsets), torch.Size(part.lengths)))
+                        storage_data[MetadataIndex(key, torch.Size(part.offsets))] = _StorageInfo(
+                            rel, offset, out.tell() - offset)
+                        done += value.numel() * value.element_size()
+                        if progress is not None:
+                            progress(done, total)
+                if f == min(pieces) or not pieces:
+                    for key, o in sorted(manifest.objects.items()):
+                        obj = ({r: decode_object(b, key=key) for r, b in o.per_rank.items()}
+                               if o.per_rank is not None else decode_object(o.data or b"", key=key))
+                        buf = io.BytesIO()
+                        torch.save(obj, buf)
+                        offset = out.tell()
+                        out.write(buf.getbuffer())
+                        sdm[key] = BytesStorageMetadata()
+                        storage_data[MetadataIndex(key)] = _StorageInfo(rel, offset, out.tell() - offset)
+                out.flush()
+                os.fsync(out.fileno())
+                written[rel] = out.tell()
+            os.replace(os.path.join(dst_dir, rel + ".tmp"), os.path.join(dst_dir, rel))
+        # planner_data: the nesting DCP's own planners rebuild for an empty target (keys split on ".")
+        meta = Metadata(state_dict_metadata=sdm, planner_data={k: tuple(k.split(".")) for k in sdm},
+                        storage_data=storage_data, version="1.0.0")
+        tmp = os.path.join(dst_dir, METADATA_NAME + ".tmp")
+        with open(tmp, "wb") as mf:
+            pickle.dump(meta, mf)
+            mf.flush()
+            os.fsync(mf.fileno())
+        os.replace(tmp, os.path.join(dst_dir, METADATA_NAME))
+        for n in present:  # files of a replaced export that this one did not rewrite
+            if n != METADATA_NAME and n not in written:
+                os.remove(os.path.join(dst_dir, n))
+        return {"dst": dst_dir, "files": len(written), "bytes": sum(written.values()), "tensor_bytes": done,
+                "tensors": len([k for k in sdm if k in manifest.tensors]), "objects": len(manifest.objects)}
+    finally:
+        st.close()
+
+
+def _read_box(storage: Storage, manifest: Manifest, key: str, box: Box, workers: int) -> torch.Tensor:
+    """The elements of ``box`` of tensor ``key``, read with the load planner (only the bytes needed)."""
+    t = manifest.tensors[key]
+    out = torch.empty(box.lengths, dtype=dtype_from_name(t.dtype))
+    if box.numel:
+        plan = plan_load(manifest, [LoadRequest(key, t.dtype, t.shape, box)], contiguous_targets=[True])
+        run_read_plan(storage, plan, [out], [t.dtype], workers=workers)
+    return out
+
