@@ -108,13 +108,31 @@ class _Buffers(threading.local):
     buf: torch.Tensor | None = None
 
 
-def _typed(buf: torch.Tensor, off: int, dtype: torch.dtype, isz: int) -> torch.Tensor:
-    n = (buf.numel() - off) // isz
+def _typed(buf: torch.Tensor, off: int, dtype: torch.dtype, isz: int, n: int | None = None) -> torch.Tensor:
+    """``n`` elements (default: as many as fit) of ``dtype`` at byte ``off`` of ``buf``; a copy of
+    just those bytes when they are not aligned for the dtype (other tools' files, e.g. DCP's
+    torch.save items, do not align tensor data within the file)."""
+    n = (buf.numel() - off) // isz if n is None else n
     raw = buf[off : off + n * isz]
     try:
         return raw.view(dtype)
-    except RuntimeError:  # misaligned for this dtype: pay one copy
+    except RuntimeError:  # misaligned for this dtype: pay one copy of these bytes
         return raw.clone().view(dtype)
+
+
+def _strided(buf: torch.Tensor, c: StridedCopy, t: torch.Tensor, isz: int) -> None:
+    """One strided block copy from ``buf`` into target ``t``. Misaligned source bytes whose rows
+    are contiguous are copied as bytes (no staging copy); others through :func:`_typed`."""
+    box = tuple(slice(o, o + n) for o, n in zip(c.dst_offsets, c.lengths, strict=True))
+    dst = t[box] if t.dim() else t
+    if (buf.storage_offset() + c.buf_offset) % isz and c.lengths and c.src_strides[-1] == 1 \
+            and dst.dim() and dst.stride(-1) == 1 and 0 not in c.lengths:
+        lengths = (*c.lengths[:-1], c.lengths[-1] * isz)
+        src = torch.as_strided(buf[c.buf_offset:], lengths, (*(s * isz for s in c.src_strides[:-1]), 1))
+        dst.view(torch.uint8).copy_(src)
+        return
+    span = 1 + sum((n - 1) * s for n, s in zip(c.lengths, c.src_strides, strict=True)) if 0 not in c.lengths else 0
+    dst.copy_(torch.as_strided(_typed(buf, c.buf_offset, t.dtype, isz, span), c.lengths, c.src_strides))
 
 
 # A mapped op's unneeded bytes are never copied and, warm, barely touched (the kernel maps a few
@@ -175,9 +193,7 @@ def _copy_out(buf: torch.Tensor, op: ReadOp, targets: list[torch.Tensor], isz: l
     for c in op.copies:
         t = targets[c.target]
         if isinstance(c, StridedCopy):
-            src = torch.as_strided(_typed(buf, c.buf_offset, t.dtype, isz[c.target]), c.lengths, c.src_strides)
-            box = tuple(slice(o, o + n) for o, n in zip(c.dst_offsets, c.lengths, strict=True))
-            (t[box] if t.dim() else t).copy_(src)
+            _strided(buf, c, t, isz[c.target])
         else:
             _segments(buf, c, t, isz[c.target])
 
@@ -251,8 +267,15 @@ def run_read_plan(storage: Storage, plan: ReadPlan, targets: list[torch.Tensor],
 
 def _segments(buf: torch.Tensor, c: SegmentCopy, t: torch.Tensor, isz: int) -> None:
     flat = t.view(-1)
+    offsets = c.buf_offsets.tolist()
+    if (buf.storage_offset() + (offsets[0] if offsets else 0)) % isz or any(b % isz for b in offsets):
+        # bytes not aligned for the dtype (another tool's file): copy each segment as bytes
+        fb = flat.view(torch.uint8) if flat.numel() else flat
+        for b, d, n in zip(offsets, c.dst_offsets.tolist(), c.lengths.tolist(), strict=True):
+            fb[d * isz : (d + n) * isz].copy_(buf[b : b + n * isz])
+        return
     typed = _typed(buf, 0, t.dtype, isz)
-    for b, d, n in zip(c.buf_offsets.tolist(), c.dst_offsets.tolist(), c.lengths.tolist(), strict=True):
+    for b, d, n in zip(offsets, c.dst_offsets.tolist(), c.lengths.tolist(), strict=True):
         flat[d : d + n].copy_(typed[b // isz : b // isz + n])
 
 
@@ -352,9 +375,6 @@ class ScratchReader:
             for c in op.copies:
                 t = targets[c.target]
                 if isinstance(c, StridedCopy):
-                    src = torch.as_strided(_typed(buf, c.buf_offset, t.dtype, isz[c.target]), c.lengths,
-                                           c.src_strides)
-                    box = tuple(slice(o, o + n) for o, n in zip(c.dst_offsets, c.lengths, strict=True))
-                    (t[box] if t.dim() else t).copy_(src)
+                    _strided(buf, c, t, isz[c.target])
                 else:
                     _segments(buf, c, t, isz[c.target])

@@ -126,7 +126,7 @@ def _object(read: Callable[[int, int], bytes], info: Any, key: str, what: str) -
     return encode_object(raw, key=key), True
 
 
-def dcp_manifest(storage: Storage, *, workers: int = 8) -> Manifest:
+def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
     """A ckpt manifest describing the DCP checkpoint in ``storage`` (no data is copied).
 
     Raises:

@@ -16,6 +16,7 @@ and ``byteorder`` are read. The allowlists are documented in docs/RELIABILITY.md
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import math
@@ -114,6 +115,9 @@ class Stub:
     loss scaler): records the constructor arguments and state, runs nothing."""
 
     qualname = "?"
+    args: tuple[Any, ...] = ()  # class defaults: NEWOBJ makes instances without calling __init__
+    kwargs: dict[str, Any] = {}  # noqa: RUF012 - never mutated
+    state: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args, self.kwargs, self.state = args, kwargs, None
@@ -202,11 +206,14 @@ def _resolve(name: str) -> Any:
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, what: str, allowed: dict[str, Any],
-                 storages: dict[str, tuple[int, int]] | None = None):
+                 storages: dict[str, tuple[int, int | None]] | None = None, partial: bool = False, limit: int = 0):
         super().__init__(io.BytesIO(data))
-        self.what, self.allowed, self.storages = what, allowed, storages
+        self.what, self.allowed, self.storages, self.partial = what, allowed, storages, partial
+        self.limit = limit  # the item's end: no storage may reach past it
 
     def find_class(self, module: str, name: str) -> Any:
+        # protocol-2 pickles (torch.save's default) use Python 2 module names for builtins
+        module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
         full = f"{module}.{name}"
         if full not in self.allowed:
             raise IntegrityError(f"{self.what}: refusing to unpickle global {full!r}: it is not on ckpt's allowlist "
@@ -220,12 +227,18 @@ class _Unpickler(pickle.Unpickler):
         if not isinstance(stype, _StorageType):
             raise pickle.UnpicklingError(f"storage type {stype!r}")
         if str(key) not in self.storages:
+            if self.partial:
+                raise _MissingStorage
             raise pickle.UnpicklingError(f"storage record data/{key} is missing from the archive")
-        offset, nbytes = self.storages[str(key)]
+        offset, size = self.storages[str(key)]
+        nbytes = int(_numel) * stype.dtype.itemsize
+        if (size is not None and size < nbytes) or offset + nbytes > self.limit:
+            raise pickle.UnpicklingError(f"storage data/{key} of {nbytes} bytes at {offset} does not fit its record")
         return _StorageRef(str(key), stype.dtype, offset, nbytes)
 
 
-def _allowed(extra: Iterable[str], stubs: Iterable[str]) -> dict[str, Any]:
+@functools.lru_cache(maxsize=64)
+def _allowed_cached(extra: tuple[str, ...], stubs: tuple[str, ...]) -> dict[str, Any]:
     allowed = _base_globals()
     for name in extra:
         allowed[name] = _resolve(name)
@@ -234,10 +247,16 @@ def _allowed(extra: Iterable[str], stubs: Iterable[str]) -> dict[str, Any]:
     return allowed
 
 
-def _unpickle(data: bytes, what: str, allowed: dict[str, Any], storages: dict[str, tuple[int, int]] | None) -> Any:
+def _allowed(extra: Iterable[str], stubs: Iterable[str]) -> dict[str, Any]:
+    """The allowlist for one read (built once per (extra, stubs) and shared: nothing mutates it)."""
+    return _allowed_cached(tuple(extra), tuple(stubs))
+
+
+def _unpickle(data: bytes, what: str, allowed: dict[str, Any],
+              storages: dict[str, tuple[int, int | None]] | None, partial: bool = False, limit: int = 0) -> Any:
     try:
-        return _Unpickler(data, what, allowed, storages).load()
-    except IntegrityError:
+        return _Unpickler(data, what, allowed, storages, partial, limit).load()
+    except (IntegrityError, _MissingStorage):
         raise
     except Exception as e:  # noqa: BLE001 - any malformed pickle is the file's problem, typed
         raise IntegrityError(f"{what}: cannot read the pickle ({type(e).__name__}: {e}); the file is damaged "
@@ -352,30 +371,92 @@ def _entry(read: Read, start: int, length: int, rec: tuple[int, int, int], name:
     return start + offset, size
 
 
+class _MissingStorage(Exception):
+    """The pickle names a storage record the quick scan did not reach: read the zip directory."""
+
+
+HEAD_BYTES = 4096  # a one-tensor torch.save (a DCP item) has every record header before its data in here
+
+
+def _scan_head(read: Read, start: int, length: int) -> dict[str, tuple[int, int | None]] | None:
+    """Records whose local headers lie in the first HEAD_BYTES: ``name -> (absolute offset, size)``.
+
+    torch writes its zips in streaming mode (sizes in a data descriptor after each record), so a
+    size is known here only where the descriptor is in the buffer too (``data.pkl``, ``byteorder``);
+    a storage record's size then comes from the pickle (its element count) and is bounds-checked.
+    Every header found is checked (name, lengths, descriptor position); anything unexpected returns
+    None and the caller reads the zip's central directory instead. One read, at the item's start:
+    cold, the readahead it starts also brings the tensor's bytes.
+    """
+    buf = read(start, min(length, HEAD_BYTES))
+    out: dict[str, tuple[int, int | None]] = {}
+    pos = 0
+    while pos + 30 <= len(buf) and buf[pos:pos + 4] == _LOCAL:
+        flags, method, csize, _usize, nlen, xlen = struct.unpack_from("<2xHH8xIIHH", buf, pos + 4)
+        if method != 0 or pos + 30 + nlen > len(buf):
+            return None
+        name = buf[pos + 30:pos + 30 + nlen].decode("utf-8", "replace")
+        data = pos + 30 + nlen + xlen
+        if not flags & 8:  # sizes up front
+            out[name] = (start + data, csize)
+            pos = data + csize
+            continue
+        if "/data/" in name:  # the storage itself: its size comes from the pickle; stop here
+            out[name] = (start + data, None)
+            break
+        # a small record followed by its descriptor: PK\x07\x08, crc, csize, usize
+        end = buf.find(b"PK\x07\x08", data)
+        while end >= 0 and end + 16 <= len(buf) and struct.unpack_from("<I", buf, end + 8)[0] != end - data:
+            end = buf.find(b"PK\x07\x08", end + 1)
+        if end < 0 or end + 16 > len(buf):
+            return None
+        out[name] = (start + data, end - data)
+        pos = end + 16
+    return out or None
+
+
 def load_torch(read: Read, start: int, length: int, *, what: str, extra: Iterable[str] = (),
                stubs: Iterable[str] = ()) -> TorchZip:
     """Index the torch.save file in bytes ``[start, start + length)`` (read through ``read(offset,
     nbytes)``) and unpickle its object with the allowlist (see :func:`loads`); tensors come back
-    as :class:`TensorRef`. Reads only the zip directory, ``data.pkl`` and ``byteorder``.
+    as :class:`TensorRef`. Reads the local headers at its start (one read), or, when the records
+    it needs are not all there, the zip directory; then ``data.pkl`` and ``byteorder``.
 
     Raises IntegrityError: not a zip, truncated, a compressed entry, big-endian data, a global
     outside the allowlist, or a malformed pickle.
     """
+    allowed = _allowed(extra, stubs)
+    head = _scan_head(read, start, length)
+    # the quick path still requires the zip's end record where it must be (torch writes no comment):
+    # a truncated file falls through to the directory path, which names the damage
+    if head and length >= 22 and read(start + length - 22, 4) == _EOCD:
+        try:
+            return _from_records(read, head, what, allowed, partial=True, limit=start + length)
+        except _MissingStorage:
+            pass
     directory = _directory(read, start, length, what)
-    pkl = [n for n in directory if n.endswith("/data.pkl") and n.count("/") == 1]
+    records: dict[str, tuple[int, int | None]] = {
+        name: _entry(read, start, length, rec, name, what) for name, rec in directory.items()}
+    return _from_records(read, records, what, allowed, partial=False, limit=start + length)
+
+
+def _from_records(read: Read, records: dict[str, tuple[int, int | None]], what: str, allowed: dict[str, Any],
+                  *, partial: bool, limit: int) -> TorchZip:
+    pkl = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkl) != 1:
+        if partial:
+            raise _MissingStorage
         raise IntegrityError(f"{what}: no data.pkl record in the torch.save archive")
     prefix = pkl[0][: -len("data.pkl")]
-    if f"{prefix}byteorder" in directory:
-        off, size = _entry(read, start, length, directory[f"{prefix}byteorder"], "byteorder", what)
-        if read(off, size).strip() not in (b"little", b""):
+    if f"{prefix}byteorder" in records:
+        off, size = records[f"{prefix}byteorder"]
+        if size is None or read(off, size).strip() not in (b"little", b""):
             raise IntegrityError(f"{what}: big-endian torch.save data is not supported")
-    off, size = _entry(read, start, length, directory[pkl[0]], "data.pkl", what)
-    storages: dict[str, tuple[int, int]] = {}
-    for name, rec in directory.items():
-        if name.startswith(f"{prefix}data/"):
-            storages[name[len(prefix) + 5:]] = _entry(read, start, length, rec, name, what)
-    obj = _unpickle(read(off, size), what, _allowed(extra, stubs), storages)
+    storages = {name[len(prefix) + 5:]: rec for name, rec in records.items() if name.startswith(f"{prefix}data/")}
+    off, size = records[pkl[0]]
+    if size is None:
+        raise _MissingStorage
+    obj = _unpickle(read(off, size), what, allowed, storages, partial, limit)
     return TorchZip(obj, what)
 
 
