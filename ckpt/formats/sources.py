@@ -57,17 +57,11 @@ def foreign_manifest(storage: Storage) -> Manifest | None:
         return dcp_source.dcp_manifest(storage)
     tag = deepspeed_root(storage)
     if tag is not None:
-        import importlib
-
+        from ckpt.formats import deepspeed
         from ckpt.storage.local import LocalStorage
-
-        deepspeed = importlib.import_module("ckpt.formats.deepspeed")
 
         if not isinstance(storage, LocalStorage):
             raise ManifestError(f"{storage.url}: DeepSpeed checkpoints are read from local directories only; "
                                 "copy it to a local disk first")
-        m = deepspeed.deepspeed_manifest(storage.root, tag=tag or None) if tag else \
-            deepspeed.deepspeed_manifest(storage.root)
-        m.source_format = "deepspeed"
-        return m
+        return deepspeed.deepspeed_manifest(storage.root, tag=tag or None)
     return None

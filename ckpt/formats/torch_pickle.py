@@ -170,6 +170,17 @@ def _rebuild_parameter(data: TensorRef, requires_grad: bool = False, backward_ho
     return data
 
 
+_TENSOR_TYPE = object()  # what "torch.Tensor" maps to: only a marker for _rebuild_from_type_v2
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any = None) -> TensorRef:
+    # torch pickles some tensors as _rebuild_from_type_v2(_rebuild_tensor_v2, torch.Tensor, args, state);
+    # only plain tensors rebuilt by our own functions are accepted
+    if new_type is not _TENSOR_TYPE or func not in (_rebuild_tensor, _rebuild_parameter):
+        raise pickle.UnpicklingError("a tensor subclass or an unexpected rebuild function")
+    return func(*args)  # type: ignore[no-any-return]
+
+
 def _base_globals() -> dict[str, Any]:
     allowed: dict[str, Any] = {
         "collections.OrderedDict": OrderedDict,
@@ -189,6 +200,8 @@ def _base_globals() -> dict[str, Any]:
         "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+        "torch.Tensor": _TENSOR_TYPE,
+        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
     }
     for n in _DTYPE_NAMES:
         allowed[f"torch.{n}"] = getattr(torch, n)
