@@ -7,6 +7,7 @@ Subcommands::
     multirank   4 forked gloo ranks: save as Shard(0), resharded load as Shard(1), vs DCP
     fsdp-tp     4 forked gloo ranks: FSDP2 x TP model + AdamW saved, loaded FSDP-only, vs DCP
     dcp-source  a DCP checkpoint (saved on 4 ranks) loaded resharded on 3 by dcp.load and by ckpt.load
+    deepspeed   DeepSpeed ZeRO -> fp32: zero_to_fp32 vs ckpt import, time and peak RSS (needs deepspeed)
     async       async save: blocking, staged, done times and memory vs DCP async_save and others
     s3          S3 (moto on loopback): save, load, quarter loads and bytes requested vs DCP's fsspec reader/writer
     reshard     ckpt reshard between layouts: throughput vs dd, peak RSS vs budget, vs DCP load + save
@@ -27,6 +28,7 @@ from bench import (
     async_bench,
     crash,
     dcp_source,
+    deepspeed_convert,
     fsdp_tp,
     fuzz,
     hashcost,
@@ -44,6 +46,7 @@ COMMANDS = {
     "multirank": (multirank, "4 gloo ranks: DTensor Shard(0) save, Shard(1) load vs DCP"),
     "fsdp-tp": (fsdp_tp, "4 gloo ranks: FSDP2 x TP state saved, loaded as FSDP-only, vs DCP; bytes on disk"),
     "dcp-source": (dcp_source, "a DCP checkpoint saved on 4 ranks, loaded resharded on 3: dcp.load vs ckpt.load"),
+    "deepspeed": (deepspeed_convert, "DeepSpeed ZeRO -> fp32: zero_to_fp32 vs ckpt import, time and peak RSS"),
     "async": (async_bench, "async save: blocking/staged/done vs DCP async_save, torch.save, safetensors"),
     "s3": (s3_bench, "S3 on a loopback moto server: save/load/quarter loads, bytes requested vs DCP fsspec"),
     "reshard": (reshard, "offline reshard (ckpt reshard) throughput and peak RSS vs dd and DCP load+save"),

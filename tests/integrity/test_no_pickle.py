@@ -100,8 +100,24 @@ def violations(path: Path) -> list[str]:
     return out
 
 
+# The two modules that deal in other tools' pickle formats (issue 15), and exactly what each may do:
+# torch_pickle reads them with an allowlisting Unpickler (find_class) whose stand-in class records
+# state (__setstate__); convert writes DCP's format, whose .metadata and items are pickles by
+# definition. Nothing on ckpt's own format paths (test below) touches pickle.
+FOREIGN_FORMATS = {
+    "ckpt/formats/torch_pickle.py": {"imports pickle", "defines find_class (a pickle hook)",
+                                     "defines __setstate__ (a pickle hook)"},
+    "ckpt/formats/convert.py": {"imports pickle", "torch.save (a pickle-based format)"},
+}
+
+
 def test_package_source_has_no_pickle():
-    found = [v for p in _sources() for v in violations(p)]
+    found = []
+    for p in _sources():
+        for v in violations(p):
+            where, _, what = v.split(":", 2)
+            if what.strip() not in FOREIGN_FORMATS.get(where, set()):
+                found.append(v)
     assert not found, "pickle or unsafe parsing in the package:\n" + "\n".join(found)
 
 
