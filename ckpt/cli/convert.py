@@ -26,6 +26,9 @@ def import_cmd(
     memory_budget: str = BudgetOpt,
     workers: int = typer.Option(2, "--workers", min=1, help="new files written concurrently"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a committed checkpoint at DST"),
+    unstack_layers: bool = typer.Option(False, "--unstack-layers",
+                                        help="split tensors stacked over layers (Megatron's decoder.layers.*) "
+                                             "into per-layer tensors decoder.layers.<i>.*"),
     quiet: bool = QuietOpt,
     json_out: bool = JsonOpt,
     storage_option: list[str] = StorageOpt,
@@ -40,7 +43,7 @@ def import_cmd(
     with byte_bar("import", not (quiet or json_out)) as progress:
         m = import_checkpoint(src, dst, to=layout, rules=load_rules(rules) if rules else MOE_RULES,
                               memory_budget=parse_size(memory_budget), workers=workers, progress=progress,
-                              overwrite=overwrite, storage_options=opts)
+                              overwrite=overwrite, storage_options=opts, unstack=unstack_layers)
     dt = time.perf_counter() - t0
     source = (m.user_metadata.get("source") or {}).get("format", "?")
     summary = {"src": src, "dst": dst, "source_format": source, "tensors": len(m.tensors), "objects": len(m.objects),

@@ -14,6 +14,7 @@ Nothing from a foreign file is unpickled outside the allowlist (:mod:`ckpt.forma
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 from typing import Any
@@ -77,11 +78,47 @@ def torch_save_manifest(storage: Storage, name: str) -> Manifest:
     return m
 
 
+def unstack_layers(manifest: Manifest, marker: str = "layers") -> Manifest:
+    """Split tensors stored stacked over layers into per-layer tensors, in place (no data read).
+
+    Megatron-Core saves ``decoder.layers.<name>`` with a leading dimension of the layer count; each
+    becomes ``decoder.layers.<i>.<name>``, whose shards are the exact byte sub-ranges of the stored
+    ones (a stored box that covers layers ``[a, b)`` holds layer ``i``'s block contiguously). Keys
+    with ``marker`` followed by a digit, flat shards and 0-d tensors are left as stored.
+    """
+    out: dict[str, TensorEntry] = {}
+    for key, t in manifest.tensors.items():
+        parts = key.split(".")
+        if marker not in parts[:-1] or parts[parts.index(marker) + 1].isdigit() or not t.shape \
+                or any(not isinstance(sh.region, Box) for sh in t.shards):
+            out[key] = t
+            continue
+        at = parts.index(marker) + 1
+        isz = itemsize(dtype_from_name(t.dtype))
+        for layer in range(t.shape[0]):
+            name = ".".join([*parts[:at], str(layer), *parts[at:]])
+            shards = []
+            for sh in t.shards:
+                box = sh.region
+                assert isinstance(box, Box)
+                if not box.offsets[0] <= layer < box.offsets[0] + box.lengths[0]:
+                    continue
+                per = math.prod(box.lengths[1:]) * isz
+                shards.append(ShardEntry(Box(box.offsets[1:], box.lengths[1:]), sh.file,
+                                         sh.offset + (layer - box.offsets[0]) * per, per))
+            out[name] = TensorEntry(t.dtype, t.shape[1:], shards)
+    manifest.tensors = out
+    return manifest
+
+
 def import_checkpoint(src: str, dst: str, *, to: Layout | None = None, rules: RuleSet = MOE_RULES,
                       memory_budget: int = DEFAULT_MEMORY_BUDGET, workers: int = 2, progress: Progress | None = None,
-                      overwrite: bool = False, storage_options: dict[str, Any] | None = None) -> Manifest:
+                      overwrite: bool = False, storage_options: dict[str, Any] | None = None,
+                      unstack: bool = False) -> Manifest:
     """Convert a DCP / DeepSpeed directory or a ``torch.save`` file at ``src`` into a committed ckpt
     checkpoint at ``dst`` (whole tensors, or resharded to ``to`` with ``rules``), streaming.
+    ``unstack``: split layer-stacked tensors (Megatron's ``decoder.layers.*``) per layer
+    (:func:`unstack_layers`).
 
     Raises:
         ManifestError: ``src`` is none of those formats (the message lists what was looked for), or
@@ -105,6 +142,8 @@ def import_checkpoint(src: str, dst: str, *, to: Layout | None = None, rules: Ru
             manifest = fetch_manifest(st)
         finally:
             st.close()
+    if unstack:
+        manifest = unstack_layers(manifest)
     return reshard(src_dir, dst, to or Layout(), rules=rules, memory_budget=memory_budget, workers=workers,
                    progress=progress, overwrite=overwrite, storage_options=storage_options,
                    source_manifest=manifest)

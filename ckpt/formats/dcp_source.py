@@ -188,8 +188,47 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
         if raw:
             raw_keys.append(key)
     source: dict[str, Any] = {"format": "dcp", "version": str(getattr(md, "version", None) or "")}
+    user: dict[str, Any] = {"source": source}
+    _megatron(storage, user, objects, raw_keys)
     if raw_keys:
         source["raw_objects"] = raw_keys
-    m = Manifest(tensors=tensors, objects=objects, files=files, world_size=1, user_metadata={"source": source})
+    m = Manifest(tensors=tensors, objects=objects, files=files, world_size=1, user_metadata=user)
     m.source_format = "dcp"
     return m
+
+
+MEGATRON_METADATA = "metadata.json"
+MEGATRON_COMMON = "common.pt"
+
+
+def _megatron(storage: Storage, user: dict[str, Any], objects: dict[str, ObjectEntry], raw_keys: list[str]) -> None:
+    """Megatron-Core's ``torch_dist`` is DCP plus ``metadata.json`` (its backend, kept as
+    ``user_metadata["megatron"]``) and, in some versions, ``common.pt`` (the non-sharded state, kept
+    as objects ``common.<key>``, read with the allowlist; Megatron's own classes become stand-ins)."""
+    size = storage.size(MEGATRON_METADATA)
+    if size is None or size > 1 << 20:
+        return
+    import json
+
+    try:
+        meta = json.loads(storage.read_file(MEGATRON_METADATA))
+    except ValueError as e:
+        raise ManifestError(f"{storage.url}/{MEGATRON_METADATA}: not JSON ({e})") from None
+    if not isinstance(meta, dict) or "sharded_backend" not in meta:
+        return  # some other tool's file of that name
+    user["megatron"] = meta
+    user["source"]["format"] = f"megatron-{meta.get('sharded_backend')}"
+    csize = storage.size(MEGATRON_COMMON)
+    if csize is None:
+        return
+    obj = safe_pickle.load_torch(reader(storage, MEGATRON_COMMON), 0, csize, what=f"{storage.url}/{MEGATRON_COMMON}",
+                                 stubs=("argparse.Namespace", "megatron.core.enums.ModelType",
+                                        "megatron.training.arguments.Namespace")).obj
+    for key, value in (obj.items() if isinstance(obj, dict) else [("value", obj)]):
+        name = f"common.{key}"
+        try:
+            data = encode_object(value, key=name)
+        except CheckpointError:
+            data = encode_object(repr(value), key=name)  # e.g. a stand-in for Megatron's args: kept as text
+            raw_keys.append(name)
+        objects[name] = ObjectEntry(data=data, checksum=crc32(data))

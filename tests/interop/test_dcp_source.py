@@ -58,7 +58,7 @@ def _ckpt_load(rank: int, world: int, out: str, layout: str) -> None:
         assert pickle.loads(got["dataloader"][f"dp_rank_{rank}"]) == {"position": 17 + rank}
 
 
-@pytest.mark.parametrize("dst", ["dp3", "single", "tp2"])
+@pytest.mark.parametrize("dst", ["dp3", "single", "tp2", "dp2"])
 def test_fsdp_tp_dcp_checkpoint_loads_resharded_by_ckpt(tmp_path, dst):
     out = str(tmp_path)
     run_ranks(4, _dcp_save, out, "dp2_tp2")
@@ -166,3 +166,14 @@ def test_misaligned_tensor_bytes_load_bitwise_through_every_copy_path(tmp_path):
         assert torch.equal(got[f"f{i}"].local, f[:, 5:9])
         assert torch.equal(got[f"d{i}"].local, d.reshape(-1)[7:47])
         assert torch.equal(got[f"h{i}"], h)
+
+
+def test_dcp_transforms_are_named_in_a_clear_error(tmp_path):
+    url, _ = _plain_dcp(tmp_path)
+    meta = Path(url) / ".metadata"
+    md = pickle.loads(meta.read_bytes())  # our own file: the test edits it as a compressing writer would
+    info = next(iter(md.storage_data.values()))
+    info.transform_descriptors = ["zstd"]
+    meta.write_bytes(pickle.dumps(md))
+    with pytest.raises(ManifestError, match=r"DCP transform\(s\) \['zstd'\].*save it again without transforms"):
+        ckpt.inspect(url)
