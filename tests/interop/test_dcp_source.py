@@ -43,29 +43,31 @@ def _dcp_save(rank: int, world: int, out: str, layout: str) -> None:
         torch.save({"model": ref["model"], "optim": ref["optim"]}, os.path.join(out, "ref.pt"))
 
 
-def _ckpt_load(rank: int, world: int, out: str, layout: str) -> None:
+def _ckpt_load(rank: int, world: int, out: str, layout: str, saved_by: int = 4) -> None:
     model, opt = F.build(*LAYOUTS[layout], train=False)
     sd = F.state(model, opt, flatten_optimizer_state_dict=True)
     sd["lr_scheduler"] = None
     sd["train_state"] = None
-    sd["dataloader"] = {f"dp_rank_{rank}": None} if rank < 4 else {}
+    sd["dataloader"] = {f"dp_rank_{rank}": None} if rank < saved_by else {}
     got = ckpt.load(sd, os.path.join(out, "dcp"))
     ref = torch.load(os.path.join(out, "ref.pt"))
     F.equal(F.full({"model": got["model"], "optim": got["optim"]}), ref)
     assert got["lr_scheduler"] == {"last_epoch": 3, "base_lrs": [0.01]}
     assert got["train_state"] == {"step": 3, "ntokens_seen": 1234}
-    if rank < 4:  # the per-rank bytes come back as bytes (ckpt never unpickles them)
+    if rank < saved_by:  # the per-rank bytes come back as bytes (ckpt never unpickles them)
         assert pickle.loads(got["dataloader"][f"dp_rank_{rank}"]) == {"position": 17 + rank}
 
 
-@pytest.mark.parametrize("dst", ["dp3", "single", "tp2", "dp2"])
-def test_fsdp_tp_dcp_checkpoint_loads_resharded_by_ckpt(tmp_path, dst):
+@pytest.mark.parametrize(("src", "dst"), [("dp2_tp2", "dp3"), ("dp2_tp2", "single"), ("dp2_tp2", "tp2"),
+                                        ("dp2", "dp3")])
+def test_fsdp_tp_dcp_checkpoint_loads_resharded_by_ckpt(tmp_path, src, dst):
     out = str(tmp_path)
-    run_ranks(4, _dcp_save, out, "dp2_tp2")
+    saved_by = 4 if src == "dp2_tp2" else 2
+    run_ranks(saved_by, _dcp_save, out, src)
     m = ckpt.inspect(os.path.join(out, "dcp"))
     assert m.source_format == "dcp" and "model.up.weight" in m.tensors
     assert all(s.checksum is None for t in m.tensors.values() for s in t.shards)
-    run_ranks(LAYOUTS[dst][0][0] if LAYOUTS[dst][0] else 1, _ckpt_load, out, dst)
+    run_ranks(LAYOUTS[dst][0][0] if LAYOUTS[dst][0] else 1, _ckpt_load, out, dst, saved_by)
 
 
 def _plain_dcp(tmp_path: Path) -> tuple[str, dict[str, object]]:
@@ -177,3 +179,22 @@ def test_dcp_transforms_are_named_in_a_clear_error(tmp_path):
     meta.write_bytes(pickle.dumps(md))
     with pytest.raises(ManifestError, match=r"DCP transform\(s\) \['zstd'\].*save it again without transforms"):
         ckpt.inspect(url)
+
+
+def test_cli_readers_take_a_dcp_directory(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from ckpt.cli.app import app
+
+    url, _ = _plain_dcp(tmp_path)
+    runner = CliRunner()
+    r = runner.invoke(app, ["inspect", url, "--json"])
+    assert r.exit_code == 0, r.output
+    assert {"w", "h", "i"} <= set(json.loads(r.output)["tensors"])
+    r = runner.invoke(app, ["verify", url, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["source_format"] == "dcp"
+    ckpt.save({"w": torch.zeros(9, 4)}, str(tmp_path / "other"))
+    r = runner.invoke(app, ["diff", url, str(tmp_path / "other")])
+    assert r.exit_code != 0 and "Traceback" not in r.output  # they differ; the DCP side was read

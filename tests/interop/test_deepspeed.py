@@ -127,3 +127,18 @@ def test_manifest_offsets_stay_inside_the_files():
             assert sum(s.length for s in t.shards) == t.numel * 4 or t.dtype != "float32"
             for s in t.shards:
                 assert s.offset + s.length <= m.files[s.file]
+
+
+def test_deepspeed_to_dcp_loads_in_dcp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.formats.convert import export_dcp
+
+    src = str(FIXTURES / "zero3")
+    export_dcp(src, str(tmp_path / "d"))
+    expected = _expected(3)
+    sd = {"model": {n: torch.zeros(shape) for n, shape in PARAMS.items()}}
+    with pytest.warns(UserWarning, match="torch.distributed is disabled"):
+        dcp.load(sd, checkpoint_id=str(tmp_path / "d"))
+    for n in PARAMS:
+        assert torch.equal(sd["model"][n], expected[f"model.{n}"]), n
