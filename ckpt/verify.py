@@ -140,11 +140,7 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool,
     names_at: dict[tuple[str, int, int], list[str]] = {}  # built on the first shard not named after itself
     to_hash = sum(s.length for t in m.tensors.values() for s in t.shards if s.file in good_files) if deep else 0
     for key, t in m.tensors.items():
-        report.shards += len(t.shards)
-        try:
-            check_tiling(key, t.shape, [s.region for s in t.shards])
-        except CheckpointError as e:
-            report.problems.append(Problem("coverage", str(e), tensor=key))
+        _coverage(report, key, t)
         for i, s in enumerate(t.shards):
             if s.file not in good_files:
                 continue
@@ -199,6 +195,15 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool,
             report.problems.append(Problem("object", str(e), tensor=key))
 
 
+def _coverage(report: VerifyReport, key: str, t: Any) -> None:
+    """Count the tensor's shards; report a gap or overlap in its tiling."""
+    report.shards += len(t.shards)
+    try:
+        check_tiling(key, t.shape, [s.region for s in t.shards])
+    except CheckpointError as e:
+        report.problems.append(Problem("coverage", str(e), tensor=key))
+
+
 def _verify_foreign(storage: Storage, report: VerifyReport) -> None:
     """A DCP / DeepSpeed source: its metadata read (allowlist), every item inside its file, every
     tensor tiled by its chunks, objects decodable. These formats record no checksums."""
@@ -214,11 +219,7 @@ def _verify_foreign(storage: Storage, report: VerifyReport) -> None:
                    "only (metadata, files, byte ranges, coverage); `ckpt import` it to get checksums")
     report.tensors, report.files = len(m.tensors), len(m.files)
     for key, t in m.tensors.items():
-        report.shards += len(t.shards)
-        try:
-            check_tiling(key, t.shape, [s.region for s in t.shards])
-        except CheckpointError as e:
-            report.problems.append(Problem("coverage", str(e), tensor=key))
+        _coverage(report, key, t)
     for key, o in m.objects.items():
         try:
             decode_object(o.data or b"", key=key)
