@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from typing import Any
 
 from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_name
-from ckpt.errors import CheckpointError, ManifestError
+from ckpt.errors import CheckpointError, ManifestError, StorageError
 from ckpt.formats import torch_pickle as tp
 from ckpt.formats.msgpack_codec import encode_object
 from ckpt.manifest import Manifest, ObjectEntry, ShardEntry, TensorEntry
@@ -45,8 +46,20 @@ STUBS = (
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
+def _regular(path: str) -> int:
+    """The size of ``path``, which must be a regular file: a FIFO or device would block ``open``."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageError(f"{path}: not a regular file; refusing to open it")
+    return st.st_size
+
+
 def _read(root: str, rel: str) -> tp.Read:
     path = os.path.join(root, rel)
+    _regular(path)
 
     def read(offset: int, n: int) -> bytes:
         with open(path, "rb") as f:
@@ -61,10 +74,7 @@ def _read(root: str, rel: str) -> tp.Read:
 
 def _load(root: str, rel: str) -> Any:
     path = os.path.join(root, rel)
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot read ({e.strerror})") from None
+    size = _regular(path)
     return tp.load_torch(_read(root, rel), 0, size, what=path, stubs=STUBS).obj
 
 
@@ -109,7 +119,7 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
             that do not add up to the parameters' shapes.
         IntegrityError: a pickle names a global outside the allowlist, or a file is damaged.
     """
-    if tag is None and os.path.isfile(os.path.join(root, "latest")):
+    if tag is None and os.path.isfile(os.path.join(root, "latest")) and _regular(os.path.join(root, "latest")) < 4096:
         with open(os.path.join(root, "latest")) as f:
             tag = f.read().strip()
     sub = tag or ""
@@ -173,7 +183,7 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
                                                     [ShardEntry(Box((0,) * len(ref.shape), ref.shape),
                                                                 rel(model_name), off, n)])
     objects = _objects(states[0][2], root, states[0][0])
-    files = {rel(n): os.path.getsize(os.path.join(d, n)) for n in names if n.endswith(".pt")}
+    files = {rel(n): _regular(os.path.join(d, n)) for n in names if n.endswith(".pt")}
     for t in tensors.values():
         for s in t.shards:
             if s.length and s.offset + s.length > files.get(s.file, -1):

@@ -142,3 +142,12 @@ def test_deepspeed_to_dcp_loads_in_dcp(tmp_path):
         dcp.load(sd, checkpoint_id=str(tmp_path / "d"))
     for n in PARAMS:
         assert torch.equal(sd["model"][n], expected[f"model.{n}"]), n
+
+
+def test_a_fifo_in_place_of_a_rank_file_is_refused_not_opened(tmp_path):
+    d = _copy(tmp_path, 1)
+    f = d / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.unlink()
+    os.mkfifo(f)
+    with pytest.raises(ckpt.StorageError, match="not a regular file"):
+        ckpt.inspect(str(d))  # would block forever in open() otherwise
