@@ -275,6 +275,10 @@ class ModelConfig:
         for field in dataclasses.fields(cls):
             if field.name in d:
                 values[field.name] = d[field.name]
+            elif field.name in HF_DEFAULTS:
+                # a field the file leaves out means what transformers reads it as, never our default
+                # (norm_topk_prob: transformers False, ours True: logits differed by 0.64)
+                values[field.name] = hf_default(field.name)
         # transformers 5 serializes num_experts under its attribute_map alias.
         if "num_experts" not in values and "num_local_experts" in d:
             values["num_experts"] = d["num_local_experts"]
@@ -293,6 +297,29 @@ class ModelConfig:
         if missing:
             raise ValueError(f"Hugging Face config lacks required fields {missing}")
         return cls(**values)
+
+
+# What transformers' Qwen3MoeConfig assumes for each optional field a config.json may leave out
+# (transformers 5.23; tests/trainer/test_model.py compares every entry with the installed class).
+HF_DEFAULTS: dict[str, Any] = {
+    "norm_topk_prob": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768,
+    "router_aux_loss_coef": 0.001, "initializer_range": 0.02, "tie_word_embeddings": False,
+}
+
+
+def hf_default(name: str) -> Any:
+    """transformers' own default for a Qwen3-MoE config field when transformers is installed (so a
+    newer transformers wins), else the recorded one."""
+    try:
+        import transformers
+
+        cfg = transformers.Qwen3MoeConfig()
+    except Exception:  # noqa: BLE001 - no (usable) transformers: the recorded defaults
+        return HF_DEFAULTS[name]
+    if name == "rope_theta":
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        return rope.get("rope_theta", getattr(cfg, "rope_theta", HF_DEFAULTS[name]))
+    return getattr(cfg, name, HF_DEFAULTS[name])
 
 
 CONFIGS: dict[str, ModelConfig] = {

@@ -310,6 +310,34 @@ def test_config_hf_dict_round_trip(name: str, transformers: ModuleType) -> None:
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_recorded_hf_defaults_are_transformers_own(transformers: ModuleType) -> None:
+    from ckpt.trainer.model import HF_DEFAULTS, hf_default
+
+    cfg = transformers.Qwen3MoeConfig()
+    for name, value in HF_DEFAULTS.items():
+        theirs = (cfg.rope_parameters or {}).get("rope_theta") if name == "rope_theta" else getattr(cfg, name)
+        assert theirs == value == hf_default(name), name
+
+
+@pytest.mark.parametrize("left_out", ["norm_topk_prob", "max_position_embeddings", "rms_norm_eps"])
+def test_a_field_left_out_of_config_json_means_what_transformers_reads(transformers: ModuleType,
+                                                                        left_out: str) -> None:
+    """A Qwen3-MoE config.json without norm_topk_prob was imported with our default (True) while
+    transformers reads False: the exported model's logits differed by 0.64. Now both agree."""
+    d = {k: v for k, v in dataclasses.replace(TINY, norm_topk_prob=False).to_hf_config_dict().items()
+         if k != left_out}
+    cfg = ModelConfig.from_hf_config_dict(d)
+    hf_config = transformers.Qwen3MoeConfig(**d)
+    assert getattr(cfg, left_out) == getattr(hf_config, left_out)
+    torch.manual_seed(4)
+    hf_config._attn_implementation = "eager"
+    hf_config._experts_implementation = "eager"
+    hf = transformers.Qwen3MoeForCausalLM(hf_config).float().eval()
+    model = MoEForCausalLM(cfg).eval()
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg), strict=True)
+    torch.testing.assert_close(_logits(model, _ids()), _logits(hf, _ids()), **TOL)
+
+
 def test_config_from_hf_rejects_unsupported() -> None:
     d = TINY.to_hf_config_dict()
     with pytest.raises(ValueError, match="mlp_only_layers"):
