@@ -273,7 +273,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-gb", type=float, default=2.0)
     p.add_argument("--tensors", type=int, default=200)
     p.add_argument("--saves", type=int, default=5, help="saves per contender (first + steady state)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    # "auto" is resolved in main, not here: every subcommand's parser is built, and asking CUDA here
+    # initialized it in the parent of `bench multirank`'s forked ranks ("Cannot re-initialize CUDA")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["mixed", "bf16"], default="mixed", help="mixed: fp32+bf16 halves")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
@@ -282,7 +284,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-async-")
     os.makedirs(root, exist_ok=True)
-    res = run(args.size_gb, args.tensors, args.saves, root, args.device, args.dtype)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    res = run(args.size_gb, args.tensors, args.saves, root, device, args.dtype)
     print_table("async save", COLUMNS, rows(res))
     print(report(res))
     print("\n" + markdown_table(COLUMNS, rows(res)))
