@@ -50,7 +50,20 @@ def detect(storage: Storage) -> str | None:
 
 
 def foreign_manifest(storage: Storage) -> Manifest | None:
-    """The manifest of a foreign checkpoint in ``storage``, or None when it holds none we read."""
+    """The manifest of a foreign checkpoint in ``storage``, or None when it holds none we read.
+
+    Raises ManifestError / IntegrityError / StorageError naming the file; metadata whose objects
+    are of the allowed classes but not of the expected shape is a ManifestError too, never a raw
+    AttributeError or TypeError.
+    """
+    try:
+        return _foreign_manifest(storage)
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
+        raise ManifestError(f"{storage.url}: malformed checkpoint metadata ({type(e).__name__}: {e}); the files "
+                            "are damaged or from a format version ckpt does not know") from None
+
+
+def _foreign_manifest(storage: Storage) -> Manifest | None:
     from ckpt.formats import dcp_source
 
     if dcp_source.is_dcp(storage):

@@ -198,3 +198,14 @@ def test_cli_readers_take_a_dcp_directory(tmp_path):
     ckpt.save({"w": torch.zeros(9, 4)}, str(tmp_path / "other"))
     r = runner.invoke(app, ["diff", url, str(tmp_path / "other")])
     assert r.exit_code != 0 and "Traceback" not in r.output  # they differ; the DCP side was read
+
+
+def test_metadata_of_allowed_classes_but_wrong_shape_is_a_manifest_error(tmp_path):
+    url, _ = _plain_dcp(tmp_path)
+    meta = Path(url) / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    md.state_dict_metadata["w"] = {"not": "metadata"}  # plain data where a TensorStorageMetadata belongs
+    meta.write_bytes(pickle.dumps(md))
+    with pytest.raises(ManifestError, match="malformed checkpoint metadata"):
+        ckpt.inspect(url)
+    assert not ckpt.verify(url).ok
