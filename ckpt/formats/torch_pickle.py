@@ -140,6 +140,15 @@ def _latin1(text: str, encoding: str = "latin1") -> bytes:
     return text.encode("latin1")
 
 
+def _bytearray(data: Any = b"", encoding: str = "latin1") -> bytearray:
+    # bytearray(n) would allocate n bytes for a number the file chose: only build from given bytes
+    if isinstance(data, str):
+        return bytearray(_latin1(data, encoding))
+    if isinstance(data, (bytes, bytearray)):
+        return bytearray(data)
+    raise pickle.UnpicklingError("bytearray from something other than bytes")
+
+
 def _layout(name: str) -> torch.layout:
     # torch pickles a layout as torch.serialization._get_layout("torch.strided"); only names of layouts
     layouts = {f"torch.{n}": getattr(torch, n) for n in ("strided", "sparse_coo", "sparse_csr", "sparse_csc",
@@ -185,7 +194,7 @@ def _base_globals() -> dict[str, Any]:
     allowed: dict[str, Any] = {
         "collections.OrderedDict": OrderedDict,
         "builtins.set": set, "builtins.frozenset": frozenset, "builtins.slice": slice,
-        "builtins.complex": complex, "builtins.bytearray": bytearray, "builtins.range": range,
+        "builtins.complex": complex, "builtins.bytearray": _bytearray,
         "_codecs.encode": _latin1,
         "torch.Size": torch.Size,
         "torch.device": torch.device,

@@ -152,3 +152,12 @@ def test_stubs_record_without_importing():
     out = tp.loads(data, what="s", stubs=["somelib.config.Cfg"])
     assert isinstance(out["cfg"], tp.Stub) and out["cfg"].state == {"stage": 2}
     assert out["cfg"].qualname == "somelib.config.Cfg"
+
+
+def test_allowed_callables_cannot_be_turned_into_memory_bombs():
+    # bytearray(0x7f000000) would allocate 2 GB for a number the file chose; only given bytes are built
+    bomb = b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x7f\x85R."
+    with pytest.raises(IntegrityError, match="cannot read the pickle"):
+        tp.loads(bomb, what="bomb")
+    assert tp.loads(pickle.dumps(bytearray(b"ab"), protocol=2), what="ok") == bytearray(b"ab")
+    assert tp.loads(pickle.dumps(bytearray(b"ab"), protocol=4), what="ok") == bytearray(b"ab")
