@@ -26,7 +26,7 @@ import torch
 
 from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_name, itemsize
-from ckpt.errors import CheckpointError, ManifestError
+from ckpt.errors import CheckpointError, IntegrityError, ManifestError
 from ckpt.formats import torch_pickle as safe_pickle
 from ckpt.formats.msgpack_codec import encode_object
 from ckpt.manifest import Manifest, ObjectEntry, ShardEntry, TensorEntry, check_relpath
@@ -145,7 +145,7 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
                 raise ManifestError(f"{what}: data file {path!r} named by {METADATA_NAME} is missing")
             files[path] = size
         if info.offset < 0 or info.length < 0 or info.offset + info.length > files[path]:
-            raise ManifestError(f"{what}/{path}: item [{info.offset}, {info.offset + info.length}) lies beyond the "
+            raise IntegrityError(f"{what}/{path}: item [{info.offset}, {info.offset + info.length}) lies beyond the "
                                 f"file's {files[path]} bytes (truncated?)")
     jobs: list[tuple[str, int, Box, Any, torch.dtype]] = []
     tensors: dict[str, TensorEntry] = {}

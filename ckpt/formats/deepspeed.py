@@ -28,7 +28,7 @@ from typing import Any
 
 from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_name
-from ckpt.errors import CheckpointError, ManifestError, StorageError
+from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StorageError
 from ckpt.formats import torch_pickle as tp
 from ckpt.formats.msgpack_codec import encode_object
 from ckpt.manifest import Manifest, ObjectEntry, ShardEntry, TensorEntry
@@ -66,7 +66,7 @@ def _read(root: str, rel: str) -> tp.Read:
             f.seek(offset)
             data = f.read(n)
         if len(data) != n:
-            raise ManifestError(f"{path}: ends before byte {offset + n} (truncated?)")
+            raise IntegrityError(f"{path}: ends before byte {offset + n} (truncated?)")
         return data
 
     return read
@@ -187,7 +187,7 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
     for t in tensors.values():
         for s in t.shards:
             if s.length and s.offset + s.length > files.get(s.file, -1):
-                raise ManifestError(f"{root}/{s.file}: bytes [{s.offset}, {s.offset + s.length}) lie beyond the file "
+                raise IntegrityError(f"{root}/{s.file}: bytes [{s.offset}, {s.offset + s.length}) lie beyond the file "
                                     "(truncated?)")
     steps = model.get("global_steps")
     step = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
