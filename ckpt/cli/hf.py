@@ -26,6 +26,8 @@ def export_hf_cmd(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     no_verify_source: bool = typer.Option(False, "--no-verify-source",
                                           help="skip checking the source's checksums (corruption would be exported)"),
+    check: bool = typer.Option(False, "--check", help="reload the export with transformers and compare logits "
+                                                      "with the source (recorded in OUT/ckpt_check.json)"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Export the model weights of SRC as a Hugging Face Qwen3-MoE model (config.json, safetensors, index).
@@ -35,11 +37,19 @@ def export_hf_cmd(
         r = export_hf(src, out, dtype=dtype, max_shard_size=max_shard_size, memory_budget=memory_budget,
                       workers=workers, overwrite=overwrite, storage_options=parse_storage_options(storage_option),
                       progress=progress, verify_source=not no_verify_source)
+    checked = None
+    if check:
+        from ckpt.formats.hf_check import check_export
+
+        checked = check_export(src, out)
     if json_out:
-        print_json(r.to_dict())
+        print_json(r.to_dict() | ({"check": checked} if checked else {}))
         return
     console.print(f"wrote {r.out_dir}: {r.tensors} tensors ({r.dtype}, {human_bytes(r.total_size)}) in "
                   f"{len(r.files)} file(s), {r.seconds:.1f} s", highlight=False)
+    if checked:
+        console.print(f"check: reloaded in transformers {checked['transformers']}; max |logits difference| "
+                      f"{checked['max_abs_logits_diff']:.2e} over {checked['tokens']} tokens", highlight=False)
 
 
 @handle_errors

@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -159,6 +160,31 @@ def test_export_bf16(sharded: str, tmp_path: Path, transformers: ModuleType) -> 
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     hf = _from_pretrained(transformers, out, dtype=torch.bfloat16)
     assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_export_check_reloads_and_records_the_logits_difference(sharded: str, tmp_path: Path,
+                                                                 transformers: ModuleType, dtype: str) -> None:
+    from typer.testing import CliRunner
+
+    from ckpt.cli.app import app
+
+    out = tmp_path / "hf"
+    r = CliRunner().invoke(app, ["export-hf", sharded, str(out), "--dtype", dtype, "--check", "--json"])
+    assert r.exit_code == 0, r.output
+    check = json.loads(r.output)["check"]
+    assert check["max_abs_logits_diff"] < 1e-4  # the bf16 case compares against bf16-rounded source weights
+    assert json.loads((out / "ckpt_check.json").read_text()) == check
+    assert check["exported_dtype"] == ("bfloat16" if dtype == "bf16" else "float32")
+    # a broken export is caught: flip one weight and check again
+    from ckpt.formats.hf_check import check_export
+
+    f = out / "model-00001-of-00001.safetensors"
+    tensors = safetensors.torch.load_file(str(f))
+    key = "model.embed_tokens.weight"
+    tensors[key] = tensors[key] + 1
+    safetensors.torch.save_file(tensors, str(f), metadata={"format": "pt"})
+    assert check_export(sharded, str(out))["max_abs_logits_diff"] > 1e-2
 
 
 def test_export_streams_within_memory_budget(sharded: str, tmp_path: Path) -> None:
