@@ -45,8 +45,8 @@ def check_export(src_url: str, out_dir: str, *, tokens: int = 32, batch: int = 2
     transformers.utils.logging.disable_progress_bar()
     try:
         # eager kernels: the reference implementations, closest to the trainer's own arithmetic
-        hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager",
-                                                               experts_implementation="eager").eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            out_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
     finally:
         transformers.utils.logging.enable_progress_bar()
     g = torch.Generator().manual_seed(seed)
