@@ -26,6 +26,9 @@ def export_hf_cmd(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     no_verify_source: bool = typer.Option(False, "--no-verify-source",
                                           help="skip checking the source's checksums (corruption would be exported)"),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="copy tokenizer / generation-config files "
+                                                                      "from this directory (default: those "
+                                                                      "import-hf kept in the checkpoint)"),
     check: bool = typer.Option(False, "--check", help="reload the export with transformers and compare logits "
                                                       "with the source (recorded in OUT/ckpt_check.json)"),
     storage_option: list[str] = StorageOpt,
@@ -36,7 +39,7 @@ def export_hf_cmd(
     with byte_bar("export", not (quiet or json_out)) as progress:
         r = export_hf(src, out, dtype=dtype, max_shard_size=max_shard_size, memory_budget=memory_budget,
                       workers=workers, overwrite=overwrite, storage_options=parse_storage_options(storage_option),
-                      progress=progress, verify_source=not no_verify_source)
+                      progress=progress, verify_source=not no_verify_source, tokenizer=tokenizer)
     checked = None
     if check:
         from ckpt.formats.hf_check import check_export

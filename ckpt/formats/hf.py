@@ -49,6 +49,7 @@ from ckpt.errors import (
     MismatchError,
     StateError,
 )
+from ckpt.formats import hf_files
 from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, HeaderEntry, build_header, parse_header
 from ckpt.io import byte_view, run_read_plan
@@ -447,11 +448,12 @@ class HFExportResult:
     dtype: str
     buffer_bytes: int  # most data-buffer bytes held at once
     seconds: float
+    side_files: list[str] = field(default_factory=list)  # tokenizer / generation config files written
 
     def to_dict(self) -> dict[str, Any]:
         return {"out_dir": self.out_dir, "files": self.files, "tensors": self.tensors,
                 "total_size": self.total_size, "dtype": self.dtype, "buffer_bytes": self.buffer_bytes,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "side_files": self.side_files}
 
 
 @dataclass(slots=True)
@@ -613,8 +615,12 @@ def _check_empty_target(dst: Storage, overwrite: bool, names: set[str]) -> list[
 def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = None,
               max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
               workers: int = 4, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
-              progress: Progress | None = None, verify_source: bool = True) -> HFExportResult:
+              progress: Progress | None = None, verify_source: bool = True,
+              tokenizer: str | None = None) -> HFExportResult:
     """Export the model weights of the checkpoint at ``src_url`` (any layout) as a Hugging Face model.
+
+    Tokenizer and generation-config files that ``import_hf`` kept in the checkpoint, or those in the
+    directory ``tokenizer`` (they win), are written next to the weights (:mod:`ckpt.formats.hf_files`).
 
     Writes ``model-0000k-of-0000n.safetensors`` (each at most ``max_shard_size`` bytes unless one
     tensor alone is larger), then ``model.safetensors.index.json``, then ``config.json`` (the
@@ -659,7 +665,8 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         if manifest is None:
             raise ManifestError(f"{src.url}: no committed checkpoint here ({MANIFEST_NAME} is missing)")
         plan = plan_export(manifest, dtype=out_dtype, max_shard_size=limit, url=src.url)
-        ours = {f.path for f in plan.files} | {INDEX_NAME, CONFIG_NAME}
+        side = hf_files.from_manifest(manifest) | (hf_files.from_dir(tokenizer) if tokenizer else {})
+        ours = {f.path for f in plan.files} | {INDEX_NAME, CONFIG_NAME} | set(side)
         replaced = _check_empty_target(dst, overwrite, ours)
         created = _new_local_root(dst)
         sink = _Sink(dst, plan.files)
@@ -668,8 +675,10 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
                           progress=progress, sink=sink, verify_source=verify_source)
             dst.commit(INDEX_NAME, (json.dumps(plan.index, indent=2) + "\n").encode())
             dst.commit(CONFIG_NAME, (json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n").encode())
+            for name, data in side.items():
+                dst.commit(name, data)
         except BaseException:
-            written = sink.opened + [n for n in (INDEX_NAME, CONFIG_NAME) if n not in replaced]
+            written = sink.opened + [n for n in (INDEX_NAME, CONFIG_NAME, *side) if n not in replaced]
             _cleanup(dst, written, created)
             raise
         for stale in replaced:  # an older export's shards that this one did not rewrite
@@ -678,7 +687,7 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         return HFExportResult(out_dir=dst.url, files=[f.path for f in plan.files],
                               tensors=sum(len(f.items) for f in plan.files), total_size=plan.total_size,
                               dtype=dtype_name(plan.dtype), buffer_bytes=res.buffer_bytes,
-                              seconds=time.perf_counter() - t0)
+                              seconds=time.perf_counter() - t0, side_files=sorted(side))
     finally:
         src.close()
         dst.close()
@@ -999,6 +1008,7 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
             "source": {"format": "huggingface", "url": source_url}}
     plan = plan_save([decl], save_id=uuid.uuid4().hex[:12], step=0, user_metadata=meta, layout=layout.to_dict())
     manifest, (assignment,) = plan.manifest, plan.assignments
+    manifest.objects.update(hf_files.as_objects(hf_files.read_side_files(src)))  # export-hf writes them back
     assert assignment.file is not None
     items = []
     for e in assignment.entries:

@@ -1,0 +1,70 @@
+"""The files that travel with a Hugging Face model besides its weights: tokenizer and generation config.
+
+``import-hf`` keeps them in the checkpoint as objects ``hf.files.<name>`` (their bytes, checksummed
+like any object), so that ``export-hf`` writes them next to the exported weights again; ``export-hf
+--tokenizer DIR`` takes them from a directory instead (those win). Only these names are copied, each
+at most 64 MiB; nothing in them is parsed.
+"""
+
+from __future__ import annotations
+
+from ckpt.checksum import crc32
+from ckpt.errors import CheckpointError, StateError
+from ckpt.formats.msgpack_codec import decode_object, encode_object
+from ckpt.manifest import Manifest, ObjectEntry
+from ckpt.storage import Storage, get_storage
+
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+              "chat_template.json")
+MAX_SIDE_FILE = 64 << 20
+PREFIX = "hf.files."
+
+
+def read_side_files(storage: Storage) -> dict[str, bytes]:
+    """The side files present in ``storage`` (a Hugging Face model directory)."""
+    out: dict[str, bytes] = {}
+    for name in SIDE_FILES:
+        size = storage.size(name)
+        if size is not None and size <= MAX_SIDE_FILE:
+            out[name] = storage.read_file(name)
+    return out
+
+
+def as_objects(files: dict[str, bytes]) -> dict[str, ObjectEntry]:
+    """Checkpoint objects ``hf.files.<name>`` holding the files' bytes."""
+    out = {}
+    for name, data in files.items():
+        enc = encode_object(data, key=PREFIX + name)
+        out[PREFIX + name] = ObjectEntry(data=enc, checksum=crc32(enc))
+    return out
+
+
+def from_manifest(manifest: Manifest) -> dict[str, bytes]:
+    """The side files an import kept in the checkpoint (names outside the list are ignored)."""
+    out: dict[str, bytes] = {}
+    for key, o in manifest.objects.items():
+        name = key[len(PREFIX):]
+        if key.startswith(PREFIX) and name in SIDE_FILES and o.data is not None:
+            value = decode_object(o.data, key=key)
+            if isinstance(value, bytes):
+                out[name] = value
+    return out
+
+
+def from_dir(path: str) -> dict[str, bytes]:
+    """``--tokenizer DIR``: the side files in ``DIR``.
+
+    Raises StateError when it holds none of them.
+    """
+    try:
+        st = get_storage(path)
+    except CheckpointError as e:
+        raise StateError(f"--tokenizer {path}: {e}") from None
+    try:
+        files = read_side_files(st)
+    finally:
+        st.close()
+    if not files:
+        raise StateError(f"--tokenizer {path}: none of {', '.join(SIDE_FILES[:4])}, ... is there")
+    return files
