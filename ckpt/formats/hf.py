@@ -619,8 +619,8 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
               tokenizer: str | None = None) -> HFExportResult:
     """Export the model weights of the checkpoint at ``src_url`` (any layout) as a Hugging Face model.
 
-    Tokenizer and generation-config files that ``import_hf`` kept in the checkpoint, or those in the
-    directory ``tokenizer`` (they win), are written next to the weights (:mod:`ckpt.formats.hf_files`).
+    Tokenizer and generation-config files found next to the source's manifest, or in the directory
+    ``tokenizer`` (they win), are written next to the weights (:mod:`ckpt.formats.hf_files`).
 
     Writes ``model-0000k-of-0000n.safetensors`` (each at most ``max_shard_size`` bytes unless one
     tensor alone is larger), then ``model.safetensors.index.json``, then ``config.json`` (the
@@ -665,7 +665,9 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         if manifest is None:
             raise ManifestError(f"{src.url}: no committed checkpoint here ({MANIFEST_NAME} is missing)")
         plan = plan_export(manifest, dtype=out_dtype, max_shard_size=limit, url=src.url)
-        side = hf_files.from_manifest(manifest) | (hf_files.from_dir(tokenizer) if tokenizer else {})
+        # tokenizer / generation config: beside the source checkpoint's manifest, then --tokenizer DIR
+        side = hf_files.from_manifest(manifest) | hf_files.read_side_files(src) | (
+            hf_files.from_dir(tokenizer) if tokenizer else {})
         ours = {f.path for f in plan.files} | {INDEX_NAME, CONFIG_NAME} | set(side)
         replaced = _check_empty_target(dst, overwrite, ours)
         created = _new_local_root(dst)
@@ -1008,7 +1010,6 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
             "source": {"format": "huggingface", "url": source_url}}
     plan = plan_save([decl], save_id=uuid.uuid4().hex[:12], step=0, user_metadata=meta, layout=layout.to_dict())
     manifest, (assignment,) = plan.manifest, plan.assignments
-    manifest.objects.update(hf_files.as_objects(hf_files.read_side_files(src)))  # export-hf writes them back
     assert assignment.file is not None
     items = []
     for e in assignment.entries:

@@ -1,17 +1,16 @@
 """The files that travel with a Hugging Face model besides its weights: tokenizer and generation config.
 
-``import-hf`` keeps them in the checkpoint as objects ``hf.files.<name>`` (their bytes, checksummed
-like any object), so that ``export-hf`` writes them next to the exported weights again; ``export-hf
---tokenizer DIR`` takes them from a directory instead (those win). Only these names are copied, each
-at most 64 MiB; nothing in them is parsed.
+``export-hf`` writes next to the exported weights the ones it finds next to the source checkpoint's
+manifest (or kept in it as objects ``hf.files.<name>``), and ``--tokenizer DIR`` takes them from a
+directory instead (those win). ``import-hf`` writes a weights-only checkpoint and does not keep them.
+Only these names are copied, each at most 64 MiB; nothing in them is parsed.
 """
 
 from __future__ import annotations
 
-from ckpt.checksum import crc32
 from ckpt.errors import CheckpointError, StateError
-from ckpt.formats.msgpack_codec import decode_object, encode_object
-from ckpt.manifest import Manifest, ObjectEntry
+from ckpt.formats.msgpack_codec import decode_object
+from ckpt.manifest import Manifest
 from ckpt.storage import Storage, get_storage
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -28,15 +27,6 @@ def read_side_files(storage: Storage) -> dict[str, bytes]:
         size = storage.size(name)
         if size is not None and size <= MAX_SIDE_FILE:
             out[name] = storage.read_file(name)
-    return out
-
-
-def as_objects(files: dict[str, bytes]) -> dict[str, ObjectEntry]:
-    """Checkpoint objects ``hf.files.<name>`` holding the files' bytes."""
-    out = {}
-    for name, data in files.items():
-        enc = encode_object(data, key=PREFIX + name)
-        out[PREFIX + name] = ObjectEntry(data=enc, checksum=crc32(enc))
     return out
 
 

@@ -512,27 +512,23 @@ def test_param_shapes_match_the_module(cfg: ModelConfig) -> None:
     assert param_shapes(cfg) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
-def test_tokenizer_and_generation_files_travel_through_import_and_export(hf_dir: Path, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    shutil.copytree(hf_dir, src)
+def test_tokenizer_and_generation_files_are_copied_to_the_export(sharded: str, tmp_path: Path) -> None:
+    src = tmp_path / "ck"
+    shutil.copytree(sharded, src)
     tok = b'{"model": {"type": "BPE"}, "note": "\\u00e9"}'
-    (src / "tokenizer.json").write_bytes(tok)
+    (src / "tokenizer.json").write_bytes(tok)  # placed next to the checkpoint's manifest
     (src / "notes.txt").write_text("not a side file")
-    import_hf(str(src), str(tmp_path / "ck"))
-    m = ckpt.inspect(str(tmp_path / "ck"))
-    assert "hf.files.tokenizer.json" in m.objects and not any("notes" in k for k in m.objects)
-    r = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"))
+    r = export_hf(str(src), str(tmp_path / "out"))
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == tok
-    assert "tokenizer.json" in r.side_files and not (tmp_path / "out" / "notes.txt").exists()
-    gen = src / "generation_config.json"
-    if gen.exists():
-        assert (tmp_path / "out" / "generation_config.json").read_bytes() == gen.read_bytes()
-    # --tokenizer DIR wins over what the checkpoint kept
+    assert r.side_files == ["tokenizer.json"] and not (tmp_path / "out" / "notes.txt").exists()
+    # --tokenizer DIR wins over what sits next to the checkpoint
     other = tmp_path / "tok"
     other.mkdir()
     (other / "tokenizer.json").write_bytes(b"{}")
-    export_hf(str(tmp_path / "ck"), str(tmp_path / "out2"), tokenizer=str(other))
+    (other / "generation_config.json").write_bytes(b'{"do_sample": false}')
+    r = export_hf(sharded, str(tmp_path / "out2"), tokenizer=str(other))
     assert (tmp_path / "out2" / "tokenizer.json").read_bytes() == b"{}"
+    assert r.side_files == ["generation_config.json", "tokenizer.json"]
     with pytest.raises(ckpt.StateError, match="--tokenizer .*none of tokenizer.json"):
-        export_hf(str(tmp_path / "ck"), str(tmp_path / "out3"), tokenizer=str(tmp_path / "ck"))
+        export_hf(sharded, str(tmp_path / "out3"), tokenizer=str(tmp_path / "out3-none"))
     assert not (tmp_path / "out3" / "config.json").exists()
