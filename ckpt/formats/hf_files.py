@@ -1,7 +1,7 @@
 """The files that travel with a Hugging Face model besides its weights: tokenizer and generation config.
 
 ``export-hf`` writes next to the exported weights the ones it finds next to the source checkpoint's
-manifest (or kept in it as objects ``hf.files.<name>``), and ``--tokenizer DIR`` takes them from a
+manifest (or saved in it as bytes objects ``hf.files.<name>``), and ``--tokenizer DIR`` takes them from a
 directory instead (those win). ``import-hf`` writes a weights-only checkpoint and does not keep them.
 Only these names are copied, each at most 64 MiB; nothing in them is parsed.
 """
@@ -31,7 +31,8 @@ def read_side_files(storage: Storage) -> dict[str, bytes]:
 
 
 def from_manifest(manifest: Manifest) -> dict[str, bytes]:
-    """The side files an import kept in the checkpoint (names outside the list are ignored)."""
+    """Side files saved in the checkpoint as bytes objects ``hf.files.<name>`` (e.g. by a user's
+    ``ckpt.save``); names outside the list are ignored."""
     out: dict[str, bytes] = {}
     for key, o in manifest.objects.items():
         name = key[len(PREFIX):]
