@@ -4,8 +4,10 @@ DCP writes ``.metadata`` (a pickle of ``Metadata``: per key a ``TensorStorageMet
 chunks' offsets and sizes, or a ``BytesStorageMetadata``; per chunk a ``_StorageInfo`` naming the
 ``__<rank>_<n>.distcp`` file and the byte range of the item) and data files in which each item is
 a ``torch.save`` blob (a zip whose ``data/0`` entry holds the tensor's raw bytes, stored, not
-compressed). :func:`dcp_manifest` reads ``.metadata`` with the restricted unpickler
-(:mod:`ckpt.formats.safe_pickle`: no code from the file runs), finds inside each blob the exact
+compressed), or, with ``FileSystemWriter(serialization_format=SAFETENSORS)``, one safetensors file
+after the file's bytes items (every tensor's ``_StorageInfo`` then points at that file's header).
+:func:`dcp_manifest` reads ``.metadata`` with the restricted unpickler
+(:mod:`ckpt.formats.torch_pickle`: no code from the file runs), finds inside each blob the exact
 byte range of the tensor's elements, and returns a ckpt :class:`~ckpt.manifest.Manifest` whose
 shards point at those ranges. The load planner then reads only the bytes each rank needs, resharded
 into any layout, exactly as for a ckpt checkpoint. DCP records no checksums: such a source is
@@ -18,6 +20,9 @@ the restricted unpickler accepts them and msgpack can hold them, else as the blo
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,10 +30,11 @@ from typing import Any
 import torch
 
 from ckpt.checksum import crc32
-from ckpt.dtypes import dtype_name, itemsize
+from ckpt.dtypes import dtype_name, itemsize, safetensors_dtype
 from ckpt.errors import CheckpointError, IntegrityError, ManifestError
 from ckpt.formats import torch_pickle as safe_pickle
 from ckpt.formats.msgpack_codec import encode_object
+from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, HeaderEntry, parse_header
 from ckpt.manifest import Manifest, ObjectEntry, ShardEntry, TensorEntry, check_relpath
 from ckpt.shards import Box
 from ckpt.storage import Storage
@@ -81,17 +87,14 @@ def _storage_index(md: Any, what: str) -> dict[tuple[str, tuple[int, ...] | None
     return out
 
 
-def _locate(read: Callable[[int, int], bytes], info: Any, key: str, dtype: torch.dtype,
-            sizes: tuple[int, ...], what: str) -> tuple[int, int]:
+def _locate(read: Callable[[int, int], bytes], info: Any, key: str, dtype: torch.dtype, box: Box,
+            file_size: int, what: str, headers: _Headers) -> tuple[int, int]:
     """The absolute ``(offset, length)`` of one chunk's elements inside its item's bytes."""
+    sizes = box.lengths
     nbytes = itemsize(dtype) * _numel(sizes)
     head = read(int(info.offset), 4) if info.length >= 4 else b""
     if head != b"PK\x03\x04":
-        # DCP's raw serialization (no torch.save wrapper): the item is exactly the elements
-        if int(info.length) != nbytes:
-            raise ManifestError(f"{what}: {key!r} chunk at {list(sizes)}: item of {info.length} bytes is neither a "
-                                f"torch.save blob nor the {nbytes} raw bytes of its elements")
-        return int(info.offset), nbytes
+        return _safetensors_chunk(read, info, key, dtype, box, file_size, what, headers)
     z = safe_pickle.load_torch(read, int(info.offset), int(info.length), what=f"{what} ({key!r})")
     refs = z.tensors()
     if len(refs) != 1:
@@ -105,6 +108,68 @@ def _locate(read: Callable[[int, int], bytes], info: Any, key: str, dtype: torch
         raise ManifestError(f"{what}: {key!r}: tensor bytes [{offset}, {offset + length}) fall outside the item "
                             f"[{info.offset}, {info.offset + info.length})")
     return offset, length
+
+
+class _Headers:
+    """Parsed safetensors headers of a DCP checkpoint's data files, by ``(file, offset)``: every
+    chunk in a file points at the same header, parsed once (chunks are located on several threads)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.parsed: dict[tuple[str, int], tuple[dict[str, HeaderEntry], dict[str, Any]]] = {}
+
+    def get(self, read: Callable[[int, int], bytes], start: int, size: int,
+            what: str) -> tuple[dict[str, HeaderEntry], dict[str, Any]]:
+        with self.lock:
+            if (what, start) not in self.parsed:
+                self.parsed[(what, start)] = _parse_safetensors(read, start, size, what)
+            return self.parsed[(what, start)]
+
+
+def _parse_safetensors(read: Callable[[int, int], bytes], start: int, size: int,
+                       what: str) -> tuple[dict[str, HeaderEntry], dict[str, Any]]:
+    """Entries (offsets absolute in the file) and DCP's sharding info of the safetensors blob that
+    starts at ``start`` and runs to the end of the file (``size`` bytes)."""
+    prefix = read(start, 8) if size >= 8 else b""
+    n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 2 <= n <= min(size - 8, MAX_HEADER_BYTES):
+        raise ManifestError(f"{what}: the item at {start} is neither a torch.save blob nor a safetensors file; "
+                            "not a DCP data file ckpt can read")
+    head = prefix + read(start + 8, n)
+    if head[8:9] != b"{":
+        raise ManifestError(f"{what}: the item at {start} is neither a torch.save blob nor a safetensors file")
+    entries = parse_header(head, size, path=what)
+    meta = json.loads(head[8:]).get("__metadata__") or {}
+    try:
+        sharding = json.loads(meta.get(DCP_SHARDING_KEY, "{}"))
+    except (TypeError, ValueError):
+        raise ManifestError(f"{what}: safetensors metadata {DCP_SHARDING_KEY!r} is not JSON") from None
+    return ({k: dataclasses.replace(e, start=start + e.start) for k, e in entries.items()},
+            sharding if isinstance(sharding, dict) else {})
+
+
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
+
+
+def _safetensors_chunk(read: Callable[[int, int], bytes], info: Any, key: str, dtype: torch.dtype, box: Box,
+                       file_size: int, what: str, headers: _Headers) -> tuple[int, int]:
+    """A chunk DCP wrote with its safetensors serialization: the file's header names it by key, and
+    its ``DCP_SHARDING_INFO`` metadata holds the chunk's offsets in the full tensor."""
+    entries, sharding = headers.get(read, int(info.offset), file_size - int(info.offset), what)
+    ent = entries.get(key)
+    want = safetensors_dtype(dtype)
+    if ent is None or ent.dtype != want or ent.shape != tuple(box.lengths):
+        found = "absent" if ent is None else f"{ent.dtype} {list(ent.shape)}"
+        raise ManifestError(f"{what}: {key!r}: the safetensors header has it {found}; the metadata says "
+                            f"{want} {list(box.lengths)}")
+    saved = (sharding.get(key) or {}).get("saved_offsets") if isinstance(sharding.get(key), dict) else None
+    if saved is not None and [int(o) for o in saved] != list(box.offsets):
+        raise ManifestError(f"{what}: {key!r}: the file holds the chunk at {list(saved)}, the metadata says "
+                            f"{list(box.offsets)}")
+    nbytes = itemsize(dtype) * _numel(box.lengths)
+    if ent.length != nbytes or int(info.length) != nbytes:
+        raise ManifestError(f"{what}: {key!r}: {ent.length} bytes stored, {nbytes} expected")
+    return ent.start, ent.length
 
 
 def _numel(sizes: tuple[int, ...]) -> int:
@@ -165,12 +230,14 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
                 raise ManifestError(f"{what}/{METADATA_NAME}: {key!r} chunk at {list(offsets)} has no storage entry")
             jobs.append((key, n, Box(offsets, tuple(int(s) for s in chunk.sizes)), info, dtype))
 
+    headers = _Headers()
+
     def locate(job: tuple[str, int, Box, Any, torch.dtype]) -> ShardEntry:
         key, _, box, info, dtype = job
         path = str(info.relative_path)
         if box.numel == 0:
             return ShardEntry(box, path, 0, 0)
-        offset, length = _locate(reader(storage, path), info, key, dtype, box.lengths, f"{what}/{path}")
+        offset, length = _locate(reader(storage, path), info, key, dtype, box, files[path], f"{what}/{path}", headers)
         return ShardEntry(box, path, offset, length)
 
     with ThreadPoolExecutor(max(1, workers)) as pool:  # a few small reads per chunk: overlap them
@@ -208,8 +275,6 @@ def _megatron(storage: Storage, user: dict[str, Any], objects: dict[str, ObjectE
     size = storage.size(MEGATRON_METADATA)
     if size is None or size > 1 << 20:
         return
-    import json
-
     try:
         meta = json.loads(storage.read_file(MEGATRON_METADATA))
     except ValueError as e:

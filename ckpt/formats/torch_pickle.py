@@ -16,12 +16,16 @@ and ``byteorder`` are read. The allowlists are documented in docs/RELIABILITY.md
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import functools
 import importlib
 import io
 import math
+import pathlib
 import pickle
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -63,9 +67,61 @@ DCP_GLOBALS = (
 )
 
 
-@dataclass(frozen=True)
-class _StorageType:
+class _Tampering(Exception):
+    """A pickle's BUILD aimed at something the allowlist handed it (raised inside the unpickler)."""
+
+
+class _Sealed:
+    """What the allowlist hands a pickle in place of ckpt's own functions and markers.
+
+    BUILD (fill in the object under it) runs no code, but aimed at a shared global it would change
+    that object for the whole process: a later read of a good file could decode float32 as float64.
+    A sealed object has no ``__dict__``, refuses ``setattr``, and its ``__setstate__`` (which BUILD
+    calls first) refuses the change.
+    """
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise _Tampering(repr(self))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise _Tampering(repr(self))
+
+    def __delattr__(self, name: str) -> None:
+        raise _Tampering(repr(self))
+
+
+class _Fn(_Sealed):
+    __slots__ = ("fn",)
+    fn: Callable[..., Any]
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        object.__setattr__(self, "fn", fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<allowed function {self.fn.__name__}>"
+
+
+class _StorageType(_Sealed):
+    __slots__ = ("dtype",)
     dtype: torch.dtype
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        object.__setattr__(self, "dtype", dtype)
+
+    def __repr__(self) -> str:
+        return f"<storage type {self.dtype}>"
+
+
+class _Marker(_Sealed):
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<torch.Tensor marker>"
 
 
 @dataclass(frozen=True)
@@ -110,7 +166,17 @@ class TensorRef:
         return self.data_offset + self.storage_offset * size, self.numel * size
 
 
-class Stub:
+class _SealedClass(type):
+    """Metaclass of the stand-in classes: setting an attribute on the class itself is refused."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise _Tampering(repr(cls))
+
+    def __delattr__(cls, name: str) -> None:
+        raise _Tampering(repr(cls))
+
+
+class Stub(metaclass=_SealedClass):
     """Stands in for a class a checkpoint pickles but we do not import (e.g. DeepSpeed's enums and
     loss scaler): records the constructor arguments and state, runs nothing."""
 
@@ -130,7 +196,7 @@ class Stub:
 
 
 def _stub(name: str) -> type:
-    return type("Stub", (Stub,), {"qualname": name})
+    return _SealedClass("Stub", (Stub,), {"qualname": name})
 
 
 def _latin1(text: str, encoding: str = "latin1") -> bytes:
@@ -159,11 +225,15 @@ def _layout(name: str) -> torch.layout:
     return layouts[name]
 
 
-def _path(*parts: str) -> str:
-    # DCP's StorageMeta.checkpoint_id may be a pathlib path: kept as its text, no pathlib object made
-    if not all(isinstance(p, str) for p in parts):
-        raise pickle.UnpicklingError("a path made of non-strings")
-    return "/".join(parts)
+def _path(flavour: type[pathlib.PurePath]) -> _Fn:
+    # DCP's StorageMeta.checkpoint_id may be a pathlib path, pickled as PosixPath("/", "tmp", "x"):
+    # kept as its text, joined by the pure (string-only) class of the same flavour
+    def join(*parts: str) -> str:
+        if not all(isinstance(p, str) for p in parts):
+            raise pickle.UnpicklingError("a path made of non-strings")
+        return str(flavour(*parts))
+
+    return _Fn(join)
 
 
 def _rebuild_tensor(storage: _StorageRef, storage_offset: int, size: Any, stride: Any, requires_grad: bool = False,
@@ -179,13 +249,14 @@ def _rebuild_parameter(data: TensorRef, requires_grad: bool = False, backward_ho
     return data
 
 
-_TENSOR_TYPE = object()  # what "torch.Tensor" maps to: only a marker for _rebuild_from_type_v2
+_TENSOR_TYPE = _Marker()  # what "torch.Tensor" maps to: only a marker for _rebuild_from_type_v2
+_REBUILD_TENSOR, _REBUILD_PARAMETER = _Fn(_rebuild_tensor), _Fn(_rebuild_parameter)
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any = None) -> TensorRef:
     # torch pickles some tensors as _rebuild_from_type_v2(_rebuild_tensor_v2, torch.Tensor, args, state);
     # only plain tensors rebuilt by our own functions are accepted
-    if new_type is not _TENSOR_TYPE or func not in (_rebuild_tensor, _rebuild_parameter):
+    if new_type is not _TENSOR_TYPE or (func is not _REBUILD_TENSOR and func is not _REBUILD_PARAMETER):
         raise pickle.UnpicklingError("a tensor subclass or an unexpected rebuild function")
     return func(*args)  # type: ignore[no-any-return]
 
@@ -194,23 +265,24 @@ def _base_globals() -> dict[str, Any]:
     allowed: dict[str, Any] = {
         "collections.OrderedDict": OrderedDict,
         "builtins.set": set, "builtins.frozenset": frozenset, "builtins.slice": slice,
-        "builtins.complex": complex, "builtins.bytearray": _bytearray,
-        "_codecs.encode": _latin1,
+        "builtins.complex": complex, "builtins.bytearray": _Fn(_bytearray),
+        "_codecs.encode": _Fn(_latin1),
         "torch.Size": torch.Size,
         "torch.device": torch.device,
         "torch.strided": torch.strided,
-        "torch.serialization._get_layout": _layout,
-        "pathlib.PosixPath": _path, "pathlib.PurePosixPath": _path,
-        "pathlib.WindowsPath": _path, "pathlib.PureWindowsPath": _path,
+        "torch.serialization._get_layout": _Fn(_layout),
+        "pathlib.PosixPath": _path(pathlib.PurePosixPath), "pathlib.PurePosixPath": _path(pathlib.PurePosixPath),
+        "pathlib.WindowsPath": _path(pathlib.PureWindowsPath),
+        "pathlib.PureWindowsPath": _path(pathlib.PureWindowsPath),
         "torch.contiguous_format": torch.contiguous_format,
         "torch.channels_last": torch.channels_last,
         "torch.preserve_format": torch.preserve_format,
-        "torch._utils._rebuild_tensor": _rebuild_tensor,
-        "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
-        "torch._utils._rebuild_parameter": _rebuild_parameter,
-        "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+        "torch._utils._rebuild_tensor": _REBUILD_TENSOR,
+        "torch._utils._rebuild_tensor_v2": _REBUILD_TENSOR,
+        "torch._utils._rebuild_parameter": _REBUILD_PARAMETER,
+        "torch._utils._rebuild_parameter_with_state": _REBUILD_PARAMETER,
         "torch.Tensor": _TENSOR_TYPE,
-        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
+        "torch._tensor._rebuild_from_type_v2": _Fn(_rebuild_from_type),
     }
     for n in _DTYPE_NAMES:
         allowed[f"torch.{n}"] = getattr(torch, n)
@@ -227,7 +299,7 @@ def _resolve(name: str) -> Any:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, what: str, allowed: dict[str, Any],
+    def __init__(self, data: bytes, what: str, allowed: _Allowlist,
                  storages: dict[str, tuple[int, int | None]] | None = None, partial: bool = False, limit: int = 0):
         super().__init__(io.BytesIO(data))
         self.what, self.allowed, self.storages, self.partial = what, allowed, storages, partial
@@ -259,25 +331,122 @@ class _Unpickler(pickle.Unpickler):
         return _StorageRef(str(key), stype.dtype, offset, nbytes)
 
 
+class _Allowlist(dict[str, Any]):
+    """Global name -> what the unpickler returns for it; ``exposed``: the values a BUILD could change
+    for the whole process (computed once per allowlist)."""
+
+    exposed: tuple[Any, ...] = ()
+
+
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: builtin and C types refuse setattr
+
+
+def _exposed(values: Iterable[Any]) -> tuple[Any, ...]:
+    """Allowed values that BUILD could change: other libraries' Python classes (DCP's dataclasses
+    and enums) and their enum members; ckpt's own functions and markers are sealed instead."""
+    out: dict[int, Any] = {}
+    for v in values:
+        if isinstance(v, (_Sealed, _SealedClass)):
+            continue
+        if isinstance(v, type):
+            if v.__flags__ & _IMMUTABLE_TYPE:
+                continue
+            out[id(v)] = v
+            if issubclass(v, enum.Enum):
+                out.update((id(m), m) for m in v.__members__.values())
+        elif hasattr(v, "__dict__") or hasattr(v, "__defaults__"):
+            out[id(v)] = v
+    return tuple(out.values())
+
+
+def _snapshot(obj: Any) -> tuple[Any, ...]:
+    if isinstance(obj, type):
+        return dict(vars(obj)), obj.__bases__, obj.__name__, obj.__qualname__
+    d = getattr(obj, "__dict__", None)
+    return (obj.__class__, dict(d) if d is not None else None, getattr(obj, "__defaults__", None),
+            getattr(obj, "__kwdefaults__", None))
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, dict) and isinstance(y, dict):
+            if x.keys() != y.keys() or any(x[k] is not y[k] for k in x):
+                return False
+        elif x is not y:
+            return False
+    return True
+
+
+def _restore(obj: Any, snap: tuple[Any, ...]) -> None:
+    """Put back what a refused pickle changed (best effort; the read fails either way)."""
+    if isinstance(obj, type):
+        saved = snap[0]
+        for k in set(vars(obj)) - set(saved):
+            with contextlib.suppress(AttributeError, TypeError):
+                delattr(obj, k)
+        for k, v in saved.items():
+            if vars(obj).get(k) is not v:
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(obj, k, v)
+        for attr, v in zip(("__bases__", "__name__", "__qualname__"), snap[1:], strict=True):
+            if getattr(obj, attr) is not v:
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(obj, attr, v)
+        return
+    cls, d, defaults, kwdefaults = snap
+    if obj.__class__ is not cls:
+        with contextlib.suppress(AttributeError, TypeError):
+            obj.__class__ = cls
+    if d is not None:
+        obj.__dict__.clear()
+        obj.__dict__.update(d)
+    if hasattr(obj, "__defaults__"):
+        obj.__defaults__, obj.__kwdefaults__ = defaults, kwdefaults
+
+
+# Reads whose allowlist exposes other libraries' classes take turns, so that one read's check does
+# not see another's (refused) change; reads of plain torch.save items (no such classes) never wait.
+_GUARD = threading.Lock()
+
+
 @functools.lru_cache(maxsize=64)
-def _allowed_cached(extra: tuple[str, ...], stubs: tuple[str, ...]) -> dict[str, Any]:
-    allowed = _base_globals()
+def _allowed_cached(extra: tuple[str, ...], stubs: tuple[str, ...]) -> _Allowlist:
+    allowed = _Allowlist(_base_globals())
     for name in extra:
         allowed[name] = _resolve(name)
     for name in stubs:
         allowed[name] = _stub(name)
+    allowed.exposed = _exposed(allowed.values())
     return allowed
 
 
-def _allowed(extra: Iterable[str], stubs: Iterable[str]) -> dict[str, Any]:
+def _allowed(extra: Iterable[str], stubs: Iterable[str]) -> _Allowlist:
     """The allowlist for one read (built once per (extra, stubs) and shared: nothing mutates it)."""
     return _allowed_cached(tuple(extra), tuple(stubs))
 
 
-def _unpickle(data: bytes, what: str, allowed: dict[str, Any],
+def _unpickle(data: bytes, what: str, allowed: _Allowlist,
               storages: dict[str, tuple[int, int | None]] | None, partial: bool = False, limit: int = 0) -> Any:
+    """Run the restricted unpickler; with exposed classes in the allowlist, check afterwards that
+    none changed (BUILD on a class or enum member sets attributes without running code) and undo
+    and refuse if one did."""
+    guard = contextlib.nullcontext() if not allowed.exposed else _GUARD
     try:
-        return _Unpickler(data, what, allowed, storages, partial, limit).load()
+        with guard:
+            before = [_snapshot(v) for v in allowed.exposed]
+            try:
+                return _Unpickler(data, what, allowed, storages, partial, limit).load()
+            finally:
+                changed = [(v, snap) for v, snap in zip(allowed.exposed, before, strict=True)
+                           if not _same(snap, _snapshot(v))]
+                for v, snap in changed:
+                    _restore(v, snap)
+                if changed:
+                    raise _Tampering(", ".join(repr(v) for v, _ in changed))
+    except _Tampering as e:
+        raise IntegrityError(f"{what}: the pickle tries to change {e}, allowed by ckpt's allowlist only to be "
+                             "built from (BUILD on a global); refused and undone, nothing from the file was run"
+                             ) from None
     except (IntegrityError, _MissingStorage):
         raise
     except Exception as e:  # noqa: BLE001 - any malformed pickle is the file's problem, typed
@@ -462,7 +631,7 @@ def load_torch(read: Read, start: int, length: int, *, what: str, extra: Iterabl
     return _from_records(read, records, what, allowed, partial=False, limit=start + length)
 
 
-def _from_records(read: Read, records: dict[str, tuple[int, int | None]], what: str, allowed: dict[str, Any],
+def _from_records(read: Read, records: dict[str, tuple[int, int | None]], what: str, allowed: _Allowlist,
                   *, partial: bool, limit: int) -> TorchZip:
     pkl = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkl) != 1:

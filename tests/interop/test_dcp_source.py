@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 
 import ckpt
 from ckpt.errors import IntegrityError, ManifestError
@@ -30,14 +31,15 @@ LAYOUTS = {
 }
 
 
-def _dcp_save(rank: int, world: int, out: str, layout: str) -> None:
+def _dcp_save(rank: int, world: int, out: str, layout: str, fmt: str = "torch_save") -> None:
     model, opt = F.build(*LAYOUTS[layout])
     sd = F.state(model, opt, flatten_optimizer_state_dict=True)
     # torchtitan's shape: model / optimizer (flattened) / lr_scheduler / dataloader (per rank) / train_state
     sd["lr_scheduler"] = {"last_epoch": 3, "base_lrs": [0.01]}
     sd["dataloader"] = {f"dp_rank_{rank}": pickle.dumps({"position": 17 + rank})}
     sd["train_state"] = {"step": 3, "ntokens_seen": 1234}
-    dcp.save(sd, checkpoint_id=os.path.join(out, "dcp"))
+    writer = FileSystemWriter(os.path.join(out, "dcp"), serialization_format=SerializationFormat(fmt))
+    dcp.save(sd, storage_writer=writer)
     ref = F.full(sd)
     if rank == 0:
         torch.save({"model": ref["model"], "optim": ref["optim"]}, os.path.join(out, "ref.pt"))
@@ -58,12 +60,16 @@ def _ckpt_load(rank: int, world: int, out: str, layout: str, saved_by: int = 4) 
         assert pickle.loads(got["dataloader"][f"dp_rank_{rank}"]) == {"position": 17 + rank}
 
 
-@pytest.mark.parametrize(("src", "dst"), [("dp2_tp2", "dp3"), ("dp2_tp2", "single"), ("dp2_tp2", "tp2"),
-                                        ("dp2", "dp3")])
-def test_fsdp_tp_dcp_checkpoint_loads_resharded_by_ckpt(tmp_path, src, dst):
+@pytest.mark.parametrize(("src", "dst", "fmt"), [
+    ("dp2_tp2", "dp3", "torch_save"), ("dp2_tp2", "single", "torch_save"), ("dp2_tp2", "tp2", "torch_save"),
+    ("dp2", "dp3", "torch_save"),
+    # DCP's safetensors serialization: per data file the bytes items, then one safetensors file
+    ("dp2_tp2", "dp3", "safetensors"),
+])
+def test_fsdp_tp_dcp_checkpoint_loads_resharded_by_ckpt(tmp_path, src, dst, fmt):
     out = str(tmp_path)
     saved_by = 4 if src == "dp2_tp2" else 2
-    run_ranks(saved_by, _dcp_save, out, src)
+    run_ranks(saved_by, _dcp_save, out, src, fmt)
     m = ckpt.inspect(os.path.join(out, "dcp"))
     assert m.source_format == "dcp" and "model.up.weight" in m.tensors
     assert all(s.checksum is None for t in m.tensors.values() for s in t.shards)
@@ -209,3 +215,21 @@ def test_metadata_of_allowed_classes_but_wrong_shape_is_a_manifest_error(tmp_pat
     with pytest.raises(ManifestError, match="malformed checkpoint metadata"):
         ckpt.inspect(url)
     assert not ckpt.verify(url).ok
+
+
+def test_safetensors_dcp_with_a_wrong_or_damaged_header_is_refused(tmp_path):
+    sd = {"w": torch.randn(4, 3), "v": torch.arange(5, dtype=torch.int32)}
+    url = tmp_path / "st"
+    dcp.save(sd, storage_writer=FileSystemWriter(url, serialization_format=SerializationFormat.SAFETENSORS))
+    got = ckpt.load({"w": torch.zeros(4, 3), "v": torch.zeros(5, dtype=torch.int32)}, str(url))
+    assert torch.equal(got["w"], sd["w"]) and torch.equal(got["v"], sd["v"])
+    data = next(p for p in url.iterdir() if p.suffix == ".distcp")
+    raw = data.read_bytes()
+    # the header renames the tensor: the metadata's key is no longer in the file
+    data.write_bytes(raw.replace(b'"w"', b'"x"', 1))
+    with pytest.raises(ManifestError, match=rf"{data.name}: 'w': the safetensors header has it absent"):
+        ckpt.inspect(str(url))
+    # the header's length prefix is garbage: neither format
+    data.write_bytes(b"\xff" * 8 + raw[8:])
+    with pytest.raises(ManifestError, match="neither a torch.save blob nor a safetensors file"):
+        ckpt.inspect(str(url))
