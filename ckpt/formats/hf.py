@@ -56,7 +56,7 @@ from ckpt.io import byte_view, run_read_plan
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest, ShardEntry, TensorEntry, check_relpath
 from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, PieceDecl, RankDecl, plan_load, plan_save
 from ckpt.resharders.layout import Layout
-from ckpt.resharders.rules import MOE_RULES
+from ckpt.resharders.rules import MOE_RULES, RuleSet
 from ckpt.save import read_manifest
 from ckpt.shards import Box, full_box
 from ckpt.source_checks import VERIFY_CHUNK, SourceChecks, VerifyingReads
@@ -460,7 +460,7 @@ class HFExportResult:
 class ExportPlan:
     """Everything an export writes, derived from the manifest alone (no data read)."""
 
-    config: ModelConfig
+    config: Any  # ModelConfig (embedded MoE) or an adapter's config dict
     dtype: torch.dtype
     files: list[_OutFile]
     index: dict[str, Any]
@@ -495,12 +495,34 @@ def model_config_of(manifest: Manifest, *, url: str = "checkpoint") -> ModelConf
 
 
 def plan_export(manifest: Manifest, *, dtype: torch.dtype | None = None,
-                max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, url: str = "checkpoint") -> ExportPlan:
+                max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, url: str = "checkpoint",
+                config: dict[str, Any] | None = None, source_names: str | None = None) -> ExportPlan:
     """Plan an export from the manifest alone: names, dtypes, the split into files, headers, index.
+
+    ``config`` (a Hugging Face ``config.json`` body) and ``source_names`` (``ckpt``, ``torchtitan``,
+    ``megatron`` or a names file) select an adapter family (:mod:`ckpt.hf`); without them a
+    checkpoint written by ``import-hf`` uses the adapter it recorded, and the embedded MoE's
+    checkpoints export as Qwen3-MoE.
 
     Raises ManifestError (no or unknown model config), MismatchError (tensors that do not match the
     config: missing, unexpected, mis-shaped; a stored dtype the export cannot hold).
     """
+    from ckpt.hf.engine import export_items, source_adapter, split_files
+
+    found = source_adapter(manifest, config, url=url)
+    if found is None and source_names not in (None, "ckpt"):
+        raise ManifestError(f"{url}: exporting {source_names} names needs the model's Hugging Face config: "
+                            "pass --config CONFIG_JSON (or the HF model directory it came from)")
+    if found is not None:
+        adapter, full = found
+        names = source_names or manifest.user_metadata.get("names") or "ckpt"
+        tensors, out_dtype, config_json = export_items(manifest, adapter, full, names, dtype, url=url)
+        out_files = split_files(tensors, out_dtype, max_shard_size)
+        all_items = [it for f in out_files for it in f.items]
+        index = {"metadata": {"total_size": sum(it.out_bytes for it in all_items),
+                              "total_parameters": sum(it.numel for it in all_items)},
+                 "weight_map": dict(sorted({it.name: f.path for f in out_files for it in f.items}.items()))}
+        return ExportPlan(full, out_dtype, out_files, index, config_json)
     cfg = model_config_of(manifest, url=url)
     params = param_shapes(cfg)
     stored = {k[len(PREFIX):]: t for k, t in manifest.tensors.items() if k.startswith(PREFIX)}
@@ -571,6 +593,21 @@ def plan_export(manifest: Manifest, *, dtype: torch.dtype | None = None,
     return ExportPlan(cfg, dtype, files, index, config_json)
 
 
+def _config_arg(config: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """A config.json body from a dict, a config.json path, or a Hugging Face model directory."""
+    if config is None or isinstance(config, dict):
+        return config
+    path = os.path.join(config, CONFIG_NAME) if os.path.isdir(config) else config
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path}: cannot read the Hugging Face config ({e})") from None
+    if not isinstance(d, dict):
+        raise ManifestError(f"{path}: not a JSON object")
+    return d
+
+
 def _split(items: list[_Item], st: str, limit: int) -> list[list[_Item]]:
     """Fill files in order up to ``limit`` bytes (header included); a larger tensor gets a file of its own."""
     digits = len(str(sum(it.out_bytes for it in items)))
@@ -616,7 +653,8 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
               max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
               workers: int = 4, overwrite: bool = False, storage_options: dict[str, Any] | None = None,
               progress: Progress | None = None, verify_source: bool = True,
-              tokenizer: str | None = None) -> HFExportResult:
+              tokenizer: str | None = None, config: str | dict[str, Any] | None = None,
+              source_names: str | None = None) -> HFExportResult:
     """Export the model weights of the checkpoint at ``src_url`` (any layout) as a Hugging Face model.
 
     Tokenizer and generation-config files found next to the source's manifest, or in the directory
@@ -663,8 +701,15 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
     try:
         manifest = read_manifest(src)
         if manifest is None:
-            raise ManifestError(f"{src.url}: no committed checkpoint here ({MANIFEST_NAME} is missing)")
-        plan = plan_export(manifest, dtype=out_dtype, max_shard_size=limit, url=src.url)
+            from ckpt.formats.sources import LOOKED_FOR, foreign_manifest
+
+            manifest = foreign_manifest(src)  # a DCP / Megatron / DeepSpeed directory, read in place
+            if manifest is None:
+                raise ManifestError(f"{src.url}: no committed checkpoint here ({MANIFEST_NAME} is missing; "
+                                    f"looked for {LOOKED_FOR})")
+            verify_source = False  # other tools record no checksums: nothing to verify against
+        plan = plan_export(manifest, dtype=out_dtype, max_shard_size=limit, url=src.url,
+                           config=_config_arg(config), source_names=source_names)
         # tokenizer / generation config: beside the source checkpoint's manifest, then --tokenizer DIR
         side = hf_files.from_manifest(manifest) | hf_files.read_side_files(src) | (
             hf_files.from_dir(tokenizer) if tokenizer else {})
@@ -722,9 +767,11 @@ class HFSource:
     """A Hugging Face model directory described as a (virtual) ckpt manifest over its own files:
     each fused expert tensor is a set of box shards pointing into the per-expert or fused entries."""
 
-    config: ModelConfig
+    config: Any  # ModelConfig (embedded MoE) or the adapter's completed config dict
     manifest: Manifest
     params: list[tuple[str, tuple[int, ...]]]
+    meta: dict[str, Any] | None = None  # user_metadata of an adapter import (None: the embedded MoE's)
+    rules: RuleSet = field(default_factory=lambda: MOE_RULES)
 
 
 def _read_json(storage: Storage, name: str) -> Any:
@@ -748,12 +795,16 @@ def _read_header(storage: Storage, path: str, size: int) -> dict[str, HeaderEntr
     return parse_header(bytes(full), size, path=where)
 
 
-def read_hf_source(storage: Storage) -> HFSource:
+def read_hf_source(storage: Storage, names: str = "ckpt") -> HFSource:
     """Read and check a Hugging Face model directory's config and safetensors headers (no tensor data).
+
+    A Qwen3-MoE config the embedded MoE can represent becomes an embedded-MoE source (the trainer
+    starts from it); every other supported family (and ``names`` other than ``ckpt``) goes through
+    its adapter (:mod:`ckpt.hf.adapters`).
 
     Raises ManifestError (no or unknown architecture / config, bad index), IntegrityError (a file
     the index names is missing; a malformed header), MismatchError (tensors that do not match the
-    config, or of a dtype the embedded MoE cannot hold).
+    config, or of a dtype the model cannot hold).
     """
     url = storage.url
     if storage.size(CONFIG_NAME) is None:
@@ -761,15 +812,35 @@ def read_hf_source(storage: Storage) -> HFSource:
     d = _read_json(storage, CONFIG_NAME)
     if not isinstance(d, dict):
         raise ManifestError(f"{url}/{CONFIG_NAME}: not a JSON object")
-    model_type, archs = d.get("model_type"), d.get("architectures") or ["Qwen3MoeForCausalLM"]
-    if model_type != "qwen3_moe" or archs != ["Qwen3MoeForCausalLM"]:
-        raise ManifestError(f"{url}/{CONFIG_NAME}: architecture {archs} (model_type {model_type!r}) is not "
-                            "supported; import-hf reads Qwen3MoeForCausalLM checkpoints (model_type 'qwen3_moe')")
-    try:
-        cfg = ModelConfig.from_hf_config_dict(d)
-    except (ValueError, TypeError) as e:
-        raise ManifestError(f"{url}/{CONFIG_NAME}: a Qwen3-MoE config the embedded MoE cannot represent: {e}") from None
+    model_type = d.get("model_type")
+    cfg: ModelConfig | None = None
+    if model_type == "qwen3_moe" and names == "ckpt":
+        try:
+            cfg = ModelConfig.from_hf_config_dict(d)
+        except (ValueError, TypeError):
+            cfg = None  # dense layers, biases...: the generic Qwen3-MoE adapter takes it
+    adapter = None
+    if cfg is None:
+        from ckpt.hf.adapters import adapter_for
 
+        adapter = adapter_for(model_type, where=f"{url}/{CONFIG_NAME}")
+        full = adapter.complete(d, where=f"{url}/{CONFIG_NAME}")
+    entries, sizes = _hf_entries(storage)
+    if adapter is not None:
+        from ckpt.hf.adapters import HF_RULES
+        from ckpt.hf.engine import import_manifest
+
+        manifest, meta = import_manifest(adapter, full, entries, sizes, names, url=url)
+        return HFSource(full, manifest, [(k, tuple(t.shape)) for k, t in manifest.tensors.items()], meta, HF_RULES)
+    assert cfg is not None
+    params = param_shapes(cfg)
+    tensors = _hf_tensors(cfg, dict(params), entries, url)
+    return HFSource(cfg, Manifest(tensors=tensors, files=sizes, user_metadata={}), params)
+
+
+def _hf_entries(storage: Storage) -> tuple[dict[str, tuple[str, HeaderEntry]], dict[str, int]]:
+    """Every tensor of the directory's safetensors files (as the index assigns them) and file sizes."""
+    url = storage.url
     # Files and where each tensor is.
     wanted: dict[str, str] | None = None
     if storage.size(INDEX_NAME) is not None:
@@ -808,9 +879,7 @@ def read_hf_source(storage: Storage) -> HFSource:
                                  "the index and the files disagree")
     if dupes:
         raise MismatchError(f"{url}: tensors stored twice: {_few(sorted(dupes))}")
-    params = param_shapes(cfg)
-    tensors = _hf_tensors(cfg, dict(params), entries, url)
-    return HFSource(cfg, Manifest(tensors=tensors, files=sizes, user_metadata={}), params)
+    return entries, sizes
 
 
 def _hf_tensors(cfg: ModelConfig, params: dict[str, tuple[int, ...]], entries: dict[str, tuple[str, HeaderEntry]],
@@ -932,7 +1001,7 @@ def _reshard_fn(target: Layout) -> Callable[..., Any]:
 def import_hf(hf_dir: str, dst_url: str, *, to: str | Layout | None = None, dtype: str | torch.dtype | None = None,
               memory_budget: int | str = DEFAULT_MEMORY_BUDGET, workers: int = 4, overwrite: bool = False,
               storage_options: dict[str, Any] | None = None, tmp_dir: str | None = None,
-              progress: Progress | None = None) -> HFImportResult:
+              progress: Progress | None = None, names: str = "ckpt") -> HFImportResult:
     """Import a Hugging Face Qwen3-MoE directory as a weights-only checkpoint of the embedded MoE.
 
     Reads ``model.safetensors`` or the files of ``model.safetensors.index.json``; per-expert
@@ -965,7 +1034,10 @@ def import_hf(hf_dir: str, dst_url: str, *, to: str | Layout | None = None, dtyp
     opts = storage_options or {}
     src = get_storage(hf_dir, **opts)
     try:
-        source = read_hf_source(src)
+        source = read_hf_source(src, names)
+        if target.world_size > 1 and names != "ckpt":
+            raise LayoutError(f"import to layout {target} with {names} names: the sharding rules know ckpt's "
+                              "names only; import without --to (ckpt.load reshards at load time)")
         if target.world_size == 1:
             manifest, buffer_bytes = _import_single(src, source, dst_url, dtype=out_dtype, budget=budget,
                                                     workers=workers, overwrite=overwrite, opts=opts,
@@ -985,7 +1057,7 @@ def import_hf(hf_dir: str, dst_url: str, *, to: str | Layout | None = None, dtyp
             try:
                 _, buffer_bytes = _import_single(src, source, tmp, dtype=out_dtype, budget=budget, workers=workers,
                                                  overwrite=True, opts={}, progress=progress, source_url=src.url)
-                manifest = reshard(tmp, dst_url, target, rules=MOE_RULES, memory_budget=budget, workers=workers,
+                manifest = reshard(tmp, dst_url, target, rules=source.rules, memory_budget=budget, workers=workers,
                                    overwrite=overwrite, progress=progress, storage_options={},
                                    dst_storage_options=opts)
             finally:
@@ -1006,8 +1078,9 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
     decl = RankDecl(pieces=[PieceDecl(k, dtype_name(out_dtypes[k]), t.shape, full_box(t.shape))
                             for k, t in vman.tensors.items()])
     layout = Layout()
-    meta = {"model_config": source.config.to_dict(), "layout": layout.to_dict(), "rules": RULES_NAME,
-            "source": {"format": "huggingface", "url": source_url}}
+    meta = ({"model_config": source.config.to_dict(), "rules": RULES_NAME} if source.meta is None
+            else dict(source.meta))
+    meta |= {"layout": layout.to_dict(), "source": {"format": "huggingface", "url": source_url}}
     plan = plan_save([decl], save_id=uuid.uuid4().hex[:12], step=0, user_metadata=meta, layout=layout.to_dict())
     manifest, (assignment,) = plan.manifest, plan.assignments
     assert assignment.file is not None

@@ -1,0 +1,419 @@
+"""Model adapters: one small class per Hugging Face model family.
+
+An adapter knows, for its ``model_type`` s: which config fields it relies on and what transformers
+assumes when a ``config.json`` leaves one out (:attr:`Adapter.defaults`, read from transformers'
+own config class when installed; a test compares the table with it), which options it cannot
+represent (refused by name before anything is written), the canonical parameters of a model (the
+names a ckpt checkpoint stores them under, after the ``model.`` key prefix: the Hugging Face names,
+except that each MoE layer's experts are stacked ``mlp.experts.{gate,up,down}_proj`` tensors of
+shape ``(E, out, in)`` so that expert parallelism is a split of dim 0), and the element map from
+the Hugging Face tensors to those parameters (:mod:`ckpt.hf.mapping`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from ckpt.errors import ManifestError
+from ckpt.hf.mapping import Map, Run, Target, whole
+from ckpt.resharders.rules import Placement, Rule, RuleSet
+
+Config = dict[str, Any]
+
+# Sharding rules of canonical parameter names (checkpoint key = "model." + name), every family.
+HF_RULES = RuleSet(
+    name="hf-decoder",
+    rules=[
+        Rule("model.embed_tokens.weight", Placement(tp_dim=0, pad=True)),
+        Rule("lm_head.weight", Placement(tp_dim=0, pad=True)),
+        *[Rule(f"model.layers.*.self_attn.{p}_proj.{w}", Placement(tp_dim=0))
+          for p in ("q", "k", "v") for w in ("weight", "bias")],
+        Rule("model.layers.*.self_attn.o_proj.weight", Placement(tp_dim=1)),
+        Rule("model.layers.*.self_attn.q_b_proj.weight", Placement(tp_dim=0)),  # MLA: per head
+        Rule("model.layers.*.self_attn.kv_b_proj.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.mlp.experts.gate_proj", Placement(ep_dim=0, tp_dim=1)),
+        Rule("model.layers.*.mlp.experts.up_proj", Placement(ep_dim=0, tp_dim=1)),
+        Rule("model.layers.*.mlp.experts.down_proj", Placement(ep_dim=0, tp_dim=2)),
+        *[Rule(f"model.layers.*.mlp.{m}gate_proj.weight", Placement(tp_dim=0))
+          for m in ("", "shared_expert.", "shared_experts.")],
+        *[Rule(f"model.layers.*.mlp.{m}up_proj.weight", Placement(tp_dim=0))
+          for m in ("", "shared_expert.", "shared_experts.")],
+        *[Rule(f"model.layers.*.mlp.{m}down_proj.weight", Placement(tp_dim=1))
+          for m in ("", "shared_expert.", "shared_experts.")],
+    ],
+    first_stage=["model.embed_tokens.*"],
+    last_stage=["model.norm.*", "lm_head.*"],
+)
+
+
+class Adapter:
+    """Hugging Face <-> canonical parameters for one model family (see module docstring)."""
+
+    name = "?"
+    model_types: tuple[str, ...] = ()
+    architecture = "?"
+    rules = HF_RULES
+    # field -> what transformers' config class assumes when config.json leaves it out
+    defaults: dict[str, Any] = {}  # noqa: RUF012 - class constant
+    aliases: dict[str, str] = {}  # noqa: RUF012 - transformers' attribute_map: name in config.json -> field
+
+    # ---- config ----------------------------------------------------------------------------------
+    def complete(self, d: Config, *, where: str) -> Config:
+        """``d`` with every field this adapter relies on present (transformers' default where absent).
+
+        Raises ManifestError naming an option the adapter cannot represent, or a missing field
+        transformers has no default for.
+        """
+        cfg = dict(d)
+        for alias, name in self.aliases.items():
+            if name not in cfg and alias in cfg:
+                cfg[name] = cfg[alias]
+        defaults = transformers_defaults(self.model_types[0], tuple(self.defaults)) or self.defaults
+        for k, v in defaults.items():
+            if k not in cfg:
+                cfg[k] = v
+        if cfg.get("mlp_only_layers") is None and "mlp_only_layers" in defaults:
+            cfg["mlp_only_layers"] = []
+        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(cfg.get(k), int):
+                raise ManifestError(f"{where}: config field {k!r} is missing or not an integer")
+        if cfg.get("num_key_value_heads") is None:
+            cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+        if cfg.get("head_dim") is None:
+            cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+        if cfg.get("quantization_config"):
+            raise ManifestError(f"{where}: quantization_config {cfg['quantization_config'].get('quant_method')!r}: "
+                                "quantized weights are not supported; dequantize to bf16/fp32 first")
+        self.refuse(cfg, where)
+        return cfg
+
+    def refuse(self, cfg: Config, where: str) -> None:
+        """Raise ManifestError naming an option of ``cfg`` this adapter cannot represent."""
+
+    def hf_config(self, cfg: Config) -> Config:
+        """The ``config.json`` body to write (the stored config; ``dtype`` is set by the caller)."""
+        out = dict(cfg)
+        out["model_type"] = self.model_types[0]
+        out["architectures"] = [self.architecture]
+        return out
+
+    # ---- parameters ------------------------------------------------------------------------------
+    def params(self, cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+        """Canonical parameters and shapes, in module order."""
+        return [(n, t.shape) for n, t in self._canonical(cfg).items()]
+
+    def hf_map(self, cfg: Config, present: set[str] | None = None) -> Map:
+        """Hugging Face tensor name -> its elements as runs over canonical parameters. ``present``:
+        the names in the files being imported (picks between equivalent spellings, e.g. fused experts);
+        None for an export (the spelling ``save_pretrained`` writes)."""
+        out: Map = {}
+        for name, t in self._canonical(cfg).items():
+            if t.runs and t.runs[0].name == "experts":  # a stacked experts tensor: per expert in HF
+                continue
+            out[name] = whole(name, t.shape)
+        for prefix, hf_prefix, names, shapes in self._experts(cfg):
+            out.update(_expert_map(prefix, hf_prefix, names, shapes, present))
+        order = [n for n, _ in self._hf_order(cfg, out)]
+        return {n: out[n] for n in order}
+
+    def _hf_order(self, cfg: Config, m: Map) -> list[tuple[str, Target]]:
+        return list(m.items())
+
+    def _canonical(self, cfg: Config) -> dict[str, Target]:
+        """Canonical name -> Target (runs unused, except the marker ``experts`` on stacked experts)."""
+        h, v = cfg["hidden_size"], cfg["vocab_size"]
+        out: dict[str, Target] = {}
+
+        def p(name: str, *shape: int) -> None:
+            out[name] = Target(tuple(shape), [])
+
+        p("model.embed_tokens.weight", v, h)
+        for i in range(cfg["num_hidden_layers"]):
+            pre = f"model.layers.{i}."
+            p(pre + "input_layernorm.weight", h)
+            for name, shape in self._attention(cfg):
+                p(pre + "self_attn." + name, *shape)
+            p(pre + "post_attention_layernorm.weight", h)
+            for name, shape in self._mlp(cfg, i):
+                if name.startswith("experts."):
+                    out[pre + "mlp." + name] = Target(tuple(shape), [Run("experts", 0, 0)])
+                else:
+                    p(pre + "mlp." + name, *shape)
+        p("model.norm.weight", h)
+        if not cfg.get("tie_word_embeddings"):
+            p("lm_head.weight", v, h)
+        return out
+
+    def _attention(self, cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+        h, d = cfg["hidden_size"], cfg["head_dim"]
+        q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+        out: list[tuple[str, tuple[int, ...]]] = [("q_proj.weight", (q, h)), ("k_proj.weight", (kv, h)),
+                                                  ("v_proj.weight", (kv, h)), ("o_proj.weight", (h, q))]
+        qkv_bias, o_bias = self._biases(cfg)
+        if qkv_bias:
+            out[3:3] = [("q_proj.bias", (q,)), ("k_proj.bias", (kv,)), ("v_proj.bias", (kv,))]
+        if o_bias:
+            out.append(("o_proj.bias", (h,)))
+        return out
+
+    def _biases(self, cfg: Config) -> tuple[bool, bool]:
+        b = bool(cfg.get("attention_bias"))
+        return b, b
+
+    def _mlp(self, cfg: Config, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+        return _dense(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias")))
+
+    def _experts(self, cfg: Config) -> list[tuple[str, str, tuple[str, str, str], tuple[int, int, int]]]:
+        """Per MoE layer: (canonical prefix, HF prefix, HF per-expert names of gate/up/down, (E, I, H))."""
+        return []
+
+
+def _dense(h: int, i: int, bias: bool = False, prefix: str = "") -> list[tuple[str, tuple[int, ...]]]:
+    out: list[tuple[str, tuple[int, ...]]] = [(f"{prefix}gate_proj.weight", (i, h)),
+                                              (f"{prefix}up_proj.weight", (i, h)),
+                                              (f"{prefix}down_proj.weight", (h, i))]
+    if bias:
+        out += [(f"{prefix}gate_proj.bias", (i,)), (f"{prefix}up_proj.bias", (i,)), (f"{prefix}down_proj.bias", (h,))]
+    return out
+
+
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _stacked(e: int, i: int, h: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [("experts.gate_proj", (e, i, h)), ("experts.up_proj", (e, i, h)), ("experts.down_proj", (e, h, i))]
+
+
+def _expert_map(prefix: str, hf_prefix: str, names: tuple[str, str, str], shape: tuple[int, int, int],
+                present: set[str] | None) -> Map:
+    """HF expert tensors of one layer over the stacked canonical ``{prefix}.{gate,up,down}_proj``:
+    per expert (``{hf_prefix}.{e}.{name}.weight``), or transformers' fused ``gate_up_proj`` /
+    ``down_proj`` when the files being imported hold those."""
+    e, i, h = shape
+    gate, up, down = (f"{prefix}.{p}_proj" for p in ("gate", "up", "down"))
+    if present is not None and f"{hf_prefix}.gate_up_proj" in present:
+        runs = [Run(n, k * i * h, i * h) for k in range(e) for n in (gate, up)]
+        return {f"{hf_prefix}.gate_up_proj": Target((e, 2 * i, h), runs),
+                f"{hf_prefix}.down_proj": whole(down, (e, h, i))}
+    out: Map = {}
+    for k in range(e):
+        for hf_name, canon, s in zip(names, (gate, up, down), ((i, h), (i, h), (h, i)), strict=True):
+            out[f"{hf_prefix}.{k}.{hf_name}.weight"] = Target(s, [Run(canon, k * i * h, i * h)])
+    return out
+
+
+class Llama(Adapter):
+    """Llama 2/3.x (``LlamaForCausalLM``): tied embeddings, rope scaling and biases as configured."""
+
+    name, model_types, architecture = "llama", ("llama",), "LlamaForCausalLM"
+    defaults = {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,  # noqa: RUF012
+                "num_key_value_heads": None, "head_dim": None, "intermediate_size": 11008}
+
+
+class Qwen2(Adapter):
+    """Qwen2 / Qwen2.5 dense (``Qwen2ForCausalLM``): q/k/v biases, no o bias."""
+
+    name, model_types, architecture = "qwen2", ("qwen2",), "Qwen2ForCausalLM"
+    defaults = {"tie_word_embeddings": False, "num_key_value_heads": 32, "head_dim": None,  # noqa: RUF012
+                "intermediate_size": 22016}
+
+    def _biases(self, cfg: Config) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3(Adapter):
+    """Qwen3 dense (``Qwen3ForCausalLM``): q/k RMS norms per head."""
+
+    name, model_types, architecture = "qwen3", ("qwen3",), "Qwen3ForCausalLM"
+    defaults = {"attention_bias": False, "tie_word_embeddings": False, "num_key_value_heads": 32,  # noqa: RUF012
+                "head_dim": 128, "intermediate_size": 22016}
+
+    def _attention(self, cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+        d = cfg["head_dim"]
+        return [*super()._attention(cfg), ("q_norm.weight", (d,)), ("k_norm.weight", (d,))]
+
+
+class Mixtral(Adapter):
+    """Mixtral (``MixtralForCausalLM``): every layer MoE, ``block_sparse_moe.experts.E.w1/w2/w3``."""
+
+    name, model_types, architecture = "mixtral", ("mixtral",), "MixtralForCausalLM"
+    defaults = {"tie_word_embeddings": False, "num_key_value_heads": 8, "head_dim": None,  # noqa: RUF012
+                "num_local_experts": 8, "intermediate_size": 14336}
+
+    def _mlp(self, cfg: Config, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+        e, h = cfg["num_local_experts"], cfg["hidden_size"]
+        return [("gate.weight", (e, h)), *_stacked(e, cfg["intermediate_size"], h)]
+
+    def hf_map(self, cfg: Config, present: set[str] | None = None) -> Map:
+        out: Map = {}
+        for name, t in super().hf_map(cfg, present).items():
+            out[name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")] = t
+        return out
+
+    def _experts(self, cfg: Config) -> list[tuple[str, str, tuple[str, str, str], tuple[int, int, int]]]:
+        e, i, h = cfg["num_local_experts"], cfg["intermediate_size"], cfg["hidden_size"]
+        return [(f"model.layers.{n}.mlp.experts", f"model.layers.{n}.block_sparse_moe.experts", ("w1", "w3", "w2"),
+                 (e, i, h)) for n in range(cfg["num_hidden_layers"])]
+
+    def _hf_order(self, cfg: Config, m: Map) -> list[tuple[str, Target]]:
+        return _layer_order(m)
+
+
+def _layer_order(m: Map) -> list[tuple[str, Target]]:
+    """HF tensors in module order: non-layer first, then by layer, stable within a layer."""
+    import re
+
+    def key(item: tuple[int, tuple[str, Target]]) -> tuple[int, int, int]:
+        pos, (name, _) = item
+        mm = re.search(r"\.layers\.(\d+)\.", name)
+        if mm is None:
+            return (0 if "embed" in name else 2, 0, pos)
+        return (1, int(mm.group(1)), pos)
+
+    return [x for _, x in sorted(enumerate(m.items()), key=key)]
+
+
+class _QwenMoe(Adapter):
+    """Qwen2-MoE / Qwen3-MoE: layer ``i`` is MoE iff ``i`` not in ``mlp_only_layers``, there are experts
+    and ``(i + 1) % decoder_sparse_step == 0``; the others are dense MLPs of ``intermediate_size``."""
+
+    aliases = {"num_local_experts": "num_experts"}  # noqa: RUF012
+
+    def _is_moe(self, cfg: Config, i: int) -> bool:
+        step = cfg.get("decoder_sparse_step") or 1
+        return (i not in (cfg.get("mlp_only_layers") or []) and cfg["num_experts"] > 0
+                and (i + 1) % step == 0)
+
+    def _moe(self, cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+        e, h = cfg["num_experts"], cfg["hidden_size"]
+        return [("gate.weight", (e, h)), *_stacked(e, cfg["moe_intermediate_size"], h)]
+
+    def _mlp(self, cfg: Config, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+        return self._moe(cfg) if self._is_moe(cfg, layer) else super()._mlp(cfg, layer)
+
+    def _experts(self, cfg: Config) -> list[tuple[str, str, tuple[str, str, str], tuple[int, int, int]]]:
+        e, i, h = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+        return [(f"model.layers.{n}.mlp.experts", f"model.layers.{n}.mlp.experts", _PROJ, (e, i, h))
+                for n in range(cfg["num_hidden_layers"]) if self._is_moe(cfg, n)]
+
+    def _hf_order(self, cfg: Config, m: Map) -> list[tuple[str, Target]]:
+        return _layer_order(m)
+
+
+class Qwen3Moe(_QwenMoe, Qwen3):
+    """Qwen3-MoE (``Qwen3MoeForCausalLM``), including dense layers (``mlp_only_layers``, sparse step)."""
+
+    name, model_types, architecture = "qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM"
+    defaults = {"attention_bias": False, "tie_word_embeddings": False, "num_key_value_heads": 4,  # noqa: RUF012
+                "head_dim": None, "num_experts": 128, "decoder_sparse_step": 1, "mlp_only_layers": None,
+                "moe_intermediate_size": 768, "intermediate_size": 6144}
+
+
+class Qwen2Moe(_QwenMoe, Qwen2):
+    """Qwen2-MoE (``Qwen2MoeForCausalLM``): plus a shared expert and its sigmoid gate per MoE layer."""
+
+    name, model_types, architecture = "qwen2_moe", ("qwen2_moe",), "Qwen2MoeForCausalLM"
+    defaults = {"tie_word_embeddings": False, "num_key_value_heads": 16, "qkv_bias": True,  # noqa: RUF012
+                "head_dim": None,
+                "num_experts": 60, "decoder_sparse_step": 1, "mlp_only_layers": None, "moe_intermediate_size": 1408,
+                "shared_expert_intermediate_size": 5632, "intermediate_size": 5632}
+
+    def _biases(self, cfg: Config) -> tuple[bool, bool]:
+        return bool(cfg.get("qkv_bias", True)), False
+
+    def _moe(self, cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+        h, s = cfg["hidden_size"], cfg["shared_expert_intermediate_size"]
+        return [*super()._moe(cfg), *_dense(h, s, prefix="shared_expert."), ("shared_expert_gate.weight", (1, h))]
+
+
+class DeepseekV3(Adapter):
+    """DeepSeek-V3 (``DeepseekV3ForCausalLM``): MLA attention (``q_a/q_b`` or ``q_proj``,
+    ``kv_a_proj_with_mqa``, ``kv_b_proj``), ``first_k_dense_replace`` dense layers, routed experts
+    with ``e_score_correction_bias`` and shared experts. Multi-token-prediction layers (weights past
+    ``num_hidden_layers``, which transformers does not load) are refused."""
+
+    name, model_types, architecture = "deepseek_v3", ("deepseek_v3",), "DeepseekV3ForCausalLM"
+    aliases = {"num_local_experts": "n_routed_experts"}  # noqa: RUF012
+    defaults = {"tie_word_embeddings": False, "attention_bias": False, "q_lora_rank": 1536,  # noqa: RUF012
+                "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3,
+                "moe_intermediate_size": 2048, "intermediate_size": 18432, "num_key_value_heads": 128}
+
+    def refuse(self, cfg: Config, where: str) -> None:
+        if cfg.get("attention_bias"):
+            raise ManifestError(f"{where}: attention_bias=True is not supported for deepseek_v3 "
+                                "(transformers' MLA with biases has no released checkpoints); nothing was written")
+
+    def _attention(self, cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+        h, n = cfg["hidden_size"], cfg["num_attention_heads"]
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        kvr, rope, vd = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        out: list[tuple[str, tuple[int, ...]]] = []
+        if cfg.get("q_lora_rank"):
+            qr = cfg["q_lora_rank"]
+            out += [("q_a_proj.weight", (qr, h)), ("q_a_layernorm.weight", (qr,)), ("q_b_proj.weight", (n * qk, qr))]
+        else:
+            out += [("q_proj.weight", (n * qk, h))]
+        return out + [("kv_a_proj_with_mqa.weight", (kvr + rope, h)), ("kv_a_layernorm.weight", (kvr,)),
+                      ("kv_b_proj.weight", (n * (cfg["qk_nope_head_dim"] + vd), kvr)), ("o_proj.weight", (h, n * vd))]
+
+    def _mlp(self, cfg: Config, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+        h = cfg["hidden_size"]
+        if layer < cfg["first_k_dense_replace"]:
+            return _dense(h, cfg["intermediate_size"])
+        e, i = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+        return [("gate.weight", (e, h)), ("gate.e_score_correction_bias", (e,)), *_stacked(e, i, h),
+                *_dense(h, i * cfg["n_shared_experts"], prefix="shared_experts.")]
+
+    def _experts(self, cfg: Config) -> list[tuple[str, str, tuple[str, str, str], tuple[int, int, int]]]:
+        e, i, h = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+        return [(f"model.layers.{n}.mlp.experts", f"model.layers.{n}.mlp.experts", _PROJ, (e, i, h))
+                for n in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])]
+
+    def _hf_order(self, cfg: Config, m: Map) -> list[tuple[str, Target]]:
+        return _layer_order(m)
+
+
+ADAPTERS: dict[str, Adapter] = {a.model_types[0]: a for a in (Llama(), Qwen2(), Qwen3(), Mixtral(), Qwen2Moe(),
+                                                                Qwen3Moe(), DeepseekV3())}
+
+
+def adapter_for(model_type: Any, *, where: str) -> Adapter:
+    """The adapter for a ``model_type``; ManifestError listing the supported ones otherwise."""
+    a = ADAPTERS.get(model_type) if isinstance(model_type, str) else None
+    if a is None:
+        raise ManifestError(f"{where}: model_type {model_type!r} is not supported; ckpt converts "
+                            f"{', '.join(sorted(ADAPTERS))} (and the embedded MoE); nothing was written")
+    return a
+
+
+@functools.lru_cache(maxsize=32)
+def transformers_defaults(model_type: str, fields: tuple[str, ...]) -> dict[str, Any] | None:
+    """What transformers' config class for ``model_type`` takes for each of ``fields`` when a
+    ``config.json`` leaves it out: its ``__init__`` default (None: derived from other fields, e.g.
+    ``num_key_value_heads`` from the head count). None without transformers or for an unknown type;
+    fields its ``__init__`` does not take keep the adapter's own value."""
+    try:
+        import inspect
+
+        from transformers import CONFIG_MAPPING
+        params = inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters
+    except Exception:  # noqa: BLE001 - no transformers, or an unknown type: the adapter's table stands
+        return None
+    adapter = ADAPTERS.get(model_type)
+    table = adapter.defaults if adapter is not None else {}
+    out: dict[str, Any] = {}
+    for f in fields:
+        if f in params and params[f].default is not inspect.Parameter.empty:
+            v = params[f].default
+            out[f] = list(v) if isinstance(v, tuple) else v
+        else:
+            out[f] = table.get(f)
+    return out
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Elements of ``shape``."""
+    return math.prod(shape)

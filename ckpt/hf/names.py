@@ -1,0 +1,270 @@
+"""Source key names: how a checkpoint names the canonical parameters (:mod:`ckpt.hf.adapters`).
+
+- ``ckpt``: ``model.<canonical name>`` (what ``ckpt import-hf`` and the trainer write);
+- ``torchtitan``: ``tok_embeddings``, ``layers.N.attention.wq`` (rows permuted for Llama: torchtitan's
+  complex-number RoPE pairs adjacent elements, Hugging Face's pairs the two halves of a head),
+  ``feed_forward.w1/w2/w3``, ``moe.router.gate``, stacked ``moe.experts.w1/w2/w3``, ``output``;
+- ``megatron``: ``embedding.word_embeddings``, fused ``linear_qkv`` in Megatron's per-query-group
+  order (each group's query heads, then its key, then its value), fused ``linear_fc1`` (gate then up),
+  Transformer Engine's fused norms (``linear_qkv.layer_norm_weight``) or the local spec's
+  ``input_layernorm``, per-expert ``local_experts.E`` (SequentialMLP) or ``linear_fc1.weightE``
+  (TEGroupedMLP), and ``torch_dist``'s layer-stacked tensors (``decoder.layers.<name>`` with a
+  leading layer dim), resolved against what the checkpoint holds;
+- a JSON file ``{"rename": [[regex, replacement], ...]}``: canonical name -> stored name, first
+  match wins, elements unchanged.
+
+:func:`naming` gives the map canonical -> logical stored names (with their shapes and alternative
+spellings); :func:`resolve` binds it to the keys a manifest really has.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+from ckpt.errors import ManifestError, MismatchError
+from ckpt.hf.adapters import Adapter, Config
+from ckpt.hf.mapping import Map, Run, Target, rows, whole
+
+NAMINGS = ("ckpt", "torchtitan", "megatron")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # dim 0 may carry the trainer's vocab padding
+
+
+@dataclass(slots=True)
+class Naming:
+    """canonical -> runs over logical stored names; their shapes; other spellings to try."""
+
+    kind: str
+    map: Map
+    shapes: dict[str, tuple[int, ...]]
+    alternatives: dict[str, list[str]] = field(default_factory=dict)
+    prefixes: tuple[str, ...] = ("",)
+    padded: set[str] = field(default_factory=set)  # logical names whose dim 0 may be longer (vocab)
+
+
+def naming(kind: str, adapter: Adapter, cfg: Config) -> Naming:
+    """The naming ``kind`` (``ckpt``, ``torchtitan``, ``megatron`` or a JSON rename file path)."""
+    params = adapter.params(cfg)
+    if kind == "ckpt":
+        n = Naming("ckpt", {p: whole("model." + p, s) for p, s in params}, {"model." + p: s for p, s in params})
+        n.padded = {"model." + v for v in VOCAB}
+        return n
+    if kind == "torchtitan":
+        return _torchtitan(adapter, cfg, params)
+    if kind == "megatron":
+        return _megatron(cfg, params)
+    return _rename_file(kind, params)
+
+
+def _rename_file(path: str, params: list[tuple[str, tuple[int, ...]]]) -> Naming:
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        pairs = [(re.compile(a), b) for a, b in spec["rename"]]
+    except (OSError, ValueError, KeyError, TypeError, re.error) as e:
+        raise ManifestError(f"{path}: not a names file ({type(e).__name__}: {e}); expected "
+                            '{"rename": [["regex", "replacement"], ...]} or one of ' + ", ".join(NAMINGS)) from None
+    out: Map = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for p, s in params:
+        name = p
+        for rx, repl in pairs:
+            if rx.search(p):
+                name = rx.sub(repl, p)
+                break
+        out[p], shapes[name] = whole(name, s), s
+    return Naming(path, out, shapes, prefixes=("", "model."), padded=set(VOCAB))
+
+
+def _layer(name: str) -> tuple[int, str] | None:
+    m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+_TITAN = [
+    ("input_layernorm.weight", "attention_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("self_attn.q_proj.weight", "attention.wq.weight"),
+    ("self_attn.k_proj.weight", "attention.wk.weight"),
+    ("self_attn.v_proj.weight", "attention.wv.weight"),
+    ("self_attn.o_proj.weight", "attention.wo.weight"),
+    ("self_attn.q_norm.weight", "attention.q_norm.weight"),
+    ("self_attn.k_norm.weight", "attention.k_norm.weight"),
+    ("self_attn.q_a_proj.weight", "attention.wq_a.weight"),
+    ("self_attn.q_a_layernorm.weight", "attention.q_norm.weight"),
+    ("self_attn.q_b_proj.weight", "attention.wq_b.weight"),
+    ("self_attn.kv_a_proj_with_mqa.weight", "attention.wkv_a.weight"),
+    ("self_attn.kv_a_layernorm.weight", "attention.kv_norm.weight"),
+    ("self_attn.kv_b_proj.weight", "attention.wkv_b.weight"),
+    ("mlp.gate_proj.weight", "feed_forward.w1.weight"),
+    ("mlp.down_proj.weight", "feed_forward.w2.weight"),
+    ("mlp.up_proj.weight", "feed_forward.w3.weight"),
+    ("mlp.gate.weight", "moe.router.gate.weight"),
+    ("mlp.gate.e_score_correction_bias", "moe.expert_bias"),
+    ("mlp.experts.gate_proj", "moe.experts.w1"),
+    ("mlp.experts.down_proj", "moe.experts.w2"),
+    ("mlp.experts.up_proj", "moe.experts.w3"),
+    ("mlp.shared_experts.gate_proj.weight", "moe.shared_experts.w1.weight"),
+    ("mlp.shared_experts.down_proj.weight", "moe.shared_experts.w2.weight"),
+    ("mlp.shared_experts.up_proj.weight", "moe.shared_experts.w3.weight"),
+]
+
+
+def _torchtitan(adapter: Adapter, cfg: Config, params: list[tuple[str, tuple[int, ...]]]) -> Naming:
+    table = dict(_TITAN)
+    top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "output.weight"}
+    out: Map = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    permute = adapter.name == "llama"  # torchtitan's Llama uses complex (interleaved) RoPE
+    for p, s in params:
+        lay = _layer(p)
+        if lay is None:
+            name = top[p]
+        elif lay[1] in table:
+            name = f"layers.{lay[0]}.{table[lay[1]]}"
+        else:
+            raise MismatchError(f"{p}: torchtitan has no name for this parameter of a {adapter.name} model")
+        shapes[name] = s
+        if permute and lay is not None and lay[1] in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            heads = cfg["num_attention_heads"] if "q_proj" in lay[1] else cfg["num_key_value_heads"]
+            out[p] = Target(s, _rope_rows(name, s, heads, cfg["head_dim"]))
+        else:
+            out[p] = whole(name, s)
+    return Naming("torchtitan", out, shapes, prefixes=("", "model."), padded={"tok_embeddings.weight",
+                                                                               "output.weight"})
+
+
+def _rope_rows(name: str, shape: tuple[int, ...], heads: int, d: int) -> list[Run]:
+    """Hugging Face row ``h*d + a*d/2 + b`` is torchtitan row ``h*d + 2*b + a`` (the inverse of
+    torchtitan's ``_permute`` from its checkpoint to Hugging Face's)."""
+    half = d // 2
+    return [rows(name, shape, h * d + 2 * b + a, 1) for h in range(heads) for a in range(2) for b in range(half)]
+
+
+def _megatron(cfg: Config, params: list[tuple[str, tuple[int, ...]]]) -> Naming:
+    out: Map = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    alt: dict[str, list[str]] = {}
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    nh, ng = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    qpg = nh // ng
+    by_name = dict(params)
+    for p, s in params:
+        lay = _layer(p)
+        if lay is None:
+            name = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+                    "model.norm.weight": "decoder.final_layernorm.weight", "lm_head.weight": "output_layer.weight"}[p]
+            out[p], shapes[name] = whole(name, s), s
+            continue
+        n, rest = lay
+        pre = f"decoder.layers.{n}."
+        moe_layer = f"model.layers.{n}.mlp.experts.gate_proj" in by_name
+        mla = f"model.layers.{n}.self_attn.kv_b_proj.weight" in by_name
+        if not mla and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"):
+            kind = rest.split(".")[1][0]  # q, k or v
+            suffix = rest.rsplit(".", 1)[1]
+            name = pre + "self_attention.linear_qkv." + suffix
+            full = ((nh + 2 * ng) * d, h) if suffix == "weight" else ((nh + 2 * ng) * d,)
+            shapes[name] = full
+            first = {"q": 0, "k": qpg * d, "v": (qpg + 1) * d}[kind]
+            count = qpg * d if kind == "q" else d
+            out[p] = Target(s, [rows(name, full, g * (qpg + 2) * d + first, count) for g in range(ng)])
+            continue
+        if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.shared_experts.gate_proj.weight",
+                    "mlp.shared_experts.up_proj.weight", "mlp.shared_expert.gate_proj.weight",
+                    "mlp.shared_expert.up_proj.weight"):
+            shared = "shared" in rest
+            name = pre + ("mlp.shared_experts.linear_fc1.weight" if shared else "mlp.linear_fc1.weight")
+            full = (2 * s[0], s[1])
+            shapes[name] = full
+            out[p] = Target(s, [rows(name, full, 0 if "gate_proj" in rest else s[0], s[0])])
+            continue
+        if rest in ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"):
+            e = s[0]
+            runs = []
+            for k in range(e):
+                fc = "linear_fc2" if rest.endswith("down_proj") else "linear_fc1"
+                name = f"{pre}mlp.experts.local_experts.{k}.{fc}.weight"
+                full = (s[1], s[2]) if fc == "linear_fc2" else (2 * s[1], s[2])
+                shapes[name] = full
+                alt[name] = [f"{pre}mlp.experts.{fc}.weight{k}"]
+                first = s[1] if rest.endswith("up_proj") else 0
+                runs.append(rows(name, full, first, s[1]))
+            out[p] = Target(s, runs)
+            continue
+        simple = {
+            "input_layernorm.weight": ["self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"],
+            "post_attention_layernorm.weight": (["pre_mlp_layernorm.weight"] if moe_layer else
+                                                ["mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"]),
+            "self_attn.o_proj.weight": ["self_attention.linear_proj.weight"],
+            "self_attn.o_proj.bias": ["self_attention.linear_proj.bias"],
+            "self_attn.q_norm.weight": ["self_attention.q_layernorm.weight"],
+            "self_attn.k_norm.weight": ["self_attention.k_layernorm.weight"],
+            "mlp.down_proj.weight": ["mlp.linear_fc2.weight"],
+            "mlp.gate.weight": ["mlp.router.weight"],
+            "mlp.gate.e_score_correction_bias": ["mlp.router.expert_bias"],
+            "mlp.shared_experts.down_proj.weight": ["mlp.shared_experts.linear_fc2.weight"],
+            "mlp.shared_expert.down_proj.weight": ["mlp.shared_experts.linear_fc2.weight"],
+            "mlp.shared_expert_gate.weight": ["mlp.shared_experts.gate_weight"],
+            # multi-latent attention (DeepSeek-V3)
+            "self_attn.q_proj.weight": ["self_attention.linear_q_proj.weight"],
+            "self_attn.q_a_proj.weight": ["self_attention.linear_q_down_proj.weight"],
+            "self_attn.q_a_layernorm.weight": ["self_attention.linear_q_up_proj.layer_norm_weight",
+                                               "self_attention.q_layernorm.weight"],
+            "self_attn.q_b_proj.weight": ["self_attention.linear_q_up_proj.weight"],
+            "self_attn.kv_a_proj_with_mqa.weight": ["self_attention.linear_kv_down_proj.weight"],
+            "self_attn.kv_a_layernorm.weight": ["self_attention.linear_kv_up_proj.layer_norm_weight",
+                                                "self_attention.kv_layernorm.weight"],
+            "self_attn.kv_b_proj.weight": ["self_attention.linear_kv_up_proj.weight"],
+        }.get(rest)
+        if simple is None:
+            raise MismatchError(f"{p}: no Megatron-Core name is known for this parameter; pass a names file")
+        name = pre + simple[0]
+        out[p], shapes[name] = whole(name, s), s
+        if len(simple) > 1:
+            alt[name] = [pre + x for x in simple[1:]]
+    return Naming("megatron", out, shapes, alt, prefixes=("", "model.", "module."),
+                  padded={"embedding.word_embeddings.weight", "output_layer.weight"})
+
+
+def resolve(nm: Naming, stored: dict[str, tuple[int, ...]], *, where: str) -> Map:
+    """Logical name -> the stored key holding it (a prefix, an alternative spelling, or a row block
+    of a layer-stacked tensor), as a Map. Raises MismatchError listing what is missing or mis-shaped."""
+    out: Map = {}
+    missing: list[str] = []
+    wrong: list[str] = []
+    prefix = next((p for p in nm.prefixes if any(k.startswith(p) and k[len(p):] in nm.shapes for k in stored)),
+                  nm.prefixes[0])
+    for name, shape in nm.shapes.items():
+        found = None
+        for cand in [name, *nm.alternatives.get(name, [])]:
+            key = prefix + cand
+            if key in stored:
+                got = stored[key]
+                ok = got == shape or (name in nm.padded and len(got) == 2 and got[1] == shape[1] and got[0] >= shape[0])
+                if not ok:
+                    wrong.append(f"{key} is {list(got)}, the config needs {list(shape)}")
+                found = Target(shape, [Run(key, 0, math.prod(shape))])
+                break
+            m = re.match(r"(.*\.layers)\.(\d+)\.(.*)$", cand)
+            if m and (stacked := f"{prefix}{m.group(1)}.{m.group(3)}") in stored:
+                got = stored[stacked]
+                if tuple(got[1:]) != shape or int(m.group(2)) >= got[0]:
+                    wrong.append(f"{stacked} is {list(got)}, layer {m.group(2)} needs [L, *{list(shape)}]")
+                n = math.prod(shape)
+                found = Target(shape, [Run(stacked, int(m.group(2)) * n, n)])
+                break
+        if found is None:
+            missing.append(prefix + name)
+        else:
+            out[name] = found
+    if missing or wrong:
+        parts = ([f"missing: {'; '.join(missing[:6])}" + (f"; and {len(missing) - 6} more" if len(missing) > 6 else "")]
+                 if missing else []) + ([f"wrong shape: {'; '.join(wrong[:6])}"] if wrong else [])
+        raise MismatchError(f"{where}: the checkpoint does not hold the {nm.kind} names this model needs: "
+                            + " | ".join(parts) + " (wrong --source-names, or a config for another model?)")
+    return out
