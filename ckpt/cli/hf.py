@@ -1,4 +1,5 @@
-"""``ckpt export-hf`` and ``ckpt import-hf``: Hugging Face interop for the embedded MoE."""
+"""``ckpt export-hf`` and ``ckpt import-hf``: Hugging Face interop (the embedded MoE and the adapter
+families of :mod:`ckpt.hf`: Llama, Qwen2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3)."""
 
 from __future__ import annotations
 
@@ -31,20 +32,27 @@ def export_hf_cmd(
                                                                       "import-hf kept in the checkpoint)"),
     check: bool = typer.Option(False, "--check", help="reload the export with transformers and compare logits "
                                                       "with the source (recorded in OUT/ckpt_check.json)"),
+    config: str | None = typer.Option(None, "--config", help="the model's Hugging Face config.json (or a model "
+                                                            "directory): needed for checkpoints import-hf did not "
+                                                            "write, e.g. torchtitan or Megatron ones"),
+    source_names: str | None = typer.Option(None, "--source-names",
+                                            help="how SRC names the weights: ckpt | torchtitan | megatron | a "
+                                                 "JSON names file (default: as recorded, else ckpt)"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
-    """Export the model weights of SRC as a Hugging Face Qwen3-MoE model (config.json, safetensors, index).
-    Every source shard's checksum is checked on the way; a corrupted source stops the export and removes what
-    it wrote (exit 3)."""
+    """Export the model weights of SRC (a ckpt, DCP/torchtitan, Megatron or DeepSpeed checkpoint, any layout)
+    as a Hugging Face model (config.json, safetensors, index). Every source shard's checksum is checked on the
+    way; a corrupted source stops the export and removes what it wrote (exit 3)."""
     with byte_bar("export", not (quiet or json_out)) as progress:
         r = export_hf(src, out, dtype=dtype, max_shard_size=max_shard_size, memory_budget=memory_budget,
                       workers=workers, overwrite=overwrite, storage_options=parse_storage_options(storage_option),
-                      progress=progress, verify_source=not no_verify_source, tokenizer=tokenizer)
+                      progress=progress, verify_source=not no_verify_source, tokenizer=tokenizer, config=config,
+                      source_names=source_names)
     checked = None
     if check:
         from ckpt.formats.hf_check import check_export
 
-        checked = check_export(src, out)
+        checked = check_export(src, out, config=config, source_names=source_names)
     if json_out:
         print_json(r.to_dict() | ({"check": checked} if checked else {}))
         return
@@ -66,12 +74,16 @@ def import_hf_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a committed checkpoint at DST"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    names: str = typer.Option("ckpt", "--names", help="key names to write: ckpt | torchtitan | megatron | a "
+                                                      "JSON names file"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
-    """Import a Hugging Face Qwen3-MoE model as a weights-only checkpoint the trainer can start from."""
+    """Import a Hugging Face model (Llama, Qwen2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3) as a weights-only
+    checkpoint; a Qwen3-MoE the embedded MoE can represent becomes a checkpoint the trainer can start from."""
     with byte_bar("import", not (quiet or json_out)) as progress:
         r = import_hf(hf_dir, dst, to=to, dtype=dtype, memory_budget=memory_budget, workers=workers,
-                      overwrite=overwrite, storage_options=parse_storage_options(storage_option), progress=progress)
+                      overwrite=overwrite, storage_options=parse_storage_options(storage_option), progress=progress,
+                      names=names)
     if json_out:
         print_json(r.to_dict())
         return

@@ -20,8 +20,13 @@ from ckpt.errors import StateError
 CHECK_FILE = "ckpt_check.json"
 
 
-def check_export(src_url: str, out_dir: str, *, tokens: int = 32, batch: int = 2, seed: int = 0) -> dict[str, Any]:
+def check_export(src_url: str, out_dir: str, *, tokens: int = 32, batch: int = 2, seed: int = 0,
+                 config: str | dict[str, Any] | None = None, source_names: str | None = None) -> dict[str, Any]:
     """Max |logits difference| between the checkpoint at ``src_url`` and its export in ``out_dir``.
+
+    The reference is the embedded MoE built from the checkpoint, or, for an adapter family, the
+    transformers model built from the export's config with the source's weights mapped in memory
+    (read with ``ckpt.load`` through the same element map, independently of the written files).
 
     Raises:
         StateError: transformers is not installed.
@@ -31,28 +36,28 @@ def check_export(src_url: str, out_dir: str, *, tokens: int = 32, batch: int = 2
         import transformers
     except ImportError:
         raise StateError("--check needs transformers to reload the export: pip install 'ckpt[hf]'") from None
-    from ckpt.trainer.checkpoint import load_full_model
-
     with open(os.path.join(out_dir, "config.json")) as f:
-        config = json.load(f)
-    exported = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    ours = load_full_model(src_url).eval()
+        exported_config = json.load(f)
+    exported = str(exported_config.get("dtype") or exported_config.get("torch_dtype") or "float32")
     cast = getattr(torch, exported, torch.float32)
-    if cast != torch.float32:
-        with torch.no_grad():
-            for p in ours.parameters():
-                p.copy_(p.to(cast).float())
-    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()  # stdout stays the command's own (--json)
     try:
+        ours = _reference(src_url, exported_config, config, source_names).eval()
+        if cast != torch.float32:
+            with torch.no_grad():
+                for p in ours.parameters():
+                    p.copy_(p.to(cast).float())
         # eager kernels: the reference implementations, closest to the trainer's own arithmetic
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             out_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
     finally:
         transformers.utils.logging.enable_progress_bar()
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, ours.config.vocab_size, (batch, tokens), generator=g)
+    ids = torch.randint(0, int(exported_config["vocab_size"]), (batch, tokens), generator=g)
     with torch.no_grad():
-        diff = float((hf(ids).logits.float() - ours(ids)).abs().max())  # type: ignore[operator]
+        theirs = ours(ids)
+        theirs = getattr(theirs, "logits", theirs)
+        diff = float((hf(ids).logits.float() - theirs.float()).abs().max())
     record = {"max_abs_logits_diff": diff, "tokens": batch * tokens, "seed": seed, "exported_dtype": exported,
               "source": src_url, "transformers": transformers.__version__}
     tmp = os.path.join(out_dir, CHECK_FILE + ".tmp")
@@ -60,3 +65,35 @@ def check_export(src_url: str, out_dir: str, *, tokens: int = 32, batch: int = 2
         json.dump(record, f, indent=1)
     os.replace(tmp, os.path.join(out_dir, CHECK_FILE))
     return record
+
+
+def _reference(src_url: str, exported_config: dict[str, Any], config: str | dict[str, Any] | None,
+               source_names: str | None) -> torch.nn.Module:
+    """The source model in float32: the embedded MoE, or the adapter family's transformers model."""
+    import transformers
+
+    import ckpt
+    from ckpt.formats.hf import _config_arg
+    from ckpt.hf.engine import hf_state_dict, source_adapter
+
+    manifest = ckpt.inspect(src_url)
+    found = source_adapter(manifest, _config_arg(config), url=src_url)
+    if found is None:
+        from ckpt.trainer.checkpoint import load_full_model
+
+        return load_full_model(src_url)
+    adapter, cfg = found
+    names = source_names or manifest.user_metadata.get("names") or "ckpt"
+    sd = {k: v.float().contiguous() for k, v in hf_state_dict(src_url, manifest, adapter, cfg, names).items()}
+    import tempfile
+
+    import safetensors.torch
+
+    # written by safetensors' own writer and loaded by transformers' own loader (which converts
+    # on-disk names to its modules' layout), independently of the export being checked
+    with tempfile.TemporaryDirectory(prefix="ckpt-check-") as tmp:
+        safetensors.torch.save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(exported_config | {"dtype": "float32", "torch_dtype": "float32"}, f)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")

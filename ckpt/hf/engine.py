@@ -46,14 +46,34 @@ def source_adapter(manifest: Manifest, config: Config | None, *, url: str) -> tu
     return a, a.complete(config, where=url)
 
 
+def hf_runs(manifest: Manifest, adapter: Adapter, cfg: Config, names: str, *, url: str) -> Map:
+    """Hugging Face tensor -> runs over the checkpoint's stored keys (what an export writes)."""
+    nm = naming(names, adapter, cfg)
+    stored = {k: tuple(t.shape) for k, t in manifest.tensors.items()}
+    return compose(compose(adapter.hf_map(cfg), nm.map), resolve(nm, stored, where=url))
+
+
+def hf_state_dict(src_url: str, manifest: Manifest, adapter: Adapter, cfg: Config, names: str,
+                  **load_kwargs: Any) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict of a checkpoint, in memory (``export-hf --check``'s reference)."""
+    import ckpt
+
+    full = hf_runs(manifest, adapter, cfg, names, url=src_url)
+    keys = sorted({r.name for t in full.values() for r in t.runs})
+    want = {k: torch.empty(tuple(manifest.tensors[k].shape), dtype=dtype_from_name(manifest.tensors[k].dtype))
+            for k in keys}
+    got = ckpt.load(want, src_url, **load_kwargs)
+    flat = {k: v.reshape(-1) for k, v in got.items()}
+    return {name: torch.cat([flat[r.name][r.start:r.start + r.numel] for r in t.runs]).view(t.shape)
+            for name, t in full.items()}
+
+
 def export_items(manifest: Manifest, adapter: Adapter, cfg: Config, names: str, dtype: torch.dtype | None,
                  *, url: str) -> tuple[list[tuple[str, tuple[int, ...], list[Any]]], torch.dtype, Config]:
     """Per Hugging Face tensor, in order: (name, shape, items to read and write back to back)."""
     from ckpt.formats.hf import _HF_DTYPES, _Item
 
-    nm = naming(names, adapter, cfg)
-    stored = {k: tuple(t.shape) for k, t in manifest.tensors.items()}
-    full = compose(compose(adapter.hf_map(cfg), nm.map), resolve(nm, stored, where=url))
+    full = hf_runs(manifest, adapter, cfg, names, url=url)
     used = {r.name for t in full.values() for r in t.runs}
     src_dtypes = {k: dtype_from_name(manifest.tensors[k].dtype, key=k) for k in used}
     not_float = sorted(f"{k} ({d})" for k, d in src_dtypes.items() if not d.is_floating_point)

@@ -417,12 +417,15 @@ def _edit_config(d: Path, **changes: Any) -> None:
 
 def test_import_bad_input_fails_before_writing(hf_dir: Path, tmp_path: Path) -> None:
     cases: list[tuple[str, Path, dict[str, Any], type[Exception], str]] = []
-    d = _variant(hf_dir, tmp_path, "llama")
+    d = _variant(hf_dir, tmp_path, "gpt2")
+    _edit_config(d, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    cases.append(("unknown architecture", d, {}, ckpt.ManifestError, "model_type 'gpt2' is not supported"))
+    d = _variant(hf_dir, tmp_path, "llama")  # a supported family, but these are MoE weights
     _edit_config(d, model_type="llama", architectures=["LlamaForCausalLM"])
-    cases.append(("unknown architecture", d, {}, ckpt.ManifestError, "LlamaForCausalLM"))
-    d = _variant(hf_dir, tmp_path, "dense")
+    cases.append(("another family's config", d, {}, ckpt.MismatchError, "unexpected: .*experts"))
+    d = _variant(hf_dir, tmp_path, "dense")  # the generic Qwen3-MoE adapter: layer 0 must be dense
     _edit_config(d, mlp_only_layers=[0])
-    cases.append(("dense layer", d, {}, ckpt.ManifestError, "mlp_only_layers"))
+    cases.append(("dense layer", d, {}, ckpt.MismatchError, "missing: .*layers.0.mlp.down_proj"))
     d = _variant(hf_dir, tmp_path, "experts")
     _edit_config(d, num_experts=8, num_local_experts=8)
     cases.append(("config vs tensors (experts)", d, {}, ckpt.MismatchError, "experts \\[4, 5, 6, 7\\] missing"))
