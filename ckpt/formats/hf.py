@@ -552,15 +552,7 @@ def plan_export(manifest: Manifest, *, dtype: torch.dtype | None = None,
     if not_float:
         raise MismatchError(f"{url}: model tensors of non-float dtype cannot be exported as weights: "
                             f"{_few(not_float)}")
-    if dtype is None:
-        kinds = set(src_dtypes.values())
-        if len(kinds) == 1 and next(iter(kinds)) in _HF_DTYPES:
-            dtype = next(iter(kinds))
-        elif kinds <= set(_HF_DTYPES):
-            dtype = torch.float32  # mixed precision stored: the widest, so the export is lossless
-        else:
-            raise MismatchError(f"{url}: stored dtypes {sorted(str(k) for k in kinds)} cannot be written to a "
-                                "Hugging Face checkpoint as they are; pass dtype bf16, fp16 or fp32")
+    dtype = export_dtype(set(src_dtypes.values()), dtype, url=url)
     st = safetensors_dtype(dtype)
     assert st is not None
 
@@ -591,6 +583,19 @@ def plan_export(manifest: Manifest, *, dtype: torch.dtype | None = None,
     config_json = cfg.to_hf_config_dict()
     config_json["torch_dtype"] = config_json["dtype"] = dtype_name(dtype)
     return ExportPlan(cfg, dtype, files, index, config_json)
+
+
+def export_dtype(stored: set[torch.dtype], dtype: torch.dtype | None, *, url: str) -> torch.dtype:
+    """The export's dtype: ``dtype`` when given, else the one stored dtype, else float32 for mixed
+    float16/bfloat16/float32 (the widest, so the export is lossless); MismatchError otherwise."""
+    if dtype is not None:
+        return dtype
+    if len(stored) == 1 and next(iter(stored)) in _HF_DTYPES:
+        return next(iter(stored))
+    if stored <= set(_HF_DTYPES):
+        return torch.float32
+    raise MismatchError(f"{url}: stored dtypes {sorted(str(k) for k in stored)} cannot be written to a "
+                        "Hugging Face checkpoint as they are; pass dtype bf16, fp16 or fp32")
 
 
 def _config_arg(config: str | dict[str, Any] | None) -> dict[str, Any] | None:

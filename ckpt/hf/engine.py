@@ -71,7 +71,7 @@ def hf_state_dict(src_url: str, manifest: Manifest, adapter: Adapter, cfg: Confi
 def export_items(manifest: Manifest, adapter: Adapter, cfg: Config, names: str, dtype: torch.dtype | None,
                  *, url: str) -> tuple[list[tuple[str, tuple[int, ...], list[Any]]], torch.dtype, Config]:
     """Per Hugging Face tensor, in order: (name, shape, items to read and write back to back)."""
-    from ckpt.formats.hf import _HF_DTYPES, _Item
+    from ckpt.formats.hf import _Item, export_dtype
 
     full = hf_runs(manifest, adapter, cfg, names, url=url)
     used = {r.name for t in full.values() for r in t.runs}
@@ -79,15 +79,7 @@ def export_items(manifest: Manifest, adapter: Adapter, cfg: Config, names: str, 
     not_float = sorted(f"{k} ({d})" for k, d in src_dtypes.items() if not d.is_floating_point)
     if not_float:
         raise MismatchError(f"{url}: model tensors of non-float dtype cannot be exported as weights: {not_float[:6]}")
-    if dtype is None:
-        kinds = set(src_dtypes.values())
-        if len(kinds) == 1 and next(iter(kinds)) in _HF_DTYPES:
-            dtype = next(iter(kinds))
-        elif kinds <= set(_HF_DTYPES):
-            dtype = torch.float32
-        else:
-            raise MismatchError(f"{url}: stored dtypes {sorted(str(k) for k in kinds)} cannot be written to a "
-                                "Hugging Face checkpoint as they are; pass dtype bf16, fp16 or fp32")
+    dtype = export_dtype(set(src_dtypes.values()), dtype, url=url)
     out: list[tuple[str, tuple[int, ...], list[Any]]] = []
     for name, t in full.items():
         items = []
