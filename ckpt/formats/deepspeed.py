@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-1/2/3 checkpoints read in place: full fp32 parameters and Adam moments as byte
-ranges of DeepSpeed's own files, the way ``zero_to_fp32.py`` rebuilds them, without loading them.
+"""DeepSpeed checkpoints read in place, without loading them: ZeRO-1/2/3 checkpoints (full fp32
+parameters and Adam moments as byte ranges of DeepSpeed's own partitions, the way ``zero_to_fp32.py``
+rebuilds them) and DeepSpeed *universal* checkpoints (``ds_to_universal``'s whole tensors).
 
 ``engine.save_checkpoint(dir)`` writes ``dir/latest`` (the tag) and ``dir/<tag>/``: per data-parallel
 rank ``r`` an optimizer file ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holding that rank's
@@ -9,13 +10,24 @@ parameter is split on its own into ``ceil(numel / world)`` elements per rank) an
 partitioned the same way; and model files (``mp_rank_00_model_states.pt``, or one per rank for
 ZeRO-3) with ``param_shapes`` (names and shapes in partition order) and the buffers.
 
+``python -m deepspeed.checkpoint.ds_to_universal --input_folder dir/<tag> --output_folder dir/<utag>``
+writes ``dir/latest_universal`` (``<utag>``) and ``dir/<utag>/``: copies of the model files
+(``mp_rank_*_model_states.pt`` / ``zero_pp_rank_*_mp_rank_*_model_states.pt``, ``param_shapes``,
+``buffer_names``, ``module``, ``global_steps``), ``zero/optimizer_state.pt`` (the rank-0 optimizer
+state without its partitions, ``param_groups``, ``zero_stage``...), and per parameter (and, fp32 only,
+per buffer or parameter without optimizer state) ``zero/<name>/fp32.pt``, ``exp_avg.pt`` and
+``exp_avg_sq.pt``: the whole tensor, gathered over data (and tensor) parallel ranks, either as
+``{"param": tensor, "cat_dim": 0, ...}`` (ZeRO-1/2) or as a bare flat tensor (ZeRO-3), plus
+``step.pt`` (the Adam step, ZeRO-1/2; ZeRO-3 keeps it in ``optimizer_state.pt``).
+
 :func:`deepspeed_manifest` indexes those files with the restricted unpickler (DeepSpeed's own
 classes are recorded by stand-ins, DeepSpeed need not be installed and none of its code runs) and
 returns a manifest whose tensors ``model.<param>``, ``optim.state.<param>.exp_avg`` and
-``optim.state.<param>.exp_avg_sq`` are made of flat ranges pointing into the partitions, plus
-buffers (``model.<buffer>``), ``optim.param_groups`` and ``optim.step``. Any layout can then load
-them, and ``ckpt import`` converts them, streaming. Tensor (model) parallel DeepSpeed checkpoints
-(``mp_rank_01``...) and ZeRO-3 frozen parameters are refused with a clear error.
+``optim.state.<param>.exp_avg_sq`` are made of byte ranges of those files (flat ranges of the ZeRO
+partitions, or whole universal tensors), plus buffers (``model.<buffer>``), ``optim.param_groups``
+and ``optim.step``. Any layout can then load them, and ``ckpt import`` converts them, streaming.
+Tensor (model) parallel ZeRO checkpoints (``mp_rank_01``...) and ZeRO-3 frozen parameters are
+refused with a clear error; their universal conversion is read.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StorageE
 from ckpt.formats import torch_pickle as tp
 from ckpt.formats.msgpack_codec import encode_object
 from ckpt.manifest import Manifest, ObjectEntry, ShardEntry, TensorEntry
-from ckpt.shards import Box, Flat
+from ckpt.shards import Flat, full_box
 
 # DeepSpeed classes its files pickle: recorded by stand-ins, never imported.
 STUBS = (
@@ -55,6 +67,13 @@ def _regular(path: str) -> int:
     if not stat.S_ISREG(st.st_mode):
         raise StorageError(f"{path}: not a regular file; refusing to open it")
     return st.st_size
+
+
+def _component(name: str, what: str) -> str:
+    """``name``, which must be one path component: a tag or parameter name never leads out of the checkpoint."""
+    if "/" in name or "\0" in name or name in (".", ".."):
+        raise ManifestError(f"{what}: {name[:200]!r} is not a plain file name; refusing to follow it")
+    return name
 
 
 def _read(root: str, rel: str) -> tp.Read:
@@ -111,17 +130,22 @@ def _flat_shards(pieces: list[tuple[str, tp.TensorRef, int, int, int]], numel: i
 
 
 def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
-    """A manifest describing the DeepSpeed checkpoint ``root/<tag>`` (``tag``: from ``root/latest``
-    when None, or ``root`` itself when it holds the rank files); file paths are relative to ``root``.
+    """A manifest describing the DeepSpeed ZeRO or universal checkpoint ``root/<tag>`` (``tag``: when
+    None, from ``root/latest``, else ``root/latest_universal``, or ``root`` itself when it holds the
+    files); file paths are relative to ``root``. A tag directory with ``zero/`` and no
+    ``*_optim_states.pt`` is a universal checkpoint (``ds_to_universal``'s output).
 
     Raises:
-        ManifestError: missing rank files (listed), tensor-parallel or unknown layouts, partitions
-            that do not add up to the parameters' shapes.
+        ManifestError: missing rank or parameter files (named), tensor-parallel or unknown layouts,
+            partitions that do not add up to the parameters' shapes.
         IntegrityError: a pickle names a global outside the allowlist, or a file is damaged.
+        StorageError: a checkpoint file that is not a regular file.
     """
-    if tag is None and os.path.isfile(os.path.join(root, "latest")) and _regular(os.path.join(root, "latest")) < 4096:
-        with open(os.path.join(root, "latest")) as f:
-            tag = f.read().strip()
+    for pointer in ("latest", "latest_universal"):
+        path = os.path.join(root, pointer)
+        if tag is None and os.path.isfile(path) and _regular(path) < 4096:
+            with open(path) as f:
+                tag = _component(f.read().strip(), path) or None
     sub = tag or ""
     d = os.path.join(root, sub)
     try:
@@ -129,6 +153,8 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
     except OSError as e:
         raise ManifestError(f"{d}: cannot list the DeepSpeed checkpoint ({e.strerror})") from None
     optim = {int(mt.group(1)): (n, int(mt.group(2))) for n in names if (mt := _OPTIM.match(n))}
+    if not optim and os.path.isdir(os.path.join(d, "zero")):
+        return _universal(root, tag, names)
     if any(mp for _, mp in optim.values()):
         raise ManifestError(f"{d}: a tensor-parallel DeepSpeed checkpoint (mp_rank_01...); ckpt reads mp_rank_00 "
                             "(ZeRO data parallel) only: convert with DeepSpeed's universal checkpoint first")
@@ -175,20 +201,10 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
         for pname, (shape, pieces) in layout.items():
             tensors[fmt.format(pname)] = TensorEntry("float32", shape,
                                                      _flat_shards(pieces, math.prod(shape), states[0][0]))
-    for bname in model.get("buffer_names") or []:  # buffers: whole tensors in the model file
-        ref = _get(model, "module", rel(model_name)).get(bname)
-        if isinstance(ref, tp.TensorRef) and ref.contiguous:
-            off, n = ref.byte_range()
-            tensors[f"model.{bname}"] = TensorEntry(dtype_name(ref.dtype, key=bname), ref.shape,
-                                                    [ShardEntry(Box((0,) * len(ref.shape), ref.shape),
-                                                                rel(model_name), off, n)])
+    tensors.update(_buffers(model, rel(model_name)))
     objects = _objects(states[0][2], root, states[0][0])
     files = {rel(n): _regular(os.path.join(d, n)) for n in names if n.endswith(".pt")}
-    for t in tensors.values():
-        for s in t.shards:
-            if s.length and s.offset + s.length > files.get(s.file, -1):
-                raise IntegrityError(f"{root}/{s.file}: bytes [{s.offset}, {s.offset + s.length}) lie beyond the file "
-                                    "(truncated?)")
+    _check_bounds(root, tensors, files)
     steps = model.get("global_steps")
     step = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
     user = {"source": {"format": "deepspeed", "zero_stage": stage, "world_size": world, "tag": tag,
@@ -196,6 +212,33 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
     m = Manifest(tensors=tensors, objects=objects, files=files, step=step, user_metadata=user)
     m.source_format = "deepspeed"
     return m
+
+
+def _whole(ref: tp.TensorRef, file: str, key: str, shape: tuple[int, ...] | None = None) -> TensorEntry:
+    """A TensorEntry for the contiguous tensor ``ref`` (seen as ``shape``, same numel), all in ``file``."""
+    off, n = ref.byte_range()
+    shape = ref.shape if shape is None else shape
+    return TensorEntry(dtype_name(ref.dtype, key=key), shape, [ShardEntry(full_box(shape), file, off, n)])
+
+
+def _buffers(model: Any, model_rel: str) -> dict[str, TensorEntry]:
+    """``model.<buffer>``: the buffers, whole tensors in the model file's ``module``."""
+    names = model.get("buffer_names") or []
+    module = _get(model, "module", model_rel) if names else None
+    if not isinstance(module, dict):  # a pipeline-parallel model file keeps its modules elsewhere
+        return {}
+    refs = {str(b): module.get(b) for b in names}
+    return {f"model.{b}": _whole(r, model_rel, b) for b, r in refs.items()
+            if isinstance(r, tp.TensorRef) and r.contiguous}
+
+
+def _check_bounds(root: str, tensors: dict[str, TensorEntry], files: dict[str, int]) -> None:
+    """Every shard's bytes lie inside its file (a truncated file is named, not read short later)."""
+    for t in tensors.values():
+        for s in t.shards:
+            if s.length and s.offset + s.length > files.get(s.file, -1):
+                raise IntegrityError(f"{root}/{s.file}: bytes [{s.offset}, {s.offset + s.length}) lie beyond the file "
+                                     "(truncated?)")
 
 
 Pieces = list[tuple[str, tp.TensorRef, int, int, int]]
@@ -284,3 +327,86 @@ def _objects(base: Any, root: str, name: str) -> dict[str, ObjectEntry]:
         data = encode_object(step, key="optim.step")
         out["optim.step"] = ObjectEntry(data=data, checksum=crc32(data))
     return out
+
+
+# ZeRO-1/2 and ZeRO-3 model files; ds_to_universal copies them beside zero/
+_MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+_UC_STATES = {"model.{}": "fp32", "optim.state.{}.exp_avg": "exp_avg", "optim.state.{}.exp_avg_sq": "exp_avg_sq"}
+
+
+def _uc_tensor(obj: Any, what: str) -> tp.TensorRef:
+    """The tensor of a universal ``zero/<name>/<state>.pt``: ``{"param": tensor, ...}`` or the tensor."""
+    ref = obj.get("param") if isinstance(obj, dict) else obj
+    if not isinstance(ref, tp.TensorRef) or not ref.contiguous:
+        raise ManifestError(f"{what}: expected a contiguous tensor or {{'param': tensor}}, found {type(obj).__name__}; "
+                            "not a DeepSpeed universal checkpoint file this reader knows")
+    return ref
+
+
+def _universal(root: str, tag: str | None, names: list[str]) -> Manifest:
+    """The manifest of the DeepSpeed universal checkpoint ``root/<tag>`` (``names``: its entries):
+    each ``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`` is one whole tensor (a flat ZeRO-3 one takes
+    its shape from ``param_shapes``); buffers come from the model file, as for ZeRO checkpoints."""
+    sub = tag or ""
+    rel = (lambda n: f"{sub}/{n}" if sub else n)  # noqa: E731 - paths relative to root
+    d = os.path.join(root, sub)
+    model_name = next((n for n in _MODEL_FILES if n in names), None)
+    if model_name is None:
+        raise ManifestError(f"{d}: a DeepSpeed universal checkpoint (zero/) without {' or '.join(_MODEL_FILES)}")
+    model = _load(root, rel(model_name))
+    shapes = {_component(str(k), f"{root}/{rel(model_name)}"): tuple(int(x) for x in v)
+              for group in _get(model, "param_shapes", rel(model_name)) or [] for k, v in group.items()}
+    opt_rel = rel("zero/optimizer_state.pt")
+    if not os.path.lexists(os.path.join(root, opt_rel)):
+        raise ManifestError(f"{root}/{opt_rel} is missing: not a complete DeepSpeed universal checkpoint "
+                            "(a ds_to_universal run that did not finish?)")
+    opt = _load(root, opt_rel)
+    if not isinstance(opt, dict):
+        raise ManifestError(f"{root}/{opt_rel}: not a DeepSpeed universal optimizer state ({type(opt).__name__})")
+    try:
+        listed = sorted(n for n in os.listdir(os.path.join(d, "zero")) if os.path.isdir(os.path.join(d, "zero", n)))
+    except OSError as e:
+        raise ManifestError(f"{d}/zero: cannot list the universal checkpoint ({e.strerror})") from None
+    tensors = _buffers(model, rel(model_name))
+    files = {rel(n): _regular(os.path.join(d, n)) for n in names if n.endswith(".pt")}
+    files[opt_rel] = _regular(os.path.join(root, opt_rel))
+    step: Any = None
+    step_rel = opt_rel
+    for pname in [*shapes, *(n for n in listed if n not in shapes)]:
+        if f"model.{pname}" in tensors:
+            continue  # a buffer: ds_to_universal also writes a float32 copy of it, zero/<buffer>/fp32.pt
+        shape: tuple[int, ...] | None = None
+        for fmt, state in _UC_STATES.items():
+            frel = rel(f"zero/{pname}/{state}.pt")
+            if not os.path.lexists(os.path.join(root, frel)):
+                if state == "fp32":
+                    raise ManifestError(f"{root}/{frel} is missing (parameter {pname!r} of {rel(model_name)})")
+                continue  # a parameter without optimizer state (never given a gradient)
+            files[frel] = _regular(os.path.join(root, frel))
+            ref = _uc_tensor(_load(root, frel), f"{root}/{frel}")
+            if shape is None:  # ZeRO-3's are flat; a tensor-parallel file's param_shapes are its shard's
+                flat = len(ref.shape) == 1 and math.prod(shapes.get(pname, (-1,))) == ref.numel
+                shape = shapes[pname] if flat else ref.shape
+            elif ref.numel != math.prod(shape) or (len(ref.shape) != 1 and ref.shape != shape):
+                raise ManifestError(f"{root}/{frel}: {state} is {list(ref.shape)}, the parameter {list(shape)}")
+            tensors[fmt.format(pname)] = _whole(ref, frel, pname, shape)
+        srel = rel(f"zero/{pname}/step.pt")
+        if step is None and os.path.lexists(os.path.join(root, srel)):  # ZeRO-1/2: one per parameter, all equal
+            step, step_rel = _load(root, srel), srel
+            files[srel] = _regular(os.path.join(root, srel))
+    if step is None:  # ZeRO-3: the rank-0 optimizer state, kept whole
+        osd = opt.get("optimizer_state_dict")
+        first = osd.get("state", {}).get(0) if isinstance(osd, dict) and isinstance(osd.get("state"), dict) else None
+        step = first.get("step") if isinstance(first, dict) else None
+    objects = _objects({"param_groups": opt.get("param_groups"), "state": {0: {"step": step}}}, root, step_rel)
+    _check_bounds(root, tensors, files)
+    steps = model.get("global_steps")
+    gstep = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+    stage = _stage(opt["zero_stage"], opt_rel) if "zero_stage" in opt else None
+    world = model.get("dp_world_size")
+    user = {"source": {"format": "deepspeed", "universal": True, "zero_stage": stage,
+                       "world_size": world if isinstance(world, int) else None, "tag": tag,
+                       "ds_version": str(model.get("ds_version", "")), "global_steps": gstep}}
+    m = Manifest(tensors=tensors, objects=objects, files=files, step=gstep, user_metadata=user)
+    m.source_format = "deepspeed"
+    return m

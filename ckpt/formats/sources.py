@@ -16,23 +16,30 @@ from ckpt.storage import Storage
 # ZeRO-1/2 write mp_rank_00_model_states.pt; ZeRO-3 one zero_pp_rank_<r>_mp_rank_00_model_states.pt per rank
 DS_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 LOOKED_FOR = (f"{MANIFEST_NAME} (ckpt), .metadata (torch.distributed.checkpoint / torchtitan / Megatron-Core "
-              "torch_dist), latest or *_optim_states.pt (DeepSpeed ZeRO)")
+              "torch_dist), latest or *_optim_states.pt (DeepSpeed ZeRO), latest_universal or zero/ "
+              "(DeepSpeed universal)")
 
 
 def deepspeed_root(storage: Storage) -> str | None:
     """The DeepSpeed tag directory inside ``storage`` ("" for the directory itself), or None.
 
     DeepSpeed's ``save_checkpoint(dir)`` writes ``dir/latest`` (the newest tag) and
-    ``dir/<tag>/mp_rank_00_model_states.pt`` (+ ``*_optim_states.pt``); either directory is accepted.
+    ``dir/<tag>/mp_rank_00_model_states.pt`` (+ ``*_optim_states.pt``); ``ds_to_universal`` writes
+    ``dir/latest_universal`` and a tag directory with the model file and ``zero/``; either directory
+    is accepted.
     Only these names are probed: a large directory is never listed.
     """
     if any(storage.size(name) is not None for name in DS_MODEL_STATES):
         return ""
-    if storage.size("latest") is not None and (storage.size("latest") or 0) < 4096:
-        tag = storage.read_file("latest").decode("utf-8", "replace").strip()
-        if tag and "/" not in tag and tag not in (".", "..") and any(
+    for pointer in ("latest", "latest_universal"):  # the same order deepspeed_manifest follows them in
+        size = storage.size(pointer)
+        if size is None or size >= 4096:
+            continue
+        tag = storage.read_file(pointer).decode("utf-8", "replace").strip()
+        if tag and "/" not in tag and "\0" not in tag and tag not in (".", "..") and any(
                 storage.size(f"{tag}/{name}") is not None for name in DS_MODEL_STATES):
             return tag
+        return None  # deepspeed_manifest would follow this pointer: a broken one is not skipped
     return None
 
 

@@ -1,11 +1,13 @@
-"""DeepSpeed ZeRO-1/2/3 checkpoints (made by DeepSpeed itself on CPU: tests/fixtures/deepspeed/
-make_fixtures.py) read in place and imported: fp32 parameters bitwise equal to DeepSpeed's own
-zero_to_fp32 reconstruction, Adam moments consistent across stages, hostile and damaged files refused.
-DeepSpeed is not needed to run these tests."""
+"""DeepSpeed ZeRO-1/2/3 checkpoints and their universal conversions (made by DeepSpeed itself on CPU:
+tests/fixtures/deepspeed/make_fixtures.py) read in place and imported: fp32 parameters bitwise equal to
+DeepSpeed's own zero_to_fp32 reconstruction, Adam moments consistent across stages and formats, hostile
+and damaged files refused. DeepSpeed is not needed to run these tests."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import safetensors.torch
 import torch
 
 import ckpt
-from ckpt.errors import IntegrityError, ManifestError
+from ckpt.errors import CheckpointError, IntegrityError, ManifestError
 from ckpt.formats.convert import import_checkpoint
 from ckpt.formats.deepspeed import deepspeed_manifest
 
@@ -151,3 +153,131 @@ def test_a_fifo_in_place_of_a_rank_file_is_refused_not_opened(tmp_path):
     os.mkfifo(f)
     with pytest.raises(ckpt.StorageError, match="not a regular file"):
         ckpt.inspect(str(d))  # would block forever in open() otherwise
+
+
+UNIVERSAL = (2, 3)  # ds_to_universal of the ZeRO-2 and ZeRO-3 fixtures: zero<s>/global_step2_universal
+UC = "global_step2_universal"
+
+
+def _optim_objects(url: str) -> dict:
+    return ckpt.load({"optim": {"step": None, "param_groups": None}}, url)["optim"]
+
+
+@pytest.mark.parametrize("stage", UNIVERSAL)
+def test_universal_checkpoint_loads_bitwise_equal(stage):
+    """ZeRO-2's universal files hold ``{"param": tensor, "cat_dim": 0}``, ZeRO-3's bare flat tensors: both
+    read as whole tensors, bitwise equal to the ground truth and to the ZeRO reader's reassembly of the
+    checkpoint they were converted from (moments and buffer included), plain and resharded."""
+    url = str(FIXTURES / f"zero{stage}" / UC)
+    m = ckpt.inspect(url)
+    src = m.user_metadata["source"]
+    assert m.source_format == "deepspeed" and src["universal"] and src["zero_stage"] == stage and m.step == 2
+    expected, got, zero = _expected(stage), _all(url), _all(str(FIXTURES / f"zero{stage}"))
+    for name, shape in PARAMS.items():
+        assert got[f"model.{name}"].shape == shape
+        assert torch.equal(got[f"model.{name}"], expected[f"model.{name}"]), name
+    assert got.keys() == zero.keys() and all(torch.equal(got[k], zero[k]) for k in zero)
+    assert torch.equal(got["model.scale"], torch.tensor([0.5, 2.0, 1.5]))  # from the model file, not zero/scale
+    out = ckpt.load({"model": {"a": {"weight": ckpt.Shard(torch.zeros(2, 7), (5, 7), (3, 0))},
+                               "b": {"weight": ckpt.FlatShard(torch.zeros(9), (3, 5), 4)}},
+                     "optim": {"state": {"a.bias": {"exp_avg_sq": ckpt.Shard(torch.zeros(3), (5,), (1,))}}}},
+                    url, strict=False)
+    assert torch.equal(out["model"]["a"]["weight"].local, expected["model.a.weight"][3:])
+    assert torch.equal(out["model"]["b"]["weight"].local, expected["model.b.weight"].reshape(-1)[4:13])
+    assert torch.equal(out["optim"]["state"]["a.bias"]["exp_avg_sq"].local, zero["optim.state.a.bias.exp_avg_sq"][1:4])
+    assert _optim_objects(url) == _optim_objects(str(FIXTURES / f"zero{stage}"))
+    assert _optim_objects(url)["step"] == 2.0
+    for t in m.tensors.values():  # whole tensors, inside their files
+        assert len(t.shards) == 1 and t.shards[0].length == t.numel * 4
+        assert t.shards[0].offset + t.shards[0].length <= m.files[t.shards[0].file]
+
+
+@pytest.mark.parametrize("stage", UNIVERSAL)
+def test_universal_import_gives_an_equal_ckpt_checkpoint(tmp_path, stage):
+    """``ckpt import`` (the CLI) of a universal checkpoint: a verified ckpt checkpoint, bitwise equal."""
+    from typer.testing import CliRunner
+
+    from ckpt.cli.app import app
+
+    src = str(FIXTURES / f"zero{stage}" / UC)
+    r = CliRunner().invoke(app, ["import", src, str(tmp_path / "c"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["source_format"] == "deepspeed" and json.loads(r.output)["tensors"] == 13
+    m = ckpt.inspect(str(tmp_path / "c"))
+    assert m.user_metadata["source"]["format"] == "deepspeed" and m.user_metadata["source"]["universal"]
+    assert ckpt.verify(str(tmp_path / "c"), deep=True).ok
+    got, ref = _all(str(tmp_path / "c")), _all(src)
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    expected = _expected(stage)
+    assert all(torch.equal(got[f"model.{n}"], expected[f"model.{n}"]) for n in PARAMS)
+    assert _optim_objects(str(tmp_path / "c")) == _optim_objects(src)
+    r = ckpt.verify(src)
+    assert r.ok and r.source_format == "deepspeed"
+
+
+def test_universal_found_through_latest_universal(tmp_path):
+    """``ds_to_universal`` writes ``latest_universal`` beside the output; with ``latest`` there too, the
+    ZeRO checkpoint it names is what the directory means (DeepSpeed's own ``load_checkpoint`` default)."""
+    d = _copy(tmp_path, 2)
+    assert "universal" not in deepspeed_manifest(str(d)).user_metadata["source"]
+    os.remove(d / "latest")
+    shutil.rmtree(d / "global_step2")
+    m = deepspeed_manifest(str(d))
+    assert m.user_metadata["source"]["universal"] and m.user_metadata["source"]["tag"] == UC
+    assert all(s.file.startswith(f"{UC}/") for t in m.tensors.values() for s in t.shards)
+    ref = deepspeed_manifest(str(FIXTURES / "zero2" / UC))
+    assert {k: t.shape for k, t in m.tensors.items()} == {k: t.shape for k, t in ref.tensors.items()}
+    assert ckpt.inspect(str(d)).user_metadata["source"]["tag"] == UC  # detection follows it too
+    got, want = _all(str(d)), _all(str(FIXTURES / "zero2" / UC))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("stage", UNIVERSAL)
+@pytest.mark.parametrize("victim", ["zero/a.weight/exp_avg.pt", "zero/b.bias/fp32.pt", "zero/optimizer_state.pt"])
+def test_truncated_or_garbage_universal_file_is_named(tmp_path, stage, victim):
+    d = _copy(tmp_path, stage) / UC
+    data = (d / victim).read_bytes()
+    for damaged in (data[:-200], data[: len(data) // 2], b"\x00" * len(data), b""):
+        (d / victim).write_bytes(damaged)
+        with pytest.raises(CheckpointError, match=re.escape(str(d / victim))) as e:
+            ckpt.inspect(str(d))
+        assert isinstance(e.value, (IntegrityError, ManifestError))
+
+
+def test_incomplete_or_hostile_universal_checkpoint_is_refused(tmp_path):
+    d = _copy(tmp_path, 2) / UC
+    os.remove(d / "zero" / "a.bias" / "fp32.pt")
+    with pytest.raises(ManifestError, match=r"zero/a\.bias/fp32\.pt is missing"):
+        ckpt.inspect(str(d))
+    os.remove(d / "zero" / "optimizer_state.pt")
+    with pytest.raises(ManifestError, match=r"zero/optimizer_state\.pt is missing"):
+        ckpt.inspect(str(d))
+    d = _copy(tmp_path / "h", 2) / UC
+    marker = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"param": Boom()}, d / "zero" / "b.weight" / "exp_avg_sq.pt")
+    with pytest.raises(IntegrityError, match="refusing to unpickle global '(posix|os).system'"):
+        ckpt.inspect(str(d))
+    assert not marker.exists()
+    torch.save({"param": torch.zeros(4, 4)}, d / "zero" / "b.weight" / "exp_avg_sq.pt")
+    with pytest.raises(ManifestError, match=r"b\.weight/exp_avg_sq\.pt: exp_avg_sq is \[4, 4\], the parameter \[3, 5"):
+        ckpt.inspect(str(d))
+
+
+def test_universal_names_never_lead_out_of_the_checkpoint(tmp_path):
+    d = _copy(tmp_path, 2)
+    (tmp_path / "fp32.pt").write_bytes((d / UC / "zero" / "a.bias" / "fp32.pt").read_bytes())
+    torch.save({"module": {}, "buffer_names": [], "param_shapes": [{"../../..": torch.Size([5])}]},
+               d / UC / "mp_rank_00_model_states.pt")
+    with pytest.raises(ManifestError, match=r"'\.\./\.\./\.\.' is not a plain file name"):
+        ckpt.inspect(str(d / UC))
+    os.remove(d / "latest")
+    (d / "latest_universal").write_text("../zero3/global_step2_universal")
+    with pytest.raises(ManifestError, match="latest_universal: .* is not a plain file name"):
+        deepspeed_manifest(str(d))
+    with pytest.raises(CheckpointError, match="latest_universal or zero/"):  # not detected: the formats listed
+        ckpt.inspect(str(d))
