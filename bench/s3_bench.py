@@ -4,7 +4,8 @@ A moto S3 server (``moto.server.ThreadedMotoServer`` on 127.0.0.1, port 0: loopb
 by default, in a forked child process, so that the server's Python does not share the GIL with
 the contenders. A small WSGI middleware wrapped around moto's app counts, per request, the body
 bytes the server sent (GET) and received (PUT/POST): the bytes each contender requested from S3,
-whatever its client library does (ranged GETs, read-ahead, retries). The state (``--tensors`` 2-D
+whatever its client library does (ranged GETs, read-ahead, retries), the GETs, and the uploads
+that carry an ``x-amz-checksum-crc32`` (which moto stores without checking). The state (``--tensors`` 2-D
 tensors, alternating fp32/bf16, ``--size-mb`` MB in all, rows and columns multiples of 4, fixed
 seed) is generated once. Each round, contenders alternate (their order rotates every round):
 
@@ -110,6 +111,8 @@ class CountingApp:
         kind = f"{method} {target}" + (" ranged" if environ.get("HTTP_RANGE") else "")
         if environ.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked":
             kind += " chunked-upload"  # no Content-Length: its bytes are not counted (never seen so far)
+        if method in ("PUT", "POST") and environ.get("HTTP_X_AMZ_CHECKSUM_CRC32"):
+            kind += " crc32"  # the body came with a CRC32 for S3 to check (moto stores it unchecked)
         self._add(kind, requests=1, bytes_in=int(environ.get("CONTENT_LENGTH") or 0))
         return self._body(self.app(environ, start_response), kind)
 
@@ -235,7 +238,7 @@ def ranged_get_cost(admin: Any, prefix: str, n: int = 5) -> dict[str, Any]:
 def summarize_counts(counts: dict[str, list[int]]) -> dict[str, int]:
     """Server counters of one operation -> GET bytes/requests (reads), PUT/POST bytes (writes), all requests."""
     out = {"requests": 0, "gets": 0, "ranged_gets": 0, "get_bytes": 0, "object_get_bytes": 0,
-           "writes": 0, "write_bytes": 0, "heads": 0, "lists": 0}
+           "writes": 0, "write_bytes": 0, "puts": 0, "crc32_puts": 0, "heads": 0, "lists": 0}
     for kind, (n, bytes_in, bytes_out) in counts.items():
         method, target = kind.split()[:2]
         out["requests"] += n
@@ -251,6 +254,9 @@ def summarize_counts(counts: dict[str, list[int]]) -> dict[str, int]:
         elif method in ("PUT", "POST"):
             out["writes"] += n
             out["write_bytes"] += bytes_in
+            if method == "PUT":  # the requests with a body to hash (create/complete are POSTs)
+                out["puts"] += n
+                out["crc32_puts"] += n if kind.endswith(" crc32") else 0
         elif method == "HEAD":
             out["heads"] += n
     return out
@@ -481,7 +487,8 @@ def _run(server: MotoS3, size_mb: float, n_tensors: int, mean_rows: int, repeats
                 raw[case][name].append(m)
                 ratio = (m["write_bytes"] if case == "save" else m["get_bytes"]) / needed[case]
                 _log(f"[{r + 1}/{repeats}] {case:9s} {name:11s} {m['s']:7.2f} s  S3/needed {ratio:5.2f}x  "
-                     f"requests {m['requests']:5d} (GET {m['gets']}, PUT/POST {m['writes']})")
+                     f"requests {m['requests']:5d} (GET {m['gets']}, PUT/POST {m['writes']}, "
+                     f"{m['crc32_puts']} of {m['puts']} PUTs with a CRC32)")
         delete_prefix(admin, f"r{r}/")
 
     shapes = [list(t.shape) for t in state.values()]
@@ -505,12 +512,14 @@ def _run(server: MotoS3, size_mb: float, n_tensors: int, mean_rows: int, repeats
                 "s": median([m["s"] for m in ms]), "best_s": min(m["s"] for m in ms),
                 "s3_bytes": median([m[key] for m in ms]), "requests": median([m["requests"] for m in ms]),
                 "data_requests": median([m["writes" if case == "save" else "gets"] for m in ms]),
+                "gets": median([m["gets"] for m in ms]), "puts": median([m["puts"] for m in ms]),
+                "crc32_puts": median([m["crc32_puts"] for m in ms]),
             }
     return out
 
 
 COLUMNS = ["operation", "contender", "median s", "best s", "needed MB/s", "x ckpt", "needed MB", "S3 MB",
-           "S3 / needed", "requests"]
+           "S3 / needed", "requests", "GETs"]
 
 
 def rows(res: dict[str, Any]) -> list[list[str]]:
@@ -523,20 +532,26 @@ def rows(res: dict[str, Any]) -> list[list[str]]:
             c = s[name]
             out.append([case, name, fmt(c["s"]), fmt(c["best_s"]), fmt(need / MB / c["s"], 1),
                         fmt(c["s"] / ref, 2), fmt(need / MB, 1), fmt(c["s3_bytes"] / MB, 1),
-                        f"{c['s3_bytes'] / need:.2f}x", f"{c['requests']:.0f}"])
+                        f"{c['s3_bytes'] / need:.2f}x", f"{c['requests']:.0f}", f"{c.get('gets', 0):.0f}"])
     return out
 
 
 def target_lines(res: dict[str, Any], limit: float = 1.1) -> list[str]:
+    """Per load and ckpt contender: bytes requested <= ``limit`` x needed, and GETs <= DCP's."""
     lines = []
     for case in ("load", "rows 1/4", "cols 1/4"):
+        dcp = res["summary"].get(case, {}).get("dcp")
         for name in ("ckpt", "ckpt gap=0"):
             c = res["summary"].get(case, {}).get(name)
             if c is None:
                 continue
             ratio = c["s3_bytes"] / res["needed"][case]
-            lines.append(f"{case} / {name}: requested {ratio:.2f}x needed: "
-                         f"{'met' if ratio <= limit else 'missed'} (target <= {limit}x)")
+            line = (f"{case} / {name}: requested {ratio:.2f}x needed: "
+                    f"{'met' if ratio <= limit else 'missed'} (target <= {limit}x)")
+            if dcp is not None and "gets" in c:
+                line += (f"; {c['gets']:.0f} GETs vs DCP's {dcp['gets']:.0f}: "
+                         f"{'met' if c['gets'] <= dcp['gets'] else 'missed'} (target <= DCP's)")
+            lines.append(line)
     return lines
 
 
@@ -551,6 +566,10 @@ def report(res: dict[str, Any]) -> str:
         lines.append("moto, one 4 KiB ranged GET (server time grows with the object's size, not the range's): "
                      + ", ".join(f"{c['ms']:.0f} ms on a {c['size'] / MB:.1f} MB object ({n})"
                                  for n, c in res["ranged_get"].items()))
+    save = res["summary"].get("save", {})
+    if save and all("crc32_puts" in c for c in save.values()):
+        lines.append("save, PUTs (single objects, multipart parts) carrying x-amz-checksum-crc32: " + ", ".join(
+            f"{n} {c['crc32_puts']:.0f} of {c['puts']:.0f}" for n, c in save.items()))
     lines.append("bitwise check: " + ("all loads equal the source" if not res["mismatches"]
                                       else f"{len(res['mismatches'])} MISMATCHES: {res['mismatches'][:8]}"))
     return "\n".join(lines)

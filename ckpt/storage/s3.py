@@ -17,7 +17,11 @@ Storage options (all optional; the rest go to ``s3fs.S3FileSystem``, e.g. ``key`
   GETs in :meth:`S3Storage.read_ranges`, default 8);
 - ``coalesce_gap`` (bytes, default 1 MiB): ranges of a file closer than this are read with one
   GET (the load planner reads this attribute); 0 reads only the needed bytes;
-- ``connect_timeout`` / ``read_timeout`` (s, per request, default 5 / 30).
+- ``connect_timeout`` / ``read_timeout`` (s, per request, default 5 / 30);
+- ``upload_checksums`` (default True): every upload (single PUT, multipart part, manifest PUT)
+  carries the CRC32 of its body (``x-amz-checksum-crc32``) and a multipart completion lists the
+  part checksums, so S3 itself refuses a body that changed on the way (``BadDigest``, retried:
+  the body is sent again from our buffer). False for S3-compatible stores that reject these headers.
 
 Credentials come from the options or botocore's usual chain (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, profiles, instance roles).
@@ -25,14 +29,16 @@ Credentials come from the options or botocore's usual chain (``AWS_ACCESS_KEY_ID
 
 from __future__ import annotations
 
+import base64
 import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+from ckpt.checksum import crc32
 from ckpt.errors import CheckpointExistsError, StorageError
-from ckpt.storage.retry import RetryPolicy, describe, http_error, is_not_found
+from ckpt.storage.retry import RetryPolicy, describe, http_error, is_not_found, is_retryable
 
 T = TypeVar("T")
 
@@ -43,6 +49,19 @@ DEFAULT_PART = 16 * MiB
 DEFAULT_COALESCE_GAP = 1 * MiB
 MAX_PARTS = 10_000
 INSTALL_HINT = "s3:// URLs need s3fs: pip install 'ckpt[s3]'"
+
+
+def crc32_b64(crc: int) -> str:
+    """S3's encoding of a CRC32 checksum (``x-amz-checksum-crc32``): base64 of the 4 big-endian
+    bytes of the same value as ``zlib.crc32`` (which ``ckpt.checksum.crc32`` computes)."""
+    return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
+
+
+def upload_retryable(exc: BaseException) -> bool:
+    """:func:`is_retryable`, plus S3's ``BadDigest``: the store got a body whose checksum is not the
+    one we sent, i.e. bytes changed on the way; the next try sends our buffer again. If our buffer
+    itself changed after it was hashed, every try fails and the tries run out (a StorageError)."""
+    return is_retryable(exc) or http_error(exc)[1] == "BadDigest"
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -74,6 +93,7 @@ class S3Writer:
         self.pool: ThreadPoolExecutor | None = None
         self.futures: list[Future[dict[str, Any]]] = []
         self.nparts = 0
+        self.crc = 0  # CRC32 of ``buf``, hashed as the caller's bytes arrive (before any copy is sent)
         self.done = False
 
     def _threshold(self) -> int:
@@ -88,10 +108,16 @@ class S3Writer:
         while len(mv):
             room = self._threshold() - len(self.buf)
             self.buf += mv[:room]
+            self.crc = crc32(mv[:room], self.crc)
             mv = mv[room:]
             if len(self.buf) >= self._threshold():
-                part, self.buf = self.buf, bytearray()
-                self._ship(part)
+                self._ship(*self._take())
+
+    def _take(self) -> tuple[bytearray, int]:
+        """The buffered part and its CRC32; the buffer starts over."""
+        part, crc = self.buf, self.crc
+        self.buf, self.crc = bytearray(), 0
+        return part, crc
 
     def _raise_failed(self) -> None:
         for f in self.futures:
@@ -100,12 +126,15 @@ class S3Writer:
                 if exc is not None:
                     raise exc
 
-    def _ship(self, part: bytearray) -> None:
+    def _ship(self, part: bytearray, crc: int) -> None:
         if self.nparts >= MAX_PARTS:
             raise StorageError(f"{self.what}: more than {MAX_PARTS} parts; raise part_size")
         if self.upload_id is None:
+            # the algorithm is declared up front: S3 then keeps each part's CRC32 and checks the
+            # list that the completion sends against them
+            algo: dict[str, Any] = {"ChecksumAlgorithm": "CRC32"} if self.s.upload_checksums else {}
             out = self.s.request(self.key, "create multipart upload", "create_multipart_upload",
-                                 Bucket=self.s.bucket, Key=self.key)
+                                 Bucket=self.s.bucket, Key=self.key, **algo)
             self.upload_id = str(out["UploadId"])
             self.pool = ThreadPoolExecutor(max_workers=self.s.upload_workers, thread_name_prefix="ckpt-s3-up")
         assert self.pool is not None
@@ -113,12 +142,17 @@ class S3Writer:
             wait([f for f in self.futures if not f.done()], return_when=FIRST_COMPLETED)
         self._raise_failed()
         self.nparts += 1
-        self.futures.append(self.pool.submit(self._upload_part, self.nparts, part))
+        self.futures.append(self.pool.submit(self._upload_part, self.nparts, part, crc))
 
-    def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
-        out = self.s.request(self.key, f"upload of part {number}", "upload_part", Bucket=self.s.bucket,
-                             Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=body)
-        return {"PartNumber": number, "ETag": out["ETag"]}
+    def _upload_part(self, number: int, body: bytearray, crc: int) -> dict[str, Any]:
+        sums = self.s.checksum_args(crc)
+        out = self.s.request(self.key, f"upload of part {number}", "upload_part", retryable=upload_retryable,
+                             Bucket=self.s.bucket, Key=self.key, UploadId=self.upload_id, PartNumber=number,
+                             Body=body, **sums)
+        part = {"PartNumber": number, "ETag": out["ETag"]}
+        if sums:  # ours, not the reply's echo: completion then checks what S3 kept against what we hashed
+            part["ChecksumCRC32"] = sums["ChecksumCRC32"]
+        return part
 
     def close(self) -> int:
         if self.done:
@@ -126,12 +160,12 @@ class S3Writer:
         try:
             self._raise_failed()
             if self.upload_id is None:
-                body, self.buf = self.buf, bytearray()
-                self.s.request(self.key, "upload", "put_object", Bucket=self.s.bucket, Key=self.key, Body=body)
+                body, crc = self._take()
+                self.s.request(self.key, "upload", "put_object", retryable=upload_retryable, Bucket=self.s.bucket,
+                               Key=self.key, Body=body, **self.s.checksum_args(crc))
             else:
                 if self.buf:
-                    part, self.buf = self.buf, bytearray()
-                    self._ship(part)
+                    self._ship(*self._take())
                 parts = [f.result() for f in self.futures]
                 self._complete(parts)
         except BaseException:
@@ -163,7 +197,7 @@ class S3Writer:
 
     def abort(self) -> None:
         self.done = True
-        self.buf = bytearray()
+        self.buf, self.crc = bytearray(), 0
         for f in self.futures:
             f.cancel()
         self._shutdown()
@@ -211,6 +245,10 @@ class S3Storage:
             self.coalesce_waste = float(opts.pop("coalesce_waste", 0.1))
         except (TypeError, ValueError) as e:
             raise StorageError(f"{self.url}: invalid storage option ({e})") from e
+        self.upload_checksums = opts.pop("upload_checksums", True)
+        if not isinstance(self.upload_checksums, bool):
+            raise StorageError(f"{self.url}: invalid storage option upload_checksums={self.upload_checksums!r}; "
+                               "expected true or false")
         if not MIN_PART <= self.part_size <= MAX_PART:
             raise StorageError(f"{self.url}: part_size={self.part_size} is outside S3's limits "
                                f"[{MIN_PART}, {MAX_PART}] bytes")
@@ -258,16 +296,26 @@ class S3Storage:
         return await fn(**(helper(fn, **kwargs) if helper is not None else kwargs))
 
     def run(self, key: str, op: str, coro: Callable[[], Awaitable[T]],
-            not_found: Callable[[BaseException], T] | None = None) -> T:
+            not_found: Callable[[BaseException], T] | None = None,
+            retryable: Callable[[BaseException], bool] = is_retryable) -> T:
         """Run the coroutine factory ``coro`` on s3fs's loop under the retry policy."""
         from fsspec.asyn import sync
 
-        return self.retry.call(lambda: sync(self.fs.loop, coro), what=self.what(key), op=op, not_found=not_found)
+        return self.retry.call(lambda: sync(self.fs.loop, coro), what=self.what(key), op=op, not_found=not_found,
+                               retryable=retryable)
 
     def request(self, key: str, op: str, method: str, not_found: Callable[[BaseException], Any] | None = None,
-                **kwargs: Any) -> Any:
+                retryable: Callable[[BaseException], bool] = is_retryable, **kwargs: Any) -> Any:
         """One S3 API call (``method`` of the aiobotocore client), retried."""
-        return self.run(key, op, lambda: self.call(method, **kwargs), not_found=not_found)
+        return self.run(key, op, lambda: self.call(method, **kwargs), not_found=not_found, retryable=retryable)
+
+    def checksum_args(self, crc: int) -> dict[str, Any]:
+        """Arguments of an upload whose body has CRC32 ``crc``: S3 recomputes it and refuses the
+        upload on a mismatch. Given explicitly, so that botocore neither hashes the body again nor
+        depends on its version or ``request_checksum_calculation`` to send one."""
+        if not self.upload_checksums:
+            return {}
+        return {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32_b64(crc)}
 
     def _get(self, key: str, start: int | None = None, length: int | None = None) -> bytes:
         head = {} if start is None else {"Range": f"bytes={start}-{start + (length or 0) - 1}"}
@@ -367,9 +415,11 @@ class S3Storage:
         implement conditional writes (501) gets a check-then-PUT, which a concurrent writer can race.
         """
         key = self.key(path)
+        body = bytes(data)
         cond: dict[str, Any] = {"IfNoneMatch": "*"} if exclusive else {}
         try:
-            self.request(key, "commit (PUT)", "put_object", Bucket=self.bucket, Key=key, Body=bytes(data), **cond)
+            self.request(key, "commit (PUT)", "put_object", retryable=upload_retryable, Bucket=self.bucket, Key=key,
+                         Body=body, **cond, **self.checksum_args(crc32(body)))
         except StorageError as e:
             status, code = http_error(e.__cause__ or e)
             if exclusive and (status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")):
@@ -392,4 +442,4 @@ class S3Storage:
             pool.shutdown(wait=True)
 
 
-__all__ = ["S3Storage", "S3Writer", "split_url", "INSTALL_HINT"]
+__all__ = ["S3Storage", "S3Writer", "split_url", "crc32_b64", "INSTALL_HINT"]
