@@ -33,6 +33,14 @@ def _same(a, b) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, set | frozenset):  # {nan} != {nan} when the two NaNs are different objects
+        rest = list(b)
+        for x in a:
+            match = next((i for i, y in enumerate(rest) if _same(x, y)), None)
+            if match is None:
+                return False
+            rest.pop(match)
+        return not rest
     return a == b
 
 
