@@ -10,6 +10,7 @@ blocking (call -> return), staged (call -> state may change), done (call -> dura
 throughput (bytes / done), peak extra host RSS during the save.
 
     python -m bench async [--size-gb 2] [--tensors 200] [--saves 5] [--device cpu|cuda] [--dir DIR]
+                          [--caps 0.25,0.5]
 """
 
 from __future__ import annotations
@@ -76,22 +77,27 @@ def _sync(device: str) -> None:
 
 
 class CkptAsync:
-    name = "ckpt.async_save"
+    """``ckpt.async_save`` through one saver (its staging pool is reused), optionally with a
+    ``max_staging_bytes`` cap of ``cap`` x the state's size."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: float | None = None, nbytes: int = 0) -> None:
         from ckpt.async_save import AsyncSaver
 
         self.saver = AsyncSaver()
+        self.cap = None if cap is None else max(2 << 20, int(cap * nbytes))
+        self.name = "ckpt.async_save" + ("" if cap is None else f" cap={cap:g}x")
 
     def save(self, state: dict[str, torch.Tensor], d: str) -> Result:
         t0 = time.perf_counter()
-        h = self.saver.save(state, d)
+        h = self.saver.save(state, d, max_staging_bytes=self.cap)
         t1 = time.perf_counter()
         h.staged()
         t2 = time.perf_counter()
         h.done()
         t3 = time.perf_counter()
-        return {"blocking": t1 - t0, "staged": t2 - t0, "done": t3 - t0}
+        # staging memory held (pinned for GPU state) / bytes staged; alloc: time spent allocating it
+        return {"blocking": t1 - t0, "staged": t2 - t0, "done": t3 - t0, "alloc": h.stats.get("alloc", 0.0),
+                "staging_ratio": h.stats["staging_bytes"] / max(1, h.stats["staged_bytes"])}
 
 
 class DcpAsync:
@@ -180,7 +186,8 @@ def step_slowdown(state: dict[str, torch.Tensor], root: str, steps: int = 10) ->
             "slowdown": median(during) / median(alone) - 1.0}
 
 
-def run(size_gb: float, n_tensors: int, saves: int, root: str, device: str, dtype: str) -> dict[str, Any]:
+def run(size_gb: float, n_tensors: int, saves: int, root: str, device: str, dtype: str,
+        caps: tuple[float, ...] = ()) -> dict[str, Any]:
     import torch.distributed as dist
 
     if not dist.is_initialized():  # dcp.async_save needs a process group; a world of one
@@ -192,7 +199,7 @@ def run(size_gb: float, n_tensors: int, saves: int, root: str, device: str, dtyp
     if device == "cuda":
         state = {k: v.cuda() for k, v in state.items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    contenders: list[Any] = [CkptAsync(), DcpAsync(cached_writer=False)]
+    contenders: list[Any] = [CkptAsync(), *(CkptAsync(c, nbytes) for c in caps), DcpAsync(cached_writer=False)]
     if device == "cuda":
         contenders.append(DcpAsync(cached_writer=True))
     contenders += [SyncSaver("torch.save", _torch_save), SyncSaver("safetensors.save_file", _st_save)]
@@ -226,6 +233,8 @@ def run(size_gb: float, n_tensors: int, saves: int, root: str, device: str, dtyp
             "first": rs[0],
             "steady": {k: median([r[k] for r in steady]) for k in ("blocking", "staged", "done", "rss")},
         }
+        if "staging_ratio" in rs[0]:
+            out["contenders"][name]["staging_ratio"] = rs[0]["staging_ratio"]
     if device == "cuda":
         out["pinned_d2h_gbps"] = pinned_d2h_gbps()
         out["step"] = step_slowdown(state, root)
@@ -260,6 +269,11 @@ def report(res: dict[str, Any]) -> str:
     if dcp:
         lines.append(f"ckpt steady blocking = {100 * ours['blocking'] / dcp['steady']['blocking']:.2f}% of "
                      "dcp.async_save's")
+    for name, c in res["contenders"].items():
+        if "staging_ratio" in c:
+            lines.append(f"{name}: first save blocking {c['first']['blocking'] * 1e3:.1f} ms (allocating "
+                         f"{c['first'].get('alloc', 0):.2f} s in the background), staging memory "
+                         f"{c['staging_ratio']:.3f}x the staged bytes, staged {c['steady']['staged']:.3f} s")
     if "pinned_d2h_gbps" in res:
         ideal = n / 1e9 / res["pinned_d2h_gbps"]
         lines.append(f"pinned D2H {res['pinned_d2h_gbps']:.1f} GB/s: bytes/bandwidth {ideal:.3f} s; ckpt staged "
@@ -279,13 +293,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["mixed", "bf16"], default="mixed", help="mixed: fp32+bf16 halves")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument("--caps", default="", help="also ckpt with max_staging_bytes at these fractions of the state, "
+                   "e.g. 0.25,0.5")
 
 
 def main(args: argparse.Namespace) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-async-")
     os.makedirs(root, exist_ok=True)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    res = run(args.size_gb, args.tensors, args.saves, root, device, args.dtype)
+    caps = tuple(float(x) for x in args.caps.split(",") if x.strip())
+    res = run(args.size_gb, args.tensors, args.saves, root, device, args.dtype, caps)
     print_table("async save", COLUMNS, rows(res))
     print(report(res))
     print("\n" + markdown_table(COLUMNS, rows(res)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import threading
 import time
 import warnings
@@ -30,6 +31,7 @@ from ckpt.io import entry_source
 from ckpt.manifest import Manifest
 from ckpt.planner import WriteAssignment
 from ckpt.save import DEFAULT_TIMEOUT_S, PlanCache, Prepared, commit, persist, prepare
+from ckpt.staging import Stager, StagingPool, check_cap
 from ckpt.storage import get_storage
 
 _COMMIT_GROUPS: dict[Any, Any] = {}
@@ -49,29 +51,6 @@ def _commit_comm(comm: Comm) -> Comm:
     return Comm(_COMMIT_GROUPS[key])
 
 
-class StagingPool:
-    """Host buffers for what one rank writes (its pieces, or its parts of split replicas), allocated
-    on the first save and reused while the structure (sizes, dtypes, devices) stays the same.
-    Pinned when sources live on a GPU."""
-
-    def __init__(self) -> None:
-        self.key: tuple[Any, ...] | None = None
-        self.buffers: dict[int, torch.Tensor] = {}
-        self.allocations = 0  # how many times buffers were (re)allocated: tests check steady state
-
-    def buffers_for(self, pieces: list[int], sources: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        key = tuple((i, tuple(sources[i].shape), sources[i].dtype, sources[i].device.type) for i in pieces)
-        if key != self.key:
-            self.buffers = {}  # drop the old pool before allocating the new one
-            for i in pieces:
-                src = sources[i]
-                pin = src.device.type == "cuda"
-                self.buffers[i] = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-            self.key = key
-            self.allocations += 1
-        return self.buffers
-
-
 class SaveHandle:
     """A save in flight. ``staged()`` before changing the state; ``done()`` for the manifest."""
 
@@ -81,11 +60,11 @@ class SaveHandle:
         self.skipped = skipped
         self._staged = threading.Event()
         self._done = threading.Event()
-        self._piece_ready: dict[int, threading.Event] = {}
-        self._cuda_event: Any = None
         self.manifest: Manifest | None = None
-        # this rank's figures: durations (s) plan, stage, persist, commit; bytes (data written);
-        # sent/received (metadata bytes of the save protocol)
+        # this rank's figures: durations (s) plan, stage (until staged), persist, commit, alloc
+        # (allocating/pinning staging memory: the first save, or after the structure changed);
+        # bytes (data written); staged_bytes, staging_bytes (host memory held for it), sent/received
+        # (metadata bytes of the save protocol)
         self.stats: dict[str, float] = {}
         self.error: BaseException | None = None
         self._stage_error: BaseException | None = None
@@ -95,9 +74,10 @@ class SaveHandle:
             self._done.set()
 
     def staged(self, timeout: float | None = None) -> None:
-        """Block until every piece is copied out of the caller's tensors (call before optimizer.step())."""
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
+        """Block until every piece is copied out of the caller's tensors (call before optimizer.step()).
+
+        With ``max_staging_bytes`` below the staged size, that is when the last chunk is copied,
+        i.e. after all but the last ring's worth of data is written."""
         if not self._staged.wait(timeout):
             raise TimeoutError(f"{self.url}: staging did not finish within {timeout} s")
 
@@ -128,17 +108,19 @@ class AsyncSaver:
         self.timeout = timeout
         self.inflight: SaveHandle | None = None
         self._thread: threading.Thread | None = None
-        self._stream: Any = None
+        self._streams: dict[int, Any] = {}  # device index -> side stream of its device-to-host copies
         _SAVERS.add(self)
 
     def save(self, state: dict[str, Any], url: str, *, step: int | None = None,
              user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
              layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
              policy: str = "wait", on_commit: Callable[[Manifest], None] | None = None,
-             data_format: str = "safetensors", on_error: Callable[[BaseException], None] | None = None) -> SaveHandle:
+             data_format: str = "safetensors", on_error: Callable[[BaseException], None] | None = None,
+             max_staging_bytes: int | None = None) -> SaveHandle:
         """Start saving ``state`` to ``url``; see :func:`async_save`."""
         if policy not in ("wait", "skip"):
             raise ValueError(f"policy must be 'wait' or 'skip', got {policy!r}")
+        check_cap(max_staging_bytes, data_format)
         prev = self.inflight
         comm = Comm(self.group)
         if prev is not None:
@@ -161,61 +143,38 @@ class AsyncSaver:
         prep.stats["plan"] = time.perf_counter() - t0
         handle = SaveHandle(url, step)
         pieces = [e.piece for e in prep.assignment.entries]
-        views = _staged_views(prep)
-        buffers = self.pool.buffers_for(pieces, views)
-        handle._piece_ready = {i: threading.Event() for i in pieces}
-        cuda_pieces = [i for i in pieces if views[i].device.type == "cuda"]
-        if cuda_pieces:
-            self._launch_cuda_copies(views, buffers, cuda_pieces, handle)
+        # plans the staging memory and records where the caller's GPU work stands; allocates nothing
+        stager = Stager(self.pool, _staged_views(prep), pieces, cap=max_staging_bytes,
+                        split=prep.data_format != "zarr")
         self.inflight = handle
         self._thread = threading.Thread(target=self._run, name="ckpt-async-save", daemon=True,
-                                        args=(handle, prep, views, buffers, storage, comm, commit_comm, on_commit,
-                                              on_error))
+                                        args=(handle, prep, stager, storage, comm, commit_comm, on_commit, on_error))
         self._thread.start()
         return handle
 
-    def _launch_cuda_copies(self, views: list[torch.Tensor], buffers: dict[int, torch.Tensor], pieces: list[int],
-                            handle: SaveHandle) -> None:
-        # Device-to-host copies on a side stream: the next forward/backward overlaps them.
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        cur = torch.cuda.current_stream()
-        self._stream.wait_stream(cur)
-        with torch.cuda.stream(self._stream):
-            for i in pieces:
-                src = views[i]
-                buffers[i].copy_(src.detach(), non_blocking=True)
-                src.record_stream(self._stream)
-        ev = torch.cuda.Event()
-        ev.record(self._stream)
-        handle._cuda_event = ev
-
-    def _run(self, handle: SaveHandle, prep: Prepared, views: list[torch.Tensor], buffers: dict[int, torch.Tensor],
-             storage: Any, comm: Comm, commit_comm: Comm, on_commit: Callable[[Manifest], None] | None,
-             on_error: Callable[[BaseException], None] | None = None) -> None:
+    def _run(self, handle: SaveHandle, prep: Prepared, stager: Stager, storage: Any, comm: Comm, commit_comm: Comm,
+             on_commit: Callable[[Manifest], None] | None, on_error: Callable[[BaseException], None] | None) -> None:
+        staging = threading.Thread(target=self._stage, args=(stager, prep, handle), name="ckpt-stage", daemon=True)
         try:
-            if handle._cuda_event is not None:
-                handle._cuda_event.synchronize()
-            stager = threading.Thread(target=self._stage_cpu, args=(prep, views, buffers, handle), name="ckpt-stage",
-                                      daemon=True)
-            stager.start()
-
-            def wait_piece(i: int) -> None:  # the writer follows the stager piece by piece
-                handle._piece_ready[i].wait()
-                if handle._stage_error is not None:
-                    raise CheckpointError(f"staging for {handle.url} failed: {handle._stage_error}")
-
-            sources = [buffers.get(i, s) for i, s in enumerate(prep.sources)]
+            staging.start()
             written = prep
             a = prep.assignment
             if any(e.count is not None for e in a.entries):
-                # The buffers of parts of split replicas hold just the part: write them whole.
+                # The staged copies of parts of split replicas hold just the part: write them whole.
                 # (The commit keeps ``prep``, whose entries say which part each shard is.)
                 written = dataclasses.replace(prep, assignment=WriteAssignment(
                     a.file, a.header, [dataclasses.replace(e, start=0, count=None) for e in a.entries]))
             t0 = time.perf_counter()
-            result = persist(storage, written, sources, comm.who, wait_piece=wait_piece)
-            stager.join()
+            if stager.plan.split:
+                result = persist(storage, written, prep.sources, comm.who, segments=stager.segments)
+            else:  # zarr writes whole pieces: each one's staged copy, once it is ready
+                sources: list[Any] = list(prep.sources)
+                for e in a.entries:
+                    sources[e.piece] = functools.partial(stager.piece_tensor, e.piece)
+                result = persist(storage, written, sources, comm.who)
+            if "ok" not in result:
+                stager.abort()
+            staging.join()
             prep.stats["persist"] = time.perf_counter() - t0
             handle.manifest = commit(commit_comm, storage, prep, result, timeout=self.timeout, cache=self.cache)
             handle.stats = dict(prep.stats, commit=time.perf_counter() - t0 - prep.stats["persist"])
@@ -226,6 +185,7 @@ class AsyncSaver:
                     warnings.warn(f"{handle.url}: committed, but the after-commit step failed: {e}", RuntimeWarning,
                                   stacklevel=1)
         except BaseException as e:  # noqa: BLE001 - surfaced on the handle and on the next save
+            stager.abort()
             handle.error = e
             if on_error is not None:
                 try:
@@ -233,26 +193,18 @@ class AsyncSaver:
                 except CheckpointError:
                     pass  # cleanup is best effort; the save's own error is what matters
         finally:
+            staging.join()
             handle._staged.set()
             handle._done.set()
             storage.close()
 
-    def _stage_cpu(self, prep: Prepared, views: list[torch.Tensor], buffers: dict[int, torch.Tensor],
-                   handle: SaveHandle) -> None:
+    def _stage(self, stager: Stager, prep: Prepared, handle: SaveHandle) -> None:
         t0 = time.perf_counter()
         try:
-            for e in prep.assignment.entries:
-                i = e.piece
-                src = views[i]
-                if src.device.type != "cuda":  # CUDA pieces were copied on the side stream
-                    buffers[i].copy_(src.detach())
-                handle._piece_ready[i].set()
-        except BaseException as e:  # noqa: BLE001 - the writer raises it as a CheckpointError
-            handle._stage_error = e
-            for ev in handle._piece_ready.values():
-                ev.set()
+            stager.run(self._streams)
         finally:
-            prep.stats["stage"] = time.perf_counter() - t0
+            prep.stats.update(stage=time.perf_counter() - t0, alloc=stager.alloc_s,
+                              staged_bytes=stager.plan.staged, staging_bytes=self.pool.nbytes)
             handle._staged.set()
 
     def wait(self) -> None:
@@ -285,16 +237,23 @@ def _drain() -> None:
 def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None = None,
                user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
                layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
-               policy: str = "wait", data_format: str = "safetensors") -> SaveHandle:
+               policy: str = "wait", data_format: str = "safetensors",
+               max_staging_bytes: int | None = None) -> SaveHandle:
     """Save ``state`` to ``url`` in the background; returns a :class:`SaveHandle` quickly.
 
     Collective over ``group`` (the planning exchange runs on the calling thread). One save is in
     flight per group: ``policy="wait"`` waits for the previous one, ``"skip"`` returns a skipped
     handle while one is running. An error of the previous save is raised by the next call if
     ``done()`` did not already raise it. Staging buffers are reused across saves of the same structure.
+
+    Staging memory is allocated (and pinned, for GPU tensors) in the background, so the first call
+    returns as fast as later ones. ``max_staging_bytes`` caps it: below the size of what this rank
+    writes, data is staged and written through a ring of that many bytes, and ``staged()`` returns
+    when the last of it has been copied (at about the write speed).
     """
     saver = _DEFAULT.get(id(group))
     if saver is None:
         saver = _DEFAULT[id(group)] = AsyncSaver(group)
     return saver.save(state, url, step=step, user_metadata=user_metadata, overwrite=overwrite, layout=layout,
-                      storage_options=storage_options, policy=policy, data_format=data_format)
+                      storage_options=storage_options, policy=policy, data_format=data_format,
+                      max_staging_bytes=max_staging_bytes)

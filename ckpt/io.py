@@ -6,7 +6,7 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -61,9 +61,14 @@ def entry_source(t: torch.Tensor, start: int, count: int | None) -> torch.Tensor
 
 def write_assignment(storage: Storage, a: WriteAssignment, sources: list[torch.Tensor],
                      pool: ThreadPoolExecutor | None = None,
-                     wait_piece: Callable[[int], None] | None = None) -> tuple[int, list[int]]:
+                     wait_piece: Callable[[int], None] | None = None,
+                     segments: Callable[[int], Iterator[memoryview]] | None = None) -> tuple[int, list[int]]:
     """Write one rank's data file: header, then each entry's bytes (its piece, or the part of it the
     entry names: ``entry_source``), hashing as they go.
+
+    ``segments(piece)``, when given, yields the entry's bytes instead (an async save's staged
+    copy, segment by segment); the next segment is asked for only once the previous one is
+    written, so the stager may reuse its memory then.
 
     Writes and CRC32 run concurrently (both release the GIL): while the writer thread writes a
     chunk, the calling thread hashes it. Returns ``(file size, checksums in entry order)``.
@@ -80,16 +85,29 @@ def write_assignment(storage: Storage, a: WriteAssignment, sources: list[torch.T
         for e in a.entries:
             if wait_piece is not None:
                 wait_piece(e.piece)
-            mv, owner = host_bytes(entry_source(sources[e.piece], e.start, e.count))
-            if len(mv) != e.length:
-                raise StorageError(f"{a.file}: piece {e.key!r} has {len(mv)} bytes, plan says {e.length}")
-            crc = 0
-            for i in range(0, len(mv), CHUNK):
-                chunk = mv[i : i + CHUNK]
-                if pending is not None:
-                    pending.result()
-                pending = ex.submit(w.write, chunk)
-                crc = crc32(chunk, crc)
+            if segments is None:
+                mv, owner = host_bytes(entry_source(sources[e.piece], e.start, e.count))
+                parts: Iterator[memoryview] = iter((mv,))
+            else:
+                parts, owner = segments(e.piece), None
+            crc, n = 0, 0
+            while True:
+                if segments is not None and pending is not None:
+                    pending.result()  # the previous segment is written before its memory may be reused
+                seg = next(parts, None)
+                if seg is None:
+                    break
+                n += len(seg)
+                if n > e.length:
+                    break
+                for i in range(0, len(seg), CHUNK):
+                    chunk = seg[i : i + CHUNK]
+                    if pending is not None:
+                        pending.result()
+                    pending = ex.submit(w.write, chunk)
+                    crc = crc32(chunk, crc)
+            if n != e.length:
+                raise StorageError(f"{a.file}: piece {e.key!r} has {n} bytes, plan says {e.length}")
             sums.append(crc)
             del owner
         if pending is not None:

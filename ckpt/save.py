@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -255,7 +255,8 @@ def _structure_error(ranks: list[int]) -> dict[str, Any]:
 
 
 def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: int | None,
-            wait_piece: Callable[[int], None] | None = None) -> dict[str, Any]:
+            wait_piece: Callable[[int], None] | None = None,
+            segments: Callable[[int], Iterator[memoryview]] | None = None) -> dict[str, Any]:
     """Phase 3 (local): write this rank's data file from ``sources``; returns a result payload, never raises.
 
     The file gets a fresh name chosen here (``data/<rank>-<random>.safetensors``), so a save never
@@ -279,7 +280,7 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
                            "chunks": [list(by_shard.get((e.key, e.shard), ("", 0, 0))) for e in a.entries]}}
         name = f"{a.file.rsplit('.', 1)[0].rsplit('-', 1)[0]}-{uuid.uuid4().hex[:12]}.safetensors"
         size, sums = write_assignment(storage, WriteAssignment(name, a.header, a.entries), sources,
-                                      wait_piece=wait_piece)
+                                      wait_piece=wait_piece, segments=segments)
         prep.stats["bytes"] = size  # this rank's data bytes (file size, header included)
         return {"ok": {**base, "file": name, "size": size, "sums": sums}}
     except Exception as e:  # noqa: BLE001 - reported to every rank by the commit exchange

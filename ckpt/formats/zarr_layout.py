@@ -108,7 +108,8 @@ def write_chunks(storage: Storage, pieces: list[tuple[str, Box, torch.Tensor]],
                  wait_piece: Any = None, indices: list[int] | None = None,
                  root: str = ZARR_DIR) -> list[tuple[str, int, int]]:
     """Write each ``(key, region, tensor)`` as its own chunk file under the zarr tree ``root``;
-    returns ``(path, size, crc32)`` each."""
+    returns ``(path, size, crc32)`` each. ``tensor`` may be a callable returning it when it is ready
+    (an async save's staged copy)."""
     from ckpt.io import host_bytes
 
     out: list[tuple[str, int, int]] = []
@@ -117,7 +118,7 @@ def write_chunks(storage: Storage, pieces: list[tuple[str, Box, torch.Tensor]],
             if wait_piece is not None and indices is not None:
                 wait_piece(indices[n])
             path = chunk_path(key, region, root)
-            mv, owner = host_bytes(t)
+            mv, owner = host_bytes(t() if callable(t) else t)
             w = storage.open_writer(path)
             try:
                 w.write(mv)

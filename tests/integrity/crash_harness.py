@@ -183,7 +183,7 @@ def _instrument(p: _Probe) -> None:
         p.phase("stage")
         p.point("stage")
 
-    _wrap(async_save_mod.AsyncSaver, "_stage_cpu", stage)
+    _wrap(async_save_mod.AsyncSaver, "_stage", stage)
 
     def write(*a: Any, **k: Any) -> None:
         p.phase("write")
