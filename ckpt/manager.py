@@ -19,6 +19,7 @@ from typing import Any
 
 from ckpt import transaction
 from ckpt.async_save import AsyncSaver, SaveHandle
+from ckpt.staging import check_cap
 from ckpt.comm import Comm
 from ckpt.errors import CheckpointError, StorageError
 from ckpt.formats.msgpack_codec import decode_manifest
@@ -295,7 +296,8 @@ class CheckpointManager:
 
     def __init__(self, root_url: str, *, keep_last: int | None = 3, keep_every: int | None = None,
                  async_save: bool = True, group: Any = None, policy: str = "wait",
-                 storage_options: dict[str, Any] | None = None, gc_on_start: bool = True):
+                 storage_options: dict[str, Any] | None = None, gc_on_start: bool = True,
+                 max_staging_bytes: int | None = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
         self.root = root_url.rstrip("/")
@@ -305,6 +307,8 @@ class CheckpointManager:
         self.group = group
         self.policy = policy
         self.storage_options = storage_options or {}
+        check_cap(max_staging_bytes)
+        self.max_staging_bytes = max_staging_bytes  # async saves: host staging memory cap (a ring below it)
         self._saver = AsyncSaver(group)
         self._last: SaveHandle | None = None
         self._rank = Comm(group).rank
@@ -345,7 +349,7 @@ class CheckpointManager:
             self._last = self._saver.save(state, url, step=step, user_metadata=user_metadata, layout=layout,
                                           overwrite=overwrite,
                                           storage_options=self.storage_options, policy=self.policy,
-                                          on_commit=self._after_commit,
+                                          on_commit=self._after_commit, max_staging_bytes=self.max_staging_bytes,
                                           on_error=lambda e: self._drop_lease(step) if self._rank == 0 else None)
         except BaseException:
             if self._rank == 0:

@@ -199,3 +199,14 @@ def test_cuda_sources_stage_through_a_pinned_ring(tmp_path):
         for k, v in state.items():
             v.sub_(1)
             assert torch.equal(v.cpu(), ref[k])
+
+
+def test_manager_passes_its_cap_to_every_async_save(small_slabs, tmp_path):
+    with pytest.raises(StateError, match="too small"):
+        ckpt.CheckpointManager(str(tmp_path / "bad"), max_staging_bytes=10)
+    state = _state([3000] * 10)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "r"), max_staging_bytes=4096)
+    for step in (1, 2):
+        mgr.save(step, state).done()
+        assert mgr._saver.pool.nbytes <= 4096
+    _same(mgr.url_for(2), state)
