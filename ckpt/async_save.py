@@ -13,8 +13,6 @@ Call order for the training loop::
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import functools
 import threading
 import time
 import warnings
@@ -22,15 +20,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ckpt import stateful
 from ckpt.comm import Comm
 from ckpt.errors import CheckpointError
-from ckpt.io import entry_source
 from ckpt.manifest import Manifest
-from ckpt.planner import WriteAssignment
-from ckpt.save import DEFAULT_TIMEOUT_S, PlanCache, Prepared, commit, persist, prepare
+from ckpt.save import DEFAULT_TIMEOUT_S, PlanCache, Prepared, commit, persist_staged, prepare, staged_views
 from ckpt.staging import Stager, StagingPool, check_cap
 from ckpt.storage import get_storage
 
@@ -144,7 +138,7 @@ class AsyncSaver:
         handle = SaveHandle(url, step)
         pieces = [e.piece for e in prep.assignment.entries]
         # plans the staging memory and records where the caller's GPU work stands; allocates nothing
-        stager = Stager(self.pool, _staged_views(prep), pieces, cap=max_staging_bytes,
+        stager = Stager(self.pool, staged_views(prep), pieces, cap=max_staging_bytes,
                         split=prep.data_format != "zarr")
         self.inflight = handle
         self._thread = threading.Thread(target=self._run, name="ckpt-async-save", daemon=True,
@@ -157,23 +151,8 @@ class AsyncSaver:
         staging = threading.Thread(target=self._stage, args=(stager, prep, handle), name="ckpt-stage", daemon=True)
         try:
             staging.start()
-            written = prep
-            a = prep.assignment
-            if any(e.count is not None for e in a.entries):
-                # The staged copies of parts of split replicas hold just the part: write them whole.
-                # (The commit keeps ``prep``, whose entries say which part each shard is.)
-                written = dataclasses.replace(prep, assignment=WriteAssignment(
-                    a.file, a.header, [dataclasses.replace(e, start=0, count=None) for e in a.entries]))
             t0 = time.perf_counter()
-            if stager.plan.split:
-                result = persist(storage, written, prep.sources, comm.who, segments=stager.segments)
-            else:  # zarr writes whole pieces: each one's staged copy, once it is ready
-                sources: list[Any] = list(prep.sources)
-                for e in a.entries:
-                    sources[e.piece] = functools.partial(stager.piece_tensor, e.piece)
-                result = persist(storage, written, sources, comm.who)
-            if "ok" not in result:
-                stager.abort()
+            result = persist_staged(storage, prep, stager, comm.who)
             staging.join()
             prep.stats["persist"] = time.perf_counter() - t0
             handle.manifest = commit(commit_comm, storage, prep, result, timeout=self.timeout, cache=self.cache)
@@ -212,15 +191,6 @@ class AsyncSaver:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-
-
-def _staged_views(prep: Prepared) -> list[torch.Tensor]:
-    """``prep.sources``, each piece this rank writes narrowed to what it writes of it: the whole
-    piece, or its part of a split replica (``entry_source``, a view). Only that is staged."""
-    views = list(prep.sources)
-    for e in prep.assignment.entries:
-        views[e.piece] = entry_source(prep.sources[e.piece], e.start, e.count)
-    return views
 
 
 _SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -10,12 +11,13 @@ import torch
 from ckpt import stateful
 from ckpt.checksum import crc32
 from ckpt.comm import Comm, error_payload, raise_payload
+from ckpt.device_load import load_into_device
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest
 from ckpt.formats.sources import LOOKED_FOR, foreign_manifest
 from ckpt.io import default_workers, read_gap, run_read_plan, verify_shards
 from ckpt.manifest import MANIFEST_NAME, Manifest
-from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, plan_load
+from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, ReadPlan, plan_load
 from ckpt.regions import check_tiling
 from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.storage import Storage, get_storage
@@ -180,6 +182,8 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
     values: dict[str, Any] = {}
     requests: list[LoadRequest] = []
     targets: list[torch.Tensor] = []
+    device_reqs: list[LoadRequest] = []
+    device_targets: list[torch.Tensor] = []
     finals: list[tuple[torch.Tensor, torch.Tensor]] = []
     direct: list[bool] = []
     for it in items:
@@ -206,27 +210,36 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
         if any(st == 0 and n > 1 for st, n in zip(dst.stride(), dst.shape, strict=True)):
             raise StateError(f"tensor {it.key!r}: the target is expanded (stride 0: several elements share one "
                              "memory location) and cannot hold the loaded values; pass a real tensor (e.g. .clone())")
+        req = LoadRequest(it.key, it.dtype, it.global_shape, it.region)
+        if through_bounce(dst):  # GPU targets: through pinned bounce buffers, after the host targets
+            device_reqs.append(req)
+            device_targets.append(dst)
+            continue
         if dst.device.type != "cpu" or not dst.is_contiguous():
             staging = torch.empty(dst.shape, dtype=dst.dtype)
             finals.append((dst, staging))
             dst = staging
-        requests.append(LoadRequest(it.key, it.dtype, it.global_shape, it.region))
+        requests.append(req)
         targets.append(dst)
         direct.append(True)
-    plan = plan_load(manifest, requests, contiguous_targets=direct, max_read=max_read, max_gap=max_gap,
-                     max_waste=getattr(storage, "coalesce_waste", None),
-                     merge_direct=bool(getattr(storage, "merge_direct", False)))
+
+    def plan_reads(reqs: list[LoadRequest], contiguous: list[bool] | None = None) -> ReadPlan:
+        return plan_load(manifest, reqs, contiguous_targets=contiguous or [True] * len(reqs), max_read=max_read,
+                         max_gap=max_gap, max_waste=getattr(storage, "coalesce_waste", None),
+                         merge_direct=bool(getattr(storage, "merge_direct", False)))
+
+    plan = plan_reads(requests, direct)
     t1 = time.perf_counter()
     phases["plan"] = t1 - t0
     if verify:
-        for req in requests:  # a manifest whose shards do not tile a tensor cannot be trusted either
+        for req in requests + device_reqs:  # a manifest whose shards do not tile a tensor cannot be trusted either
             t = manifest.tensors[req.key]
             try:
                 check_tiling(req.key, tuple(t.shape), [s.region for s in t.shards])
             except LayoutError as e:
                 raise IntegrityError(f"{e}; the manifest is corrupted, nothing was loaded") from None
         # a foreign source (DCP, DeepSpeed) records no checksums: structure and sizes are all there is
-        phases["bytes_verified"] = (verify_shards(storage, manifest, requests, workers=workers)
+        phases["bytes_verified"] = (verify_shards(storage, manifest, requests + device_reqs, workers=workers)
                                     if manifest.source_format == "ckpt" else 0)
         phases["verify"] = time.perf_counter() - t1
         t1 = time.perf_counter()
@@ -235,10 +248,26 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
     phases["read"] = t2 - t1  # reads and the copies into place, overlapped across reader threads
     for dst, staging in finals:
         dst.copy_(staging)
-    phases["copy"] = time.perf_counter() - t2  # device / non-contiguous destinations only
-    phases["bytes_read"] = plan.bytes_read
-    phases["ops"] = len(plan.ops)
+    bytes_read, ops = plan.bytes_read, len(plan.ops)
+    if device_reqs:
+
+        def run_reads(p: ReadPlan, host: list[torch.Tensor], dtypes: list[str]) -> None:
+            nonlocal bytes_read, ops
+            run_read_plan(storage, p, host, dtypes, workers=1, map_files=True)
+            with lock:
+                bytes_read, ops = bytes_read + p.bytes_read, ops + len(p.ops)
+
+        lock = threading.Lock()
+        load_into_device(device_reqs, device_targets, plan_reads, run_reads, threads=max(workers, 2))
+    phases["copy"] = time.perf_counter() - t2  # GPU (reads overlapped with copies) / non-contiguous targets
+    phases["bytes_read"] = bytes_read
+    phases["ops"] = ops
     return rebuild_state(state, values)
+
+
+def through_bounce(dst: torch.Tensor) -> bool:
+    """Whether target ``dst`` is filled through :mod:`ckpt.device_load`'s pinned ring (GPU tensors)."""
+    return dst.device.type == "cuda"
 
 
 def _few(keys: list[str], n: int = 8) -> str:

@@ -19,13 +19,13 @@ from typing import Any
 
 from ckpt import transaction
 from ckpt.async_save import AsyncSaver, SaveHandle
-from ckpt.staging import check_cap
 from ckpt.comm import Comm
 from ckpt.errors import CheckpointError, StorageError
 from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.load import load
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.save import save
+from ckpt.staging import check_cap
 from ckpt.storage import Storage, get_storage, join_url
 
 STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -10,7 +10,10 @@ report, in which the coordinator checks that every rank's structure fingerprint 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,10 +31,11 @@ from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.errors import CollectiveError, StateError
 from ckpt.formats import zarr_layout
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest, encode_object
-from ckpt.io import write_assignment
+from ckpt.io import entry_source, write_assignment
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.planner import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
 from ckpt.regions import sub_region
+from ckpt.staging import Stager, StagingPool
 from ckpt.state import ObjectItem, TensorItem, flatten_state
 from ckpt.storage import Storage, get_storage
 
@@ -129,7 +133,11 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
         prep.stats["plan"] = time.perf_counter() - t0
         prep.stats["stage"] = 0.0  # synchronous: written straight from the caller's tensors
         t1 = time.perf_counter()
-        result = persist(storage, prep, prep.sources, comm.who)
+        if data_format == "safetensors" and any(
+                prep.sources[e.piece].device.type == "cuda" for e in prep.assignment.entries):
+            result = _persist_from_gpu(storage, prep, comm.who)
+        else:
+            result = persist(storage, prep, prep.sources, comm.who)
         prep.stats["persist"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         m = commit(comm, storage, prep, result, timeout=timeout, cache=cache)
@@ -285,6 +293,54 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
         return {"ok": {**base, "file": name, "size": size, "sums": sums}}
     except Exception as e:  # noqa: BLE001 - reported to every rank by the commit exchange
         return error_payload(e, who)
+
+
+SYNC_RING = 256 << 20  # pinned bytes a synchronous save of GPU tensors stages through (4 slabs)
+
+
+def staged_views(prep: Prepared) -> list[torch.Tensor]:
+    """``prep.sources``, each piece this rank writes narrowed to what it writes of it: the whole
+    piece, or its part of a split replica (``entry_source``, a view). Only that is staged."""
+    views = list(prep.sources)
+    for e in prep.assignment.entries:
+        views[e.piece] = entry_source(prep.sources[e.piece], e.start, e.count)
+    return views
+
+
+def persist_staged(storage: Storage, prep: Prepared, stager: Stager, who: int | None) -> dict[str, Any]:
+    """:func:`persist` from ``stager``'s host copies of :func:`staged_views` (segment by segment, or
+    whole pieces for zarr) as they become ready; stops the stager when the write fails."""
+    written = prep
+    a = prep.assignment
+    if any(e.count is not None for e in a.entries):
+        # The staged copies of parts of split replicas hold just the part: write them whole.
+        # (The commit keeps ``prep``, whose entries say which part each shard is.)
+        written = dataclasses.replace(prep, assignment=WriteAssignment(
+            a.file, a.header, [dataclasses.replace(e, start=0, count=None) for e in a.entries]))
+    if stager.plan.split:
+        result = persist(storage, written, prep.sources, who, segments=stager.segments)
+    else:  # zarr writes whole pieces: each one's staged copy, once it is ready
+        sources: list[Any] = list(prep.sources)
+        for e in a.entries:
+            sources[e.piece] = functools.partial(stager.piece_tensor, e.piece)
+        result = persist(storage, written, sources, who)
+    if "ok" not in result:
+        stager.abort()
+    return result
+
+
+def _persist_from_gpu(storage: Storage, prep: Prepared, who: int | None) -> dict[str, Any]:
+    """A synchronous save of GPU tensors: device-to-host copies into a small pinned ring
+    (``SYNC_RING`` bytes) on a staging thread, overlapped with writing what is already on the host."""
+    views = staged_views(prep)
+    stager = Stager(StagingPool(), views, [e.piece for e in prep.assignment.entries], cap=SYNC_RING)
+    thread = threading.Thread(target=stager.run, args=({},), name="ckpt-stage", daemon=True)
+    thread.start()
+    try:
+        return persist_staged(storage, prep, stager, who)
+    finally:
+        stager.abort()
+        thread.join()
 
 
 def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any], *,
