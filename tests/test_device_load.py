@@ -81,7 +81,8 @@ def test_resharded_and_flat_targets_load_bitwise_through_the_ring(bounce_everyth
     w = torch.randn(60, 50, generator=g)
     m = torch.randn(3000, generator=g)
     ckpt.save({"w": w, "m": m}, str(tmp_path / "c"))
-    dst = {"w": ckpt.Shard(torch.zeros(60, 20), (60, 50), (0, 30)), "m": ckpt.FlatShard(torch.zeros(1700), (3000,), 1300),
+    dst = {"w": ckpt.Shard(torch.zeros(60, 20), (60, 50), (0, 30)),
+           "m": ckpt.FlatShard(torch.zeros(1700), (3000,), 1300),
            "w2": ckpt.Shard(torch.zeros(41, 50), (60, 50), (19, 0))}
     ckpt.load({"w": dst["w"], "m": dst["m"]}, str(tmp_path / "c"))
     assert torch.equal(dst["w"].local, w[:, 30:]) and torch.equal(dst["m"].local, m[1300:])
