@@ -209,3 +209,35 @@ def test_manager_passes_its_cap_to_every_async_save(small_slabs, tmp_path):
         mgr.save(step, state).done()
         assert mgr._saver.pool.nbytes <= 4096
     _same(mgr.url_for(2), state)
+
+
+def test_trainer_checkpoints_through_a_capped_ring_equal_uncapped_ones(small_slabs, tmp_path):
+    """``ckpt train --max-staging-bytes``: TrainConfig -> CheckpointManager -> every async save; the
+    forked ranks inherit the shrunk slabs, so the tiny model's state goes round a ring many times."""
+    import dataclasses
+
+    from ckpt.manager import step_dir
+    from ckpt.resharders.layout import Layout
+    from ckpt.trainer.config import TrainConfig
+    from tests.trainer.trainer_utils import checkpoint_tensors, run_training
+
+    with pytest.raises(ValueError, match="max_staging_bytes=10 is too small"):
+        TrainConfig(max_staging_bytes=10)
+    cfg = TrainConfig(steps=4, save_every=2)
+    runs = {}
+    for name, cap in (("ring", 4096), ("plain", None)):
+        run_training(dataclasses.replace(cfg, ckpt_dir=str(tmp_path / name), max_staging_bytes=cap), Layout(tp=2))
+        runs[name] = checkpoint_tensors(str(tmp_path / name / step_dir(4)))
+    assert runs["ring"].keys() == runs["plain"].keys()
+    assert all(torch.equal(runs["ring"][k], runs["plain"][k]) for k in runs["plain"])
+
+
+def test_train_cli_refuses_a_bad_cap_in_one_line():
+    from typer.testing import CliRunner
+
+    from ckpt.cli.app import app
+
+    r = CliRunner().invoke(app, ["train", "--max-staging-bytes", "lots", "--steps", "2"])
+    assert r.exit_code == 5 and "--max-staging-bytes" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["train", "--max-staging-bytes", "1KiB", "--steps", "2"])
+    assert r.exit_code == 5 and "too small" in r.output

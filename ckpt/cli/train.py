@@ -33,6 +33,8 @@ def train_cmd(
     save_every: int | None = typer.Option(None, "--save-every", min=1, help="async checkpoint every N steps"),
     keep_last: int = typer.Option(3, "--keep-last", min=1, help="committed checkpoints to keep"),
     sync_save: bool = typer.Option(False, "--sync-save", help="block on every save instead of saving async"),
+    max_staging: str | None = typer.Option(None, "--max-staging-bytes",
+                                           help="cap each rank's async-save staging memory (e.g. 2GiB): a ring"),
     fail_at_step: int | None = typer.Option(None, "--fail-at-step", help="fault injection: a rank dies at step S"),
     fail_rank: int = typer.Option(0, "--fail-rank", min=0, help="which rank dies (with --fail-at-step)"),
     init_from: str | None = typer.Option(None, "--init-from", help="start from this checkpoint's model.* weights"),
@@ -57,11 +59,19 @@ def train_cmd(
 
     layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero)
     try:
+        from ckpt.cli.reshard import parse_size
+        from ckpt.errors import CheckpointError
+
+        cap = parse_size(max_staging) if max_staging is not None else None
+    except CheckpointError as e:
+        _error(f"--max-staging-bytes: {e}")
+        raise typer.Exit(5) from None
+    try:
         cfg = TrainConfig(model=model_config(config), seq_len=seq_len, global_batch=global_batch,
                           microbatches=microbatches, schedule=schedule, steps=steps, stop_after=stop_after, lr=lr,
                           seed=seed, ckpt_dir=ckpt_dir, save_every=save_every, keep_last=keep_last,
-                          async_save=not sync_save, init_from=init_from, verify_restore=not no_verify_restore,
-                          fail_at_step=fail_at_step,
+                          async_save=not sync_save, max_staging_bytes=cap, init_from=init_from,
+                          verify_restore=not no_verify_restore, fail_at_step=fail_at_step,
                           fail_rank=fail_rank, metrics_path=metrics, device=device)
     except ValueError as e:
         _error(str(e))

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.errors import LayoutError
+from ckpt.errors import CheckpointError, LayoutError
 from ckpt.resharders.layout import Layout
 from ckpt.trainer.model import CONFIGS, ModelConfig
 
@@ -38,6 +38,8 @@ class TrainConfig:
         save_every: checkpoint every N steps (async), and always at the end; None: only at the end.
         keep_last: committed checkpoints kept under ``ckpt_dir``.
         async_save: save in the background (else block until committed).
+        max_staging_bytes: cap on each rank's host staging memory for async saves (a ring below
+            the state's size; ``CheckpointManager(max_staging_bytes=)``); None: no cap.
         init_from: start from the weights (``model.*`` only) of this checkpoint when ``ckpt_dir``
             holds none yet.
         verify_restore: check the CRC32 of every stored shard a rank restores (``ckpt.load(...,
@@ -69,6 +71,7 @@ class TrainConfig:
     save_every: int | None = None
     keep_last: int = 3
     async_save: bool = True
+    max_staging_bytes: int | None = None
     init_from: str | None = None
     verify_restore: bool = True
     fail_at_step: int | None = None
@@ -85,6 +88,13 @@ class TrainConfig:
             raise ValueError("TrainConfig.seq_len must be >= 2: a causal LM predicts token t+1 from t")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule={self.schedule!r}: choose one of {SCHEDULES}")
+        if self.max_staging_bytes is not None:
+            from ckpt.staging import check_cap
+
+            try:
+                check_cap(self.max_staging_bytes)
+            except CheckpointError as e:
+                raise ValueError(f"TrainConfig.{e}") from None
         if self.save_every is not None and self.save_every < 1:
             raise ValueError(f"TrainConfig.save_every={self.save_every}: use a positive step count or None")
         if self.stop_after is not None and not 0 <= self.stop_after <= self.steps:

@@ -162,7 +162,8 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     log = MetricsLog(cfg.metrics_file, enabled=rank0)
     log.write({"event": "start", "layout": layout.to_dict(), "layout_text": str(layout), "world": layout.world_size,
                "restart": restart_count(), "device": str(ctx.device)})
-    mgr = (CheckpointManager(cfg.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_save)
+    mgr = (CheckpointManager(cfg.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_save,
+                             max_staging_bytes=cfg.max_staging_bytes)
            if cfg.ckpt_dir else None)
     result = TrainResult(pm=pm, opt=opt)
     step, sample_index = 0, 0
