@@ -10,6 +10,15 @@ parameter is split on its own into ``ceil(numel / world)`` elements per rank) an
 partitioned the same way; and model files (``mp_rank_00_model_states.pt``, or one per rank for
 ZeRO-3) with ``param_shapes`` (names and shapes in partition order) and the buffers.
 
+bf16 training (``"bf16": {"enabled": true}``) names the optimizer files ``bf16_zero_pp_rank_...``
+and keeps bf16 parameters in the model files; the fp32 master weights and the moments are in the
+optimizer files as above (ZeRO-1/2/3 optimizers), or, with ``"data_types": {"grad_accum_dtype":
+"fp32"}`` on ZeRO-1 (or pipeline stage 0), in DeepSpeed's ``BF16_Optimizer``'s layout: the same
+``single_partition_of_fp32_groups`` and ``base_optimizer_state`` but no ``zero_stage`` (its stage is
+read from the saved ``ds_config``) and no alignment paddings: the group's parameters back to back,
+padded at the end. ZeRO-1/2 and ``BF16_Optimizer`` files also map each parameter to its slice of
+the rank's partition (``param_slice_mappings``); the reassembly is checked against that map.
+
 ``python -m deepspeed.checkpoint.ds_to_universal --input_folder dir/<tag> --output_folder dir/<utag>``
 writes ``dir/latest_universal`` (``<utag>``) and ``dir/<utag>/``: copies of the model files
 (``mp_rank_*_model_states.pt`` / ``zero_pp_rank_*_mp_rank_*_model_states.pt``, ``param_shapes``,
@@ -24,8 +33,10 @@ per buffer or parameter without optimizer state) ``zero/<name>/fp32.pt``, ``exp_
 classes are recorded by stand-ins, DeepSpeed need not be installed and none of its code runs) and
 returns a manifest whose tensors ``model.<param>``, ``optim.state.<param>.exp_avg`` and
 ``optim.state.<param>.exp_avg_sq`` are made of byte ranges of those files (flat ranges of the ZeRO
-partitions, or whole universal tensors), plus buffers (``model.<buffer>``), ``optim.param_groups``
-and ``optim.step``. Any layout can then load them, and ``ckpt import`` converts them, streaming.
+partitions, or whole universal tensors; the master weights, float32 also for bf16 training), plus
+buffers (``model.<buffer>``), ``optim.param_groups`` and ``optim.step``; ``user_metadata["source"]``
+says what they came from (``zero_stage``, ``mixed_precision``: ``"bf16"``/``"fp16"``/None,
+``optimizer``...). Any layout can then load them, and ``ckpt import`` converts them, streaming.
 Tensor (model) parallel ZeRO checkpoints (``mp_rank_01``...) and ZeRO-3 frozen parameters are
 refused with a clear error; their universal conversion is read.
 """
@@ -55,7 +66,7 @@ STUBS = (
     "deepspeed.checkpoint.constants.ZeroStageEnum",
     "argparse.Namespace",
 )
-_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 def _regular(path: str) -> int:
@@ -111,6 +122,25 @@ def _stage(value: Any, what: str) -> int:
     raise ManifestError(f"{what}: unreadable zero_stage {value!r}")
 
 
+def _config_stage(config: Any, what: str) -> int:
+    """The ZeRO stage of a ``BF16_Optimizer`` file: its saved ``ds_config``'s (DeepSpeed's default 0)."""
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1):
+        raise ManifestError(f"{what}: a BF16_Optimizer file (no zero_stage) whose ds_config gives ZeRO stage "
+                            f"{stage!r}; DeepSpeed uses it for stages 0 and 1 only: not a layout this reader knows")
+    return stage
+
+
+def _precision(config: Any) -> str | None:
+    """``"bf16"``, ``"fp16"`` or None: the mixed precision the saved ``ds_config`` enabled."""
+    for key, name in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        section = config.get(key) if isinstance(config, dict) else None
+        if isinstance(section, dict) and section.get("enabled") is True:
+            return name
+    return None
+
+
 def _ref(v: Any, what: str) -> tp.TensorRef:
     if not isinstance(v, tp.TensorRef) or not v.contiguous or len(v.shape) != 1:
         raise ManifestError(f"{what}: expected a flat (1-D, contiguous) partition, got {v!r}")
@@ -129,6 +159,42 @@ def _flat_shards(pieces: list[tuple[str, tp.TensorRef, int, int, int]], numel: i
     return out
 
 
+def _dtype(pieces: list[tuple[str, tp.TensorRef, int, int, int]], key: str) -> str:
+    """The dtype of a tensor made of ``pieces``: its partitions' (float32 master weights, unless
+    DeepSpeed was told to keep them in bf16), the same in every piece."""
+    found = {p[1].dtype for p in pieces}
+    if len(found) > 1:
+        raise ManifestError(f"{pieces[0][0]}: tensor {key!r} is partitioned in different dtypes across ranks "
+                            f"({sorted(str(t) for t in found)}); the rank files are from different runs")
+    return dtype_name(found.pop(), key=key) if found else "float32"
+
+
+def _check_slices(shapes: Any, states: list[Any], layout: dict[str, tuple[tuple[int, ...], Pieces]]) -> None:
+    """ZeRO-1/2 and BF16_Optimizer files also map each parameter to its slice of the rank's fp32
+    partition (``param_slice_mappings``: group -> name -> fragment_address(numel, start)): the
+    reassembly from the shapes must find the same slices, or the layout is not the one this reader knows."""
+    for name, _, _, osd in states:
+        maps = osd.get("param_slice_mappings")
+        if maps is None:
+            continue  # older DeepSpeed versions save none: nothing to check against
+        if not isinstance(maps, list) or len(maps) != len(shapes):
+            raise ManifestError(f"{name}: param_slice_mappings has {len(maps) if isinstance(maps, list) else '?'} "
+                                f"groups, param_shapes {len(shapes)}")
+        for g, group in enumerate(shapes):
+            got = {str(p): (at, n) for p in group for f, _, at, _, n in layout[str(p)][1] if f == name}
+            want = {}
+            for p, addr in (maps[g].items() if isinstance(maps[g], dict) else ()):
+                st = addr.state if isinstance(addr, tp.Stub) else None
+                if not (isinstance(st, dict) and isinstance(st.get("start"), int) and isinstance(st.get("numel"), int)):
+                    raise ManifestError(f"{name}: unreadable param_slice_mappings entry for {p!r}: {addr!r}")
+                if st["numel"]:
+                    want[str(p)] = (st["start"], st["numel"])
+            if got != want:
+                raise ManifestError(f"{name}: group {g}'s parameter slices (param_slice_mappings, start and numel) "
+                                    f"are {want}, but its partition laid out from param_shapes gives {got}: a "
+                                    "DeepSpeed layout this reader does not know")
+
+
 def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
     """A manifest describing the DeepSpeed ZeRO or universal checkpoint ``root/<tag>`` (``tag``: when
     None, from ``root/latest``, else ``root/latest_universal``, or ``root`` itself when it holds the
@@ -136,8 +202,10 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
     ``*_optim_states.pt`` is a universal checkpoint (``ds_to_universal``'s output).
 
     Raises:
-        ManifestError: missing rank or parameter files (named), tensor-parallel or unknown layouts,
-            partitions that do not add up to the parameters' shapes.
+        ManifestError: missing rank or parameter files (named), rank files of two saves, tensor-parallel
+            or unknown layouts (a BF16_Optimizer file of a stage other than 0/1, a ``param_slice_mappings``
+            that disagrees with the reassembly), partitions that do not add up to the parameters' shapes
+            or differ in dtype across ranks.
         IntegrityError: a pickle names a global outside the allowlist, or a file is damaged.
         StorageError: a checkpoint file that is not a regular file.
     """
@@ -152,42 +220,60 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
         names = sorted(os.listdir(d))
     except OSError as e:
         raise ManifestError(f"{d}: cannot list the DeepSpeed checkpoint ({e.strerror})") from None
-    optim = {int(mt.group(1)): (n, int(mt.group(2))) for n in names if (mt := _OPTIM.match(n))}
+    optim: dict[int, tuple[str, int, str]] = {}
+    for n in names:
+        if mt := _OPTIM.match(n):
+            r = int(mt.group(2))
+            if r in optim and optim[r][1] == int(mt.group(3)):  # a fp32 and a bf16 save in one directory
+                raise ManifestError(f"{d}: both {optim[r][0]} and {n}: two saves in one tag directory; remove the "
+                                    "stale one")
+            optim[r] = (n, int(mt.group(3)), mt.group(1) or "")
     if not optim and os.path.isdir(os.path.join(d, "zero")):
         return _universal(root, tag, names)
-    if any(mp for _, mp in optim.values()):
+    if any(mp for _, mp, _ in optim.values()):
         raise ManifestError(f"{d}: a tensor-parallel DeepSpeed checkpoint (mp_rank_01...); ckpt reads mp_rank_00 "
                             "(ZeRO data parallel) only: convert with DeepSpeed's universal checkpoint first")
     if not optim:
         raise ManifestError(f"{d}: no *_optim_states.pt files: not a DeepSpeed ZeRO checkpoint")
+    if len({p for _, _, p in optim.values()}) > 1:  # DeepSpeed names all of one save's files alike
+        raise ManifestError(f"{d}: rank files of a bf16 and of a non-bf16 save mixed "
+                            f"({', '.join(n for n, _, _ in optim.values())}); remove the stale ones")
     rel = (lambda n: f"{sub}/{n}" if sub else n)  # noqa: E731 - paths relative to root
-    first = _get(_load(root, rel(optim[min(optim)][0])), "optimizer_state_dict", rel(optim[min(optim)][0]))
-    stage = _stage(_get(first, "zero_stage", rel(optim[min(optim)][0])), rel(optim[min(optim)][0]))
-    pc = _get(first, "partition_count", rel(optim[min(optim)][0]))
+    first_rel = rel(optim[min(optim)][0])
+    top = _load(root, first_rel)
+    first = _get(top, "optimizer_state_dict", first_rel)
+    config = top.get("ds_config")
+    # DeepSpeed's BF16_Optimizer (bf16 with fp32 gradient accumulation, ZeRO-1 or none) saves no zero_stage
+    bf16_optimizer = "zero_stage" not in first and "single_partition_of_fp32_groups" in first
+    stage = _config_stage(config, first_rel) if bf16_optimizer else _stage(_get(first, "zero_stage", first_rel),
+                                                                            first_rel)
+    zero3 = stage == 3 and not bf16_optimizer
+    pc = _get(first, "partition_count", first_rel)
     world = max(pc) if isinstance(pc, list) else int(pc)
-    missing = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world) if r not in optim]
+    prefix = optim[min(optim)][2]
+    missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world) if r not in optim]
     if missing or len(optim) != world:
         raise ManifestError(f"{d}: DeepSpeed ZeRO-{stage} over {world} ranks, but rank file(s) {missing or '?'} "
                             "are missing (a save that did not finish on every rank?)")
-    model_name = "mp_rank_00_model_states.pt" if stage <= 2 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero3 else "mp_rank_00_model_states.pt"
     if model_name not in names:
         raise ManifestError(f"{d}: {model_name} is missing")
     model = _load(root, rel(model_name))
     shapes = _get(model, "param_shapes", rel(model_name))
-    if stage == 3 and model.get("frozen_param_shapes"):
+    if zero3 and model.get("frozen_param_shapes"):
         raise ManifestError(f"{d}: ZeRO-3 frozen parameters are not supported yet")
     states = []
     for r in range(world):
         name = rel(optim[r][0])
         osd = first if r == min(optim) else _get(_load(root, name), "optimizer_state_dict", name)
-        groups = _get(osd, "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups", name)
-        base = _get(osd, "base_optimizer_state" if stage <= 2 else "optimizer_state_dict", name)
-        states.append((name, [_ref(g, name) for g in groups], base))
+        groups = _get(osd, "fp32_flat_groups" if zero3 else "single_partition_of_fp32_groups", name)
+        base = _get(osd, "optimizer_state_dict" if zero3 else "base_optimizer_state", name)
+        states.append((name, [_ref(g, name) for g in groups], base, osd))
     tensors: dict[str, TensorEntry] = {}
     kinds = {"model.{}": None, "optim.state.{}.exp_avg": "exp_avg", "optim.state.{}.exp_avg_sq": "exp_avg_sq"}
     for fmt, moment in kinds.items():
         def part(r: int, g: int, moment: str | None = moment) -> tp.TensorRef:
-            name, groups, base = states[r]
+            name, groups, base, _ = states[r]
             if moment is None:
                 return groups[g]
             ref = _ref(_get(_get(_get(base, "state", name), g, name), moment, name), name)
@@ -197,10 +283,12 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
                                     f"fp32 partition's {groups[g].shape[0]}")
             return ref
 
-        layout = _zero12(shapes, states, first, part, world) if stage <= 2 else _zero3(shapes, states, part, world)
+        layout = _zero3(shapes, states, part, world) if zero3 else _zero12(shapes, states, first, part, world)
+        if moment is None and not zero3:
+            _check_slices(shapes, states, layout)
         for pname, (shape, pieces) in layout.items():
-            tensors[fmt.format(pname)] = TensorEntry("float32", shape,
-                                                     _flat_shards(pieces, math.prod(shape), states[0][0]))
+            key = fmt.format(pname)
+            tensors[key] = TensorEntry(_dtype(pieces, key), shape, _flat_shards(pieces, math.prod(shape), states[0][0]))
     tensors.update(_buffers(model, rel(model_name)))
     objects = _objects(states[0][2], root, states[0][0])
     files = {rel(n): _regular(os.path.join(d, n)) for n in names if n.endswith(".pt")}
@@ -208,7 +296,10 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
     steps = model.get("global_steps")
     step = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
     user = {"source": {"format": "deepspeed", "zero_stage": stage, "world_size": world, "tag": tag,
-                       "ds_version": str(model.get("ds_version", "")), "global_steps": step}}
+                       "ds_version": str(model.get("ds_version", "")), "global_steps": step,
+                       "mixed_precision": "bf16" if prefix else _precision(config),
+                       "optimizer": "BF16_Optimizer" if bf16_optimizer else
+                       "DeepSpeedZeroOptimizer_Stage3" if zero3 else "DeepSpeedZeroOptimizer"}}
     m = Manifest(tensors=tensors, objects=objects, files=files, step=step, user_metadata=user)
     m.source_format = "deepspeed"
     return m
@@ -406,7 +497,8 @@ def _universal(root: str, tag: str | None, names: list[str]) -> Manifest:
     world = model.get("dp_world_size")
     user = {"source": {"format": "deepspeed", "universal": True, "zero_stage": stage,
                        "world_size": world if isinstance(world, int) else None, "tag": tag,
-                       "ds_version": str(model.get("ds_version", "")), "global_steps": gstep}}
+                       "ds_version": str(model.get("ds_version", "")), "global_steps": gstep,
+                       "mixed_precision": _precision(model.get("ds_config"))}}
     m = Manifest(tensors=tensors, objects=objects, files=files, step=gstep, user_metadata=user)
     m.source_format = "deepspeed"
     return m

@@ -1,14 +1,18 @@
-"""DeepSpeed ZeRO-1/2/3 checkpoints and their universal conversions (made by DeepSpeed itself on CPU:
-tests/fixtures/deepspeed/make_fixtures.py) read in place and imported: fp32 parameters bitwise equal to
-DeepSpeed's own zero_to_fp32 reconstruction, Adam moments consistent across stages and formats, hostile
-and damaged files refused. DeepSpeed is not needed to run these tests."""
+"""DeepSpeed ZeRO-1/2/3 checkpoints, of fp32 and of bf16 training, and their universal conversions (made
+by DeepSpeed itself on CPU: tests/fixtures/deepspeed/make_fixtures.py) read in place and imported: fp32
+parameters bitwise equal to DeepSpeed's own zero_to_fp32 reconstruction, Adam moments consistent across
+stages and formats (bitwise equal to DeepSpeed's gathered ones for bf16), hostile and damaged files
+refused. DeepSpeed is not needed to run these tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -41,6 +45,7 @@ def test_fp32_parameters_equal_deepspeeds_own_reconstruction(stage):
     url = str(FIXTURES / f"zero{stage}")
     m = ckpt.inspect(url)
     assert m.source_format == "deepspeed" and m.user_metadata["source"]["zero_stage"] == stage
+    assert m.user_metadata["source"]["mixed_precision"] is None
     assert m.step == 2
     expected = _expected(stage)
     got = _all(url)
@@ -281,3 +286,177 @@ def test_universal_names_never_lead_out_of_the_checkpoint(tmp_path):
         deepspeed_manifest(str(d))
     with pytest.raises(CheckpointError, match="latest_universal or zero/"):  # not detected: the formats listed
         ckpt.inspect(str(d))
+
+
+# bf16 training (make_fixtures.py --bf16-only): the ZeRO-1/2/3 optimizers, DeepSpeed's BF16_Optimizer
+# (ZeRO-1 with fp32 gradient accumulation) and ZeRO-2 keeping bf16 master weights and moments
+BF16 = {"bf16_zero1": (1, "DeepSpeedZeroOptimizer"), "bf16_zero2": (2, "DeepSpeedZeroOptimizer"),
+        "bf16_zero3": (3, "DeepSpeedZeroOptimizer_Stage3"), "bf16_zero1_fp32accum": (1, "BF16_Optimizer"),
+        "bf16_zero2_bf16master": (2, "DeepSpeedZeroOptimizer")}
+BF16_OPT = "bf16_zero1_fp32accum"
+
+
+def _bf16_expected(name: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own: ``model.*`` from zero_to_fp32 (the engine's gathered fp32 parameters for
+    BF16_Optimizer, which zero_to_fp32 refuses), moments gathered by the engine (always float32)."""
+    return safetensors.torch.load_file(str(FIXTURES / name / "expected.safetensors"))
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_training_reads_master_weights_and_moments_bitwise(name):
+    """The master weights (float32, or bf16 where DeepSpeed was told to keep them so) and Adam moments
+    of bf16 training, read from the ``bf16_zero_pp_rank_*`` files in place: bitwise DeepSpeed's own,
+    plain and resharded (a Shard and a FlatShard that cross the rank partitions)."""
+    url = str(FIXTURES / name)
+    stage, optimizer = BF16[name]
+    m = ckpt.inspect(url)
+    src = m.user_metadata["source"]
+    assert m.source_format == "deepspeed" and m.step == 2
+    assert (src["zero_stage"], src["mixed_precision"], src["optimizer"]) == (stage, "bf16", optimizer)
+    master = torch.bfloat16 if name.endswith("bf16master") else torch.float32
+    for key, t in m.tensors.items():
+        if key == "model.scale":  # the buffer, from the model file
+            continue
+        assert t.dtype == str(master).removeprefix("torch."), key
+        assert all(os.path.basename(s.file).startswith("bf16_zero_pp_rank_") for s in t.shards), key
+        assert sum(s.length for s in t.shards) == t.numel * master.itemsize  # byte ranges, not whole files
+    expected, got = _bf16_expected(name), _all(url)
+    assert got.keys() == expected.keys() and len(got) == 13  # 4 parameters, the buffer, 8 moments
+    for key, want in expected.items():
+        if key.startswith("optim."):  # the engine gathers moments as float32; bf16 ones widen exactly
+            assert got[key].dtype == master, key
+            want = want.to(master)
+        assert got[key].dtype == want.dtype and torch.equal(got[key], want), key
+    out = ckpt.load({"model": {"a": {"weight": ckpt.Shard(torch.zeros(2, 7, dtype=master), (5, 7), (3, 0))},
+                               "b": {"weight": ckpt.FlatShard(torch.zeros(9, dtype=master), (3, 5), 4)}},
+                     "optim": {"state": {"a.weight": {"exp_avg": ckpt.FlatShard(torch.zeros(12, dtype=master),
+                                                                                 (5, 7), 20)}}}},
+                    url, strict=False)
+    assert torch.equal(out["model"]["a"]["weight"].local, expected["model.a.weight"][3:])
+    assert torch.equal(out["model"]["b"]["weight"].local, expected["model.b.weight"].reshape(-1)[4:13])
+    assert torch.equal(out["optim"]["state"]["a.weight"]["exp_avg"].local,
+                       expected["optim.state.a.weight.exp_avg"].to(master).reshape(-1)[20:32])
+    objects = _optim_objects(url)
+    assert objects["step"] == 2.0 and objects["param_groups"][0]["lr"] == 0.01
+
+
+def test_bf16_layouts_agree():
+    """The same bf16 training, partitioned four ways (ZeRO-1/2 by group with alignment paddings,
+    ZeRO-3 per parameter, BF16_Optimizer packed): equal reassemblies check the maps independently of
+    the ground truth files."""
+    runs = {n: _all(str(FIXTURES / n)) for n in BF16 if not n.endswith("bf16master")}
+    ref = runs.pop("bf16_zero1")
+    for n, got in runs.items():
+        assert got.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-8, msg=f"{n} {k}")
+
+
+@pytest.mark.parametrize("name", [BF16_OPT, "bf16_zero3"])
+def test_bf16_import_cli_round_trip(tmp_path, name):
+    """``ckpt import`` (the CLI) of a bf16 training checkpoint: a verified ckpt checkpoint, bitwise
+    equal to the source and to DeepSpeed's own fp32 master weights, its source recorded as bf16."""
+    from typer.testing import CliRunner
+
+    from ckpt.cli.app import app
+
+    src = str(FIXTURES / name)
+    r = CliRunner().invoke(app, ["import", src, str(tmp_path / "c"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["source_format"] == "deepspeed" and json.loads(r.output)["tensors"] == 13
+    m = ckpt.inspect(str(tmp_path / "c"))
+    source = m.user_metadata["source"]
+    assert source["format"] == "deepspeed" and source["mixed_precision"] == "bf16"
+    assert source["optimizer"] == BF16[name][1] and m.step == 2
+    assert ckpt.verify(str(tmp_path / "c"), deep=True).ok
+    got, ref, expected = _all(str(tmp_path / "c")), _all(src), _bf16_expected(name)
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+    assert _optim_objects(str(tmp_path / "c")) == _optim_objects(src)
+    r = ckpt.verify(src)
+    assert r.ok and r.source_format == "deepspeed"
+
+
+def _copy_bf16(tmp_path: Path, name: str) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+@pytest.mark.parametrize("name", [BF16_OPT, "bf16_zero3"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_truncated_or_garbage_bf16_file_is_named(tmp_path, name, rank):
+    d = _copy_bf16(tmp_path, name)
+    victim = d / "global_step2" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    data = victim.read_bytes()
+    for damaged in (data[:-200], data[: len(data) // 2], b"\x00" * len(data), b""):
+        victim.write_bytes(damaged)
+        with pytest.raises(CheckpointError, match=re.escape(str(victim))) as e:
+            ckpt.inspect(str(d))
+        assert isinstance(e.value, (IntegrityError, ManifestError))
+
+
+def test_missing_or_doubled_bf16_rank_file_is_named(tmp_path):
+    d = _copy_bf16(tmp_path, "bf16_zero2")
+    shutil.copy(FIXTURES / "zero2" / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", d / "global_step2")
+    with pytest.raises(ManifestError, match=r"both bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt and "
+                                            r"zero_pp_rank_1_mp_rank_00_optim_states\.pt"):
+        ckpt.inspect(str(d))
+    os.remove(d / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(ManifestError, match=r"rank files of a bf16 and of a non-bf16 save mixed \("
+                                            r"bf16_zero_pp_rank_0_mp_rank_00_optim_states\.pt, zero_pp_rank_1"):
+        ckpt.inspect(str(d))
+    os.remove(d / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(ManifestError, match=r"rank file.*'bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt'.*missing"):
+        ckpt.inspect(str(d))
+
+
+@pytest.fixture
+def fake_deepspeed(monkeypatch):
+    """A stand-in for the one DeepSpeed class a BF16_Optimizer rank file pickles (``fragment_address``,
+    a dataclass), so that a test can rewrite such a file with torch.load / torch.save, without DeepSpeed."""
+    mod = types.ModuleType("deepspeed.utils.tensor_fragment")
+
+    @dataclasses.dataclass
+    class fragment_address:  # noqa: N801 - DeepSpeed's name
+        numel: int
+        start: int
+
+    fragment_address.__module__, fragment_address.__qualname__ = mod.__name__, "fragment_address"
+    mod.fragment_address = fragment_address  # type: ignore[attr-defined]
+    for name in ("deepspeed", "deepspeed.utils"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+
+def _rewrite(path: Path, change) -> None:
+    sd = torch.load(path, weights_only=False)
+    change(sd["optimizer_state_dict"], sd)
+    torch.save(sd, path)
+
+
+@pytest.mark.usefixtures("fake_deepspeed")
+def test_bf16_optimizer_files_the_reader_cannot_map_are_refused(tmp_path):
+    """BF16_Optimizer files: a parameter slice map that disagrees with the layout, a ds_config stage it
+    is never used with, or ranks whose partitions differ in dtype: a ManifestError naming the file."""
+    d = _copy_bf16(tmp_path, BF16_OPT)
+    rank1 = d / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    original = rank1.read_bytes()
+    _rewrite(rank1, lambda osd, _: setattr(osd["param_slice_mappings"][0]["b.bias"], "start", 24))
+    with pytest.raises(ManifestError, match=re.escape(rank1.name) + r": group 0's parameter slices \("
+                                            r"param_slice_mappings.*'b\.bias': \(24, 3\)"):
+        ckpt.inspect(str(d))
+    rank0 = d / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    rank1.write_bytes(original)
+    _rewrite(rank0, lambda _, top: top["ds_config"]["zero_optimization"].update(stage=3))
+    with pytest.raises(ManifestError, match=re.escape(rank0.name) + ": a BF16_Optimizer file .* stage 3"):
+        ckpt.inspect(str(d))
+    shutil.copy(FIXTURES / BF16_OPT / "global_step2" / rank0.name, rank0)
+
+    def halve(osd, _):
+        osd["single_partition_of_fp32_groups"] = [g.bfloat16() for g in osd["single_partition_of_fp32_groups"]]
+
+    _rewrite(rank1, halve)
+    with pytest.raises(ManifestError, match="partitioned in different dtypes across ranks"):
+        ckpt.inspect(str(d))
+    assert ckpt.inspect(str(FIXTURES / BF16_OPT)).user_metadata["source"]["optimizer"] == "BF16_Optimizer"
