@@ -8,6 +8,9 @@
   ``torch.distributed.checkpoint.load`` reads on any layout; one ``__<r>_0.distcp`` per target rank
   of ``to`` (or per source data file), each tensor piece a ``torch.save`` blob as DCP writes it.
 
+Both read through the one streaming engine, :mod:`ckpt.resharders.stream` (``copy_files`` under
+``reshard``; ``read_items`` for the DCP blobs), so memory stays within the budget.
+
 Nothing from a foreign file is unpickled outside the allowlist (:mod:`ckpt.formats.torch_pickle`).
 """
 
@@ -27,15 +30,15 @@ from ckpt.errors import CheckpointExistsError, ManifestError, StateError
 from ckpt.formats import torch_pickle
 from ckpt.formats.dcp_source import METADATA_NAME, reader
 from ckpt.formats.msgpack_codec import decode_object, encode_object
-from ckpt.io import run_read_plan
+from ckpt.io import byte_view
 from ckpt.load import fetch_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
-from ckpt.planner import LoadRequest, plan_load
 from ckpt.resharders.chunks import split_region
 from ckpt.resharders.layout import Layout
 from ckpt.resharders.plan import plan as reshard_plan
-from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, Progress, reshard
+from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, reshard
 from ckpt.resharders.rules import MOE_RULES, RuleSet
+from ckpt.resharders.stream import Item, Progress, read_items
 from ckpt.shards import Box, Flat, Region
 from ckpt.storage import Storage, get_storage
 
@@ -226,24 +229,25 @@ def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleS
         written: dict[str, int] = {}
         for f in sorted(pieces):
             rel = f"__{f}_0.distcp"
+            items: list[Item] = []  # one per DCP chunk: pieces larger than ``chunk`` go in several
+            for key, box in pieces[f]:
+                t = manifest.tensors[key]
+                dtype = dtype_from_name(t.dtype)
+                sdm.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(t.shape), []))
+                parts = [box] if box.numel == 0 else list(split_region(box, max(1, chunk // itemsize(dtype))))
+                items += [Item(key, t.dtype, tuple(t.shape), part) for part in parts]
             with open(os.path.join(dst_dir, rel + ".tmp"), "wb") as out:
-                for key, box in pieces[f]:
-                    t = manifest.tensors[key]
-                    dtype = dtype_from_name(t.dtype)
-                    md = sdm.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype),
-                                                                   torch.Size(t.shape), []))
-                    parts = [box] if box.numel == 0 else list(split_region(box, max(1, chunk // itemsize(dtype))))
-                    for part in parts:
-                        assert isinstance(part, Box)
-                        value = _read_box(st, manifest, key, part, workers)
-                        offset = out.tell()
-                        torch.save(value, out)
-                        md.chunks.append(ChunkStorageMetadata(torch.Size(part.offsets), torch.Size(part.lengths)))
-                        storage_data[MetadataIndex(key, torch.Size(part.offsets))] = _StorageInfo(
-                            rel, offset, out.tell() - offset)
-                        done += value.numel() * value.element_size()
-                        if progress is not None:
-                            progress(done, total)
+                for i, part, value in read_items(st, manifest, items, buffer=chunk, readers=workers):
+                    assert isinstance(part, Box)
+                    key = items[i].key
+                    offset = out.tell()
+                    torch.save(_own_storage(value), out)
+                    sdm[key].chunks.append(ChunkStorageMetadata(torch.Size(part.offsets), torch.Size(part.lengths)))
+                    storage_data[MetadataIndex(key, torch.Size(part.offsets))] = _StorageInfo(
+                        rel, offset, out.tell() - offset)
+                    done += value.numel() * value.element_size()
+                    if progress is not None:
+                        progress(done, total)
                 if f == min(pieces) or not pieces:
                     for key, o in sorted(manifest.objects.items()):
                         obj = ({r: decode_object(b, key=key) for r, b in o.per_rank.items()}
@@ -276,12 +280,9 @@ def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleS
         st.close()
 
 
-def _read_box(storage: Storage, manifest: Manifest, key: str, box: Box, workers: int) -> torch.Tensor:
-    """The elements of ``box`` of tensor ``key``, read with the load planner (only the bytes needed)."""
-    t = manifest.tensors[key]
-    out = torch.empty(box.lengths, dtype=dtype_from_name(t.dtype))
-    if box.numel:
-        plan = plan_load(manifest, [LoadRequest(key, t.dtype, t.shape, box)], contiguous_targets=[True])
-        run_read_plan(storage, plan, [out], [t.dtype], workers=workers)
-    return out
-
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a view of the engine's buffer) as a tensor whose storage is exactly its bytes, without a
+    copy: ``torch.save`` writes a tensor's whole storage, which for the view is the whole buffer."""
+    if not t.numel():
+        return t.clone()
+    return torch.frombuffer(byte_view(t), dtype=t.dtype).view(t.shape)

@@ -1,4 +1,15 @@
-"""Hugging Face interop for every common decoder family: model adapters (:mod:`ckpt.hf.adapters`),
-source key names (:mod:`ckpt.hf.names`), element maps (:mod:`ckpt.hf.mapping`) and the export /
-import plans built from them (:mod:`ckpt.hf.engine`). The entry points are
-:func:`ckpt.formats.hf.export_hf` and :func:`ckpt.formats.hf.import_hf`."""
+"""Hugging Face interop for every common decoder family. One module per job:
+
+- :mod:`~ckpt.hf.adapters`: one small adapter per model family (config <-> metadata with
+  transformers' defaults, parameters and shapes, element map, sharding rules);
+- :mod:`~ckpt.hf.embedded`: the embedded MoE (``ckpt.trainer.model``) as a Qwen3-MoE model (config,
+  state dicts, parameter list, the model config a checkpoint records);
+- :mod:`~ckpt.hf.names`: source key names (ckpt, torchtitan, Megatron, a names file);
+- :mod:`~ckpt.hf.mapping`: element maps (runs) and their composition / inversion;
+- :mod:`~ckpt.hf.engine`: the export / import plans built from them (which stored elements make up
+  each Hugging Face tensor, which file bytes make up each stored tensor);
+- :mod:`~ckpt.hf.directory`: the model directory on disk (names, dtypes, index and headers, the
+  split into ``model-k-of-n`` files).
+
+The copying is :mod:`ckpt.resharders.stream`'s; the entry points are :func:`ckpt.formats.hf.export_hf`
+and :func:`ckpt.formats.hf.import_hf`."""

@@ -1,10 +1,11 @@
-"""Export and import plans for the adapter families (:mod:`ckpt.hf.adapters`), on the streaming
-engine of :mod:`ckpt.formats.hf` (the same buffers, writer thread, checksum checks and commit).
+"""Export and import plans, for the adapter families (:mod:`ckpt.hf.adapters`) and the embedded MoE
+(:mod:`ckpt.hf.embedded`); :mod:`ckpt.resharders.stream` copies what they describe.
 
 Export: Hugging Face tensor -> runs over canonical parameters (the adapter) -> runs over the
 checkpoint's names (:mod:`ckpt.hf.names`) -> stored keys (prefix, alternative spelling, or a layer
-of a stacked tensor). Each run becomes one read of a flat element range; the runs of one tensor are
-written back to back under one safetensors header entry.
+of a stacked tensor). Each run becomes one item of the copy (a flat element range); the runs of one
+tensor are written back to back under one safetensors header entry. The embedded MoE: one item per
+parameter, or per expert of a fused expert tensor (a box), vocab padding left out.
 
 Import: the same map inverted: each stored tensor's elements are pieces of the Hugging Face
 entries, i.e. byte ranges of the files, so the source is a (virtual) manifest and the importer
@@ -18,15 +19,18 @@ from typing import Any
 
 import torch
 
-from ckpt.dtypes import dtype_from_name, dtype_name, safetensors_dtype
+from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.errors import IntegrityError, ManifestError, MismatchError
-from ckpt.formats.safetensors_header import HeaderEntry, build_header
+from ckpt.formats.safetensors_header import HeaderEntry
 from ckpt.hf.adapters import ADAPTERS, HF_RULES, Adapter, Config, adapter_for
+from ckpt.hf.directory import IMPORTABLE, ST_TO_TORCH, Tensors, export_dtype, few
+from ckpt.hf.embedded import FUSED_EXPERT, HF_GATE_UP, HF_PER_EXPERT, PREFIX, describe, hf_config, param_shapes
 from ckpt.hf.mapping import Map, compose, invert, whole
 from ckpt.hf.names import naming, resolve
 from ckpt.manifest import Manifest, ShardEntry, TensorEntry
-from ckpt.planner import LoadRequest
-from ckpt.shards import Flat, full_box
+from ckpt.resharders.stream import Item
+from ckpt.shards import Box, Flat, full_box
+from ckpt.trainer.model import ModelConfig
 
 ADAPTER_KEY = "hf_adapter"  # user_metadata: the adapter's name, "hf_config": its completed config
 
@@ -69,10 +73,9 @@ def hf_state_dict(src_url: str, manifest: Manifest, adapter: Adapter, cfg: Confi
 
 
 def export_items(manifest: Manifest, adapter: Adapter, cfg: Config, names: str, dtype: torch.dtype | None,
-                 *, url: str) -> tuple[list[tuple[str, tuple[int, ...], list[Any]]], torch.dtype, Config]:
-    """Per Hugging Face tensor, in order: (name, shape, items to read and write back to back)."""
-    from ckpt.formats.hf import _Item, export_dtype
-
+                 *, url: str) -> tuple[Tensors, torch.dtype, Config]:
+    """Per Hugging Face tensor, in order: (name, shape, items to read and write back to back); the
+    export's dtype and its ``config.json``."""
     full = hf_runs(manifest, adapter, cfg, names, url=url)
     used = {r.name for t in full.values() for r in t.runs}
     src_dtypes = {k: dtype_from_name(manifest.tensors[k].dtype, key=k) for k in used}
@@ -80,51 +83,78 @@ def export_items(manifest: Manifest, adapter: Adapter, cfg: Config, names: str, 
     if not_float:
         raise MismatchError(f"{url}: model tensors of non-float dtype cannot be exported as weights: {not_float[:6]}")
     dtype = export_dtype(set(src_dtypes.values()), dtype, url=url)
-    out: list[tuple[str, tuple[int, ...], list[Any]]] = []
+    out: Tensors = []
     for name, t in full.items():
         items = []
         for r in t.runs:
             e = manifest.tensors[r.name]
-            items.append(_Item(name, LoadRequest(r.name, e.dtype, tuple(e.shape), Flat(r.start, r.start + r.numel)),
-                               dtype, (r.numel,)))
+            items.append(Item(r.name, e.dtype, tuple(e.shape), Flat(r.start, r.start + r.numel), dtype, name))
         out.append((name, t.shape, items))
     config_json = adapter.hf_config(cfg)
     config_json["torch_dtype"] = config_json["dtype"] = dtype_name(dtype)
     return out, dtype, config_json
 
 
-def split_files(tensors: list[tuple[str, tuple[int, ...], list[Any]]], dtype: torch.dtype,
-                limit: int) -> list[Any]:
-    """Fill ``model-k-of-n.safetensors`` files in order up to ``limit`` bytes (whole tensors)."""
-    from ckpt.formats.hf import ST_METADATA, _OutFile
+_VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")  # dim 0 may carry vocab padding
 
-    st = safetensors_dtype(dtype)
-    assert st is not None
-    groups: list[list[tuple[str, tuple[int, ...], list[Any]]]] = []
-    size = 0
-    for t in tensors:
-        n = math.prod(t[1]) * dtype.itemsize + 128 + len(t[0])  # a header entry is ~100 bytes + the name
-        if groups and groups[-1] and size + n <= limit:
-            groups[-1].append(t)
-            size += n
-        else:
-            groups.append([t])
-            size = n
-    files = []
-    for k, group in enumerate(groups):
-        header, _ = build_header([(name, st, shape, math.prod(shape) * dtype.itemsize) for name, shape, _ in group],
-                                 ST_METADATA)
-        files.append(_OutFile(f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors", header,
-                              [it for _, _, items in group for it in items]))
-    return files
+
+def embedded_export(manifest: Manifest, cfg: ModelConfig, dtype: torch.dtype | None, *,
+                    url: str) -> tuple[Tensors, torch.dtype, dict[str, Any]]:
+    """:func:`export_items` for the embedded MoE: per-expert tensors, vocab padding dropped.
+
+    Raises MismatchError (tensors that do not match the config: missing, unexpected, mis-shaped; a
+    stored dtype the export cannot hold).
+    """
+    params = param_shapes(cfg)
+    stored = {k[len(PREFIX):]: t for k, t in manifest.tensors.items() if k.startswith(PREFIX)}
+    names = {p for p, _ in params}
+    problems: list[str] = []
+    missing = [PREFIX + p for p, _ in params if p not in stored]
+    if missing:
+        problems.append(f"missing: {few(missing)}")
+    unexpected = sorted(PREFIX + p for p in stored if p not in names)
+    if unexpected:
+        problems.append(f"unexpected: {few(unexpected)}")
+    wrong = []
+    for p, shape in params:
+        if p not in stored:
+            continue
+        s = tuple(stored[p].shape)
+        padded = p in _VOCAB_PARAMS and len(s) == 2 and s[1] == shape[1] and s[0] >= shape[0]
+        if s != shape and not padded:
+            wrong.append(f"{PREFIX}{p} is {list(s)}, the config needs {list(shape)}")
+    if wrong:
+        problems.append(f"wrong shape: {few(wrong)}")
+    if problems:
+        raise MismatchError(f"{url}: the checkpoint's model tensors do not match its {describe(cfg)}: "
+                            + " | ".join(problems))
+    src_dtypes = {p: dtype_from_name(stored[p].dtype, key=PREFIX + p) for p, _ in params}
+    not_float = sorted(f"{PREFIX}{p} ({d})" for p, d in src_dtypes.items() if not d.is_floating_point)
+    if not_float:
+        raise MismatchError(f"{url}: model tensors of non-float dtype cannot be exported as weights: "
+                            f"{few(not_float)}")
+    dtype = export_dtype(set(src_dtypes.values()), dtype, url=url)
+    out: Tensors = []
+    for p, shape in params:
+        key, sdt = PREFIX + p, stored[p].dtype
+        gshape = tuple(stored[p].shape)
+        m = FUSED_EXPERT.fullmatch(p)
+        if m is None:
+            region = Box((0,) * len(shape), shape)  # a padded vocab keeps only the first rows
+            out.append((p, shape, [Item(key, sdt, gshape, region, dtype, p)]))
+            continue
+        for e in range(shape[0]):
+            name = f"{m['prefix']}.{e}.{m['proj']}_proj.weight"
+            out.append((name, shape[1:], [Item(key, sdt, gshape, Box((e, 0, 0), (1, *shape[1:])), dtype, name)]))
+    config_json = hf_config(cfg)
+    config_json["torch_dtype"] = config_json["dtype"] = dtype_name(dtype)
+    return out, dtype, config_json
 
 
 def import_manifest(adapter: Adapter, cfg: Config, entries: dict[str, tuple[str, HeaderEntry]], files: dict[str, int],
                     names: str, *, url: str) -> tuple[Manifest, dict[str, Any]]:
     """The Hugging Face files as a (virtual) manifest of stored tensors under naming ``names``, and
     the user_metadata an import records."""
-    from ckpt.formats.hf import _IMPORTABLE, _ST_TO_TORCH
-
     entries = {k: v for k, v in entries.items() if not k.endswith("rotary_emb.inv_freq")}
     hf = adapter.hf_map(cfg, set(entries))
     nm = naming(names, adapter, cfg)
@@ -152,8 +182,8 @@ def import_manifest(adapter: Adapter, cfg: Config, entries: dict[str, tuple[str,
     pieces = invert(full, shapes, what=url)
     dtypes: dict[str, torch.dtype] = {}
     for name, (_file, h) in entries.items():
-        dt = _ST_TO_TORCH.get(h.dtype)
-        if dt not in _IMPORTABLE:
+        dt = ST_TO_TORCH.get(h.dtype)
+        if dt not in IMPORTABLE:
             raise MismatchError(f"{url}: {name} is {h.dtype}; import takes float64/32/16 and bfloat16 weights")
         assert dt is not None
         if h.length != math.prod(h.shape) * dt.itemsize:
@@ -176,3 +206,107 @@ def import_manifest(adapter: Adapter, cfg: Config, entries: dict[str, tuple[str,
     meta = {ADAPTER_KEY: adapter.name, "hf_config": cfg, "names": nm.kind,
             "rules": HF_RULES.name if nm.kind == "ckpt" else None}
     return Manifest(tensors=tensors, files=files, user_metadata={}), meta
+
+
+def embedded_import(cfg: ModelConfig, entries: dict[str, tuple[str, HeaderEntry]], *,
+                    url: str) -> dict[str, TensorEntry]:
+    """:func:`import_manifest` for the embedded MoE: the Hugging Face entries as checkpoint tensors
+    (key ``model.<param>``) with box shards; per-expert and fused ``gate_up_proj`` expert keys.
+
+    Raises IntegrityError (an entry whose byte length does not match), MismatchError (dtypes the
+    model cannot hold; tensors that do not match the config, each problem named).
+    """
+    params = dict(param_shapes(cfg))
+    n_exp, inter, hid = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    out: dict[str, TensorEntry] = {}
+    experts: dict[str, dict[int, tuple[str, ShardEntry]]] = {}
+    bad_dtype: list[str] = []
+    unexpected: list[str] = []
+    wrong: list[str] = []
+    dupes: list[str] = []
+    corrupt: list[str] = []
+    seen: set[str] = set()  # parameters some entry was found for
+
+    def put(param: str, t: TensorEntry) -> None:
+        if param in out:
+            dupes.append(param)
+        out[param] = t
+
+    for key, (file, h) in sorted(entries.items()):
+        if key.endswith("rotary_emb.inv_freq"):  # a non-persistent buffer some old exports carry
+            continue
+        dt = ST_TO_TORCH.get(h.dtype)
+        if dt not in IMPORTABLE:
+            bad_dtype.append(f"{key} ({h.dtype})")
+            continue
+        assert dt is not None
+        isz = dt.itemsize
+        if h.length != math.prod(h.shape) * isz:
+            corrupt.append(f"{key}: {h.length} bytes for shape {list(h.shape)} of {h.dtype}")
+            continue
+        dname = dtype_name(dt)
+        if m := HF_PER_EXPERT.fullmatch(key):
+            param, e = f"{m['prefix']}.{m['proj']}_proj", int(m["expert"])
+            seen.add(param)
+            want = params.get(param)
+            if want is None or e >= n_exp:
+                unexpected.append(key)
+            elif h.shape != want[1:]:
+                wrong.append(f"{key} is {list(h.shape)}, expected {list(want[1:])}")
+            else:
+                experts.setdefault(param, {})[e] = (dname, ShardEntry(Box((e, 0, 0), (1, *want[1:])), file,
+                                                                      h.start, h.length))
+        elif m := HF_GATE_UP.fullmatch(key):
+            gate, up = f"{m['prefix']}.gate_proj", f"{m['prefix']}.up_proj"
+            seen.update((gate, up))
+            want = (n_exp, 2 * inter, hid)
+            if gate not in params:
+                unexpected.append(key)
+            elif h.shape != want:
+                wrong.append(f"{key} is {list(h.shape)}, expected {list(want)}")
+            else:
+                row = inter * hid * isz  # gate_up[e] = cat(gate[e], up[e]): two contiguous blocks per expert
+                for half, param in enumerate((gate, up)):
+                    shards = [ShardEntry(Box((e, 0, 0), (1, inter, hid)), file, h.start + (2 * e + half) * row, row)
+                              for e in range(n_exp)]
+                    put(param, TensorEntry(dname, (n_exp, inter, hid), shards))
+        else:
+            seen.add(key)
+            want = params.get(key)
+            if want is None:
+                unexpected.append(key)
+            elif h.shape != want:
+                wrong.append(f"{key} is {list(h.shape)}, expected {list(want)}")
+            else:
+                put(key, TensorEntry(dname, want, [ShardEntry(full_box(want), file, h.start, h.length)]))
+
+    incomplete: list[str] = []
+    for param, by_id in sorted(experts.items()):
+        if param in out:
+            dupes.append(f"{param} (fused and per-expert)")
+            continue
+        absent = sorted(set(range(n_exp)) - set(by_id))
+        if absent:
+            incomplete.append(f"{param}: experts {absent} missing")
+            continue
+        kinds = {by_id[e][0] for e in by_id}
+        if len(kinds) > 1:
+            bad_dtype.append(f"{param}.*: experts stored in several dtypes {sorted(kinds)}")
+            continue
+        out[param] = TensorEntry(kinds.pop(), params[param], [by_id[e][1] for e in range(n_exp)])
+
+    if corrupt:
+        raise IntegrityError(f"{url}: safetensors entries whose byte length does not match: {few(corrupt)}")
+    if bad_dtype:
+        raise MismatchError(f"{url}: dtypes the embedded MoE cannot hold (it takes float64/32/16 and bfloat16 "
+                            f"weights): {few(bad_dtype)}")
+    missing = [p for p in params if p not in out and p not in seen]  # the others are reported already
+    problems = []
+    for label, xs in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong),
+                      ("given twice", dupes), ("incomplete", incomplete)):
+        if xs:
+            problems.append(f"{label}: {few(sorted(xs))}")
+    if problems:
+        raise MismatchError(f"{url}: the tensors do not match config.json ({describe(cfg)}): "
+                            + " | ".join(problems))
+    return {PREFIX + p: out[p] for p in params}

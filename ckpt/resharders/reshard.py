@@ -3,14 +3,13 @@
 ``reshard(src, dst, target)`` executes a :func:`~ckpt.resharders.plan.plan` as a streaming copy:
 
 1. **Plan** (pure): the new files, their headers and offsets, and the pieces each one holds.
-2. **Stream**: ``workers`` threads each write one new data file at a time (and, by default, one
-   more thread checks every source shard's checksum, so that corrupted bytes are never given fresh
-   checksums in the new checkpoint). A piece is cut into
-   parts of at most one buffer (:func:`~ckpt.resharders.chunks.split_region`, in the order of its
-   bytes); each part is read from the source with the ordinary load planner into a reused buffer,
-   hashed (CRC32) and handed to the file's writer thread while the next part is read into a second
-   buffer. Memory: ``workers x 3`` buffers of at most ``chunk`` bytes (two for the read/write
-   overlap, one scratch for strided reads), all within ``memory_budget``, whatever the piece sizes.
+2. **Stream** (:func:`ckpt.resharders.stream.copy_files`, the engine every converter uses):
+   ``workers`` threads each write one new data file at a time, largest first. A piece is cut into
+   parts of at most one buffer (in the order of its bytes); each batch of parts is read from the
+   source with the ordinary load planner into a reused buffer, hashed (CRC32) and handed to the
+   file's writer thread while the next batch is read into a second buffer; by default every source
+   shard's checksum is checked from the bytes read, so that corrupted bytes are never given fresh
+   checksums in the new checkpoint. Memory stays within ``memory_budget``, whatever the piece sizes.
 3. **Commit**: the manifest is written last, atomically, exactly as ``ckpt.save`` does. Until then
    ``dst`` is not a checkpoint.
 
@@ -28,40 +27,29 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from queue import Queue
 from typing import Any
 
 import msgpack
-import torch
 
 from ckpt import transaction
 from ckpt.checksum import crc32
-from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import CheckpointError, IntegrityError, StateError, StorageError
 from ckpt.formats.msgpack_codec import encode_manifest
-from ckpt.io import ScratchReader, byte_view
 from ckpt.load import _few, fetch_manifest
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
-from ckpt.planner import LoadRequest, WriteAssignment, plan_load
-from ckpt.resharders.chunks import split_region
+from ckpt.planner import WriteAssignment
+from ckpt.regions import sub_region
 from ckpt.resharders.layout import Layout
-from ckpt.resharders.plan import ReshardPlan, narrowed, plan
+from ckpt.resharders.plan import ReshardPlan, plan
 from ckpt.resharders.rules import MOE_RULES, RuleSet
-from ckpt.shards import Box
+from ckpt.resharders.stream import Item, OutFile, Progress, copy_files
 from ckpt.storage import Storage, get_storage
 
 DEFAULT_MEMORY_BUDGET = 2 * 10**9  # bytes ("2GB")
 MIN_MEMORY_BUDGET = 1 << 20
 MAX_CHUNK = 64 << 20  # a bigger part does not go faster; it only delays the first write
 MARKER_DIR = ".reshard"
-VERIFY_CHUNK = 16 << 20  # the source verifier's buffer
-
-Progress = Callable[[int, int], None]
-"""``progress(bytes_done, bytes_total)`` of tensor bytes, called from worker threads one at a time,
-with non-decreasing ``bytes_done``; keep it quick."""
 
 
 def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_RULES,
@@ -85,9 +73,10 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
         workers: new data files written concurrently.
         progress: called with ``(bytes done, bytes total)`` as tensor bytes are written.
         overwrite: replace a committed checkpoint at ``dst_url``.
-        verify_source: check every source shard's CRC32 against the source manifest (in a thread
-            alongside the rewrite); on a mismatch nothing is committed. Without it, corrupted source
-            bytes would be copied and given fresh checksums, i.e. hidden from ``ckpt verify``.
+        verify_source: check every source shard's CRC32 against the source manifest (from the bytes
+            the rewrite reads, each hashed once); on a mismatch nothing is committed. Without it,
+            corrupted source bytes would be copied and given fresh checksums, i.e. hidden from
+            ``ckpt verify``.
         verify_resumed: when resuming, re-hash finished files before keeping them.
         source_manifest: the source's manifest when the caller built it (``ckpt import`` of a
             ``torch.save`` file: shards are byte ranges of that file under ``src_url``).
@@ -162,17 +151,6 @@ def marker_name(plan_id: str, rank: int) -> str:
     return f"{MARKER_DIR}/{plan_id}-{rank:05d}.done"
 
 
-class _Cancelled(Exception):
-    """Another worker failed: stop this file."""
-
-
-@dataclass(slots=True)
-class _Worker:
-    bufs: list[torch.Tensor]
-    reader: ScratchReader
-    writer: ThreadPoolExecutor
-
-
 @dataclass(slots=True)
 class _Rewrite:
     src: Storage
@@ -187,7 +165,6 @@ class _Rewrite:
     done_bytes: int = 0
     bytes_verified: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    failed: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -261,59 +238,34 @@ class _Rewrite:
                 self.progress(self.done_bytes, self.plan.tensor_bytes)
 
     def run(self, verify_source: bool) -> None:
-        """Write every new data file not already finished, ``workers`` at a time, largest first;
-        with ``verify_source``, check every source shard's checksum meanwhile (one more thread).
+        """Write every new data file not already finished, ``workers`` at a time, largest first, with
+        the streaming engine (:mod:`ckpt.resharders.stream`); with ``verify_source``, check every source
+        shard's checksum from the bytes read (and read what finished files of an earlier attempt hold).
 
-        Raises the verifier's IntegrityError when the source is corrupted (the writers stop early).
+        Raises IntegrityError when the source is corrupted (before the bad bytes' batch is written).
         """
-        budget = self.budget
-        vex: ThreadPoolExecutor | None = None
-        verifier: Future[None] | None = None
+        todo = sorted((r for r, a in enumerate(self.assignments) if a.file is not None and r not in self.sums),
+                      key=lambda r: (-self.assignments[r].nbytes, r))
+        files = [self._out_file(r) for r in todo]
+        verify = None
         if verify_source and self.source.source_format == "ckpt":  # DCP/DeepSpeed sources have no checksums
-            vbytes = min(VERIFY_CHUNK, max(4096, budget // 8))
-            budget -= vbytes
-            vex = ThreadPoolExecutor(1, "ckpt-reshard-verify")
-            verifier = vex.submit(self._verify_source, vbytes)
-        try:
-            self._write_all(budget)
-            if verifier is not None:
-                verifier.result()
-        except BaseException:
-            self.failed.set()
-            if verifier is not None:
-                err = verifier.exception()  # waits: the verifier stops at its next part
-                if isinstance(err, IntegrityError):
-                    raise err from None  # the cause; the writers only stopped because of it
-            raise
-        finally:
-            if vex is not None:
-                vex.shutdown(wait=True)
+            verify = [k for k, t in self.source.tensors.items() if t.num_shards]
+        resumed = self.done_bytes
 
-    def _verify_source(self, buf_bytes: int) -> None:
-        """CRC32 of every stored source shard against the source manifest, file by file in offset
-        order (sequential reads), with one reused buffer. Raises IntegrityError on a mismatch."""
-        buf = memoryview(bytearray(buf_bytes))
-        shards = sorted((s.file, s.offset, s.length, s.checksum, key, i)
-                        for key, t in self.source.tensors.items() for i, s in enumerate(t.shards) if s.length)
-        for file, offset, length, checksum, key, i in shards:
-            where = f"tensor {key!r} shard {i}: {self.src.url}/{file} bytes [{offset}, {offset + length})"
-            if checksum is None:
-                raise IntegrityError(f"{where} have no checksum in the source manifest, so they cannot be "
-                                     "verified; pass verify_source=False (--no-verify-source) to copy them as they are")
-            crc, pos = 0, 0
-            while pos < length:
-                if self.failed.is_set():
-                    return  # a writer failed: its error is the one to report
-                n = min(len(buf), length - pos)
-                self.src.read_into(file, offset + pos, buf[:n])
-                crc = crc32(buf[:n], crc)
-                pos += n
-            if crc != checksum:
-                self.failed.set()
-                raise IntegrityError(f"{where}: checksum mismatch (stored {checksum:#010x}, found {crc:#010x}); the "
-                                     "source checkpoint is corrupted and nothing was committed; restore that file "
-                                     "(`ckpt verify --deep` lists every damaged shard)")
-            self.bytes_verified += length
+        def progress(done: int, _total: int) -> None:
+            if self.progress is not None:
+                self.progress(resumed + done, self.plan.tensor_bytes)
+
+        def file_done(i: int, size: int, sums: list[int]) -> None:
+            a = self.assignments[todo[i]]
+            self.dst.commit(marker_name(self.plan.plan_id, todo[i]),
+                            msgpack.packb({"file": a.file, "size": size, "sums": sums}, use_bin_type=True))
+            self.sums[todo[i]] = list(sums)
+
+        res = copy_files(self.src, self.source, self.dst, files, budget=self.budget, lanes=self.workers,
+                         max_part=MAX_CHUNK, checksums=True, verify=verify, progress=progress,
+                         file_done=file_done)
+        self.bytes_verified = res.verified_bytes
 
     def discard(self) -> None:
         """Remove this attempt's files and markers (after a corrupted source: nothing may be resumed)."""
@@ -322,100 +274,16 @@ class _Rewrite:
                 _quiet_delete(self.dst, a.file)
             _quiet_delete(self.dst, marker_name(self.plan.plan_id, rank))
 
-    def _write_all(self, budget: int) -> None:
-        todo = sorted((r for r, a in enumerate(self.assignments) if a.file is not None and r not in self.sums),
-                      key=lambda r: (-self.assignments[r].nbytes, r))
-        if not todo:
-            return
-        n = max(1, min(self.workers, len(todo)))
-        chunk = min(MAX_CHUNK, budget // (3 * n))
-        while chunk < 4096 and n > 1:  # a tiny budget: fewer workers, not tiny reads
-            n -= 1
-            chunk = min(MAX_CHUNK, budget // (3 * n))
-        largest = max((e.length for r in todo for e in self.assignments[r].entries), default=0)
-        chunk = min(chunk - chunk % 64, max(4096, -(-largest // 64) * 64))  # no bigger than the largest piece
-        pool: Queue[_Worker] = Queue()
-        for _ in range(n):
-            # Touched once here and reused for every part: fresh pages are slow to fault in.
-            bufs = [torch.zeros(chunk, dtype=torch.uint8) for _ in range(2)]
-            pool.put(_Worker(bufs, ScratchReader(self.src, chunk), ThreadPoolExecutor(1, "ckpt-reshard-write")))
-        gap = getattr(self.src, "coalesce_gap", 4096)
-
-        def one(rank: int) -> None:
-            wk = pool.get()
-            try:
-                self.sums[rank] = self._write_file(rank, wk, chunk, gap)
-            finally:
-                pool.put(wk)
-
-        try:
-            with ThreadPoolExecutor(n, thread_name_prefix="ckpt-reshard") as ex:
-                futures = [ex.submit(one, r) for r in todo]
-                try:
-                    for f in futures:
-                        f.result()
-                except BaseException:
-                    self.failed.set()
-                    for f in futures:
-                        f.cancel()
-                    raise
-        finally:
-            while not pool.empty():
-                pool.get().writer.shutdown(wait=True)
-
-    def _write_file(self, rank: int, wk: _Worker, chunk: int, gap: int) -> list[int]:
+    def _out_file(self, rank: int) -> OutFile:
         a = self.assignments[rank]
         assert a.file is not None
         decl = self.plan.decls[rank]
-        w = self.dst.open_writer(a.file)
-        inflight: list[Future[Any] | None] = [None, None]
-        turn = 0
-        sums: list[int] = []
-        try:
-            w.write(a.header)
-            for e in a.entries:
-                piece = decl.pieces[e.piece]
-                dtype = dtype_from_name(piece.dtype, key=piece.key)
-                isz = itemsize(dtype)
-                crc = 0
-                for part in split_region(piece.region, chunk // isz):
-                    nbytes = part.numel * isz
-                    if nbytes == 0:
-                        continue
-                    if self.failed.is_set():
-                        raise _Cancelled
-                    prev = inflight[turn]
-                    if prev is not None:
-                        prev.result()  # the write that last used this buffer is done
-                    raw = wk.bufs[turn][:nbytes]
-                    mv = byte_view(raw)
-                    lens = part.lengths if isinstance(part, Box) else (part.numel,)
-                    req = LoadRequest(piece.key, piece.dtype, piece.shape, part)
-                    rp = plan_load(narrowed(self.source, piece.key, part), [req], contiguous_targets=[True],
-                                   max_read=chunk, max_gap=gap)
-                    wk.reader.run(rp, [raw.view(dtype).view(lens)], [piece.dtype])
-                    crc = crc32(mv, crc)
-                    inflight[turn] = wk.writer.submit(w.write, mv)
-                    turn ^= 1
-                    self._advance(nbytes)
-                sums.append(crc)
-            for f in inflight:
-                if f is not None:
-                    f.result()
-            size = w.close()
-        except BaseException:
-            for f in inflight:
-                if f is not None:
-                    f.exception()  # wait: the writer thread must be done with this file
-            w.abort()
-            raise
-        expected = self.plan.manifest.files[a.file]
-        if size != expected:
-            raise IntegrityError(f"{self.dst.url}/{a.file}: wrote {size} bytes, the plan says {expected}; "
-                                 "run the same command again to redo this file")
-        self.dst.commit(marker_name(self.plan.plan_id, rank),
-                        msgpack.packb({"file": a.file, "size": size, "sums": sums}, use_bin_type=True))
-        return sums
+        items = []
+        for e in a.entries:
+            piece = decl.pieces[e.piece]
+            region = piece.region if e.count is None else sub_region(piece.region, e.start, e.count)
+            items.append(Item(piece.key, piece.dtype, piece.shape, region))
+        return OutFile(a.file, a.header, items)
 
     def commit(self, overwrite: bool) -> Manifest:
         """Fill in checksums, commit the manifest through the transaction, then remove markers."""

@@ -6,7 +6,7 @@ biases, a top-k softmax router, SwiGLU experts, untied embeddings. Parameter nam
 Hugging Face checkpoint names except that each layer's experts are stored fused, one 3-D tensor per
 projection (``mlp.experts.gate_proj`` (E, I, H), ``up_proj`` (E, I, H), ``down_proj`` (E, H, I)),
 so that expert parallelism is a slice of dim 0 and export is a renaming plus a split
-(:func:`to_hf_state_dict`, :func:`from_hf_state_dict`).
+(:mod:`ckpt.hf.embedded`: the config and state-dict conversions, kept out of this module).
 
 Parallelism is applied from outside (``parallelize.py``), so the pieces here are built to be sliced:
 
@@ -27,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,9 +51,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "causal_lm_loss",
     "experts_forward",
-    "from_hf_state_dict",
     "initial_value",
-    "to_hf_state_dict",
 ]
 
 # Labels equal to this value do not count in the loss (same convention as PyTorch and transformers).
@@ -193,133 +190,21 @@ class ModelConfig:
         return cls(**data)
 
     def to_hf_config_dict(self) -> dict[str, Any]:
-        """A ``config.json`` body for ``transformers.Qwen3MoeForCausalLM``.
+        """The Hugging Face ``config.json`` body: :func:`ckpt.hf.embedded.hf_config` (kept as a method
+        for existing callers; the HF functions live in :mod:`ckpt.hf.embedded`)."""
+        from ckpt.hf.embedded import hf_config
 
-        ``transformers.Qwen3MoeConfig(**d)`` accepts it, and written as ``config.json`` next to the
-        weights from :func:`to_hf_state_dict` it loads with ``AutoModelForCausalLM.from_pretrained``.
-        Both the transformers 4.x spellings (``rope_theta``, ``torch_dtype``) and the 5.x ones
-        (``rope_parameters``, ``dtype``) are written so that either major version reads it.
-        """
-        return {
-            "model_type": "qwen3_moe",
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "torch_dtype": "float32",
-            "dtype": "float32",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "norm_topk_prob": self.norm_topk_prob,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "router_aux_loss_coef": self.router_aux_loss_coef,
-            "initializer_range": self.initializer_range,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            # Every layer sparse: layer i is MoE iff (i + 1) % decoder_sparse_step == 0 and i is
-            # not in mlp_only_layers.
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "output_router_logits": False,
-            "use_cache": True,
-        }
+        return hf_config(self)
 
     @classmethod
     def from_hf_config_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face Qwen3-MoE ``config.json`` body (transformers 4.x or 5.x).
+        """From a Hugging Face ``config.json`` body: :func:`ckpt.hf.embedded.config_from_hf`.
 
-        Raises:
-            ValueError: when the config describes something this model does not implement (another
-                model type, dense layers, sliding windows, biases, a non-default RoPE, tied
-                embeddings) or lacks a required field.
+        Raises ValueError for a config this model does not implement.
         """
-        model_type = d.get("model_type", "qwen3_moe")
-        if model_type != "qwen3_moe":
-            raise ValueError(f"model_type is {model_type!r}; only 'qwen3_moe' configs can be imported")
-        required = {
-            "hidden_act": ("silu", d.get("hidden_act", "silu")),
-            "attention_bias": (False, d.get("attention_bias", False)),
-            "use_sliding_window": (False, d.get("use_sliding_window", False)),
-            "decoder_sparse_step": (1, d.get("decoder_sparse_step", 1)),
-            "mlp_only_layers": ([], list(d.get("mlp_only_layers") or [])),
-        }
-        for key, (wanted, found) in required.items():
-            if found != wanted:
-                raise ValueError(
-                    f"Hugging Face config has {key}={found!r}; this model supports only {key}={wanted!r} "
-                    "(all layers MoE, SiLU, no attention bias, full attention)"
-                )
-        # transformers 5 writes rope_parameters = {"rope_type", "rope_theta", ...}; 4.x writes
-        # rope_theta plus an optional rope_scaling. Only the default (unscaled) RoPE is implemented.
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"Hugging Face config has rope_type={rope_type!r}; only 'default' RoPE is supported"
-            )
-        rope_theta = rope.get("rope_theta", d.get("rope_theta"))
+        from ckpt.hf.embedded import config_from_hf
 
-        values: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            if field.name in d:
-                values[field.name] = d[field.name]
-            elif field.name in HF_DEFAULTS:
-                # a field the file leaves out means what transformers reads it as, never our default
-                # (norm_topk_prob: transformers False, ours True: logits differed by 0.64)
-                values[field.name] = hf_default(field.name)
-        # transformers 5 serializes num_experts under its attribute_map alias.
-        if "num_experts" not in values and "num_local_experts" in d:
-            values["num_experts"] = d["num_local_experts"]
-        if rope_theta is not None:
-            values["rope_theta"] = rope_theta
-        if values.get("head_dim") is None:
-            values.pop("head_dim", None)
-            if "hidden_size" in d and "num_attention_heads" in d:
-                # Same fallback as Qwen3MoeAttention when the config has no head_dim.
-                values["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in values
-        ]
-        if missing:
-            raise ValueError(f"Hugging Face config lacks required fields {missing}")
-        return cls(**values)
-
-
-# What transformers' Qwen3MoeConfig assumes for each optional field a config.json may leave out
-# (transformers 5.23; tests/trainer/test_model.py compares every entry with the installed class).
-HF_DEFAULTS: dict[str, Any] = {
-    "norm_topk_prob": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768,
-    "router_aux_loss_coef": 0.001, "initializer_range": 0.02, "tie_word_embeddings": False,
-}
-
-
-def hf_default(name: str) -> Any:
-    """transformers' own default for a Qwen3-MoE config field when transformers is installed (so a
-    newer transformers wins), else the recorded one."""
-    try:
-        import transformers
-
-        cfg = transformers.Qwen3MoeConfig()
-    except Exception:  # noqa: BLE001 - no (usable) transformers: the recorded defaults
-        return HF_DEFAULTS[name]
-    if name == "rope_theta":
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        return rope.get("rope_theta", getattr(cfg, "rope_theta", HF_DEFAULTS[name]))
-    return getattr(cfg, name, HF_DEFAULTS[name])
+        return config_from_hf(d)
 
 
 CONFIGS: dict[str, ModelConfig] = {
@@ -692,134 +577,13 @@ def _param_seed(seed: int, name: str) -> int:
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
 
 
-# Our fused expert tensors: model.layers.N.mlp.experts.{gate,up,down}_proj, 3-D.
-_FUSED_EXPERT = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate|up|down)_proj")
-# Hugging Face per-expert keys, as save_pretrained writes them.
-_HF_PER_EXPERT = re.compile(
-    r"(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
-)
-# transformers' in-memory fusion of gate and up: (E, 2I, H) = cat(gate, up) along dim 1.
-_HF_GATE_UP = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.gate_up_proj")
+# The Hugging Face functions moved to ckpt.hf.embedded; these names stay importable from here.
+_MOVED = ("to_hf_state_dict", "from_hf_state_dict", "HF_DEFAULTS", "hf_default")
 
 
-def to_hf_state_dict(model_or_state_dict: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Hugging Face checkpoint keys for a full (unsharded) model or its state dict.
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from ckpt.hf import embedded
 
-    Fused experts become per-expert keys ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``
-    (``gate_proj[E]`` etc., copied so that ``safetensors.torch.save_file`` sees no shared
-    storage); every other tensor keeps its name and is returned as is.
-
-    Example::
-
-        safetensors.torch.save_file(to_hf_state_dict(model), "out/model.safetensors")
-    """
-    if isinstance(model_or_state_dict, nn.Module):
-        state: Mapping[str, Tensor] = model_or_state_dict.state_dict()
-    else:
-        state = model_or_state_dict
-    out: dict[str, Tensor] = {}
-    for key, tensor in state.items():
-        match = _FUSED_EXPERT.fullmatch(key)
-        if match is None:
-            out[key] = tensor
-            continue
-        if tensor.dim() != 3:
-            raise ValueError(
-                f"{key}: fused expert tensor must be 3-D (experts, out, in), got {tuple(tensor.shape)}"
-            )
-        prefix, proj = match["prefix"], match["proj"]
-        for expert in range(tensor.shape[0]):
-            out[f"{prefix}.{expert}.{proj}_proj.weight"] = tensor[expert].detach().clone()
-    return out
-
-
-def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """Convert a Hugging Face Qwen3-MoE state dict to this model's names, ready for
-    ``model.load_state_dict(..., strict=True)``.
-
-    Accepts per-expert keys (``...mlp.experts.E.{gate,up,down}_proj.weight``, the on-disk format),
-    transformers' in-memory fused keys (``...mlp.experts.gate_up_proj`` (E, 2I, H) and
-    ``...mlp.experts.down_proj`` (E, H, I)), or this model's own fused keys. The non-persistent
-    ``rotary_emb.inv_freq`` some older checkpoints carry is dropped.
-
-    Raises:
-        ValueError: naming every missing, unexpected, duplicated or mis-shaped key.
-    """
-    n_experts, inter = config.num_experts, config.moe_intermediate_size
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in MoEForCausalLM(config).state_dict().items()}
-    out: dict[str, Tensor] = {}
-    # Our fused key -> expert id -> (Hugging Face key, tensor), stacked once all are seen.
-    per_expert: dict[str, dict[int, tuple[str, Tensor]]] = {}
-    duplicates: list[str] = []
-    bad_experts: list[str] = []
-    mis_shaped: list[str] = []
-    # Fused keys whose per-expert parts were already reported, so they are not "missing" too.
-    reported: set[str] = set()
-
-    def put(key: str, tensor: Tensor) -> None:
-        if key in out:
-            duplicates.append(key)
-        out[key] = tensor
-
-    for key, tensor in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
-        if match := _HF_PER_EXPERT.fullmatch(key):
-            fused = f"{match['prefix']}.{match['proj']}_proj"
-            per_expert.setdefault(fused, {})[int(match["expert"])] = (key, tensor)
-        elif match := _HF_GATE_UP.fullmatch(key):
-            if tensor.dim() != 3 or tensor.shape[1] != 2 * inter:
-                fused_shape = (n_experts, 2 * inter, config.hidden_size)
-                mis_shaped.append(f"{key}: expected {fused_shape}, got {tuple(tensor.shape)}")
-                continue
-            put(f"{match['prefix']}.gate_proj", tensor[:, :inter].contiguous())
-            put(f"{match['prefix']}.up_proj", tensor[:, inter:].contiguous())
-        else:
-            put(key, tensor)
-
-    for fused, experts in per_expert.items():
-        wrong_ids = sorted(set(experts) ^ set(range(n_experts)))
-        if wrong_ids:
-            bad_experts.append(f"{fused}: expert ids {wrong_ids} missing or out of range 0..{n_experts - 1}")
-            reported.add(fused)
-            continue
-        # An unknown layer has no expected shape: hold its experts to expert 0's shape so that the
-        # stack below cannot fail; the key is then reported as unexpected.
-        want = expected[fused][1:] if fused in expected else tuple(experts[0][1].shape)
-        wrong = [
-            f"{key}: expected {want}, got {tuple(tensor.shape)}"
-            for key, tensor in experts.values()
-            if tuple(tensor.shape) != want
-        ]
-        if wrong:
-            mis_shaped.extend(wrong)
-            reported.add(fused)
-            continue
-        put(fused, torch.stack([experts[e][1] for e in range(n_experts)]))
-
-    missing = sorted(set(expected) - set(out) - reported)
-    unexpected = sorted(set(out) - set(expected))
-    mis_shaped += [
-        f"{k}: expected {expected[k]}, got {tuple(out[k].shape)}"
-        for k in sorted(set(out) & set(expected))
-        if tuple(out[k].shape) != expected[k]
-    ]
-    problems = []
-    if duplicates:
-        problems.append(f"given twice (fused and per-expert?): {sorted(duplicates)}")
-    if bad_experts:
-        problems.append(f"incomplete experts: {bad_experts}")
-    if missing:
-        problems.append(f"missing: {missing}")
-    if unexpected:
-        problems.append(f"unexpected: {unexpected}")
-    if mis_shaped:
-        problems.append(f"wrong shape: {mis_shaped}")
-    if problems:
-        raise ValueError(
-            "Hugging Face state dict does not match ModelConfig("
-            f"num_hidden_layers={config.num_hidden_layers}, num_experts={n_experts}, "
-            f"hidden_size={config.hidden_size}, ...): " + "; ".join(problems)
-        )
-    return out
+        return getattr(embedded, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,9 +22,10 @@ from torch import nn
 
 import ckpt
 from ckpt.formats.hf import export_hf, import_hf, param_shapes, parse_size
+from ckpt.hf.embedded import from_hf_state_dict, hf_config, to_hf_state_dict
 from ckpt.resharders.layout import Layout
 from ckpt.resharders.rules import MOE_RULES, param_box
-from ckpt.trainer.model import CONFIGS, ModelConfig, MoEForCausalLM, from_hf_state_dict, to_hf_state_dict
+from ckpt.trainer.model import CONFIGS, ModelConfig, MoEForCausalLM
 from tests.dist_utils import run_ranks
 
 TINY = CONFIGS["tiny"]
@@ -243,7 +244,7 @@ def test_export_and_import_through_fsspec(sharded: str, tmp_path: Path) -> None:
 
 def _hf_model(transformers: ModuleType, seed: int = 7) -> nn.Module:
     torch.manual_seed(seed)
-    config = transformers.Qwen3MoeConfig(**TINY.to_hf_config_dict())
+    config = transformers.Qwen3MoeConfig(**hf_config(TINY))
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     return transformers.Qwen3MoeForCausalLM(config).float().eval()

@@ -20,6 +20,7 @@ from ckpt.resharders.plan import plan
 from ckpt.resharders.reshard import MARKER_DIR, reshard
 from ckpt.resharders.rules import MOE_RULES
 from ckpt.shards import FlatShard, Shard
+from ckpt.storage.local import LocalStorage
 from tests.layouts import assert_bitwise
 from tests.resharders.moe_states import TINY, config, objects, save_single
 
@@ -110,15 +111,15 @@ def test_same_bytes_whatever_the_workers(tmp_path):
     assert files[0] == files[1]
 
 
-def _fail_on(rank_to_fail: int):
-    original = reshard_mod._Rewrite._write_file
+def _fail_on(path_to_fail: str):
+    original = LocalStorage.open_writer
 
-    def write_file(self, rank, wk, chunk, gap):
-        if rank == rank_to_fail:
-            raise StorageError(f"injected failure writing rank {rank}'s file")
-        return original(self, rank, wk, chunk, gap)
+    def open_writer(self, path):
+        if path == path_to_fail:
+            raise StorageError(f"injected failure writing {path}")
+        return original(self, path)
 
-    return write_file
+    return open_writer
 
 
 def test_failed_run_leaves_no_checkpoint_and_resumes(tmp_path, monkeypatch):
@@ -126,7 +127,7 @@ def test_failed_run_leaves_no_checkpoint_and_resumes(tmp_path, monkeypatch):
     src, dst, lay = str(tmp_path / "orig"), str(tmp_path / "dst"), Layout.parse("ep=4")
     p = plan(ckpt.inspect(src), lay)
     biggest_last = sorted(range(4), key=lambda r: (p.save.assignments[r].nbytes, -r))[0]
-    monkeypatch.setattr(reshard_mod._Rewrite, "_write_file", _fail_on(biggest_last))
+    monkeypatch.setattr(LocalStorage, "open_writer", _fail_on(p.target_files[biggest_last]))
     with pytest.raises(StorageError, match="injected"):
         reshard(src, dst, lay, workers=1)
     monkeypatch.undo()

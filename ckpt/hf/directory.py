@@ -1,0 +1,250 @@
+"""A Hugging Face model directory on storage: its file names, the dtypes it holds, reading its index and
+safetensors headers (no tensor data), and cutting an export into ``model-0000k-of-0000n.safetensors``
+files with their headers and ``model.safetensors.index.json``.
+
+Shared by the embedded MoE (:mod:`ckpt.hf.embedded`) and the adapter families (:mod:`ckpt.hf.engine`);
+the streaming itself is :mod:`ckpt.resharders.stream`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from typing import Any
+
+import torch
+
+from ckpt.dtypes import safetensors_dtype
+from ckpt.errors import IntegrityError, ManifestError, MismatchError, StateError
+from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, HeaderEntry, build_header, parse_header
+from ckpt.manifest import check_relpath
+from ckpt.resharders.stream import Item, OutFile
+from ckpt.storage import Storage
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", as transformers counts it
+ST_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
+
+# Output dtypes a Hugging Face export may use, and the float dtypes an import may read.
+DTYPE_ALIASES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
+HF_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+IMPORTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+ST_TO_TORCH = {st: dt for dt in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2) if (st := safetensors_dtype(dt)) is not None}
+
+Tensors = list[tuple[str, tuple[int, ...], list[Item]]]
+"""Hugging Face tensors of an export, in order: (name, shape, the items written back to back)."""
+
+
+def few(items: list[str], n: int = 6) -> str:
+    return "; ".join(items[:n]) + (f"; and {len(items) - n} more" if len(items) > n else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 10**3, "m": 10**6, "g": 10**9,
+          "t": 10**12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_size(value: int | str, *, what: str = "size") -> int:
+    """Bytes from ``5000``, ``"5GB"`` (10**9, as transformers counts) or ``"1GiB"`` (2**30).
+
+    Raises StateError on anything else or on a size below one byte.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = _SIZE.match(str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise StateError(f"{what} {value!r} is not a size; write e.g. 5GB, 500MB, 1GiB or a number of bytes")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 1:
+        raise StateError(f"{what} {value!r} must be at least one byte")
+    return n
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bf16"|"fp16"|"fp32"`` (or torch names / dtypes) -> torch dtype; None stays None.
+
+    Raises StateError for any other dtype: a Hugging Face export holds float32, float16 or bfloat16.
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        dt: torch.dtype | None = value
+    else:
+        dt = DTYPE_ALIASES.get(str(value).lower().removeprefix("torch."))
+    if dt not in HF_DTYPES:
+        raise StateError(f"dtype {value!r} is not supported: a Hugging Face checkpoint of this model holds "
+                         "bf16, fp16 or fp32 weights; pass one of those")
+    return dt
+
+
+def export_dtype(stored: set[torch.dtype], dtype: torch.dtype | None, *, url: str) -> torch.dtype:
+    """The export's dtype: ``dtype`` when given, else the one stored dtype, else float32 for mixed
+    float16/bfloat16/float32 (the widest, so the export is lossless); MismatchError otherwise."""
+    if dtype is not None:
+        return dtype
+    if len(stored) == 1 and next(iter(stored)) in HF_DTYPES:
+        return next(iter(stored))
+    if stored <= set(HF_DTYPES):
+        return torch.float32
+    raise MismatchError(f"{url}: stored dtypes {sorted(str(k) for k in stored)} cannot be written to a "
+                        "Hugging Face checkpoint as they are; pass dtype bf16, fp16 or fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: config, index, safetensors headers
+# ---------------------------------------------------------------------------------------------
+
+
+def read_json(storage: Storage, name: str) -> Any:
+    try:
+        return json.loads(storage.read_file(name).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{storage.url}/{name}: not valid JSON ({e})") from None
+
+
+def read_header(storage: Storage, path: str, size: int) -> dict[str, HeaderEntry]:
+    """The entries of the safetensors file ``path`` (``size`` bytes), from its header alone."""
+    where = f"{storage.url}/{path}"
+    if size < 8:
+        raise IntegrityError(f"{where}: {size} bytes, shorter than a safetensors header; the file is truncated")
+    head = bytearray(8)
+    storage.read_into(path, 0, memoryview(head))
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise IntegrityError(f"{where}: safetensors header length {n} exceeds the file ({size} bytes)")
+    full = bytearray(8 + n)
+    storage.read_into(path, 0, memoryview(full))
+    return parse_header(bytes(full), size, path=where)
+
+
+def read_entries(storage: Storage) -> tuple[dict[str, tuple[str, HeaderEntry]], dict[str, int]]:
+    """Every tensor of the directory's safetensors files (as the index assigns them) and file sizes.
+
+    Raises ManifestError (no weights, unreadable index), IntegrityError (a file the index names is
+    missing, malformed headers, an index that disagrees with the files), MismatchError (a tensor
+    stored twice).
+    """
+    url = storage.url
+    wanted: dict[str, str] | None = None
+    if storage.size(INDEX_NAME) is not None:
+        idx = read_json(storage, INDEX_NAME)
+        wmap = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+            raise ManifestError(f"{url}/{INDEX_NAME}: no weight_map of tensor name -> file name")
+        wanted = dict(wmap)
+        names = sorted(set(wanted.values()))
+    elif storage.size(SINGLE_NAME) is not None:
+        names = [SINGLE_NAME]
+    else:
+        raise ManifestError(f"{url}: neither {SINGLE_NAME} nor {INDEX_NAME}; no safetensors weights to import")
+    sizes: dict[str, int] = {}
+    for name in names:
+        check_relpath(name, f"{url}/{INDEX_NAME}")
+        size = storage.size(name)
+        if size is None:
+            example = next(k for k, v in (wanted or {}).items() if v == name)
+            raise IntegrityError(f"{url}/{name}: missing, but {INDEX_NAME} names it (e.g. for {example!r}); "
+                                 "the download is incomplete: fetch that file again")
+        sizes[name] = size
+    entries: dict[str, tuple[str, HeaderEntry]] = {}
+    dupes: list[str] = []
+    for name in names:
+        for key, h in read_header(storage, name, sizes[name]).items():
+            if wanted is not None and wanted.get(key) != name:
+                continue  # transformers reads a tensor from the file the index names
+            if key in entries:
+                dupes.append(key)
+            entries[key] = (name, h)
+    if wanted is not None:
+        absent = sorted(k for k in wanted if k not in entries)
+        if absent:
+            raise IntegrityError(f"{url}: {INDEX_NAME} maps {few(absent, 3)} to files whose headers lack them; "
+                                 "the index and the files disagree")
+    if dupes:
+        raise MismatchError(f"{url}: tensors stored twice: {few(sorted(dupes))}")
+    return entries, sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: model-k-of-n files and the index
+# ---------------------------------------------------------------------------------------------
+
+
+def _files(groups: list[Tensors], st: str, dtype: torch.dtype) -> list[OutFile]:
+    files = []
+    for k, group in enumerate(groups):
+        header, _ = build_header([(name, st, shape, math.prod(shape) * dtype.itemsize) for name, shape, _ in group],
+                                 ST_METADATA)
+        files.append(OutFile(f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors", header,
+                             [it for _, _, items in group for it in items]))
+    return files
+
+
+def split_files(tensors: Tensors, dtype: torch.dtype, limit: int) -> list[OutFile]:
+    """Fill files in order up to ``limit`` bytes, header included (each header entry counted at its
+    longest); a larger tensor gets a file of its own. The embedded MoE's exports."""
+    st = safetensors_dtype(dtype)
+    assert st is not None
+    digits = len(str(sum(math.prod(shape) for _, shape, _ in tensors) * dtype.itemsize))
+    big = 10**digits - 1  # no data offset has more digits: header estimates are upper bounds
+    fixed = 8 + len(json.dumps({"__metadata__": ST_METADATA}, separators=(",", ":"))) + 8
+
+    def entry(name: str, shape: tuple[int, ...]) -> int:
+        e = {name: {"dtype": st, "shape": list(shape), "data_offsets": [big, big]}}
+        return len(json.dumps(e, separators=(",", ":")))  # braces stand in for the comma
+
+    groups: list[Tensors] = []
+    cur: Tensors = []
+    size = fixed
+    for t in tensors:
+        add = entry(t[0], t[1]) + math.prod(t[1]) * dtype.itemsize
+        if cur and size + add > limit:
+            groups.append(cur)
+            cur, size = [], fixed
+        cur.append(t)
+        size += add
+    if cur:
+        groups.append(cur)
+    return _files(groups, st, dtype)
+
+
+def split_files_approx(tensors: Tensors, dtype: torch.dtype, limit: int) -> list[OutFile]:
+    """Fill files in order up to about ``limit`` bytes (a header entry counted as ~128 bytes plus the
+    name); a larger tensor gets a file of its own. The adapter families' exports."""
+    st = safetensors_dtype(dtype)
+    assert st is not None
+    groups: list[Tensors] = []
+    size = 0
+    for t in tensors:
+        n = math.prod(t[1]) * dtype.itemsize + 128 + len(t[0])
+        if groups and groups[-1] and size + n <= limit:
+            groups[-1].append(t)
+            size += n
+        else:
+            groups.append([t])
+            size = n
+    return _files(groups, st, dtype)
+
+
+def index_of(files: list[OutFile]) -> dict[str, Any]:
+    """``model.safetensors.index.json``'s body for ``files``."""
+    items = [it for f in files for it in f.items]
+    return {"metadata": {"total_size": sum(it.out_bytes for it in items),
+                         "total_parameters": sum(it.numel for it in items)},
+            "weight_map": dict(sorted({it.name: f.path for f in files for it in f.items}.items()))}
