@@ -9,6 +9,8 @@ shadow):
   ``rank_state``);
 - :mod:`~ckpt.resharders.plan`: ``plan(manifest, target, rules) -> ReshardPlan`` (pure);
 - :mod:`~ckpt.resharders.reshard`: ``reshard(src, dst, target)`` (streaming, resumable);
+- :mod:`~ckpt.resharders.stream`: ``copy_files`` / ``read_items``, the one streaming copy engine
+  (reshard, converters, HF export/import, DCP export);
 - :mod:`~ckpt.resharders.diff`: ``diff(a, b, atol) -> DiffReport``;
 - :mod:`~ckpt.resharders.fused`: ``FusedSpec``, ``split_fused``, ``join_fused``.
 
