@@ -15,6 +15,7 @@ Subcommands::
     crash       SIGKILL during saves (500 random + targeted kills), audit every checkpoint left behind
     fuzz        long fuzzing of the manifest/header/object parsers and verify; single-fault corruption census
     hashcost    save time with and without CRC-32 checksumming
+    gpu-io      loads into GPU tensors (warm, cold) and synchronous GPU saves vs DCP and safetensors
     scale       simulated planning for a DeepSeek-V3-sized MoE on 16,384 ranks, ckpt vs DCP
     bytecheckpoint  ByteCheckpoint 0.0.2 vs ckpt vs DCP: 2 torchrun ranks, FSDP2 + AdamW on CPU (optional dep)
 """
@@ -32,6 +33,7 @@ from bench import (
     deepspeed_convert,
     fsdp_tp,
     fuzz,
+    gpu_io,
     hashcost,
     hf_export,
     hf_llama,
@@ -56,6 +58,7 @@ COMMANDS = {
     "crash": (crash, "SIGKILL during saves; every manifest verifies, latest() loads"),
     "fuzz": (fuzz, "fuzz the parsers of untrusted bytes (100k inputs) and census single-fault corruptions"),
     "hashcost": (hashcost, "save time with and without CRC-32 checksums"),
+    "gpu-io": (gpu_io, "GPU restores (warm/cold) and sync GPU saves vs dcp and safetensors, vs H2D/disk/dd"),
     "scale": (scale, "simulated DeepSeek-V3 planning at 16,384 ranks: ckpt vs DCP's planner, no tensors"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
