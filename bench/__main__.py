@@ -17,6 +17,7 @@ Subcommands::
     hashcost    save time with and without CRC-32 checksumming
     gpu-io      loads into GPU tensors (warm, cold) and synchronous GPU saves vs DCP and safetensors
     scale       simulated planning for a DeepSeek-V3-sized MoE on 16,384 ranks, ckpt vs DCP
+    scaling     real forked gloo ranks (8..64): save, async save, resharded load vs DCP; coordinator bytes
     bytecheckpoint  ByteCheckpoint 0.0.2 vs ckpt vs DCP: 2 torchrun ranks, FSDP2 + AdamW on CPU (optional dep)
 """
 
@@ -42,6 +43,7 @@ from bench import (
     s3_bench,
     save_load,
     scale,
+    scaling,
 )
 
 COMMANDS = {
@@ -60,6 +62,7 @@ COMMANDS = {
     "hashcost": (hashcost, "save time with and without CRC-32 checksums"),
     "gpu-io": (gpu_io, "GPU restores (warm/cold) and sync GPU saves vs dcp and safetensors, vs H2D/disk/dd"),
     "scale": (scale, "simulated DeepSeek-V3 planning at 16,384 ranks: ckpt vs DCP's planner, no tensors"),
+    "scaling": (scaling, "8..64 forked gloo ranks: save/async/resharded load vs DCP, coordinator bytes and growth"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 

@@ -1,16 +1,22 @@
 """Metadata exchange between ranks: msgpack bytes over a CPU (gloo) group. Never pickle, never data.
 
-Every exchange is point-to-point between the coordinator (group rank 0) and each rank: a rank
-sends one message and receives one, so what a rank sends and receives is O(its own metadata), and
-a coordinator waiting for a slow or dead rank names it after ``timeout`` seconds instead of
-hanging. Only the load path broadcasts (the manifest, which every loading rank needs).
+Every exchange runs over a tree of point-to-point messages rooted at the coordinator (group rank 0;
+the source rank for a broadcast): each rank talks to its parent and to at most ``FANIN`` children
+(ByteCheckpoint's tree). A gather climbs the tree, each rank forwarding its subtree's messages in
+one bundle; a reply (``send_each``) or a broadcast descends it, each rank forwarding its subtree's
+part, so a message sent to many ranks crosses each edge once. The coordinator therefore sends and
+receives ``FANIN`` messages instead of one per rank, and what it sends to every rank (the manifest at
+load) costs it ``FANIN`` copies instead of ``world - 1``; what a rank sends and receives for itself
+is still O(its own metadata). With ``world <= FANIN + 1`` (or ``FANIN = 0``) the tree is the flat
+star: the coordinator talks to every rank directly.
 
 Every send, receive and broadcast is bounded: it is posted without blocking and waited for until a
 deadline ``timeout`` seconds after the operation started (``None``: no deadline of ours, gloo's own
 group timeout applies). A rank that misses it raises :class:`~ckpt.errors.CollectiveError` naming
-itself, the peer and the operation. gloo closes every connection of the group when a wait times
-out, so the other ranks of the collective get a CollectiveError at once instead of waiting in turn;
-the metadata group is unusable afterwards (restart the job).
+itself, the peer and the operation (and, for a peer that relays others, the ranks it relays). gloo
+closes every connection of the group when a wait times out, so the other ranks of the collective get
+a CollectiveError at once instead of waiting in turn; the metadata group is unusable afterwards
+(restart the job).
 """
 
 from __future__ import annotations
@@ -25,7 +31,37 @@ import torch
 from ckpt import errors
 
 DEFAULT_TIMEOUT_S = 600.0
+FANIN = 8  # children per rank in the exchange tree (read when a Comm is created); 0: flat star
+_LOST = -1  # the rank field of a gather entry that reports lost ranks instead of a message
 _GLOO_GROUPS: dict[Any, Any] = {}
+
+
+def tree_children(v: int, world: int, fanin: int) -> list[int]:
+    """Children of virtual rank ``v`` (0 is the root) in the exchange tree of ``world`` ranks.
+
+    ``fanin`` <= 0, or a world the root can reach directly (``world - 1 <= fanin``): the flat star.
+    Pure; the same on every rank.
+    """
+    if fanin <= 0 or world - 1 <= fanin:
+        return list(range(1, world)) if v == 0 else []
+    return list(range(fanin * v + 1, min(fanin * v + fanin, world - 1) + 1))
+
+
+def tree_parent(v: int, world: int, fanin: int) -> int:
+    """Parent of virtual rank ``v`` > 0 in the exchange tree (see :func:`tree_children`)."""
+    if fanin <= 0 or world - 1 <= fanin:
+        return 0
+    return (v - 1) // fanin
+
+
+def tree_below(v: int, world: int, fanin: int) -> list[int]:
+    """Every virtual rank strictly below ``v`` in the exchange tree, in ascending order."""
+    out: list[int] = []
+    todo = tree_children(v, world, fanin)
+    while todo:
+        out += todo
+        todo = [c for p in todo for c in tree_children(p, world, fanin)]
+    return sorted(out)
 
 
 def _dist() -> Any:
@@ -80,14 +116,16 @@ class Comm:
     ``group=None`` with an initialized default group means the whole world takes part.
     ``sent`` / ``received`` count this rank's metadata bytes (for the traffic figures).
     ``timeout`` bounds the creation of the gloo side group of a non-gloo (NCCL) group, which is
-    itself collective (None: the default group timeout).
+    itself collective (None: the default group timeout). ``fanin`` (default: the module's ``FANIN``)
+    is the number of children per rank of the exchange tree; every rank must use the same.
     """
 
-    def __init__(self, group: Any = None, *, timeout: float | None = None):
+    def __init__(self, group: Any = None, *, timeout: float | None = None, fanin: int | None = None):
         dist = _dist()
         self.enabled = dist.is_available() and dist.is_initialized()
         self.sent = 0
         self.received = 0
+        self.fanin = FANIN if fanin is None else int(fanin)
         if not self.enabled:
             if group is not None:
                 raise errors.StateError("a process group was passed but torch.distributed is not initialized")
@@ -130,15 +168,37 @@ class Comm:
         dist = _dist()
         return int(dist.get_global_rank(self.cpu_group, r)) if self.cpu_group is not dist.group.WORLD else r
 
+    # --- the exchange tree -----------------------------------------------------------------
+
+    def _children(self, root: int = 0) -> list[int]:
+        v = (self.rank - root) % self.world
+        return [(c + root) % self.world for c in tree_children(v, self.world, self.fanin)]
+
+    def _parent(self, root: int = 0) -> int:
+        v = (self.rank - root) % self.world
+        return (tree_parent(v, self.world, self.fanin) + root) % self.world
+
+    def _below(self, peer: int, root: int = 0) -> list[int]:
+        v = (peer - root) % self.world
+        return sorted((b + root) % self.world for b in tree_below(v, self.world, self.fanin))
+
+    def _relays(self, peers: list[int], root: int = 0) -> str:
+        """' (rank 1 relays rank(s) [9, ..., 16])' for the children of this rank that relay others ('' in
+        a flat star): a child that misses a deadline may be waiting for one of them. A parent is not
+        annotated (the operation's name already says whom it relays)."""
+        kids = set(self._children(root))
+        parts = [f"rank {p} relays rank(s) {_few_ranks(b)}" for p in peers if p in kids and (b := self._below(p, root))]
+        return f" ({'; '.join(parts)})" if parts else ""
+
     # --- point to point -------------------------------------------------------------------
 
     def _lost(self, what: str, verb: str, peers: list[int], e: BaseException | None,
-              timeout: float | None) -> errors.CollectiveError:
+              timeout: float | None, root: int = 0) -> errors.CollectiveError:
         reason = _reason(e, timeout) if e is not None else "(connection lost)"
         who = f"rank {peers[0]}" if len(peers) == 1 else f"rank(s) {peers}"
         return errors.CollectiveError(
-            f"{what}: rank {self.rank} could not {verb} {who} {reason}; {_consequence(what)}. "
-            "The metadata group is unusable after this: restart the job")
+            f"{what}: rank {self.rank} could not {verb} {who} {reason}{self._relays(peers, root)}; "
+            f"{_consequence(what)}. The metadata group is unusable after this: restart the job")
 
     def _post_sends(self, data: bytes, peer: int) -> list[Any]:
         """Post the size, then the payload, to ``peer`` without blocking; returns the works to wait for."""
@@ -150,9 +210,10 @@ class Comm:
                                     group=self.cpu_group))
         return works
 
-    def _send_many(self, datas: dict[int, bytes], timeout: float | None, what: str) -> None:
-        """Send ``datas[peer]`` to every peer at once; CollectiveError naming the peers not reached by the deadline."""
-        deadline = _deadline(timeout)
+    def _send_many(self, datas: dict[int, bytes], timeout: float | None, what: str, deadline: float | None,
+                   root: int = 0) -> None:
+        """Send ``datas[peer]`` to every peer at once until ``deadline`` (monotonic seconds; None: gloo's
+        own timeout); CollectiveError naming the peers not reached."""
         posted: dict[int, list[Any]] = {}
         missing: list[int] = []
         first: BaseException | None = None
@@ -171,16 +232,12 @@ class Comm:
                 first = first or e
                 deadline = time.monotonic() if deadline is not None else None  # the group is closed now
         if missing:
-            raise self._lost(what, "send to", sorted(missing), first, timeout) from first
+            raise self._lost(what, "send to", sorted(missing), first, timeout, root) from first
         for data in datas.values():
             self.sent += len(data) + 8
 
-    def _send(self, data: bytes, peer: int, *, timeout: float | None = DEFAULT_TIMEOUT_S,
-              what: str = "send") -> None:
-        self._send_many({peer: data}, timeout, what)
-
     def _recv_payloads(self, sizes: dict[int, int], deadline: float | None, timeout: float | None,
-                       what: str) -> dict[int, bytes]:
+                       what: str, root: int = 0) -> dict[int, bytes]:
         dist = _dist()
         bufs = {p: torch.empty(n, dtype=torch.uint8) for p, n in sizes.items()}
         missing: list[int] = []
@@ -200,17 +257,13 @@ class Comm:
                 missing.append(p)
                 first = first or e
         if missing:
-            raise self._lost(what, "receive from", sorted(missing), first, timeout) from first
+            raise self._lost(what, "receive from", sorted(missing), first, timeout, root) from first
         for n in sizes.values():
             self.received += n + 8
         return {p: bufs[p].numpy().tobytes() for p in sizes}
 
-    def _recv_payload(self, n: int, peer: int, *, timeout: float | None = DEFAULT_TIMEOUT_S,
-                      what: str = "receive") -> bytes:
-        return self._recv_payloads({peer: n}, _deadline(timeout), timeout, what)[peer]
-
     def _wait_sizes(self, peers: list[int], timeout: float | None, what: str,
-                    deadline: float | None = None) -> dict[int, int]:
+                    deadline: float | None = None, root: int = 0) -> dict[int, int]:
         """Post a size receive from every peer, then wait for all; name the missing ones on timeout.
 
         ``deadline`` (monotonic seconds) defaults to ``timeout`` seconds from now.
@@ -238,35 +291,82 @@ class Comm:
             missing.sort()
             how = _reason(lost, timeout) if lost is not None else f"within {timeout:g} s (slow, hung or dead)"
             raise errors.CollectiveError(
-                f"{what}: rank(s) {missing} did not report {how}, seen from rank {self.rank}; "
-                f"{_consequence(what)}. The metadata group is unusable after this: restart the job"
+                f"{what}: rank(s) {missing} did not report {how}{self._relays(missing, root)}, seen from rank "
+                f"{self.rank}; {_consequence(what)}. The metadata group is unusable after this: restart the job"
             ) from lost
         return {p: int(bufs[p].item()) for p in peers}
+
+    def _recv_from_parent(self, deadline: float | None, timeout: float | None, what: str, root: int = 0) -> bytes:
+        """The one message this rank gets from its parent in the tree rooted at ``root``."""
+        parent = self._parent(root)
+        sizes = self._wait_sizes([parent], timeout, what, deadline, root)
+        return self._recv_payloads(sizes, deadline, timeout, what, root)[parent]
+
+    # --- gather, reply, exchange --------------------------------------------------------------
 
     def gather(self, obj: Any, *, timeout: float | None = DEFAULT_TIMEOUT_S, what: str = "gather") -> list[Any] | None:
         """Every rank sends ``obj`` (msgpack-able) to the coordinator; it returns all of them, others None.
 
-        Raises CollectiveError naming the ranks that did not report (coordinator) or the coordinator
-        when it did not take the message (others) within ``timeout`` seconds.
+        The messages climb the exchange tree: a rank first takes its children's bundles (each its
+        subtree's messages), then sends its parent one bundle with its own message added.
+
+        Raises CollectiveError within ``timeout`` seconds naming the ranks that did not report (on the
+        coordinator, or on a rank relaying them) or the parent that did not take the message.
         """
         if self.single:
             return [obj]
-        if self.rank != 0:
-            self._send(_pack(obj), 0, timeout=timeout, what=f"{what} (sending to the coordinator, rank 0)")
-            return None
-        peers = list(range(1, self.world))
         deadline = _deadline(timeout)
-        sizes = self._wait_sizes(peers, timeout, what, deadline)
-        data = self._recv_payloads(sizes, deadline, timeout, what)
-        out: list[Any] = [obj] + [None] * (self.world - 1)
-        for p in peers:
-            out[p] = _unpack(data[p])
+        entries: list[Any] = [[self.rank, _pack(obj)]]
+        kids = self._children()
+        if kids:
+            try:
+                sizes = self._wait_sizes(kids, timeout, what, deadline)
+                data = self._recv_payloads(sizes, deadline, timeout, what)
+            except errors.CollectiveError as e:
+                self._report_up(e, deadline, what)
+                raise
+            for c in kids:
+                entries += _unpack(data[c])
+        if self.rank != 0:
+            parent = self._parent()
+            to = "the coordinator, rank 0" if parent == 0 else f"rank {parent}, which relays to the coordinator"
+            self._send_many({parent: _pack(entries)}, timeout, f"{what} (sending to {to})", deadline)
+            return None
+        out: list[Any] = [None] * self.world
+        for r, payload in entries:
+            if r == _LOST:  # a relaying rank lost some of its subtree: its own words, on the coordinator
+                raise errors.CollectiveError(_unpack(payload))
+            out[r] = _unpack(payload)
         return out
 
-    def send_each(self, objs: list[Any], *, timeout: float | None = DEFAULT_TIMEOUT_S, what: str = "reply") -> Any:
-        """Coordinator only: send ``objs[r]`` to each rank r (all at once); returns its own ``objs[0]``.
+    def _report_up(self, e: errors.CollectiveError, deadline: float | None, what: str) -> None:
+        """Best effort, on a relaying rank that lost a child: tell the coordinator which rank is missing
+        (its parent would otherwise see only this rank miss the deadline). Once a wait has timed out,
+        gloo has closed this rank's connections and the send fails: the timeouts then speak."""
+        if self.rank == 0:
+            return
+        try:
+            self._send_many({self._parent(): _pack([[_LOST, _pack(str(e))]])}, None, what, deadline)
+        except errors.CollectiveError:
+            pass
 
-        Raises CollectiveError naming the ranks that did not take their message within ``timeout``.
+    def _scatter(self, datas: dict[int, bytes], deadline: float | None, timeout: float | None, what: str) -> None:
+        """Send each child of this rank one bundle: the payloads of its subtree's ranks, each distinct
+        payload once with the ranks it is for (a verdict for all crosses each edge once)."""
+        bundles: dict[int, bytes] = {}
+        for c in self._children():
+            groups: dict[int, tuple[bytes, list[int]]] = {}
+            for r in [c, *self._below(c)]:
+                groups.setdefault(id(datas[r]), (datas[r], []))[1].append(r)
+            bundles[c] = _pack([[ranks, payload] for payload, ranks in groups.values()])
+        if bundles:
+            self._send_many(bundles, timeout, what, deadline)
+
+    def send_each(self, objs: list[Any], *, timeout: float | None = DEFAULT_TIMEOUT_S, what: str = "reply") -> Any:
+        """Coordinator only: send ``objs[r]`` to each rank r (down the exchange tree); returns its own ``objs[0]``.
+
+        Raises CollectiveError naming the children (and the ranks they relay) that did not take
+        their message within ``timeout``.
         """
         if self.single:
             return objs[0]
@@ -277,15 +377,21 @@ class Comm:
             if key not in packed:
                 packed[key] = _pack(objs[r])
             datas[r] = packed[key]
-        self._send_many(datas, timeout, what)
+        self._scatter(datas, _deadline(timeout), timeout, what)
         return objs[0]
 
     def recv_one(self, *, timeout: float | None = DEFAULT_TIMEOUT_S, what: str = "reply") -> Any:
-        """Non-coordinator: receive the coordinator's message; CollectiveError after ``timeout``."""
-        what = f"{what} (waiting for the coordinator, rank 0)"
+        """Non-coordinator: receive the coordinator's message for this rank (and pass on the messages
+        of the ranks below it in the tree); CollectiveError after ``timeout``."""
+        parent = self._parent()
+        via = "the coordinator, rank 0" if parent == 0 else f"rank {parent}, which relays the coordinator's"
         deadline = _deadline(timeout)
-        sizes = self._wait_sizes([0], timeout, what, deadline)
-        return _unpack(self._recv_payloads(sizes, deadline, timeout, what)[0])
+        bundle = _unpack(self._recv_from_parent(deadline, timeout, f"{what} (waiting for {via})"))
+        datas = {r: payload for ranks, payload in bundle for r in ranks}
+        mine = datas.pop(self.rank)
+        if datas:
+            self._scatter(datas, deadline, timeout, what)
+        return _unpack(mine)
 
     def exchange(self, obj: Any, reply: Any, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                  what: str = "exchange") -> Any:
@@ -303,28 +409,36 @@ class Comm:
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                         what: str = "broadcast") -> bytes:
-        """Broadcast raw bytes from ``src`` to every rank (``src`` sends to each: gloo's own algorithm).
+        """Broadcast raw bytes from ``src`` to every rank, down the exchange tree rooted at ``src``.
 
-        Raises CollectiveError after ``timeout`` seconds naming the ranks not reached (on ``src``) or
-        ``src`` (on the others).
+        Raises CollectiveError after ``timeout`` seconds naming the ranks not reached (on ``src`` or
+        a relaying rank) or the rank this one waited for.
         """
         if self.single:
             assert data is not None
             return data
-        if self.rank == src:
-            assert data is not None
-            self._send_many({r: data for r in range(self.world) if r != src}, timeout, what)
-            return data
-        what = f"{what} (waiting for rank {src})"
         deadline = _deadline(timeout)
-        sizes = self._wait_sizes([src], timeout, what, deadline)
-        return self._recv_payloads(sizes, deadline, timeout, what)[src]
+        if self.rank != src:
+            parent = self._parent(src)
+            via = f"rank {src}" if parent == src else f"rank {parent}, which relays rank {src}'s"
+            data = self._recv_from_parent(deadline, timeout, f"{what} (waiting for {via})", src)
+        assert data is not None
+        kids = self._children(src)
+        if kids:
+            self._send_many(dict.fromkeys(kids, data), timeout, what, deadline, src)
+        return data
 
     def broadcast(self, obj: Any, src: int = 0, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                   what: str = "broadcast") -> Any:
         """Broadcast a msgpack-able object from ``src``; bounded by ``timeout`` like :meth:`broadcast_bytes`."""
         data = _pack(obj) if self.rank == src else None
         return _unpack(self.broadcast_bytes(data, src, timeout=timeout, what=what))
+
+
+def _few_ranks(ranks: list[int], n: int = 8) -> str:
+    if len(ranks) <= n:
+        return str(ranks)
+    return f"[{', '.join(map(str, ranks[:n - 2]))}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
 
 
 def describe(e: BaseException) -> str:

@@ -1,0 +1,148 @@
+"""The metadata exchange tree (ckpt.comm, fan-in ``FANIN``): its shape, the same results as the flat
+star, fewer coordinator bytes for what every rank gets, and the failure semantics kept (every wait
+bounded by ``timeout``, a missing rank named). Real gloo groups on forked processes, with a fan-in
+of 2 so that a few ranks make a tree of depth 2: 0 -> 1, 2; 1 -> 3, 4; 2 -> 5, 6."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import comm as comm_mod
+from ckpt.comm import Comm, tree_below, tree_children, tree_parent
+from tests.test_rank_failures import SLACK, _assert_typed, outcome, run_forked
+
+
+@pytest.mark.parametrize("fanin", [0, 1, 2, 3, 8])
+def test_tree_covers_every_rank_once(fanin: int) -> None:
+    for world in range(1, 80):
+        assert tree_below(0, world, fanin) == list(range(1, world))
+        for v in range(1, world):
+            p = tree_parent(v, world, fanin)
+            assert p < v and v in tree_children(p, world, fanin)
+        if fanin == 0 or world - 1 <= fanin:
+            assert tree_children(0, world, fanin) == list(range(1, world))  # the flat star
+        else:
+            assert all(len(tree_children(v, world, fanin)) <= fanin for v in range(world))
+
+
+def test_tree_depth_at_64_ranks_with_fanin_8() -> None:
+    assert tree_children(0, 64, 8) == list(range(1, 9))
+    assert tree_children(1, 64, 8) == list(range(9, 17)) and tree_children(7, 64, 8) == list(range(57, 64))
+    assert all(not tree_children(v, 64, 8) for v in range(9, 64))  # depth 2
+    assert comm_mod.FANIN == 8
+
+
+def _happy(rank: int, world: int, fanin: int, timeout: float) -> dict[str, Any]:
+    c = Comm(None, fanin=fanin)
+    got = c.exchange({"r": rank, "pad": "x" * rank},
+                     lambda objs: [{"to": i, "from": objs[i]["r"]} for i in range(world)], timeout=timeout, what="test")
+    before = c.sent
+    big = c.broadcast(b"\x01" * 100_000 if rank == 0 else None, timeout=timeout)
+    bcast_sent = c.sent - before
+    off_root = c.broadcast_bytes(b"\x02" * 1000 if rank == 3 else None, src=3, timeout=timeout)
+    everyone = c.gather(rank * 10, timeout=timeout)
+    before = c.sent
+    verdict = {"ok": "y" * 50_000}
+    same = c.send_each([verdict] * world, timeout=timeout) if rank == 0 else c.recv_one(timeout=timeout)
+    verdict_sent = c.sent - before
+    return {"got": got, "big": len(big), "off_root": off_root == b"\x02" * 1000, "all": everyone,
+            "same": same == verdict, "bcast_sent": bcast_sent, "verdict_sent": verdict_sent}
+
+
+@pytest.mark.parametrize("fanin", [2, 0])
+def test_tree_gives_the_flat_results_with_fewer_coordinator_bytes(fanin: int) -> None:
+    world = 7
+    res = run_forked(world, _happy, fanin, 10.0, limit=60.0)
+    for r, x in enumerate(res):
+        assert x["got"] == {"to": r, "from": r} and x["big"] == 100_000 and x["off_root"] and x["same"]
+        assert x["all"] == ([10 * i for i in range(world)] if r == 0 else None)
+    root_copies = 2 if fanin == 2 else world - 1  # what the coordinator sends of a message for everyone
+    assert 100_000 * root_copies <= res[0]["bcast_sent"] < 100_000 * root_copies + 1000
+    assert 50_000 * root_copies <= res[0]["verdict_sent"] < 50_000 * root_copies + 1000
+    if fanin == 2:  # a relaying rank passes each of its children one copy
+        assert 200_000 <= res[1]["bcast_sent"] < 201_000 and res[3]["bcast_sent"] == 0
+
+
+# --- failures inside the tree ---------------------------------------------------------------------
+
+def _stall_or_crash(rank: int, world: int, culprit: int, how: str, timeout: float) -> dict[str, Any]:
+    c = Comm(None, fanin=2)
+    if rank == culprit:
+        if how == "crash":
+            os._exit(0)  # gone without a word
+        time.sleep(timeout + 1.5)  # alive but silent past everyone's deadline
+        return {}
+    return outcome(lambda: c.exchange({"r": rank}, lambda objs: objs, timeout=timeout, what="save test"))
+
+
+@pytest.mark.parametrize("culprit,how", [(5, "stall"), (6, "crash"), (1, "stall"), (2, "crash")])
+def test_a_failure_in_the_tree_reaches_every_rank_within_the_timeout(culprit: int, how: str) -> None:
+    timeout = 1.5
+    res = run_forked(7, _stall_or_crash, culprit, how, timeout, limit=timeout + 1.5 + 3 * SLACK)
+    for r, x in enumerate(res):
+        if r == culprit:
+            continue
+        # a rank waits at most one timeout per half of the exchange
+        _assert_typed(x, 2 * timeout + SLACK, cls="CollectiveError", has=("restart the job",))
+    parent = (culprit - 1) // 2
+    # the culprit is named by the rank waiting for it; the coordinator names it, or the rank that
+    # relays it (with the ranks it relays)
+    assert f"[{culprit}]" in res[parent]["msg"] or f"rank {culprit}" in res[parent]["msg"], res[parent]
+    assert str(culprit) in res[0]["msg"], res[0]
+    if culprit in (1, 2):  # its children could not reach it
+        for child in (2 * culprit + 1, 2 * culprit + 2):
+            assert f"rank {culprit}" in res[child]["msg"], res[child]
+
+
+def _lost_leaf_reported_by_its_relay(rank: int, world: int, timeout: float) -> dict[str, Any]:
+    c = Comm(None, fanin=2)
+    if rank == 6:
+        os._exit(0)
+    return outcome(lambda: c.gather({"r": rank}, timeout=timeout, what="save test"))
+
+
+def test_a_dead_leaf_is_named_on_the_coordinator() -> None:
+    res = run_forked(7, _lost_leaf_reported_by_its_relay, 5.0, limit=30.0)
+    assert res[6].get("crashed")
+    _assert_typed(res[2], 5.0 + SLACK, cls="CollectiveError", has=("rank(s) [6] did not report",))
+    # the coordinator gets the relay's own words (or, when the relay's send failed too, names the relay)
+    assert "[6]" in res[0]["msg"] or "rank 2 relays rank(s) [5, 6]" in res[0]["msg"], res[0]
+    assert res[0]["type"] == "CollectiveError"
+
+
+# --- ckpt.save / ckpt.load over a tree ------------------------------------------------------------
+
+def _save_load_on_tree(rank: int, world: int, path: str, bad: int | None) -> dict[str, Any]:
+    comm_mod.FANIN = 2
+    full = torch.arange(world * 4 * 6, dtype=torch.float32).reshape(world * 4, 6)
+    rows = ckpt.Shard(full[rank * 4:(rank + 1) * 4].clone(), tuple(full.shape), (rank * 4, 0))
+    if bad == rank:  # a region outside the tensor: a StateError/LayoutError on this rank only
+        rows = ckpt.Shard(torch.zeros(4, 6), tuple(full.shape), (world * 4, 0))
+    res = outcome(lambda: ckpt.save({"w": rows, "step": 3}, path, timeout=20.0))
+    if bad is not None:
+        return res
+    assert res["type"] is None, res
+    cols = torch.zeros(world * 4, 2)
+    out = ckpt.load({"w": ckpt.Shard(cols, tuple(full.shape), (0, 2 * (rank % 3))), "step": 0}, path, timeout=20.0)
+    assert torch.equal(cols, full[:, 2 * (rank % 3):2 * (rank % 3) + 2]) and out["step"] == 3
+    return {"ok": True}
+
+
+def test_ckpt_save_and_resharded_load_over_a_tree(tmp_path) -> None:
+    res = run_forked(5, _save_load_on_tree, str(tmp_path / "c"), None, limit=60.0)
+    assert all(x == {"ok": True} for x in res)
+    assert ckpt.verify(str(tmp_path / "c"), deep=True).ok
+
+
+def test_a_bad_state_on_a_relayed_rank_fails_every_rank_typed(tmp_path) -> None:
+    res = run_forked(5, _save_load_on_tree, str(tmp_path / "c"), 4, limit=60.0)  # rank 4's parent is rank 1
+    for x in res:
+        _assert_typed(x, 20.0, has=("rank 4",))
+        assert x["typed"] and x["type"] != "CollectiveError", x
+    assert not os.path.exists(tmp_path / "c" / "manifest.msgpack")
