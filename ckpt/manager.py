@@ -15,12 +15,12 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt import transaction
 from ckpt.async_save import AsyncSaver, SaveHandle
 from ckpt.comm import Comm
-from ckpt.errors import CheckpointError, StorageError
+from ckpt.errors import CheckpointError, CheckpointExistsError, StorageError
 from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.load import load
 from ckpt.manifest import MANIFEST_NAME, Manifest
@@ -28,8 +28,12 @@ from ckpt.save import save
 from ckpt.staging import check_cap
 from ckpt.storage import Storage, get_storage, join_url
 
+if TYPE_CHECKING:
+    from ckpt.tier import MemoryCheckpoint, MemoryTier, TierRestore
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LEASE = ".writing"
+LINEAGE = ".ckpt-lineage"  # at the root: a token of its life (the memory tier's guard against stale copies)
 LEASE_GRACE_S = 3600.0  # a lease from another host counts as live for this long
 
 
@@ -292,12 +296,33 @@ class CheckpointManager:
             if step % 100 == 0:
                 h = mgr.save(step, state)   # async: returns quickly
             h.staged() ... optimizer.step()
+
+    With a memory tier (``memory_every=N``), ``save_memory`` keeps recent checkpoints in node-local
+    shared memory with a copy of each rank's pieces on a peer node (:mod:`ckpt.tier`), and
+    ``restore`` takes the newest complete step across tiers::
+
+        mgr = ckpt.CheckpointManager("/ckpts/run1", memory_every=1, replicas=1)
+        start = mgr.restore(state) or 0      # memory (own copy, else a peer's), else storage
+        ...
+            if mgr.memory_due(step):
+                mgr.save_memory(step, state)  # synchronous, into /dev/shm; skipped when full
+            if step % 50 == 0:
+                mgr.save(step, state)         # persistent, async
+
+    Memory-tier arguments: ``memory_every`` (steps between memory checkpoints; None: no tier),
+    ``replicas`` (copies on other nodes), ``memory_keep`` (complete memory checkpoints kept),
+    ``shm_dir`` (base, default ``$CKPT_SHM_DIR`` or ``/dev/shm``), ``run_id`` (default
+    ``$CKPT_RUN_ID`` or a hash of the root), ``node`` / ``nodes`` (this rank's node, or simulated
+    nodes; default ``$CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE`` grouping), ``memory_timeout`` (s).
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = 3, keep_every: int | None = None,
                  async_save: bool = True, group: Any = None, policy: str = "wait",
                  storage_options: dict[str, Any] | None = None, gc_on_start: bool = True,
-                 max_staging_bytes: int | None = None):
+                 max_staging_bytes: int | None = None,
+                 memory_every: int | None = None, replicas: int = 1, memory_keep: int = 1,
+                 shm_dir: str | None = None, run_id: str | None = None, node: int | None = None,
+                 nodes: int | None = None, memory_timeout: float = 120.0):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
         self.root = root_url.rstrip("/")
@@ -313,6 +338,21 @@ class CheckpointManager:
         self._last: SaveHandle | None = None
         self._rank = Comm(group).rank
         self.retention_errors: list[str] = []  # failures of retention after committed saves (warnings)
+        if memory_every is not None and (not isinstance(memory_every, int) or memory_every < 1):
+            from ckpt.errors import StateError
+
+            raise StateError(f"memory_every must be a positive step count or None (no memory tier), got "
+                             f"{memory_every!r}")
+        self.memory_every = memory_every
+        self.memory: MemoryTier | None = None  # the memory tier (collective to create: every rank, same order)
+        self.last_restore: TierRestore | None = None  # what restore() took from the memory tier, if it did
+        if memory_every is not None:
+            from ckpt.tier import MemoryTier, TierConfig
+
+            self.memory = MemoryTier(TierConfig(self.root, run_id=run_id, shm_dir=shm_dir, node=node, nodes=nodes,
+                                                keep=memory_keep, replicas=replicas, timeout=memory_timeout,
+                                                lineage=self._lineage(memory_timeout)),
+                                     group=group)
         if gc_on_start and self._rank == 0:
             # Incomplete leftovers of a crash. No save of this job can have started yet: the first
             # save of a process plans collectively, so it waits for the coordinator to get here.
@@ -411,22 +451,86 @@ class CheckpointManager:
         committed = [c for c in self.list() if c.committed]
         return committed[-1].url if committed else None
 
-    def restore(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
-        """Load the newest committed checkpoint into ``state`` (collective); return its step or None.
+    def _lineage(self, timeout: float) -> str:
+        """The token of this root's life, ``<root>/.ckpt-lineage`` (created once, exclusively, by the
+        coordinator; the same on every rank). Memory checkpoints carry it: a new run in an emptied
+        root gets a new token, so the old run's memory tier is never restored into it."""
+        import uuid
 
-        Objects are loaded into ``state`` in place as well (the dict's values are replaced).
+        from ckpt.comm import error_payload, raise_payload
+
+        comm = Comm(self.group, timeout=timeout)
+        got: dict[str, Any] | None = None
+        if comm.rank == 0:
+            storage = get_storage(self.root, **self.storage_options)
+            try:
+                if storage.size(LINEAGE) is None:
+                    with contextlib.suppress(CheckpointExistsError):  # another job's manager won the race
+                        storage.commit(LINEAGE, uuid.uuid4().hex.encode(), exclusive=True)
+                got = {"ok": storage.read_file(LINEAGE).decode("ascii", "replace").strip()}
+            except Exception as e:  # noqa: BLE001 - every rank raises it, typed
+                got = error_payload(e, comm.who)
+            finally:
+                storage.close()
+        if comm.world > 1:
+            got = comm.broadcast(got, timeout=timeout, what="memory tier lineage")
+        assert got is not None
+        if "err" in got:
+            raise_payload(got)
+        return str(got["ok"])
+
+    def memory_due(self, step: int) -> bool:
+        """Whether ``step`` gets a memory checkpoint (``memory_every`` divides it)."""
+        return self.memory is not None and self.memory_every is not None and step % self.memory_every == 0
+
+    def save_memory(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
+                    layout: dict[str, Any] | None = None) -> MemoryCheckpoint:
+        """Write the memory checkpoint of ``step`` (collective, synchronous; see
+        :meth:`ckpt.tier.MemoryTier.save`). A full shared memory skips it on every rank with a
+        warning (``result.skipped``); persistent saves are not affected.
+
+        Raises StateError when the manager has no memory tier (``memory_every`` None).
+        """
+        if self.memory is None:
+            from ckpt.errors import StateError
+
+            raise StateError(f"{self.root}: this CheckpointManager has no memory tier; pass memory_every=N")
+        return self.memory.save(step, state, user_metadata=user_metadata, layout=layout)
+
+    def restore(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
+        """Load the newest checkpoint into ``state`` (collective); return its step or None.
+
+        With a memory tier: its newest complete step when it is at least as new as the newest
+        committed persistent checkpoint (own copies first, then peers' copies, every checksum
+        checked; ``last_restore`` says how), else the persistent one; memory checkpoints the run
+        does not continue from are dropped. Objects are loaded into ``state`` in place as well
+        (the dict's values are replaced).
         """
         url = self.latest()
+        self.last_restore = None
+        if self.memory is not None:
+            newest = None
+            if url is not None:
+                with contextlib.suppress(CheckpointError):
+                    newest = self._step_of(url)
+            got = self.memory.restore(state, min_step=newest, strict=strict)
+            self.memory.reset(got.step if got is not None else None)
+            if got is not None:
+                _update_in_place(state, got.value)
+                self.last_restore = got
+                return got.step
         if url is None:
             return None
         out = load(state, url, group=self.group, strict=strict, storage_options=self.storage_options)
         _update_in_place(state, out)
+        return self._step_of(url)
+
+    def _step_of(self, url: str) -> int | None:
         m = get_storage(url, **self.storage_options)
         try:
-            step = decode_manifest(m.read_file(MANIFEST_NAME)).step
+            return decode_manifest(m.read_file(MANIFEST_NAME)).step
         finally:
             m.close()
-        return step
 
     def close(self) -> None:
         """Wait for the save in flight (clean shutdown)."""

@@ -28,11 +28,21 @@ def ls_cmd(
     root: str = typer.Argument(..., help="directory holding step-N checkpoints"),
     json_out: bool = typer.Option(False, "--json", help="print as JSON"),
     storage_option: list[str] = StorageOpt,
+    memory: bool = typer.Option(True, "--memory/--no-memory",
+                                help="also list the run's memory tier (node-local shared memory copies)"),
+    shm_dir: str | None = typer.Option(None, "--shm-dir",
+                                       help="memory tier base directory (default $CKPT_SHM_DIR or /dev/shm)"),
 ) -> None:
-    """List checkpoints under ROOT: step, committed or not, size, age."""
+    """List checkpoints under ROOT: step, committed or not, size, age; then the memory tier's copies
+    of the runs saving to ROOT on this host (own copies and replicas kept for peer nodes)."""
     infos = list_checkpoints(root, parse_storage_options(storage_option))
+    mem = []
+    if memory:
+        from ckpt.tier import list_memory
+
+        mem = list_memory(root, shm_dir)
     if json_out:
-        print_json([c.to_dict() for c in infos])
+        print_json([c.to_dict() for c in infos] + [m.to_dict() for m in mem])  # memory entries: "tier": "memory"
         return
     table = Table("step", "state", "size", "age", "path", "note")
     colors = {"committed": "green", "incomplete": "red", "unreadable": "magenta", "foreign": "magenta",
@@ -42,6 +52,14 @@ def ls_cmd(
         state = f"[{colors.get(status, 'yellow')}]{status}[/]"
         table.add_row(str(c.step), state, human_bytes(c.bytes), _age(c.mtime), c.url, c.note)
     console.print(table)
+    if mem:
+        mtable = Table("step", "node", "rank", "copy", "state", "size", "path", "note",
+                       title=f"memory tier (run {', '.join(sorted({m.run_id for m in mem}))})")
+        mcolors = {"committed": "green", "incomplete": "red", "unusable": "magenta"}
+        for m in mem:
+            mtable.add_row(str(m.step), str(m.node), str(m.owner), m.kind,
+                           f"[{mcolors.get(m.status, 'yellow')}]{m.status}[/]", human_bytes(m.bytes), m.path, m.note)
+        console.print(mtable)
 
 
 @handle_errors

@@ -37,6 +37,17 @@ def train_cmd(
                                            help="cap each rank's async-save staging memory (e.g. 2GiB): a ring"),
     fail_at_step: int | None = typer.Option(None, "--fail-at-step", help="fault injection: a rank dies at step S"),
     fail_rank: int = typer.Option(0, "--fail-rank", min=0, help="which rank dies (with --fail-at-step)"),
+    fail_node: int | None = typer.Option(None, "--fail-node", min=0,
+                                         help="instead: every rank of this node dies and its shared memory is lost"),
+    memory_every: int | None = typer.Option(None, "--memory-every", min=1,
+                                            help="memory checkpoint every N steps (/dev/shm + a peer node's copy)"),
+    replicas: int = typer.Option(1, "--replicas", min=0, help="peer-node copies of each memory checkpoint"),
+    memory_keep: int = typer.Option(1, "--memory-keep", min=1, help="complete memory checkpoints kept per rank"),
+    nodes: int | None = typer.Option(None, "--nodes", min=1,
+                                     help="simulate N nodes on this host (default with --memory-every: 2)"),
+    shm_dir: str | None = typer.Option(None, "--shm-dir", help="memory tier base (default $CKPT_SHM_DIR, /dev/shm)"),
+    run_id: str | None = typer.Option(None, "--run-id",
+                                      help="the run's identity for the memory tier (default: from --ckpt-dir)"),
     init_from: str | None = typer.Option(None, "--init-from", help="start from this checkpoint's model.* weights"),
     no_verify_restore: bool = typer.Option(False, "--no-verify-restore",
                                            help="restore without checking the checkpoint's checksums"),
@@ -66,21 +77,31 @@ def train_cmd(
     except CheckpointError as e:
         _error(f"--max-staging-bytes: {e}")
         raise typer.Exit(5) from None
+    if nodes is None and (memory_every is not None or fail_node is not None) and layout.world_size % 2 == 0:
+        nodes = 2  # one host: without simulated nodes every peer copy would sit on the same node
     try:
         cfg = TrainConfig(model=model_config(config), seq_len=seq_len, global_batch=global_batch,
                           microbatches=microbatches, schedule=schedule, steps=steps, stop_after=stop_after, lr=lr,
                           seed=seed, ckpt_dir=ckpt_dir, save_every=save_every, keep_last=keep_last,
                           async_save=not sync_save, max_staging_bytes=cap, init_from=init_from,
                           verify_restore=not no_verify_restore, fail_at_step=fail_at_step,
-                          fail_rank=fail_rank, metrics_path=metrics, device=device)
+                          fail_rank=fail_rank, metrics_path=metrics, device=device, fail_node=fail_node,
+                          memory_every=memory_every, replicas=replicas, memory_keep=memory_keep, nodes=nodes,
+                          shm_dir=shm_dir, run_id=run_id)
     except ValueError as e:
         _error(str(e))
         raise typer.Exit(5) from None
     if fail_at_step is not None and fail_rank >= layout.world_size:
         _error(f"--fail-rank {fail_rank} is outside the {layout.world_size} ranks")
         raise typer.Exit(5)
+    if fail_node is not None and nodes is None:
+        _error(f"--fail-node needs --nodes N dividing the {layout.world_size} ranks (the simulated nodes on this host)")
+        raise typer.Exit(5)
     cfg.check_layout(layout)  # LayoutError: one line, exit 5, before any process starts
     _say(f"training {config} under {layout} on {layout.world_size} process(es) via torchrun")
+    if memory_every is not None:
+        where = f"{nodes} simulated node(s)" if nodes else "one node"
+        _say(f"memory tier: every {memory_every} step(s), {replicas} peer copy(ies), {where}")
     try:
         restarts = launch(cfg, layout, max_restarts=max_restarts)
     except TrainingFailed as e:

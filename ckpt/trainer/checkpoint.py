@@ -29,6 +29,7 @@ longer correspond; training uses no randomness after init, so nothing depends on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,11 +150,14 @@ def _require(manifest: Manifest, state: dict[str, Any], url: str, prefixes: tupl
         raise MismatchError(f"{url}: missing tensors {missing[:5]}{more}; is it a checkpoint of this model?")
 
 
-def restore(url: str, pm: ParallelModel, opt: ZeroAdamW, schedule: LRSchedule, cfg: TrainConfig) -> Resume:
+def restore(url: str, pm: ParallelModel, opt: ZeroAdamW, schedule: LRSchedule, cfg: TrainConfig, *,
+            load: Callable[..., dict[str, Any]] | None = None) -> Resume:
     """Load a full training checkpoint into this rank's model and optimizer (collective).
 
     Same layout: strict load, RNG included. Another layout: every model/optimizer tensor is still
-    required (resharded on load), RNG states are skipped.
+    required (resharded on load), RNG states are skipped. ``load``: what reads the state (default
+    ``ckpt.load``; the memory tier passes its own, which reads this rank's local copy and checks
+    every checksum, not collective).
 
     Raises:
         MismatchError: another model config, or missing tensors, naming them.
@@ -173,7 +177,7 @@ def restore(url: str, pm: ParallelModel, opt: ZeroAdamW, schedule: LRSchedule, c
     else:
         _require(manifest, state, url, ("model.", "optim."))
     stats: dict[str, Any] = {}
-    out = ckpt.load(state, url, strict=same, stats=stats, verify=cfg.verify_restore)
+    out = (load or ckpt.load)(state, url, strict=same, stats=stats, verify=cfg.verify_restore)
     opt.step_count = int(out["optim"]["step"])
     train = out["train"]
     if not isinstance(train.get("lr_scheduler"), dict):

@@ -46,6 +46,16 @@ class TrainConfig:
             verify=True)``); a checkpoint that fails on any rank is skipped for the next older one.
         fail_at_step / fail_rank: fault injection: that rank SIGKILLs itself when it reaches this
             step, in the first attempt of a torchrun job only.
+        fail_node: fault injection instead of ``fail_rank``: every rank of this node deletes the
+            node's memory-tier directory and SIGKILLs itself at ``fail_at_step`` (a lost node).
+        memory_every: memory checkpoint every N steps (node-local shared memory, a copy on a peer
+            node; ``CheckpointManager(memory_every=)``); None: no memory tier.
+        replicas / memory_keep: peer copies of each rank's memory checkpoint; complete memory
+            checkpoints kept per rank.
+        nodes: simulate this many nodes on one host (contiguous blocks of ranks); None: the node
+            comes from ``CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE``.
+        shm_dir / run_id: the memory tier's base directory (default ``$CKPT_SHM_DIR`` or
+            ``/dev/shm``) and the run's identity (default ``$CKPT_RUN_ID`` or a hash of ``ckpt_dir``).
         metrics_path: JSON lines, one per step (rank 0 writes); None: ``<ckpt_dir>/metrics.jsonl``
             when there is a ``ckpt_dir``.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
@@ -76,6 +86,13 @@ class TrainConfig:
     verify_restore: bool = True
     fail_at_step: int | None = None
     fail_rank: int = 0
+    fail_node: int | None = None
+    memory_every: int | None = None
+    replicas: int = 1
+    memory_keep: int = 1
+    nodes: int | None = None
+    shm_dir: str | None = None
+    run_id: str | None = None
     metrics_path: str | None = None
     device: str = "auto"
 
@@ -101,6 +118,18 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.stop_after={self.stop_after} must lie in [0, steps={self.steps}]")
         if self.fail_at_step is not None and self.ckpt_dir is None:
             raise ValueError("fault injection (fail_at_step) needs a ckpt_dir to resume from")
+        if self.fail_node is not None and (self.fail_at_step is None or self.fail_node < 0):
+            raise ValueError(f"TrainConfig.fail_node={self.fail_node}: a node index >= 0, with fail_at_step set")
+        if self.memory_every is not None and (self.memory_every < 1 or self.ckpt_dir is None):
+            raise ValueError(f"TrainConfig.memory_every={self.memory_every}: use a positive step count, with a "
+                             "ckpt_dir (it names the run; persistent saves go there)")
+        if self.replicas < 0 or self.memory_keep < 1:
+            raise ValueError(f"TrainConfig: replicas={self.replicas} must be >= 0 and memory_keep="
+                             f"{self.memory_keep} >= 1")
+        if self.nodes is not None and self.nodes < 1:
+            raise ValueError(f"TrainConfig.nodes={self.nodes}: simulate at least one node")
+        if self.fail_node is not None and self.nodes is not None and self.fail_node >= self.nodes:
+            raise ValueError(f"TrainConfig.fail_node={self.fail_node} is outside the {self.nodes} node(s)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"TrainConfig.device={self.device!r}: choose auto, cpu or cuda")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
@@ -140,6 +169,9 @@ class TrainConfig:
             raise LayoutError(f"ep={layout.ep} must divide num_experts={m.num_experts}")
         if m.moe_intermediate_size % layout.tp:
             raise LayoutError(f"tp={layout.tp} must divide moe_intermediate_size={m.moe_intermediate_size}")
+        if self.nodes is not None and layout.world_size % self.nodes:
+            raise LayoutError(f"--nodes {self.nodes} must divide the {layout.world_size} ranks (ranks per node = "
+                              "world / nodes)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for checkpoint metadata and the worker command line)."""

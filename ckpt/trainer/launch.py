@@ -26,6 +26,7 @@ from typing import IO
 from ckpt.errors import CheckpointError
 from ckpt.resharders.layout import Layout
 from ckpt.trainer.config import TrainConfig
+from ckpt.trainer.metrics import MetricsLog
 
 ATTEMPT_ENV = "CKPT_ATTEMPT"  # which attempt a worker belongs to (0 = first start)
 FATAL_ENV = "CKPT_FATAL_DIR"  # where a worker records an error that retrying cannot fix
@@ -127,6 +128,8 @@ def launch(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3, log: str 
                     out.flush()
                 rc = subprocess.run(cmd, env=env, stdout=out,
                                     stderr=subprocess.STDOUT if out is not None else None, check=False).returncode
+                # when the failure was seen (the "recovery" record's detect / restart split)
+                MetricsLog(cfg.metrics_file).write({"event": "attempt_end", "attempt": attempt, "rc": rc})
                 if rc == 0:
                     return attempt
                 records = final_errors(fatal_dir)

@@ -2,7 +2,8 @@
 
 Records are ``{"step", "loss", "lr", "grad_norm", "tokens_per_s", "ckpt_stall_ms", ...}`` per step
 and ``{"event": "start" | "resume" | "init_from" | "save" | "checkpoint" | "save_failed" | "fail" |
-"end", "step", ...}`` for what happened. Every attempt of a run (a torchrun restart, a relaunch
+"restore_failed" | "memory_checkpoint" | "memory_tier_ignored" | "recovery" | "attempt_end" | "end",
+"step", ...}`` for what happened. Every attempt of a run (a torchrun restart, a relaunch
 under another layout) appends to the same file, so the file tells the run's whole story.
 
 Checkpoint figures (rank 0's own, durations in ms, sizes in bytes):
@@ -13,6 +14,16 @@ Checkpoint figures (rank 0's own, durations in ms, sizes in bytes):
   ``bytes_written`` (this rank's data file), ``checkpoint_bytes`` (all files of the checkpoint),
   ``ranks`` and ``across_ranks`` (min / median / max over ranks and the slowest rank, from the
   manifest's ``stats``). ``save_failed`` carries the save's ``error`` instead.
+- ``memory_checkpoint`` (every ``memory_every`` steps): ``complete`` / ``skipped`` (with ``warning``
+  and per-rank ``errors``: shared memory full, ...), ``bytes`` (every rank's copy), ``replica_bytes``
+  (sent to peer nodes), ``write_ms`` / ``replicate_ms`` / ``agree_ms`` (rank 0's) and
+  ``max_write_ms`` / ``max_replicate_ms`` (the slowest rank's).
+- ``recovery`` (after a resume, once the first step is done): ``tier`` (``memory``: every rank its own
+  copy; ``memory-peer``: some fetched from peer nodes, ``peer_ranks``; ``storage``), ``step``,
+  ``bytes`` (all ranks), ``steps_lost`` (steps done before the failure and redone), ``detect_ms``
+  (the failure until the launcher saw the attempt end), ``restart_ms`` (from there, or from the
+  failure without the launcher, to the restore), ``restore_ms``, ``first_step_ms``, ``total_ms``.
+  ``attempt_end`` is the launcher's (``rc`` of each torchrun attempt).
 - ``resume`` / ``init_from`` carry the load's phases (:func:`load_fields`): ``manifest_ms``,
   ``plan_ms``, ``read_ms``, ``copy_ms``, ``bytes_read``, ``read_ops``, and ``restore_ms``
   (the whole restore, as the trainer timed it).

@@ -8,7 +8,13 @@ One step, on every rank::
     handle.staged()                  # the previous async save has copied the state out
     opt.step(lr)                     # reduce grads, clip, AdamW on the ZeRO range, all-gather
     save every N steps (async)       # CheckpointManager: plan now, stage + write in the background
+    memory checkpoint every M steps  # node-local shared memory + a copy on a peer node (synchronous)
     log the previous save's figures  # once its handle is done (never waited for): "checkpoint" record
+
+Resume takes the newest step complete across tiers: the memory tier (each rank's own copy, else the
+copy a peer node keeps, every checksum checked) when it is at least as new as the newest persistent
+checkpoint, else storage; a "recovery" record says which tier, how many bytes, how long detection,
+restart, restore and the first step took, and how many steps were lost.
 
 Example::
 
@@ -19,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -33,7 +40,17 @@ from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StorageE
 from ckpt.manager import CheckpointManager
 from ckpt.manifest import Manifest
 from ckpt.resharders.layout import Layout
-from ckpt.trainer.checkpoint import Resume, load_weights, restore, save_metadata, training_state
+from ckpt.tier.nodes import node_identity
+from ckpt.tier.store import pieces_digest
+from ckpt.trainer.checkpoint import (
+    Resume,
+    load_weights,
+    model_state,
+    optim_state,
+    restore,
+    save_metadata,
+    training_state,
+)
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.data import SampleSource, rank_batch
 from ckpt.trainer.metrics import MetricsLog, load_fields, save_record
@@ -82,11 +99,49 @@ def _committed(mgr: CheckpointManager) -> list[tuple[int, str]]:
     return [tuple(x) for x in comm.broadcast(found)] if comm.enabled and comm.world > 1 else (found or [])
 
 
+@dataclass(slots=True)
+class Found:
+    """What :func:`_resume` restored: from where (``tier``: ``storage``, ``memory`` or ``memory-peer``),
+    the time it took, the newest persistent step skipped as damaged (-1: none) and tier figures."""
+
+    url: str
+    resume: Resume
+    seconds: float
+    skipped: int
+    tier: str = "storage"
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def _resume_memory(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, cfg: TrainConfig,
+                   ctx: ParallelContext, log: MetricsLog, newest: int | None) -> Found | None:
+    """The newest complete memory step at or above ``newest`` (the newest persistent step), restored
+    on every rank (own copies, else peers' copies; checksums checked), or None; failed sources are
+    logged (``restore_failed`` with ``tier: memory``). Collective."""
+    tier = mgr.memory
+    assert tier is not None
+    t = time.perf_counter()
+
+    def failed(rec: dict[str, Any]) -> None:
+        log.write(rec)
+        if ctx.rank == 0:
+            print(f"[rank 0] memory tier: {rec.get('error') or rec.get('notes')}", file=sys.stderr)
+
+    digest = pieces_digest({"model": model_state(pm), "optim": optim_state(opt)})
+    got = tier.restore_with(lambda url: restore(url, pm, opt, schedule, cfg, load=tier.load_local), digest=digest,
+                            min_step=newest, on_failure=failed)
+    tier.reset(got.step if got is not None else None)  # what the run does not continue from goes
+    if got is None:
+        return None
+    detail = {"peer_ranks": got.peer_ranks, "fetched_bytes": got.fetched_bytes, "memory_bytes": got.bytes,
+              "failures": got.failures[:8]}
+    return Found(got.url, got.value, time.perf_counter() - t, -1, got.tier, detail)
+
+
 def _resume(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, cfg: TrainConfig,
-            ctx: ParallelContext, log: MetricsLog) -> tuple[str, Resume, float, int] | None:
-    """Restore the newest committed checkpoint that every rank restores; None when there is none.
-    Returns its URL, what was restored, the time it took and the newest step skipped (-1: none;
-    the run replaces the skipped checkpoints when it saves those steps again).
+            ctx: ParallelContext, log: MetricsLog) -> Found | None:
+    """Restore the newest checkpoint that every rank restores; None when there is none: the memory
+    tier's newest complete step when it is at least as new as storage's (:func:`_resume_memory`),
+    else the newest committed persistent checkpoint. Returns what was restored (:class:`Found`).
 
     A checkpoint that fails on any rank with damaged or missing data (IntegrityError with
     ``verify_restore``, StorageError, ManifestError) is skipped for the next older one, and a
@@ -95,6 +150,10 @@ def _resume(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, 
     on one rank only). Raises CheckpointError when every committed checkpoint failed.
     """
     urls = _committed(mgr)
+    if mgr.memory is not None:
+        found = _resume_memory(mgr, pm, opt, schedule, cfg, ctx, log, urls[0][0] if urls else None)
+        if found is not None:
+            return found
     skipped = -1
     for ckpt_step, url in urls:
         t = time.perf_counter()
@@ -105,7 +164,7 @@ def _resume(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, 
             err, res = e, None
         failed = all_reduce_(torch.tensor([0.0 if err is None else 1.0], device=ctx.device), ctx.groups["world"])
         if float(failed.item()) == 0 and res is not None:
-            return url, res, time.perf_counter() - t, skipped
+            return Found(url, res, time.perf_counter() - t, skipped)
         skipped = max(skipped, ckpt_step)
         why = f"{type(err).__name__}: {err}" if err is not None else "failed on another rank"
         print(f"[rank {ctx.rank}] cannot restore {url} ({why}); trying an older checkpoint", file=sys.stderr)
@@ -115,6 +174,73 @@ def _resume(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, 
                               "(see the restore_failed records and the errors above); run `ckpt verify --deep` on "
                               "them, or pass verify_restore=False / --no-verify-restore to load them as they are")
     return None
+
+
+def _prior(path: str | None) -> dict[str, float]:
+    """The previous attempt as the metrics file tells it: its last step, when a rank failed, when the
+    launcher saw the attempt end (rank 0, before this attempt writes anything)."""
+    out: dict[str, float] = {}
+    if not path or not os.path.exists(path):
+        return out
+    from ckpt.trainer.metrics import read_metrics
+
+    fresh = False  # a new attempt started: its own steps replace the previous attempt's progress
+    for r in read_metrics(path):
+        if "loss" in r and "event" not in r:
+            step = float(r["step"])
+            out["last_step"] = step if fresh else max(out.get("last_step", 0), step)
+            fresh = False
+        elif r.get("event") == "fail":
+            out.setdefault("fail_time", float(r["time"]))  # the first rank of a lost node
+        elif r.get("event") == "attempt_end":
+            out["end_time"] = float(r["time"])
+        elif r.get("event") == "start":
+            out.pop("fail_time", None)
+            out.pop("end_time", None)
+            fresh = True
+    return out
+
+
+def _recovery_record(found: Found, prior: dict[str, float], resume_wall: float, first_step_s: float,
+                     total_bytes: int) -> dict[str, Any]:
+    """The ``recovery`` record (ms): detect = the failure until the launcher saw the attempt end,
+    restart = from there (or from the failure, with no launcher) to the restore's start."""
+    now = time.time()
+    rec: dict[str, Any] = {"event": "recovery", "tier": found.tier, "from": found.url, "step": found.resume.step,
+                           "bytes": total_bytes, "restore_ms": round(found.seconds * 1e3, 3),
+                           "first_step_ms": round(first_step_s * 1e3, 3), **found.detail}
+    if "last_step" in prior:
+        rec["steps_lost"] = max(int(prior["last_step"]) - found.resume.step, 0)
+    fail, end = prior.get("fail_time"), prior.get("end_time")
+    if fail is not None:
+        if end is not None and end >= fail:
+            rec["detect_ms"] = round((end - fail) * 1e3, 3)
+            rec["restart_ms"] = round((resume_wall - end) * 1e3, 3)
+        else:
+            rec["restart_ms"] = round((resume_wall - fail) * 1e3, 3)  # detection included
+        rec["total_ms"] = round((now - fail) * 1e3, 3)
+    return rec
+
+
+def _lose(cfg: TrainConfig, ctx: ParallelContext, mgr: CheckpointManager | None, step: int, node: int) -> None:
+    """Fault injection: die hard, as a lost rank or node would (no cleanup at all). A lost node takes
+    its shared memory with it: its memory-tier directory is deleted first."""
+    rec: dict[str, Any] = {"event": "fail", "step": step, "rank": ctx.rank}
+    if cfg.fail_node is not None:
+        rec["node"] = node
+        if mgr is not None and mgr.memory is not None:
+            shutil.rmtree(mgr.memory.node_dir, ignore_errors=True)
+    MetricsLog(cfg.metrics_file).write(rec)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _manager(cfg: TrainConfig) -> CheckpointManager | None:
+    if not cfg.ckpt_dir:
+        return None
+    return CheckpointManager(cfg.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_save,
+                             max_staging_bytes=cfg.max_staging_bytes, memory_every=cfg.memory_every,
+                             replicas=cfg.replicas, memory_keep=cfg.memory_keep, shm_dir=cfg.shm_dir,
+                             run_id=cfg.run_id, nodes=cfg.nodes)
 
 
 def _barrier(ctx: ParallelContext) -> None:
@@ -159,22 +285,30 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     """
     ctx, pm, opt, schedule = build(cfg, layout, device)
     rank0 = ctx.rank == 0
+    prior = _prior(cfg.metrics_file) if rank0 else {}
     log = MetricsLog(cfg.metrics_file, enabled=rank0)
     log.write({"event": "start", "layout": layout.to_dict(), "layout_text": str(layout), "world": layout.world_size,
                "restart": restart_count(), "device": str(ctx.device)})
-    mgr = (CheckpointManager(cfg.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_save,
-                             max_staging_bytes=cfg.max_staging_bytes)
-           if cfg.ckpt_dir else None)
+    mgr = _manager(cfg)
+    memory = mgr.memory if mgr is not None else None
+    node = (memory.node if memory is not None else
+            node_identity(ctx.rank, layout.world_size, nodes=cfg.nodes) if cfg.fail_node is not None else 0)
     result = TrainResult(pm=pm, opt=opt)
     step, sample_index = 0, 0
+    resume_wall = time.time()
     found = _resume(mgr, pm, opt, schedule, cfg, ctx, log) if mgr is not None else None
     redo_upto = -1  # steps up to this hold checkpoints skipped as damaged: saving them replaces them
+    restored_bytes = 0
     if found is not None:
-        latest, result.resumed, restore_s, redo_upto = found
-        restore_ms = round(restore_s * 1e3, 3)
+        result.resumed, redo_upto = found.resume, found.skipped
+        restore_ms = round(found.seconds * 1e3, 3)
         step, sample_index = result.resumed.step, result.resumed.sample_index
-        log.write({"event": "resume", "step": step, "from": latest, "resharded": result.resumed.resharded,
-                   "layout_text": str(layout), "restore_ms": restore_ms, **load_fields(result.resumed.load_stats)})
+        mine = int(result.resumed.load_stats.get("bytes_read", 0))
+        restored_bytes = int(all_reduce_(torch.tensor([float(mine)], dtype=torch.float64, device=ctx.device),
+                                         ctx.groups["world"]).item())
+        log.write({"event": "resume", "step": step, "from": found.url, "tier": found.tier,
+                   "resharded": result.resumed.resharded, "layout_text": str(layout), "restore_ms": restore_ms,
+                   **load_fields(result.resumed.load_stats)})
     elif cfg.init_from:
         t = time.perf_counter()
         stats = load_weights(cfg.init_from, pm, verify=cfg.verify_restore)
@@ -188,10 +322,11 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     handle: SaveHandle | None = None  # the save to wait for (staged) before the next optimizer step
     pending: SaveHandle | None = None  # the async save whose "checkpoint" record is not written yet
     t_start = time.perf_counter()
+    first_step = found is not None  # the recovery record is written once the first step is done
     while step < cfg.last_step:
-        if (cfg.fail_at_step == step and ctx.rank == cfg.fail_rank and restart_count() == 0):
-            MetricsLog(cfg.metrics_file).write({"event": "fail", "step": step, "rank": ctx.rank})
-            os.kill(os.getpid(), signal.SIGKILL)  # die hard, as a lost node would: no cleanup at all
+        if cfg.fail_at_step == step and restart_count() == 0 and (
+                node == cfg.fail_node if cfg.fail_node is not None else ctx.rank == cfg.fail_rank):
+            _lose(cfg, ctx, mgr, step, node)
         t0 = time.perf_counter()
         ids = rank_batch(source, sample_index, cfg.global_batch, ctx.data_rank, ctx.data_world).to(ctx.device)
         local = fb(ids)
@@ -208,6 +343,7 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
         schedule.last_step = step
         loss = _global_loss(ctx, local)
         result.losses[step] = loss
+        state: dict[str, Any] | None = None  # this step's training state, when a save asked for it
         if mgr is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.last_step):
             t = time.perf_counter()
             # Every rank starts a save only once the previous one (and its retention) is over
@@ -234,16 +370,29 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
             elif rank0 and isinstance(saved, Manifest):
                 log.write(save_record(step, result.last_checkpoint, ctx.rank, saved, own, async_save=False,
                                       save_s=t_end - t_save))
+        if mgr is not None and mgr.memory_due(step) and step < cfg.last_step:
+            t = time.perf_counter()
+            mc = mgr.save_memory(step, state or training_state(pm, opt, step, sample_index, schedule),
+                                 user_metadata=metadata, layout=layout.to_dict())
+            stall += time.perf_counter() - t
+            log.write(mc.to_record())
+            if mc.skipped and rank0:
+                print(f"[rank 0] warning: {mc.warning}", file=sys.stderr)
         dt = time.perf_counter() - t0
         log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": round(cfg.global_batch * cfg.seq_len / dt, 1),
                    "ckpt_stall_ms": round(stall * 1e3, 3), "step_ms": round(dt * 1e3, 3)})
         pending = _log_finished(log, pending, ctx.rank)  # only if it already committed: no waiting
+        if first_step and found is not None:
+            first_step = False
+            log.write(_recovery_record(found, prior, resume_wall, dt, restored_bytes))
     if mgr is not None:
         try:
             mgr.wait()  # the last checkpoint is committed before this returns
         finally:
             pending = _log_finished(log, pending, ctx.rank)
+        if memory is not None:
+            memory.clear()  # the last step is persistent now: give the shared memory back
     result.final_step = step
     log.write({"event": "end", "step": step, "wall_s": round(time.perf_counter() - t_start, 3)})
     return result

@@ -1,0 +1,363 @@
+"""The memory tier: recent checkpoints in node-local shared memory, each rank's pieces copied to a
+peer on another node, restored newest-complete-first with every checksum checked.
+
+One memory checkpoint of step N, on every rank (collective over the tier's own gloo group)::
+
+    write    ckpt.save(this rank's local pieces, <node>/rank-<r>/step-N)   single-rank: no collective
+    copy     send those files to the holders on other nodes; keep the copies sent to this rank
+    agree    one gather + verdict: complete iff every rank wrote and every copy arrived
+    free     complete: drop all but the newest `keep` complete steps; else drop step N's files
+
+Memory is bounded by ``keep`` complete checkpoints per rank (and per copy kept for a peer), plus
+the one being written; an older step is freed only once a newer one is complete on every rank. A
+rank that cannot write (shared memory full, ENOSPC) or keep a copy makes the step incomplete on every
+rank: it is skipped with a warning, training goes on, the previous complete step stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt.comm import Comm, describe, error_payload, raise_payload
+from ckpt.errors import CollectiveError, StateError
+from ckpt.tier import restore as _restore
+from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to, shm_base, tier_dir
+from ckpt.tier.store import META_KEY, TIER_VERSION, NodeStore, data_bytes, load_local, localize, remove_step
+from ckpt.tier.transfer import exchange, failed, package
+
+_SELF_GROUPS: dict[tuple[int, int], Any] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """Settings of a memory tier; the same on every rank.
+
+    Args:
+        root: the persistent checkpoint root of the run (names the run when ``run_id`` is None and
+            is recorded for ``ckpt ls``).
+        run_id: the run's identity (default ``$CKPT_RUN_ID``, else a hash of ``root``); a tier is
+            only restored by a job with the same run id, world size and layout.
+        shm_dir: base directory (default ``$CKPT_SHM_DIR``, else ``/dev/shm``).
+        node / nodes: this rank's node, or the number of simulated nodes (see
+            :func:`ckpt.tier.nodes.node_identity`; default ``$CKPT_NODE`` or torchrun's grouping).
+        keep: complete memory checkpoints kept per rank (plus the one being written).
+        replicas: copies of each rank's pieces on other nodes (0: none).
+        timeout: seconds any wait of the tier may take (a lost peer is named after it).
+        lineage: a token of the persistent root's life (``CheckpointManager`` keeps one in
+            ``<root>/.ckpt-lineage``): copies written under another token are never restored (a
+            new run in an emptied or replaced root). None: not checked.
+    """
+
+    root: str
+    run_id: str | None = None
+    shm_dir: str | None = None
+    node: int | None = None
+    nodes: int | None = None
+    keep: int = 1
+    replicas: int = 1
+    timeout: float = 120.0
+    lineage: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise StateError(f"memory tier keep={self.keep!r}: keep at least 1 complete memory checkpoint")
+        if not isinstance(self.replicas, int) or self.replicas < 0:
+            raise StateError(f"memory tier replicas={self.replicas!r}: use 0 (no peer copies) or more")
+        if not self.timeout > 0:
+            raise StateError(f"memory tier timeout={self.timeout!r}: use a positive number of seconds")
+
+
+@dataclass(slots=True)
+class MemoryCheckpoint:
+    """What one memory checkpoint did. ``complete``: on every rank, copies included; otherwise it
+    was skipped (``warning`` says why, ``errors`` per rank). Sizes over all ranks; ``rank_*``
+    durations (s) are this rank's, ``max_*`` the slowest rank's."""
+
+    step: int
+    complete: bool
+    warning: str = ""
+    errors: list[str] = field(default_factory=list)
+    bytes: int = 0
+    replica_bytes: int = 0
+    rank_bytes: int = 0
+    rank_write_s: float = 0.0
+    rank_replicate_s: float = 0.0
+    rank_agree_s: float = 0.0
+    max_write_s: float = 0.0
+    max_replicate_s: float = 0.0
+    freed: list[int] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> bool:
+        return not self.complete
+
+    def to_record(self) -> dict[str, Any]:
+        """The ``memory_checkpoint`` metrics record (durations in ms)."""
+        ms = lambda s: round(s * 1e3, 3)  # noqa: E731
+        rec: dict[str, Any] = {"event": "memory_checkpoint", "step": self.step, "complete": self.complete,
+                               "skipped": self.skipped, "bytes": self.bytes, "replica_bytes": self.replica_bytes,
+                               "write_ms": ms(self.rank_write_s), "replicate_ms": ms(self.rank_replicate_s),
+                               "agree_ms": ms(self.rank_agree_s), "max_write_ms": ms(self.max_write_s),
+                               "max_replicate_ms": ms(self.max_replicate_s)}
+        if self.skipped:
+            rec["warning"] = self.warning
+            rec["errors"] = self.errors[:8]
+        return rec
+
+
+def _self_group(rank: int) -> Any:
+    """A single-rank gloo group: ``ckpt.save``/``ckpt.load`` through it are not collective."""
+    import torch.distributed as dist
+
+    key = (id(dist.group.WORLD), rank)
+    if key not in _SELF_GROUPS:
+        _SELF_GROUPS[key] = dist.new_group(ranks=[rank], backend="gloo", use_local_synchronization=True)
+    return _SELF_GROUPS[key]
+
+
+class MemoryTier:
+    """Memory checkpoints of one job, on this rank. Create it on every rank, in the same order
+    (it creates a gloo group: collective), after ``torch.distributed`` is initialized (or in a
+    single process).
+
+    Example::
+
+        tier = MemoryTier(TierConfig("/ckpts/run1", nodes=2))
+        got = tier.restore(state)                 # newest complete memory step, or None
+        tier.reset(got.step if got else None)     # drop what the run will not continue from
+        for step in ...:
+            ... ; tier.save(step, state)          # every step: write, copy to a peer, agree, free
+    """
+
+    def __init__(self, config: TierConfig, *, group: Any = None):
+        import torch.distributed as dist
+
+        self.config = config
+        self.timeout = float(config.timeout)
+        self.run_id = run_id_for(config.root, config.run_id)
+        self.base = shm_base(config.shm_dir)
+        self.pg: Any = None
+        self._single: Any = None
+        if dist.is_available() and dist.is_initialized():
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            try:
+                self.pg = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+            except Exception as e:  # noqa: BLE001 - a rank that never arrives: typed, named
+                raise CollectiveError(f"rank {dist.get_rank()}: could not create the memory tier's gloo group of "
+                                      f"ranks {ranks} ({type(e).__name__}: {e}); restart the job") from e
+            if len(ranks) > 1:
+                self._single = _self_group(dist.get_rank())
+        self.comm = Comm(self.pg, timeout=self.timeout)
+        self.rank, self.world = self.comm.rank, self.comm.world
+        bad: dict[str, Any] | None = None
+        try:
+            node = node_identity(self.rank, self.world, node=config.node, nodes=config.nodes)
+        except StateError as e:  # every rank raises it (nobody waits for this one)
+            node, bad = 0, error_payload(e, self.comm.who)
+        first = {"node": node, "epoch": uuid.uuid4().hex[:12], "bad": bad}
+        everyone = self.comm.exchange(first, lambda got: [got] * len(got), timeout=self.timeout,
+                                      what="memory tier setup")
+        for g in everyone:
+            if g.get("bad"):
+                raise_payload(g["bad"])
+        self.nodes = [int(g["node"]) for g in everyone]
+        self.node = node
+        self.epoch = str(everyone[0]["epoch"])  # this attempt of the job: copies of one step share it
+        self.holders = replica_holders(self.nodes, config.replicas)
+        self.senders = senders_to(self.holders)
+        self.store = NodeStore(self.base, self.run_id, node, self.rank, self.world, config.lineage)
+        self._complete: list[int] = []
+        self.warnings: list[str] = []
+        if config.replicas and len(set(self.nodes)) < 2:
+            self._warn(f"memory tier: replicas={config.replicas} but all {self.world} ranks are on node "
+                       f"{self.nodes[0]}: no peer copies, so losing the node falls back to storage (set "
+                       "CKPT_NODE per node, or `ckpt train --nodes N` to simulate nodes on one host)")
+        if self.rank == min(r for r, n in enumerate(self.nodes) if n == node):
+            self._describe_run()
+
+    # --- paths and bookkeeping -----------------------------------------------------------------
+
+    @property
+    def node_dir(self) -> str:
+        """This rank's node directory (losing the node = losing this directory)."""
+        return self.store.dir
+
+    def _warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+        if self.rank == 0:
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def _describe_run(self) -> None:
+        """``tier.json``: which run this is (read by ``ckpt ls ROOT``); best effort."""
+        path = os.path.join(tier_dir(self.base, self.run_id), "tier.json")
+        doc = {"version": TIER_VERSION, "run_id": self.run_id, "world": self.world, "nodes": len(set(self.nodes)),
+               "root": self.config.root if "://" in self.config.root else os.path.abspath(self.config.root),
+               "replicas": self.config.replicas, "keep": self.config.keep}
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            self._warn(f"memory tier: cannot write {path} ({e.strerror}); memory checkpoints will likely fail too")
+
+    def _meta(self, digest: str, user_metadata: dict[str, Any] | None) -> dict[str, Any]:
+        meta = dict(user_metadata or {})
+        meta[META_KEY] = {"version": TIER_VERSION, "run_id": self.run_id, "owner": self.rank, "world": self.world,
+                          "node": self.node, "digest": digest, "epoch": self.epoch, "lineage": self.config.lineage}
+        return meta
+
+    # --- save --------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
+             layout: dict[str, Any] | None = None) -> MemoryCheckpoint:
+        """Write this rank's part of ``state`` as the memory checkpoint of ``step``, copy it to its
+        holders, agree, free (collective over the tier's group; synchronous).
+
+        Never raises for a full or failing shared memory: the step is then skipped on every rank
+        (``complete`` False, a warning). Raises StateError on every rank for a state ``ckpt.save``
+        refuses on any rank, and CollectiveError when a peer is lost (the job must restart; the
+        previous complete step stays).
+        """
+        from ckpt.save import save
+
+        t0 = time.perf_counter()
+        own = self.store.own(step)
+        err: str | None = None
+        fatal: dict[str, Any] | None = None  # a state ckpt.save refuses: raised on every rank after the agreement
+        nbytes = 0
+        try:
+            flat, _objects, digest = localize(state)
+            remove_step(own)  # leftovers of a write cut short: never a complete step (see reset)
+            save(flat, own, group=self._single, step=step, user_metadata=self._meta(digest, user_metadata),
+                 layout=layout, timeout=self.timeout)
+            nbytes = data_bytes(own)
+        except CollectiveError:
+            raise
+        except Exception as e:  # noqa: BLE001 - shared memory full, or anything else: the step is skipped
+            err = f"rank {self.rank} (node {self.node}): writing {own}: {describe(e)}"
+            if isinstance(e, StateError):
+                fatal = error_payload(e, self.comm.who)
+            remove_step(own)
+        t1 = time.perf_counter()
+        what = f"rank {self.rank}'s memory step {step}"
+        sends = {h: package(own, what) if err is None else failed(f"{what} was not written")
+                 for h in self.holders[self.rank]}
+        recvs = {s: self.store.replica(s, step) for s in self.senders[self.rank]}
+        arrived = exchange(self.pg, sends, recvs, rank=self.rank, timeout=self.timeout,
+                           what=f"memory tier copy of step {step}")
+        copy_errs = [r.err for r in arrived.values() if not r.ok]
+        t2 = time.perf_counter()
+        mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),
+                "w": t1 - t0, "r": t2 - t1, "fatal": fatal}
+        verdict = self.comm.exchange(mine, _verdict, timeout=self.timeout, what=f"memory tier agreement on step {step}")
+        t3 = time.perf_counter()
+        if verdict.get("fatal"):
+            self._free(lambda s: s == step)
+            raise_payload(verdict["fatal"])
+        result = MemoryCheckpoint(step, bool(verdict["complete"]), errors=list(verdict["errors"]),
+                                  bytes=int(verdict["bytes"]), replica_bytes=int(verdict["sent"]), rank_bytes=nbytes,
+                                  rank_write_s=t1 - t0, rank_replicate_s=t2 - t1, rank_agree_s=t3 - t2,
+                                  max_write_s=float(verdict["max_w"]), max_replicate_s=float(verdict["max_r"]))
+        if result.complete:
+            self._complete = [s for s in self._complete if s != step] + [step]
+            keep = set(self._complete[-self.config.keep:])
+            self._complete = sorted(keep)
+            result.freed = self._free(lambda s: s not in keep)
+        else:
+            self._free(lambda s: s == step)
+            result.warning = (f"memory checkpoint of step {step} skipped on every rank ({len(result.errors)} "
+                              f"error(s); first: {result.errors[0] if result.errors else '?'}); training goes on, "
+                              f"the newest complete memory step stays {self._complete[-1] if self._complete else None}")
+            self._warn(result.warning)
+        return result
+
+    def _free(self, doomed: Callable[[int], bool]) -> list[int]:
+        """Remove this rank's own steps and the copies it keeps for which ``doomed(step)``."""
+        freed: set[int] = set()
+        for s, p in self.store.own_steps():
+            if doomed(s):
+                remove_step(p)
+                freed.add(s)
+        for owner in self.senders[self.rank]:
+            for s, p in self.store.replica_steps(owner):
+                if doomed(s):
+                    remove_step(p)
+        return sorted(freed)
+
+    # --- restore -----------------------------------------------------------------------------
+
+    def load_local(self, state: dict[str, Any], url: str, *, strict: bool = True,
+                   stats: dict[str, Any] | None = None, verify: bool = True) -> dict[str, Any]:
+        """``ckpt.load``-like: fill ``state`` from this rank's memory checkpoint at ``url`` (not
+        collective; every checksum checked). See :func:`ckpt.tier.store.load_local`."""
+        return load_local(state, url, strict=strict, stats=stats, verify=verify, group=self._single)
+
+    def restore_with(self, fn: Callable[[str], Any], *, digest: str, min_step: int | None = None,
+                     on_failure: Callable[[dict[str, Any]], None] | None = None) -> _restore.TierRestore | None:
+        """Restore the newest complete memory step at or above ``min_step`` through ``fn(url)``
+        (collective); None when there is none or every source failed. ``digest``: the pieces this
+        rank wants (:func:`ckpt.tier.store.pieces_digest` of its state). See :func:`ckpt.tier.restore.run`."""
+        return _restore.run(self, fn, digest=digest, min_step=min_step, on_failure=on_failure)
+
+    def restore(self, state: dict[str, Any], *, min_step: int | None = None, strict: bool = True,
+                on_failure: Callable[[dict[str, Any]], None] | None = None) -> _restore.TierRestore | None:
+        """Fill ``state`` from the newest complete memory step (collective); None when there is none.
+
+        Copies lost with a node are fetched from the peers keeping them; a copy that fails its
+        checksums is dropped and the next one (or the next older step) is tried. ``min_step``: only
+        steps at or above it (e.g. the newest persistent step). Non-tensor state comes back as
+        ``ckpt.load`` returns it (``result.value``).
+        """
+        digest = localize(state)[2]
+        return self.restore_with(lambda url: self.load_local(state, url, strict=strict), digest=digest,
+                                 min_step=min_step, on_failure=on_failure)
+
+    def reset(self, keep_step: int | None = None) -> None:
+        """After a restore decision (every rank): keep only ``keep_step``'s memory checkpoint (the step
+        the run continues from) and drop every other one this rank owns or keeps, together with
+        directories no rank of this job uses (another world size or node mapping). Not collective."""
+        self._free(lambda s: s != keep_step)
+        self._complete = [keep_step] if keep_step is not None else []
+        here = [r for r, n in enumerate(self.nodes) if n == self.node]
+        if self.rank == min(here):
+            self.store.prune(here, sorted({o for h in here for o in self.senders[h]}))
+
+    def clear(self) -> None:
+        """Remove every memory checkpoint this rank owns or keeps (e.g. after the run's last persistent
+        save); the directories go when empty. Not collective."""
+        self.reset(None)
+        empty = [self.store.own_root()] + [self.store.replica_root(o) for o in self.senders[self.rank]]
+        for d in [*empty, os.path.dirname(self.store.replica_root(0)), self.store.dir]:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)  # only when empty: other ranks of the node may still be clearing theirs
+        run = tier_dir(self.base, self.run_id)
+        with contextlib.suppress(OSError):
+            if os.listdir(run) == ["tier.json"]:  # the last node directory is gone
+                os.unlink(os.path.join(run, "tier.json"))
+                os.rmdir(run)
+
+    @property
+    def complete_steps(self) -> list[int]:
+        """Steps this rank knows complete on every rank (at most ``keep``), oldest first."""
+        return list(self._complete)
+
+
+def _verdict(got: list[Any]) -> list[Any]:
+    errors = [g["err"] for g in got if g["err"]] + [e for g in got for e in g["copy"]]
+    slow_w = max(range(len(got)), key=lambda r: got[r]["w"])
+    slow_r = max(range(len(got)), key=lambda r: got[r]["r"])
+    fatal = next((g["fatal"] for g in got if g.get("fatal")), None)
+    v = {"complete": not errors, "errors": errors, "fatal": fatal, "bytes": sum(g["bytes"] for g in got),
+         "sent": sum(g["sent"] for g in got), "max_w": got[slow_w]["w"], "max_r": got[slow_r]["r"]}
+    return [v] * len(got)

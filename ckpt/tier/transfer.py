@@ -1,0 +1,243 @@
+"""Whole memory checkpoints between ranks, point to point over the tier's gloo group, bounded in time.
+
+A *package* is one step directory: a header (the file list with sizes, and the manifest's bytes) and
+the data files' bytes, sent straight from a private memory map of each file (no copy on the sender)
+in chunks of :data:`CHUNK` bytes. The receiver writes the data files first and commits the manifest
+last (an atomic rename, as every ckpt writer does), so a receiver killed mid-way leaves a directory
+with no manifest, which no restore ever uses. A sender that has nothing to send (its own write
+failed) sends a header saying why; a receiver that cannot write (shared memory full) still drains
+the bytes, so that its sender never waits for nothing, and reports the failure.
+
+Every wait ends by a deadline ``timeout`` seconds after the exchange started; a peer that does not
+send or take its bytes in time is named in a CollectiveError (gloo closes the group then: the job
+must restart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from ckpt.comm import describe
+from ckpt.errors import CheckpointError, CollectiveError, IntegrityError, ManifestError, StorageError
+from ckpt.formats.msgpack_codec import decode_manifest
+from ckpt.manifest import MANIFEST_NAME
+from ckpt.storage.local import LocalStorage, LocalWriter
+from ckpt.tier.store import manifest_bytes, remove_step
+
+CHUNK = 64 << 20  # bytes per message: bounded receive buffers, whatever the file size
+TAG = 31_337  # keeps file bytes apart from the metadata exchanges on the same group
+_BUFS: list[torch.Tensor] = []  # the receive double buffer, allocated once per process and reused
+
+
+@dataclass(slots=True)
+class Package:
+    """What one rank sends one peer: a step directory's files, or (``ok`` False) why there are none."""
+
+    header: dict[str, Any]
+    paths: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _rel, size in self.header.get("files", []))
+
+
+@dataclass(slots=True)
+class Received:
+    """What arrived from one sender: committed under the destination, or ``err`` says why not."""
+
+    ok: bool
+    err: str = ""
+    bytes: int = 0
+
+
+def failed(message: str) -> Package:
+    """A package that carries only the reason there is nothing to send."""
+    return Package({"ok": False, "err": message})
+
+
+def package(step_dir: str, what: str) -> Package:
+    """The committed checkpoint in ``step_dir`` as a package; a failed one when it is missing or its
+    files do not have the sizes its manifest records (never raises)."""
+    try:
+        data = manifest_bytes(step_dir)
+        m = decode_manifest(data, url=os.path.join(step_dir, MANIFEST_NAME))
+        files = sorted(m.files.items())
+        paths = [os.path.join(step_dir, rel) for rel, _ in files]
+        for path, (_rel, size) in zip(paths, files, strict=True):
+            found = os.path.getsize(path)
+            if found != size:
+                raise IntegrityError(f"{path}: {found} bytes, the manifest says {size}; the copy is damaged")
+        return Package({"ok": True, "files": [[rel, size] for rel, size in files], "manifest": data}, paths)
+    except (OSError, CheckpointError) as e:
+        return failed(f"{what}: {describe(e)}")
+
+
+def _wait(work: Any, deadline: float) -> None:
+    work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+def _lost(what: str, rank: int, verb: str, peer: int, e: BaseException, timeout: float) -> CollectiveError:
+    text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    how = f"within {timeout:g} s" if "timed out" in text.lower() else f"(connection lost: {text})"
+    return CollectiveError(f"{what}: rank {rank} could not {verb} rank {peer} {how}; a rank died, hung or is too "
+                           "slow. The memory tier's group is unusable after this: restart the job (the previous "
+                           "complete memory checkpoint is still there)")
+
+
+def _map(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private: writable for torch, never written
+    finally:
+        os.close(fd)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _buffers(need: int) -> list[torch.Tensor]:
+    size = min(CHUNK, max(need, 1))
+    if not _BUFS or _BUFS[0].numel() < size:
+        _BUFS[:] = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
+    return _BUFS
+
+
+def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank: int, timeout: float,
+             what: str) -> dict[int, Received]:
+    """Send each ``sends[peer]`` to its peer and receive one package from each ``recvs`` peer into
+    the directory ``recvs[peer]`` (replaced if it exists); collective among the ranks involved.
+
+    ``pg``: the gloo group (None: not distributed, then both maps must be empty); peers are ranks
+    of that group. Returns what arrived, by sender. Local write failures are reported in the
+    result, never raised.
+
+    Raises CollectiveError when a peer does not send or take its bytes within ``timeout`` seconds.
+    """
+    if not sends and not recvs:
+        return {}
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout
+    glob = (lambda r: r) if pg is None or pg is dist.group.WORLD else (lambda r: dist.get_global_rank(pg, r))
+    maps: list[mmap.mmap] = []
+    tensors: list[torch.Tensor] = []
+    posted: list[tuple[int, Any]] = []
+    for dst, pkg in sorted(sends.items()):
+        mine: list[tuple[mmap.mmap, torch.Tensor] | None] = []
+        try:
+            for path, (_rel, size) in zip(pkg.paths, pkg.header.get("files", []), strict=True):
+                mine.append(_map(path, size) if size else None)
+        except OSError as e:
+            mine, pkg = [], failed(f"{what}: rank {rank} cannot read {e.filename}: {e.strerror}")
+        head = msgpack.packb(pkg.header, use_bin_type=True)
+        out_t = [torch.tensor([len(head)], dtype=torch.int64), torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+        for item in mine:
+            if item is not None:
+                maps.append(item[0])
+                out_t += [item[1][o:o + CHUNK] for o in range(0, item[1].numel(), CHUNK)]
+        tensors += out_t
+        try:
+            posted += [(dst, dist.isend(t, dst=glob(dst), group=pg, tag=TAG)) for t in out_t]
+        except Exception as e:  # noqa: BLE001 - gloo: the group was closed by an earlier failure
+            raise _lost(what, rank, "send to", dst, e, timeout) from e
+    out = {src: _receive(dist, pg, glob(src), src, dest, deadline, rank=rank, timeout=timeout, what=what)
+           for src, dest in sorted(recvs.items())}
+    for dst, work in posted:
+        try:
+            _wait(work, deadline)
+        except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone
+            raise _lost(what, rank, "send to", dst, e, timeout) from e
+    posted.clear()
+    tensors.clear()  # the views go before the maps (an exported buffer cannot be closed)
+    for m in maps:
+        with contextlib.suppress(BufferError):
+            m.close()
+    return out
+
+
+def _recv(dist: Any, pg: Any, src: int, t: torch.Tensor, deadline: float) -> None:
+    _wait(dist.irecv(t, src=src, group=pg, tag=TAG), deadline)
+
+
+def _receive(dist: Any, pg: Any, gsrc: int, src: int, dest: str, deadline: float, *, rank: int, timeout: float,
+             what: str) -> Received:
+    try:
+        n = torch.zeros(1, dtype=torch.int64)
+        _recv(dist, pg, gsrc, n, deadline)
+        head = torch.empty(int(n.item()), dtype=torch.uint8)
+        _recv(dist, pg, gsrc, head, deadline)
+    except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone
+        raise _lost(what, rank, "receive from", src, e, timeout) from e
+    header = msgpack.unpackb(head.numpy().tobytes(), raw=False)
+    if not header.get("ok"):
+        return Received(False, str(header.get("err", "the sender had nothing to send")))
+    files = [(str(rel), int(size)) for rel, size in header["files"]]
+    remove_step(dest)
+    storage = LocalStorage(dest)
+    error: BaseException | None = None
+    try:
+        chunks = [(i, o, min(CHUNK, size - o)) for i, (_rel, size) in enumerate(files) for o in range(0, size, CHUNK)]
+        bufs = _buffers(max((c[2] for c in chunks), default=1))
+        writers: dict[int, LocalWriter] = {}
+        for rel, size in files:
+            if size == 0:
+                error = error or _touch(storage, rel)
+        work = dist.irecv(bufs[0][:chunks[0][2]], src=gsrc, group=pg, tag=TAG) if chunks else None
+        for k, (i, o, length) in enumerate(chunks):
+            try:
+                _wait(work, deadline)
+            except Exception as e:  # noqa: BLE001
+                raise _lost(what, rank, "receive from", src, e, timeout) from e
+            if k + 1 < len(chunks):  # the next chunk arrives while this one is written
+                work = dist.irecv(bufs[(k + 1) % 2][:chunks[k + 1][2]], src=gsrc, group=pg, tag=TAG)
+            if error is not None:
+                continue  # drain: the sender must not wait for a receiver that gave up
+            try:
+                if o == 0:
+                    writers[i] = storage.open_writer(files[i][0])
+                writers[i].write(memoryview(bufs[k % 2][:length].numpy()))  # type: ignore[arg-type]
+                if o + length == files[i][1]:
+                    writers.pop(i).close()
+            except CheckpointError as e:
+                error = e
+                for w in writers.values():
+                    w.abort()
+                writers.clear()
+        if error is None:
+            error = _commit(storage, dest, header, files)
+    finally:
+        storage.close()
+    if error is not None:
+        remove_step(dest)
+        return Received(False, f"{what}: rank {rank} could not keep rank {src}'s copy: {describe(error)}")
+    return Received(True, bytes=sum(size for _rel, size in files))
+
+
+def _touch(storage: LocalStorage, rel: str) -> BaseException | None:
+    try:
+        storage.open_writer(rel).close()
+        return None
+    except CheckpointError as e:
+        return e
+
+
+def _commit(storage: LocalStorage, dest: str, header: dict[str, Any], files: list[tuple[str, int]]
+            ) -> BaseException | None:
+    """Check that the manifest describes exactly the files received, then commit it (last)."""
+    try:
+        data = bytes(header["manifest"])
+        m = decode_manifest(data, url=os.path.join(dest, MANIFEST_NAME))
+        if sorted(m.files.items()) != sorted(files):
+            raise ManifestError(f"{dest}: the manifest received does not list the files received; the copy is "
+                                "not kept")
+        storage.commit(MANIFEST_NAME, data, exclusive=True)
+        return None
+    except (CheckpointError, OSError) as e:
+        return e if isinstance(e, CheckpointError) else StorageError(f"{dest}: {e}")

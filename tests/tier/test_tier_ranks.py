@@ -1,0 +1,276 @@
+"""The memory tier on 4 forked gloo ranks in 2 simulated nodes, with a synthetic state (tensors as
+Shard and FlatShard pieces, objects per rank and global): bounded memory, restore from own copies,
+from peers after a node loss, fallback on lost or damaged copies, stale tiers, shared memory full."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import ckpt
+from ckpt.errors import StorageError
+from ckpt.tier import MemoryTier, TierConfig, list_memory
+from ckpt.tier.nodes import step_name
+from tests.dist_utils import run_ranks
+from tests.tier.kill_harness import state_of
+
+ROOT = "/tier-tests/run"
+
+
+def _tier(shm: str, **kw: Any) -> MemoryTier:
+    return MemoryTier(TierConfig(kw.pop("root", ROOT), shm_dir=shm, nodes=2, timeout=30, **kw))
+
+
+def _node(shm: str, node: int, run_id: str | None = None) -> Path:
+    from ckpt.tier.nodes import run_id_for
+
+    return Path(shm) / f"ckpt-{run_id or run_id_for(ROOT)}" / f"node-{node}"
+
+
+def _save_steps(rank: int, world: int, shm: str, steps: list[int], keep: int, out: str | None = None) -> None:
+    tier = _tier(shm, keep=keep)
+    tier.reset(None)
+    records = [tier.save(s, state_of(rank, s)).to_record() for s in steps]
+    assert all(r["complete"] for r in records), records
+    own = [s for s, _ in tier.store.own_steps()]
+    held = [s for o in tier.senders[rank] for s, _ in tier.store.replica_steps(o)]
+    assert own == steps[-keep:] and held == steps[-keep:], (own, held)  # bounded: keep complete steps
+    if out and rank == 0:
+        Path(out).write_text(json.dumps(records))
+
+
+def _restore(rank: int, world: int, shm: str, out: str, kw: dict[str, Any]) -> None:
+    tier = _tier(shm, **kw)
+    target = state_of(rank, 0)
+    failures: list[dict[str, Any]] = []
+    got = tier.restore(target, on_failure=failures.append)
+    rec: dict[str, Any] = {"rank": rank, "step": None, "failures": failures}
+    if got is not None:
+        ref = state_of(rank, got.step)
+        assert torch.equal(target["model"]["w"].local, ref["model"]["w"].local)
+        assert torch.equal(target["optim"]["m"].local, ref["optim"]["m"].local)
+        assert got.value["train"] == ref["train"] and got.value["rng"] == ref["rng"].value
+        rec.update(step=got.step, source=got.source, holder=got.holder, tier=got.tier, peers=got.peer_ranks,
+                   fetched=got.fetched_bytes)
+        tier.reset(got.step)
+        assert [s for s, _ in tier.store.own_steps()] == [got.step]  # a fetched copy is this rank's own now
+    with open(out, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _restored(shm: str, tmp: Path, **kw: Any) -> dict[int, dict[str, Any]]:
+    out = tmp / f"restored-{len(list(tmp.glob('restored-*')))}.jsonl"
+    run_ranks(4, _restore, shm, str(out), kw)
+    return {r["rank"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_memory_checkpoints_are_bounded_and_restore_bitwise(shm: str, tmp_path: Path) -> None:
+    out = tmp_path / "records.json"
+    run_ranks(4, _save_steps, shm, [1, 2, 3], 1, str(out))
+    rec = json.loads(out.read_text())[-1]
+    assert rec["event"] == "memory_checkpoint" and rec["step"] == 3 and rec["bytes"] > 4 * 256 * 256 * 4
+    assert rec["replica_bytes"] > 0 and not rec["skipped"]
+    # each step directory is an ordinary checkpoint: verify --deep passes
+    own = _node(shm, 1) / "rank-2" / step_name(3)
+    assert ckpt.verify(str(own), deep=True).ok
+    assert ckpt.inspect(str(own)).user_metadata["ckpt_tier"]["owner"] == 2
+    got = _restored(shm, tmp_path)
+    assert {r["step"] for r in got.values()} == {3} and {r["source"] for r in got.values()} == {"local"}
+    run_ranks(4, _save_steps, shm, [4, 5, 6], 2)  # keep=2: two complete steps per rank and per copy
+
+
+def test_a_lost_node_is_restored_from_peer_copies(shm: str, tmp_path: Path) -> None:
+    run_ranks(4, _save_steps, shm, [1, 2], 1)
+    shutil.rmtree(_node(shm, 1))  # node 1 lost: ranks 2 and 3 come back with empty shared memory
+    got = _restored(shm, tmp_path)
+    assert {r["step"] for r in got.values()} == {2}
+    assert [(got[r]["source"], got[r]["holder"]) for r in range(4)] == [
+        ("local", 0), ("local", 1), ("peer", 0), ("peer", 1)]
+    assert got[0]["tier"] == "memory-peer" and got[0]["peers"] == [2, 3] and got[0]["fetched"] > 0
+    # the fetched copies are the ranks' own now: the next restart finds them locally
+    got = _restored(shm, tmp_path)
+    assert {(r["step"], r["source"]) for r in got.values()} == {(2, "local")}
+
+
+def test_a_damaged_copy_falls_back_to_the_next_source(shm: str, tmp_path: Path) -> None:
+    run_ranks(4, _save_steps, shm, [1, 2, 3], 2)
+    copy = _node(shm, 0) / "replicas" / "rank-2" / step_name(3)
+    m = ckpt.inspect(str(copy))
+    s = next(s for t in m.tensors.values() for s in t.shards if s.length)
+    with open(copy / s.file, "r+b") as f:  # one flipped bit in rank 2's copy of step 3
+        f.seek(s.offset + 5)
+        b = f.read(1)
+        f.seek(s.offset + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    shutil.rmtree(_node(shm, 1))
+    got = _restored(shm, tmp_path)
+    assert {r["step"] for r in got.values()} == {2}  # step 3 cannot be restored whole: the older complete one
+    fail = [f for f in got[0]["failures"] if f["event"] == "restore_failed"]
+    assert len(fail) == 1 and fail[0]["step"] == 3 and fail[0]["rank"] == 2 and fail[0]["source"] == "peer"
+    assert "IntegrityError" in fail[0]["error"] or "checksum" in fail[0]["error"]
+    assert got[0]["failures"] == got[3]["failures"]  # every rank has the same account
+
+
+def _manager(rank: int, world: int, shm: str, root: str, phase: str, out: str) -> None:
+    mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, nodes=2, memory_timeout=30)
+    if phase.startswith("save"):
+        for step in (1, 2, 3):
+            if step == 1 and phase == "save":
+                mgr.save(step, state_of(rank, step))
+            assert mgr.memory_due(step)
+            assert mgr.save_memory(step, state_of(rank, step)).complete
+        return
+    target = state_of(rank, 0)
+    step = mgr.restore(target)
+    tier = mgr.last_restore.tier if mgr.last_restore is not None else "storage"
+    assert step is not None and torch.equal(target["model"]["w"].local, state_of(rank, step)["model"]["w"].local)
+    assert target["train"] == state_of(rank, step)["train"]  # objects restored in place
+    with open(out, "a") as f:
+        f.write(f"{rank} {step} {tier}\n")
+
+
+def test_manager_restores_across_tiers_and_ls_shows_the_memory_tier(shm: str, tmp_path: Path) -> None:
+    from ckpt.cli.app import app
+
+    root = str(tmp_path / "ckpts")
+    run_ranks(4, _manager, shm, root, "save", "")
+    r = CliRunner().invoke(app, ["ls", root, "--shm-dir", shm])
+    assert r.exit_code == 0, r.output
+    assert "memory tier" in r.output and "replica" in r.output and "committed" in r.output
+    entries = json.loads(CliRunner().invoke(app, ["ls", root, "--shm-dir", shm, "--json"]).output)
+    mem = [e for e in entries if e.get("tier") == "memory"]
+    assert {(e["step"], e["copy"]) for e in mem} == {(3, "local"), (3, "replica")} and len(mem) == 8
+    assert [e["step"] for e in entries if "tier" not in e] == [1]
+    assert len(list_memory(root, shm)) == 8 and list_memory(str(tmp_path / "other"), shm) == []
+    out = tmp_path / "out.txt"
+    run_ranks(4, _manager, shm, root, "restore", str(out))  # memory step 3 is newer than storage's 1
+    assert sorted(out.read_text().split("\n")[:-1]) == [f"{r} 3 memory" for r in range(4)]
+    # both copies of rank 2's pieces lost (its node, and node 0's copy): storage's step 1
+    run_ranks(4, _manager, shm, root, "save-memory", "")
+    shutil.rmtree(_node(shm, 1, _run(root)))
+    shutil.rmtree(_node(shm, 0, _run(root)) / "replicas" / "rank-2")
+    out.unlink()
+    run_ranks(4, _manager, shm, root, "restore", str(out))
+    assert sorted(out.read_text().split("\n")[:-1]) == [f"{r} 1 storage" for r in range(4)]
+
+
+def _run(root: str) -> str:
+    from ckpt.tier.nodes import run_id_for
+
+    return run_id_for(root)
+
+
+def test_a_stale_tier_is_never_restored(shm: str, tmp_path: Path) -> None:
+    run_ranks(4, _save_steps, shm, [1], 1)
+    assert {r["step"] for r in _restored(shm, tmp_path, run_id="another-run").values()} == {None}
+    # the same directory name, written by another run: its manifests say so
+    shutil.rmtree(Path(shm) / "ckpt-another-run")
+    os.rename(Path(shm) / f"ckpt-{_run(ROOT)}", Path(shm) / "ckpt-another-run")
+    got = _restored(shm, tmp_path, run_id="another-run")
+    assert {r["step"] for r in got.values()} == {None}
+    notes = [n for f in got[0]["failures"] if f["event"] == "memory_tier_ignored" for n in f["notes"]]
+    assert any("stale: written by run" in n for n in notes), notes
+    # another layout: the same run, other pieces per rank (a different model shape)
+    run_ranks(4, _save_steps, shm, [1], 1)
+    run_ranks(4, _restore_other_layout, shm)
+
+
+def _restore_other_layout(rank: int, world: int, shm: str) -> None:
+    tier = _tier(shm)
+    target = state_of(rank, 0)
+    target["model"]["w"] = ckpt.Shard(torch.zeros(128, 256), (world * 256, 256), (rank * 256, 0))
+    notes: list[dict[str, Any]] = []
+    assert tier.restore(target, on_failure=notes.append) is None
+    assert any("other pieces" in n for f in notes for n in f.get("notes", []))
+
+
+def _shm_full(rank: int, world: int, shm: str, out: str) -> None:
+    from ckpt.storage.local import LocalWriter
+
+    tier = _tier(shm)
+    tier.reset(None)
+    write = LocalWriter.write
+    state = {"step": 0}
+
+    def full(self: LocalWriter, data: Any) -> None:
+        # step 2: rank 1's own write; step 3: rank 0 keeping rank 2's copy (the peer's memory is full)
+        own = state["step"] == 2 and rank == 1 and "/rank-1/" in self.full and "replicas" not in self.full
+        copy = state["step"] == 3 and rank == 0 and "/replicas/rank-2/" in self.full
+        if own or copy:
+            raise StorageError(f"{self.full}: write failed after 0 bytes (No space left on device)")
+        write(self, data)
+
+    LocalWriter.write = full  # type: ignore[method-assign]
+    records = []
+    for step in (1, 2, 3, 4):
+        state["step"] = step
+        r = tier.save(step, state_of(rank, step))
+        records.append(r.to_record())
+        own = [s for s, _ in tier.store.own_steps()]
+        assert own == ([1] if step in (2, 3) else [step]), (step, own)  # the complete step stays
+    if rank == 0:
+        Path(out).write_text(json.dumps(records))
+
+
+def test_shared_memory_full_skips_the_memory_checkpoint_with_a_warning(shm: str, tmp_path: Path) -> None:
+    out = tmp_path / "records.json"
+    run_ranks(4, _shm_full, shm, str(out))
+    recs = json.loads(out.read_text())
+    assert [r["complete"] for r in recs] == [True, False, False, True]
+    assert "No space left on device" in recs[1]["warning"] and "rank 1" in recs[1]["errors"][0]
+    assert "newest complete memory step stays 1" in recs[1]["warning"]
+    assert "could not keep rank 2's copy" in recs[2]["errors"][0] and "No space left" in recs[2]["warning"]
+    assert {r["step"] for r in _restored(shm, tmp_path).values()} == {4}
+
+
+def test_single_process(shm: str) -> None:
+    with pytest.warns(RuntimeWarning, match="no peer copies"):
+        tier = MemoryTier(TierConfig(ROOT, shm_dir=shm))
+    tier.reset(None)
+    assert tier.save(5, state_of(0, 5)).complete
+    target = state_of(0, 0)
+    got = tier.restore(target)
+    assert got is not None and got.step == 5 and got.source == "local"
+    assert torch.equal(target["model"]["w"].local, state_of(0, 5)["model"]["w"].local)
+    tier.clear()
+    assert not os.path.exists(Path(shm) / f"ckpt-{_run(ROOT)}")
+
+
+def _fresh_root(rank: int, world: int, shm: str, root: str) -> None:
+    mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, nodes=2, memory_timeout=30)
+    assert mgr.memory is not None
+    notes: list[dict[str, Any]] = []
+    assert mgr.memory.restore(state_of(rank, 0), on_failure=notes.append) is None
+    assert any("earlier run under the same root" in n for f in notes for n in f.get("notes", [])), notes
+    assert mgr.restore(state_of(rank, 0)) is None  # a fresh start: and the old copies are gone
+    assert mgr.memory.store.own_steps() == []
+
+
+def test_a_new_run_in_an_emptied_root_never_restores_the_old_memory_tier(shm: str, tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpts")
+    run_ranks(4, _manager, shm, root, "save", "")
+    shutil.rmtree(root)  # the same path, a new run: same run id, but the root's lineage token is new
+    run_ranks(4, _fresh_root, shm, root)
+
+
+def _bad_state(rank: int, world: int, shm: str) -> None:
+    from ckpt.errors import StateError
+
+    tier = _tier(shm)
+    state = state_of(rank, 1)
+    if rank == 1:
+        state["train"]["sched"] = {"fn": object()}  # not msgpack-able: ckpt.save refuses it
+    with pytest.raises(StateError, match="rank 1"):  # on every rank, not a hang on the others
+        tier.save(1, state)
+    assert tier.store.own_steps() == []
+
+
+def test_a_state_one_rank_cannot_save_raises_on_every_rank(shm: str) -> None:
+    run_ranks(4, _bad_state, shm)

@@ -1,0 +1,158 @@
+"""The trainer with a memory tier, 4 forked gloo ranks (tp=2 x ep=2, ZeRO-1) in 2 simulated nodes:
+node 1 is lost (its ranks SIGKILLed, its shared memory deleted) and the run resumes from the memory
+tier with no step lost beyond the last memory checkpoint, ending bitwise equal to an uninterrupted
+run (model, optimizer, RNG, data position); with both copies of a piece lost, or a damaged copy, it
+falls back to storage and still ends bitwise equal; a full shared memory skips memory checkpoints
+with a warning while training goes on."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.multiprocessing import ProcessExitedException
+
+import ckpt
+from ckpt.errors import StorageError
+from ckpt.manager import list_checkpoints, step_dir
+from ckpt.resharders.layout import Layout
+from ckpt.tier.nodes import run_id_for, step_name
+from ckpt.trainer.config import TrainConfig
+from ckpt.trainer.metrics import read_metrics
+from ckpt.trainer.train import train
+from tests.dist_utils import run_ranks
+from tests.trainer.trainer_utils import checkpoint_tensors, run_training
+
+LAYOUT = Layout(tp=2, ep=2, zero=1)
+STEPS, SAVE_EVERY = 10, 5
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="ckpt-test-tier-train-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _cfg(base: str, name: str, **kw: Any) -> TrainConfig:
+    return TrainConfig(steps=STEPS, save_every=SAVE_EVERY, memory_every=1, nodes=2, shm_dir=os.path.join(base, "shm"),
+                       ckpt_dir=os.path.join(base, name), device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def full(base: str) -> dict[str, Any]:
+    """The uninterrupted run: its losses and every tensor of its last checkpoint."""
+    cfg = _cfg(base, "full")
+    losses = run_training(cfg, LAYOUT)["losses"]
+    tier = Path(base) / "shm" / f"ckpt-{run_id_for(cfg.ckpt_dir or '')}"
+    assert not tier.exists()  # the run's end gives the shared memory back
+    return {"losses": losses, "tensors": checkpoint_tensors(os.path.join(base, "full", step_dir(STEPS)))}
+
+
+def _lose_node(cfg: TrainConfig, at: int) -> None:
+    with pytest.raises(ProcessExitedException, match="SIGKILL"):
+        run_training(dataclasses.replace(cfg, fail_at_step=at, fail_node=1), LAYOUT)
+
+
+def _node(cfg: TrainConfig, node: int) -> Path:
+    return Path(cfg.shm_dir or "") / f"ckpt-{run_id_for(cfg.ckpt_dir or '')}" / f"node-{node}"
+
+
+def _same_end(full: dict[str, Any], cfg: TrainConfig) -> None:
+    got = checkpoint_tensors(os.path.join(cfg.ckpt_dir or "", step_dir(STEPS)))
+    want = full["tensors"]
+    assert got.keys() == want.keys()
+    for k in want:  # model and optimizer state, every bit
+        assert torch.equal(got[k], want[k]), k
+    assert ckpt.inspect(os.path.join(cfg.ckpt_dir or "", step_dir(STEPS))).objects.keys() >= {"rng", "train.step"}
+
+
+def _events(cfg: TrainConfig, name: str) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(cfg.metrics_file or "") if r.get("event") == name]
+
+
+def test_losing_a_node_resumes_from_the_memory_tier_bitwise(base: str, full: dict[str, Any]) -> None:
+    at = random.Random().randint(1, STEPS - 1)  # a random step: every one of them must work
+    cfg = _cfg(base, f"lose-node-at-{at}")
+    _lose_node(cfg, at)
+    assert not _node(cfg, 1).exists() and _node(cfg, 0).exists()
+    resumed = run_training(cfg, LAYOUT)
+    assert resumed["start"] == at, f"lost node at step {at}"  # no step lost: memory checkpoint every step
+    assert resumed["losses"] == {k: v for k, v in full["losses"].items() if k > at}  # the same floats
+    _same_end(full, cfg)
+    (rec,) = _events(cfg, "recovery")
+    assert rec["tier"] == "memory-peer" and rec["step"] == at and rec["steps_lost"] == 0
+    assert rec["peer_ranks"] == [2, 3] and rec["fetched_bytes"] > 0 and rec["bytes"] > 0
+    assert {"restore_ms", "first_step_ms", "restart_ms", "total_ms"} <= rec.keys()
+    (resume,) = _events(cfg, "resume")
+    assert resume["tier"] == "memory-peer" and resume["bytes_verified"] > 0  # every piece's checksum checked
+    mem = _events(cfg, "memory_checkpoint")
+    assert [r["step"] for r in mem] == [*range(1, at + 1), *range(at + 1, STEPS)]
+    assert all(r["complete"] and r["replica_bytes"] > 0 for r in mem)
+    assert len(_events(cfg, "fail")) == 2  # both ranks of node 1
+
+
+def test_both_copies_lost_falls_back_to_storage(base: str, full: dict[str, Any]) -> None:
+    cfg = _cfg(base, "both-lost")
+    _lose_node(cfg, 7)
+    shutil.rmtree(_node(cfg, 0) / "replicas" / "rank-2")  # the only other copy of rank 2's pieces
+    resumed = run_training(cfg, LAYOUT)
+    assert resumed["start"] == SAVE_EVERY
+    _same_end(full, cfg)
+    (rec,) = _events(cfg, "recovery")
+    assert rec["tier"] == "storage" and rec["step"] == SAVE_EVERY and rec["steps_lost"] == 7 - SAVE_EVERY
+    (ignored,) = _events(cfg, "memory_tier_ignored")
+    assert any("memory step 7: no copy of rank(s) [2]" in n for n in ignored["notes"])
+
+
+def test_a_damaged_copy_falls_back_and_still_ends_bitwise(base: str, full: dict[str, Any]) -> None:
+    cfg = _cfg(base, "damaged-copy")
+    _lose_node(cfg, 7)
+    copy = _node(cfg, 0) / "replicas" / "rank-3" / step_name(7)
+    m = ckpt.inspect(str(copy))
+    s = max((s for t in m.tensors.values() for s in t.shards), key=lambda s: s.length)
+    with open(copy / s.file, "r+b") as f:  # flipped bytes in the middle of the biggest piece
+        f.seek(s.offset + s.length // 2)
+        b = f.read(2)
+        f.seek(s.offset + s.length // 2)
+        f.write(bytes(x ^ 0xFF for x in b))
+    resumed = run_training(cfg, LAYOUT)
+    assert resumed["start"] == SAVE_EVERY  # keep=1: no older memory step, so storage's
+    _same_end(full, cfg)
+    (failed,) = _events(cfg, "restore_failed")
+    assert failed["tier"] == "memory" and failed["rank"] == 3 and failed["source"] == "peer" and failed["step"] == 7
+    assert "checksum" in failed["error"].lower() or "IntegrityError" in failed["error"]
+    assert _events(cfg, "recovery")[0]["tier"] == "storage"
+    assert [c.step for c in list_checkpoints(cfg.ckpt_dir or "") if c.committed][-1] == STEPS
+
+
+def _full_shm_worker(rank: int, world: int, cfg: TrainConfig) -> None:
+    from ckpt.storage.local import LocalWriter
+
+    write = LocalWriter.write
+
+    def full(self: LocalWriter, data: Any) -> None:
+        if rank == 1 and "/rank-1/step-0000000003/" in self.full:
+            raise StorageError(f"{self.full}: write failed after 0 bytes (No space left on device)")
+        write(self, data)
+
+    LocalWriter.write = full  # type: ignore[method-assign]
+    train(cfg, LAYOUT)
+
+
+def test_full_shared_memory_skips_memory_checkpoints_and_training_goes_on(base: str, full: dict[str, Any]) -> None:
+    cfg = _cfg(base, "shm-full")
+    run_ranks(4, _full_shm_worker, cfg)
+    _same_end(full, cfg)
+    mem = {r["step"]: r for r in _events(cfg, "memory_checkpoint")}
+    assert mem[3]["skipped"] and "No space left on device" in mem[3]["warning"] and "rank 1" in mem[3]["errors"][0]
+    assert all(mem[s]["complete"] for s in mem if s != 3) and sorted(mem) == list(range(1, STEPS))
+    assert [r["step"] for r in _events(cfg, "checkpoint")] == [SAVE_EVERY, STEPS]  # persistent saves unaffected
