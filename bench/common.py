@@ -78,6 +78,15 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
+def proc_status_bytes(field: str) -> int:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``...) in bytes; 0 where absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def drop_caches() -> str | None:
     """Write back dirty pages and drop the page cache; None on success, else why it was not possible."""
     os.sync()

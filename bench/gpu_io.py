@@ -24,7 +24,18 @@ from typing import Any
 
 import torch
 
-from bench.common import drop_caches, fmt, fresh_dir, gbps, machine_info, median, print_table, remove, run_dd
+from bench.common import (
+    drop_caches,
+    fmt,
+    fresh_dir,
+    gbps,
+    machine_info,
+    median,
+    print_table,
+    remove,
+    run_dd,
+    run_dd_read,
+)
 from bench.save_load import _st_save, make_state
 
 
@@ -49,15 +60,9 @@ def evict(path: str) -> str:
 
 
 def disk_read_gbps(path: str) -> float:
-    """A cold sequential read of ``path`` in 16 MiB reads."""
+    """A cold sequential read of ``path`` (dd, 16 MiB blocks)."""
     evict(path)
-    buf = bytearray(16 << 20)
-    n = 0
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while k := f.readinto(buf):
-            n += k
-    return gbps(n, time.perf_counter() - t0)
+    return run_dd_read(path).gbps
 
 
 def h2d_gbps(nbytes: int, pinned: bool) -> float:

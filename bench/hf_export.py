@@ -43,6 +43,7 @@ from bench.common import (
     markdown_table,
     median,
     print_table,
+    proc_status_bytes,
     remove,
 )
 
@@ -211,13 +212,6 @@ def _ckpt(src: str, out: str, dtype: torch.dtype | None, budget: int) -> None:
     export_hf(src, out, dtype=dtype, memory_budget=budget, max_shard_size=MAX_SHARD)
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
 
 def worker(name: str, src: str, out: str, dtype_s: str, budget: int) -> dict[str, Any]:
     """Run one contender in this process; returns its wall time and memory figures."""
@@ -227,7 +221,7 @@ def worker(name: str, src: str, out: str, dtype_s: str, budget: int) -> dict[str
 
     dtype = None if dtype_s == "keep" else {"bf16": torch.bfloat16, "fp16": torch.float16,
                                            "fp32": torch.float32}[dtype_s]
-    base = _status_bytes("VmRSS")
+    base = proc_status_bytes("VmRSS")
     t0 = time.perf_counter()
     if name == "ckpt":
         _ckpt(src, out, dtype, budget)
@@ -238,7 +232,7 @@ def worker(name: str, src: str, out: str, dtype_s: str, budget: int) -> dict[str
     else:
         raise SystemExit(f"unknown contender {name!r}")
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "peak_rss": _status_bytes("VmHWM"), "baseline_rss": base}
+    return {"seconds": seconds, "peak_rss": proc_status_bytes("VmHWM"), "baseline_rss": base}
 
 
 def run_one(name: str, src: str, out: str, dtype_s: str, budget: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import GB, drop_caches, fmt, markdown_table, median, print_table, remove
+from bench.common import GB, drop_caches, fmt, markdown_table, median, print_table, proc_status_bytes, remove
 
 CONTENDERS = ["ckpt-import", "ckpt-export", "transformers"]
 
@@ -68,13 +68,6 @@ def make_source(path: str, size_gb: float) -> None:
         json.dump(cfg, f)
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
 
 def worker(name: str, src: str, ck: str, out: str) -> dict[str, Any]:
     """One contender in this process: wall time and peak RSS."""
@@ -93,7 +86,7 @@ def worker(name: str, src: str, ck: str, out: str) -> dict[str, Any]:
         m.save_pretrained(out)
     else:
         raise SystemExit(f"unknown contender {name!r}")
-    return {"seconds": time.perf_counter() - t0, "peak_rss": _status("VmHWM")}
+    return {"seconds": time.perf_counter() - t0, "peak_rss": proc_status_bytes("VmHWM")}
 
 
 def run_one(name: str, src: str, ck: str, out: str) -> dict[str, Any]:

@@ -157,8 +157,7 @@ class StagingPool:
         """The slab list for ``key``: the old one when the plan is the same, else an empty one (the
         old slabs are dropped first). Slabs are allocated later, by the stager."""
         if key != self.key:
-            self.slabs = []
-            self.slabs = [None] * nslabs
+            self.slabs = [None] * nslabs  # the old slabs go now, before the stager allocates new ones
             self.key = key
             self.allocations += 1
         return self.slabs
