@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from contextlib import ExitStack
 from typing import IO
@@ -30,6 +31,7 @@ from ckpt.trainer.metrics import MetricsLog
 
 ATTEMPT_ENV = "CKPT_ATTEMPT"  # which attempt a worker belongs to (0 = first start)
 FATAL_ENV = "CKPT_FATAL_DIR"  # where a worker records an error that retrying cannot fix
+LOWER_RANK_WAIT_S = 5.0  # how long a failing rank waits for lower ranks' records (see record_final_error)
 FINAL_EXIT_CODE = 3  # a worker's exit code for such an error (also when run under plain torchrun)
 
 
@@ -101,6 +103,14 @@ def record_final_error(rank: int, error: BaseException) -> None:
     with open(tmp, "w") as f:
         json.dump({"rank": rank, "type": type(error).__name__, "message": str(error)}, f)
     os.replace(tmp, os.path.join(fatal_dir, f"rank-{rank}.json"))
+    # The launcher names the lowest rank's error. A rank that exits first makes torchrun kill the
+    # others, possibly before rank 0 (hitting the same error a moment later) has written its record:
+    # wait briefly for the lower ranks' records so the report does not depend on who was fastest.
+    deadline = time.monotonic() + LOWER_RANK_WAIT_S
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(fatal_dir, f"rank-{r}.json")) for r in range(rank)):
+            return
+        time.sleep(0.02)
 
 
 def launch(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3, log: str | None = None) -> int:

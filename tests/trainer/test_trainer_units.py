@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +131,32 @@ def test_trainer_config_for_the_100m_model_accepts_its_layouts() -> None:
         cfg.check_layout(layout)
     with pytest.raises(LayoutError, match="ep=3"):
         dataclasses.replace(cfg, global_batch=12).check_layout(Layout(ep=3))
+
+
+def test_a_failing_rank_waits_for_lower_ranks_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher names the lowest rank's deterministic error; a faster higher rank must not exit
+    (and get the others killed by torchrun) before rank 0's record exists."""
+    from ckpt.trainer import launch as launch_mod
+
+    monkeypatch.setenv(launch_mod.FATAL_ENV, str(tmp_path))
+    done: list[float] = []
+
+    def rank1() -> None:
+        launch_mod.record_final_error(1, ValueError("late"))
+        done.append(time.monotonic())
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and not done  # still waiting for rank 0
+    written = time.monotonic()
+    launch_mod.record_final_error(0, ValueError("first"))
+    t.join(5)
+    assert done and done[0] >= written
+    records = launch_mod.final_errors(str(tmp_path))
+    assert [(r["rank"], r["message"]) for r in records] == [(0, "first"), (1, "late")]
+    # a lower rank that never fails: the wait is bounded
+    monkeypatch.setattr(launch_mod, "LOWER_RANK_WAIT_S", 0.2)
+    start = time.monotonic()
+    launch_mod.record_final_error(3, ValueError("alone"))
+    assert 0.2 <= time.monotonic() - start < 2
