@@ -124,7 +124,7 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
     sub = dist.new_group(list(range(load_ranks)))
     if rank < load_ranks:
         lmesh = init_device_mesh(device, (load_ranks,), mesh_dim_names=("dp",)) if load_ranks == world else \
-            _sub_mesh(device, load_ranks)
+            _sub_mesh(device, sub)
         model2, opt2 = _model(layers, hidden, (load_ranks,), ("dp",), device, dt, mesh=lmesh)
         dst = _state(model2, opt2)
     times: dict[str, list[float]] = {"ckpt save": [], "dcp save": [], "ckpt load": [], "dcp load": []}
@@ -177,10 +177,12 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
     dist.destroy_process_group()
 
 
-def _sub_mesh(device: str, n: int) -> Any:
+def _sub_mesh(device: str, group: Any) -> Any:
+    """A 1-D mesh over an existing group: DeviceMesh(...) on a subset of ranks would create its group
+    on those ranks alone, and the per-process group counters (new_group's names) would then differ."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh(device, list(range(n)), mesh_dim_names=("dp",))
+    return DeviceMesh.from_group(group, device, mesh_dim_names=("dp",))
 
 
 def _timed_on(group: Any, fn: Any) -> float:

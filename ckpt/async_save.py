@@ -21,28 +21,23 @@ from collections.abc import Callable
 from typing import Any
 
 from ckpt import stateful
-from ckpt.comm import Comm
+from ckpt.comm import Comm, side_group
 from ckpt.errors import CheckpointError
 from ckpt.manifest import Manifest
 from ckpt.save import DEFAULT_TIMEOUT_S, PlanCache, Prepared, commit, persist_staged, prepare, staged_views
 from ckpt.staging import Stager, StagingPool, check_cap
 from ckpt.storage import get_storage
 
-_COMMIT_GROUPS: dict[Any, Any] = {}
 
-
-def _commit_comm(comm: Comm) -> Comm:
+def _commit_comm(comm: Comm, timeout: float | None) -> Comm:
     """A Comm over a separate gloo group, so the background commit never shares a group with the
-    training thread's collectives (and never uses NCCL off the main thread). Created once, collectively."""
+    training thread's collectives (and never uses NCCL off the main thread). Created once, by the
+    members only (:func:`ckpt.comm.side_group`)."""
     if not comm.enabled or comm.world == 1:
         return comm
     import torch.distributed as dist
 
-    key = id(comm.group)
-    if key not in _COMMIT_GROUPS:
-        ranks = dist.get_process_group_ranks(comm.group)
-        _COMMIT_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return Comm(_COMMIT_GROUPS[key])
+    return Comm(side_group(dist.get_process_group_ranks(comm.group), "commit", timeout=timeout))
 
 
 class SaveHandle:
@@ -130,7 +125,7 @@ class AsyncSaver:
                 raise CheckpointError(f"the previous async save to {prev.url} failed: {prev.error}") from prev.error
         state = stateful.expand(state)
         storage = get_storage(url, **(storage_options or {}))
-        commit_comm = _commit_comm(comm)
+        commit_comm = _commit_comm(comm, self.timeout)
         t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
                        layout=layout, cache=self.cache, timeout=self.timeout, data_format=data_format)

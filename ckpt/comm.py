@@ -36,6 +36,48 @@ _LOST = -1  # the rank field of a gather entry that reports lost ranks instead o
 _GLOO_GROUPS: dict[Any, Any] = {}
 
 
+def side_group(ranks: list[int], purpose: str, *, timeout: float | None = None) -> Any:
+    """ckpt's own gloo group over ``ranks`` (global ranks) for ``purpose``, created once and cached.
+
+    The one place ckpt creates process groups. ``new_group`` cannot be used lazily: by default it is
+    collective over the whole world (a save on a subgroup would wait for ranks that never call it),
+    and it names groups from per-process counters (``group_count``, or ``len(pg_names)`` with
+    ``use_local_synchronization``) that differ between ranks as soon as they belong to different
+    subgroups, so members would wait under different names and hang. Here the members alone build a
+    gloo group on the default store under a name made of ``purpose`` and ``ranks`` (plus a generation
+    counted in the store, so a re-created group never meets a stale one). It is not registered with
+    torch.distributed: :class:`Comm` talks to it through the group's own ``send`` / ``recv``.
+    Creation waits at most ``timeout`` (else 30 min, gloo's default); a member that never arrives
+    gives a CollectiveError naming the ranks.
+    """
+    dist = _dist()
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    ranks = [int(r) for r in ranks]
+    key = (purpose, tuple(ranks), id(dist.group.WORLD))
+    if key not in _GLOO_GROUPS:
+        me = dist.get_rank()
+        td = datetime.timedelta(seconds=timeout if timeout is not None else 1800.0)
+        name = f"ckpt/{purpose}/{'_'.join(map(str, ranks)) if len(ranks) <= 16 else _digest(ranks)}"
+        try:
+            store = _get_default_store()
+            # every member adds 1 once per creation: the n-th creation of this group sees n*len(ranks)
+            generation = (int(store.add(f"{name}/generation", 1)) - 1) // len(ranks)
+            prefixed = dist.PrefixStore(f"{name}/{generation}/", store)
+            _GLOO_GROUPS[key] = dist.ProcessGroupGloo(prefixed, ranks.index(me), len(ranks), td)
+        except Exception as e:  # noqa: BLE001 - a rank that never arrives: typed, named
+            raise errors.CollectiveError(
+                f"rank {dist.get_rank()}: could not create ckpt's {purpose} (gloo) group of ranks {_few_ranks(ranks)} "
+                f"({type(e).__name__}: {e}); a rank is slow, hung or dead: restart the job") from e
+    return _GLOO_GROUPS[key]
+
+
+def _digest(ranks: list[int]) -> str:
+    import hashlib
+
+    return hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+
+
 def tree_children(v: int, world: int, fanin: int) -> list[int]:
     """Children of virtual rank ``v`` (0 is the root) in the exchange tree of ``world`` ranks.
 
@@ -130,11 +172,14 @@ class Comm:
             if group is not None:
                 raise errors.StateError("a process group was passed but torch.distributed is not initialized")
             self.rank, self.world, self.group = 0, 1, None
-            self.cpu_group = None
+            self.cpu_group: Any = None
             return
         self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
+        if isinstance(self.group, dist.ProcessGroupGloo):  # one of ckpt's own (side_group): not registered
+            self.rank, self.world = self.group.rank(), self.group.size()
+        else:
+            self.rank = dist.get_rank(self.group)
+            self.world = dist.get_world_size(self.group)
         self.cpu_group = self._cpu_group(timeout)
 
     @property
@@ -148,25 +193,10 @@ class Comm:
 
     def _cpu_group(self, timeout: float | None = None) -> Any:
         dist = _dist()
-        if dist.get_backend(self.group) == "gloo":
+        if isinstance(self.group, dist.ProcessGroupGloo) or dist.get_backend(self.group) == "gloo":
             return self.group
-        # NCCL groups cannot carry CPU tensors; metadata goes over a gloo group with the same ranks,
-        # created once (new_group is collective) and cached.
-        key = id(self.group)
-        if key not in _GLOO_GROUPS:
-            ranks = dist.get_process_group_ranks(self.group)
-            extra = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
-            try:
-                _GLOO_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", **extra)
-            except Exception as e:  # noqa: BLE001 - a rank that never arrives: typed, named
-                raise errors.CollectiveError(
-                    f"rank {self.rank}: could not create the metadata (gloo) group of ranks {ranks} "
-                    f"({type(e).__name__}: {e}); a rank is slow, hung or dead: restart the job") from e
-        return _GLOO_GROUPS[key]
-
-    def _global(self, r: int) -> int:
-        dist = _dist()
-        return int(dist.get_global_rank(self.cpu_group, r)) if self.cpu_group is not dist.group.WORLD else r
+        # NCCL groups cannot carry CPU tensors: metadata goes over a gloo group with the same ranks
+        return side_group(dist.get_process_group_ranks(self.group), "metadata", timeout=timeout)
 
     # --- the exchange tree -----------------------------------------------------------------
 
@@ -202,12 +232,10 @@ class Comm:
 
     def _post_sends(self, data: bytes, peer: int) -> list[Any]:
         """Post the size, then the payload, to ``peer`` without blocking; returns the works to wait for."""
-        dist = _dist()
-        dst = self._global(peer)
-        works = [dist.isend(torch.tensor([len(data)], dtype=torch.int64), dst=dst, group=self.cpu_group)]
+        # the group's own send / recv take group ranks, for registered groups and ckpt's own alike
+        works = [self.cpu_group.send([torch.tensor([len(data)], dtype=torch.int64)], peer, 0)]
         if data:
-            works.append(dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst,
-                                    group=self.cpu_group))
+            works.append(self.cpu_group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], peer, 0))
         return works
 
     def _send_many(self, datas: dict[int, bytes], timeout: float | None, what: str, deadline: float | None,
@@ -238,7 +266,6 @@ class Comm:
 
     def _recv_payloads(self, sizes: dict[int, int], deadline: float | None, timeout: float | None,
                        what: str, root: int = 0) -> dict[int, bytes]:
-        dist = _dist()
         bufs = {p: torch.empty(n, dtype=torch.uint8) for p, n in sizes.items()}
         missing: list[int] = []
         first: BaseException | None = None
@@ -246,7 +273,7 @@ class Comm:
         for p, n in sizes.items():
             if n:
                 try:
-                    works[p] = dist.irecv(bufs[p], src=self._global(p), group=self.cpu_group)
+                    works[p] = self.cpu_group.recv([bufs[p]], p, 0)
                 except Exception as e:  # noqa: BLE001
                     missing.append(p)
                     first = first or e
@@ -268,7 +295,6 @@ class Comm:
 
         ``deadline`` (monotonic seconds) defaults to ``timeout`` seconds from now.
         """
-        dist = _dist()
         if deadline is None:
             deadline = _deadline(timeout)
         bufs = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
@@ -277,7 +303,7 @@ class Comm:
         works: dict[int, Any] = {}
         for p in peers:
             try:
-                works[p] = dist.irecv(bufs[p], src=self._global(p), group=self.cpu_group)
+                works[p] = self.cpu_group.recv([bufs[p]], p, 0)
             except Exception as e:  # noqa: BLE001 - gloo: the group was closed after a failure elsewhere
                 missing.append(p)
                 lost = lost or e

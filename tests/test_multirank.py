@@ -177,3 +177,40 @@ def test_zero1_flat_over_tp_blocks_loads_as_any_layout(tmp_path):
     flat = ckpt.FlatShard(torch.zeros(50), (13, 10), 33)
     ckpt.load({"exp_avg": flat}, path)
     assert torch.equal(flat.local, g.reshape(-1)[33:83])
+
+
+def _subgroup_saves(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+
+    from ckpt.async_save import AsyncSaver
+
+    sub = dist.new_group([0, 1])  # collective: every rank creates it, only 0 and 1 use it
+    if rank < 2:
+        st = {"w": torch.arange(32.0).view(4, 8), "b": torch.arange(8.0)}  # replicated over 0 and 1
+        # ckpt's own groups (the background commit's) are created by the members alone: ranks 2
+        # and 3 never call into ckpt, and the save must neither wait for them nor hang
+        h = AsyncSaver(group=sub, timeout=30).save(st, os.path.join(root, "a"), step=1)
+        assert h.done(timeout=60) is not None
+        ckpt.save(st, os.path.join(root, "s"), group=sub)
+    # ...nor shift the names of the groups the job creates afterwards (new_group names groups by a
+    # per-process counter: a group created by ranks 0 and 1 alone would make their next one differ)
+    import datetime
+
+    after = dist.new_group([0, 1, 2, 3], timeout=datetime.timedelta(seconds=20))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=after)
+    assert t.item() == 4
+    # and a save over the world after ranks joined different subgroups (torch's per-process group
+    # counts now differ between ranks 0-1 and 2-3: names derived from them would not match)
+    h = AsyncSaver(timeout=30).save({"x": torch.arange(4.0)}, os.path.join(root, "w"), step=2)
+    assert h.done(timeout=60) is not None
+
+
+def test_saves_on_a_subgroup_need_no_call_from_other_ranks(tmp_path):
+    run_ranks(4, _subgroup_saves, str(tmp_path))
+    assert ckpt.verify(str(tmp_path / "w"), deep=True).ok
+    for name in ("a", "s"):
+        assert ckpt.verify(str(tmp_path / name), deep=True).ok
+        dst = {"w": torch.zeros(4, 8), "b": torch.zeros(8)}
+        ckpt.load(dst, str(tmp_path / name))
+        assert torch.equal(dst["w"], torch.arange(32.0).view(4, 8)) and torch.equal(dst["b"], torch.arange(8.0))
