@@ -101,7 +101,7 @@ def _async_times(start: Any, wait: Any) -> tuple[float, float]:
 
 
 def _dev() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
 
 
 def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root: str, repeats: int,
@@ -114,7 +114,8 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+    # dcp.async_save needs a CPU backend beside NCCL (it refuses a plain "nccl" group)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     model, opt = _model(layers, hidden, (world // tp, tp), ("dp", "tp"), device, dt)
     model(torch.randn(2, DIM, device=device, dtype=dt)).float().square().mean().backward()  # replicas stay equal
