@@ -56,7 +56,7 @@ from bench.common import (
     remove,
     run_dd,
 )
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.model import ModelConfig, MoEForCausalLM
 
 DD_BLOCK_MIB = 16
@@ -227,7 +227,7 @@ def run_dcp(job: dict[str, Any], world: int) -> list[dict[str, Any]]:
 
 _CKPT_CHILD = r"""
 import json, resource, sys, time
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.resharders.reshard import reshard
 src, dst, layout, budget, workers, verify = sys.argv[1:7]
 def status(field):  # VmHWM, not ru_maxrss (which an exec inherits from the parent)

@@ -217,7 +217,7 @@ def test_trainer_checkpoints_through_a_capped_ring_equal_uncapped_ones(small_sla
     import dataclasses
 
     from ckpt.manager import step_dir
-    from ckpt.resharders.layout import Layout
+    from ckpt.layout import Layout
     from ckpt.trainer.config import TrainConfig
     from tests.trainer.trainer_utils import checkpoint_tensors, run_training
 

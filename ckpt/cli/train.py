@@ -63,7 +63,7 @@ def train_cmd(
     plot: str | None = typer.Option(None, "--plot", help="write the loss curve PNG here (needs matplotlib)"),
 ) -> None:
     """Train the embedded MoE on dp*tp*pp*ep processes (torchrun, elastic restarts), with checkpoints."""
-    from ckpt.resharders.layout import Layout
+    from ckpt.layout import Layout
     from ckpt.trainer.config import TrainConfig, model_config
     from ckpt.trainer.launch import TrainingFailed, launch
     from ckpt.trainer.metrics import plot_loss

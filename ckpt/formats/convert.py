@@ -34,7 +34,7 @@ from ckpt.io import byte_view
 from ckpt.load import fetch_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.resharders.chunks import split_region
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.resharders.plan import plan as reshard_plan
 from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, reshard
 from ckpt.resharders.rules import MOE_RULES, RuleSet

@@ -40,7 +40,7 @@ from ckpt.load import _few, fetch_manifest
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
 from ckpt.planner import WriteAssignment
 from ckpt.regions import sub_region
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.resharders.plan import ReshardPlan, plan
 from ckpt.resharders.rules import MOE_RULES, RuleSet
 from ckpt.resharders.stream import Item, OutFile, Progress, copy_files

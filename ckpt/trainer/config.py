@@ -1,6 +1,6 @@
 """The trainer's run configuration: a typed dataclass validated once, with messages that say the fix.
 
-The parallel layout is separate (:class:`ckpt.resharders.layout.Layout`): a run may change layout
+The parallel layout is separate (:class:`ckpt.layout.Layout`): a run may change layout
 at a restart while its :class:`TrainConfig` stays the same, which is what elastic resume means.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import CheckpointError, LayoutError
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.model import CONFIGS, ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b")

@@ -11,7 +11,7 @@ import ckpt
 from ckpt.cli.app import app
 from ckpt.cli.reshard import parse_size, short_layout
 from ckpt.errors import StateError
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from tests.resharders.moe_states import config, save_single
 
 runner = CliRunner(env={"COLUMNS": "200"})

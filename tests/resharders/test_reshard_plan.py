@@ -17,7 +17,7 @@ from ckpt.manifest import Manifest
 from ckpt.planner import PieceDecl, RankDecl, plan_save
 from ckpt.regions import check_tiling
 from ckpt.resharders.chunks import split_region
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.resharders.placement import (
     GLOBAL,
     OPTIM,

@@ -12,7 +12,7 @@ import pytest
 
 import ckpt
 from ckpt.manager import step_dir
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.metrics import read_metrics
 from tests.trainer.trainer_utils import run_training
