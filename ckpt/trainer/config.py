@@ -13,6 +13,7 @@ from typing import Any
 from ckpt.errors import CheckpointError, LayoutError
 from ckpt.layout import Layout
 from ckpt.trainer.model import CONFIGS, ModelConfig
+from ckpt.trainer.sp import check_sp
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -169,6 +170,7 @@ class TrainConfig:
             raise LayoutError(f"ep={layout.ep} must divide num_experts={m.num_experts}")
         if m.moe_intermediate_size % layout.tp:
             raise LayoutError(f"tp={layout.tp} must divide moe_intermediate_size={m.moe_intermediate_size}")
+        check_sp(self.seq_len, layout.sp)
         if self.nodes is not None and layout.world_size % self.nodes:
             raise LayoutError(f"--nodes {self.nodes} must divide the {layout.world_size} ranks (ranks per node = "
                               "world / nodes)")
