@@ -23,8 +23,8 @@ from rich.text import Text
 import ckpt
 from ckpt.cli.common import console, err_console, handle_errors, human_bytes, parse_storage_options, print_json
 from ckpt.errors import CheckpointError, StateError
-from ckpt.resharders.diff import diff
 from ckpt.layout import AXES, RANK_ORDER, Layout
+from ckpt.resharders.diff import diff
 from ckpt.resharders.plan import parse_stages, plan, rules_for, source_layout
 from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, reshard
 

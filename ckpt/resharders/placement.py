@@ -23,8 +23,8 @@ import torch
 
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import LayoutError
-from ckpt.manifest import Manifest
 from ckpt.layout import Layout
+from ckpt.manifest import Manifest
 from ckpt.resharders.rules import RuleSet, optim_region, param_box, stage_bounds
 from ckpt.shards import Box, FlatShard, Region, Shard, full_box
 

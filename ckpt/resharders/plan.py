@@ -23,10 +23,10 @@ from typing import Any
 
 from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import LayoutError
+from ckpt.layout import Coord, Layout
 from ckpt.manifest import Manifest, ObjectEntry, TensorEntry
 from ckpt.planner import LoadRequest, PieceDecl, RankDecl, SavePlan, plan_load, plan_save
 from ckpt.regions import intersect_boxes, strides
-from ckpt.layout import Coord, Layout
 from ckpt.resharders.placement import coord_str, num_layers_of, regions_for_ranks, specs_of, stage_layers
 from ckpt.resharders.rules import MOE_RULES, RuleSet
 from ckpt.shards import Box, Flat, Region

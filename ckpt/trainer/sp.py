@@ -32,14 +32,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from ckpt.errors import LayoutError
-from ckpt.trainer.model import IGNORE_INDEX, MoEForCausalLM, repeat_kv
+from ckpt.trainer.model import IGNORE_INDEX, Attention, MoEForCausalLM
 from ckpt.trainer.parallel import Group, all_gather_flat, all_reduce_, reduce_scatter_flat
 
-__all__ = ["all_gather_seq", "check_sp", "lasp2h_attention", "shard_sequence", "shift_labels", "sp_choices", "sp_loss_denominator",
-           "split_batch", "zigzag_merge", "zigzag_positions", "zigzag_positions_all", "zigzag_split"]
+__all__ = ["all_gather_seq", "check_sp", "lasp2h_attention", "lasp2h_mask", "shard_sequence", "shift_labels",
+           "sp_choices", "sp_loss_denominator", "split_batch", "zigzag_merge", "zigzag_positions",
+           "zigzag_positions_all", "zigzag_split"]
 
 
 def sp_choices(seq_len: int, limit: int = 64) -> list[int]:
@@ -119,15 +120,32 @@ def all_gather_seq(x: Tensor, group: Group) -> Tensor:
     return _AllGatherSeq.apply(x, group)
 
 
-def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: Group) -> Tensor:
+def lasp2h_mask(positions: Tensor, index: int, dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
+    """Additive causal mask (local seq, whole seq) of member ``index``'s queries over the keys in
+    global order: 0 where the key's position is not after the query's, ``-inf`` elsewhere.
+
+    Build it once per forward and pass it to every layer's :func:`lasp2h_attention`: attention saves
+    its mask for backward, and one shared mask costs ``local seq x seq`` elements instead of that
+    per layer.
+    """
+    key_pos = positions.reshape(-1).sort().values
+    allowed = positions[index][:, None] >= key_pos[None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed.to(mask.device), float("-inf"))
+
+
+def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: Group,
+                     mask: Tensor | None = None) -> Tensor:
     """LASP-2H softmax attention over a sequence split across ``group``: one all-gather of K/V.
 
     Args:
         q: (batch, heads, local seq, head_dim) this member's queries, RoPE applied.
-        k, v: (batch, kv heads, local seq, head_dim) this member's keys / values, RoPE applied.
+        k, v: (batch, kv heads, local seq, head_dim) this member's keys / values, RoPE applied;
+            ``heads`` is a multiple of ``kv heads`` (grouped-query attention).
         positions: int (group.size, local seq): the global position of every member's tokens (row
             ``group.index`` is this member's), e.g. :func:`zigzag_positions_all`.
         group: the sequence-parallel group.
+        mask: :func:`lasp2h_mask` of ``positions`` (built here when None).
 
     Returns:
         (batch, heads, local seq, head_dim): causal attention by global position, equal (to fp32
@@ -136,13 +154,13 @@ def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: 
     kv = all_gather_seq(torch.stack((k, v)), group)  # (size, 2, B, Hkv, Sl, D)
     size, _, b, h, sl, d = kv.shape
     kv = kv.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, size * sl, d)
-    key_pos = positions.to(q.device).reshape(-1)
     # Keys in global order: the unsplit model's summation order over keys.
-    order = torch.argsort(key_pos)
-    kv, key_pos = kv.index_select(3, order), key_pos[order]
-    mask = positions[group.index].to(q.device)[:, None] >= key_pos[None, :]
-    k_all, v_all = repeat_kv(q, kv[0], kv[1])
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    order = torch.argsort(positions.reshape(-1)).to(q.device)
+    kv = kv.index_select(3, order)
+    if mask is None:
+        mask = lasp2h_mask(positions, group.index, q.dtype, q.device)
+    # enable_gqa: the key/value heads are not repeated (no full-sequence copy per query group).
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=True)
 
 
 def shard_sequence(model: MoEForCausalLM, group: Group) -> None:
@@ -155,13 +173,21 @@ def shard_sequence(model: MoEForCausalLM, group: Group) -> None:
     def positions(local: int, device: torch.device) -> Tensor:
         return zigzag_positions(local * size, size, index, device).unsqueeze(0)
 
+    masks: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return lasp2h_attention(q, k, v, zigzag_positions_all(q.shape[2] * size, size), group)
+        key = (q.shape[2], q.dtype, q.device)
+        if key not in masks:  # one mask for every layer and step (it depends on the shapes only)
+            pos = zigzag_positions_all(q.shape[2] * size, size)
+            masks.clear()
+            masks[key] = (pos, lasp2h_mask(pos, index, q.dtype, q.device))
+        pos, mask = masks[key]
+        return lasp2h_attention(q, k, v, pos, group, mask)
 
     model.model.position_fn = positions
-    layers: Any = model.model.layers
-    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
-        layer.self_attn.attention_fn = attend
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attention_fn = attend
 
 
 def sp_loss_denominator(labels: Tensor, group: Group, ignore_index: int = IGNORE_INDEX) -> Tensor:

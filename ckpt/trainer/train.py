@@ -37,9 +37,9 @@ import torch
 from ckpt.async_save import SaveHandle
 from ckpt.comm import Comm
 from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StorageError
+from ckpt.layout import Layout
 from ckpt.manager import CheckpointManager
 from ckpt.manifest import Manifest
-from ckpt.layout import Layout
 from ckpt.tier.nodes import node_identity
 from ckpt.tier.store import pieces_digest
 from ckpt.trainer.checkpoint import (

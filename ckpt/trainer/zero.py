@@ -128,8 +128,8 @@ class ZeroAdamW:
 
     def reduce(self, kind: str) -> list[Tensor]:
         """Each ``kind`` slot's range of the gradient, summed over the replica group and divided by
-        ``dp x ep`` (not ``sp``: see the module docstring): one bucketed reduce-scatter with ZeRO-1 (each rank receives only its ranges),
-        else one all-reduce."""
+        ``dp x ep`` (not ``sp``: see the module docstring): one bucketed reduce-scatter with ZeRO-1
+        (each rank receives only its ranges), else one all-reduce."""
         slots, group = self.slots[kind], self.groups[kind]
         if not slots:
             return []

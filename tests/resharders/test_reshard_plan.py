@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import LayoutError
+from ckpt.layout import Layout
 from ckpt.manifest import Manifest
 from ckpt.planner import PieceDecl, RankDecl, plan_save
 from ckpt.regions import check_tiling
 from ckpt.resharders.chunks import split_region
-from ckpt.layout import Layout
 from ckpt.resharders.placement import (
     GLOBAL,
     OPTIM,

@@ -60,7 +60,8 @@ def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None
 
 @pytest.mark.parametrize("layout", [
     "sp=2", "sp=4", "sp=2,zero=1", "sp=4,zero=1", "sp=2,tp=2,zero=1", "sp=2,ep=2,zero=1", "sp=2,pp=2,zero=1",
-    "sp=2,dp=2,zero=1", "sp=2,tp=2,ep=2,zero=1", "sp=2,dp=2,zero=0",
+    "sp=2,dp=2,zero=1", "sp=2,tp=2,ep=2,zero=1", "sp=2,dp=2,zero=0", "sp=4,tp=2,zero=1", "sp=4,ep=2,zero=1",
+    "sp=4,pp=2,zero=1",
 ])
 def test_gradients_equal_single_process_blocks(layout: str) -> None:
     lay = Layout.parse(layout)
