@@ -38,7 +38,7 @@ from ckpt.errors import LayoutError
 from ckpt.trainer.model import IGNORE_INDEX, Attention, MoEForCausalLM
 from ckpt.trainer.parallel import Group, all_gather_flat, all_reduce_, reduce_scatter_flat
 
-__all__ = ["all_gather_seq", "check_sp", "lasp2h_attention", "lasp2h_mask", "shard_sequence", "shift_labels",
+__all__ = ["all_gather_seq", "check_sp", "lasp2h_attention", "lasp2h_masks", "shard_sequence", "shift_labels",
            "sp_choices", "sp_loss_denominator", "split_batch", "zigzag_merge", "zigzag_positions",
            "zigzag_positions_all", "zigzag_split"]
 
@@ -120,22 +120,33 @@ def all_gather_seq(x: Tensor, group: Group) -> Tensor:
     return _AllGatherSeq.apply(x, group)
 
 
-def lasp2h_mask(positions: Tensor, index: int, dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
-    """Additive causal mask (local seq, whole seq) of member ``index``'s queries over the keys in
-    global order: 0 where the key's position is not after the query's, ``-inf`` elsewhere.
+def lasp2h_masks(positions: Tensor, index: int, dtype: torch.dtype,
+                 device: torch.device | None = None) -> list[tuple[int, int, int, Tensor]]:
+    """Member ``index``'s query runs and their causal masks: ``(start, stop, keys, mask)`` for each run
+    of consecutive positions among its tokens (zigzag: two runs), ``keys`` the number of keys (in
+    global order) up to the run's last position, ``mask`` additive (stop - start, keys): 0 where the
+    key's position is not after the query's, ``-inf`` elsewhere.
 
-    Build it once per forward and pass it to every layer's :func:`lasp2h_attention`: attention saves
-    its mask for backward, and one shared mask costs ``local seq x seq`` elements instead of that
-    per layer.
+    A run attends only the keys it may see, so each zigzag member computes the same number of
+    scores, half of a full (local seq x seq) product. Build the masks once and pass them to every
+    layer's :func:`lasp2h_attention`: attention saves its mask for backward, and shared masks cost
+    ``sum(run x keys)`` elements once instead of per layer.
     """
-    key_pos = positions.reshape(-1).sort().values
-    allowed = positions[index][:, None] >= key_pos[None, :]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed.to(mask.device), float("-inf"))
+    mine = positions[index].to(device)
+    key_pos = positions.reshape(-1).sort().values.to(device)
+    breaks = [0, *((torch.nonzero(mine[1:] - mine[:-1] != 1).flatten() + 1).tolist()), mine.numel()]
+    out = []
+    for start, stop in zip(breaks, breaks[1:], strict=False):
+        run = mine[start:stop]
+        keys = int((key_pos <= run.max()).sum())
+        allowed = run[:, None] >= key_pos[None, :keys]
+        out.append((start, stop, keys,
+                    torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))))
+    return out
 
 
 def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: Group,
-                     mask: Tensor | None = None) -> Tensor:
+                     masks: list[tuple[int, int, int, Tensor]] | None = None) -> Tensor:
     """LASP-2H softmax attention over a sequence split across ``group``: one all-gather of K/V.
 
     Args:
@@ -145,7 +156,7 @@ def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: 
         positions: int (group.size, local seq): the global position of every member's tokens (row
             ``group.index`` is this member's), e.g. :func:`zigzag_positions_all`.
         group: the sequence-parallel group.
-        mask: :func:`lasp2h_mask` of ``positions`` (built here when None).
+        masks: :func:`lasp2h_masks` of ``positions`` (built here when None).
 
     Returns:
         (batch, heads, local seq, head_dim): causal attention by global position, equal (to fp32
@@ -155,12 +166,14 @@ def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: 
     size, _, b, h, sl, d = kv.shape
     kv = kv.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, size * sl, d)
     # Keys in global order: the unsplit model's summation order over keys.
-    order = torch.argsort(positions.reshape(-1)).to(q.device)
-    kv = kv.index_select(3, order)
-    if mask is None:
-        mask = lasp2h_mask(positions, group.index, q.dtype, q.device)
+    kv = kv.index_select(3, torch.argsort(positions.reshape(-1)).to(q.device))
+    if masks is None:
+        masks = lasp2h_masks(positions, group.index, q.dtype, q.device)
     # enable_gqa: the key/value heads are not repeated (no full-sequence copy per query group).
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=True)
+    outs = [F.scaled_dot_product_attention(q[:, :, start:stop], kv[0, :, :, :keys], kv[1, :, :, :keys],
+                                           attn_mask=mask, enable_gqa=True)
+            for start, stop, keys, mask in masks]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def shard_sequence(model: MoEForCausalLM, group: Group) -> None:
@@ -173,16 +186,16 @@ def shard_sequence(model: MoEForCausalLM, group: Group) -> None:
     def positions(local: int, device: torch.device) -> Tensor:
         return zigzag_positions(local * size, size, index, device).unsqueeze(0)
 
-    masks: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+    cache: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, list[tuple[int, int, int, Tensor]]]] = {}
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         key = (q.shape[2], q.dtype, q.device)
-        if key not in masks:  # one mask for every layer and step (it depends on the shapes only)
+        if key not in cache:  # one set of masks for every layer and step (it depends on the shapes only)
             pos = zigzag_positions_all(q.shape[2] * size, size)
-            masks.clear()
-            masks[key] = (pos, lasp2h_mask(pos, index, q.dtype, q.device))
-        pos, mask = masks[key]
-        return lasp2h_attention(q, k, v, pos, group, mask)
+            cache.clear()
+            cache[key] = (pos, lasp2h_masks(pos, index, q.dtype, q.device))
+        pos, masks = cache[key]
+        return lasp2h_attention(q, k, v, pos, group, masks)
 
     model.model.position_fn = positions
     for module in model.modules():
