@@ -126,7 +126,8 @@ class ParallelContext:
 
     @property
     def data_rank(self) -> int:
-        """Index among the ``dp x ep`` ranks that see different samples (same as ZeRO's dense index)."""
+        """Index among the ``dp x ep`` ranks that see different samples (the ``sp`` ranks of one data rank
+        share its samples, each holding a slice of their tokens)."""
         return self.coord.dp * self.layout.ep + self.coord.ep
 
     @property
