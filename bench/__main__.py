@@ -18,6 +18,7 @@ Subcommands::
     gpu-io      loads into GPU tensors (warm, cold) and synchronous GPU saves vs DCP and safetensors
     scale       simulated planning for a DeepSeek-V3-sized MoE on 16,384 ranks, ckpt vs DCP
     scaling     real forked gloo ranks (8..64): save, async save, resharded load vs DCP; coordinator bytes
+    sp          sequence parallelism (sp=1,2,4 gloo ranks): activation memory, step time, LASP-2H vs ring bytes
     bytecheckpoint  ByteCheckpoint 0.0.2 vs ckpt vs DCP: 2 torchrun ranks, FSDP2 + AdamW on CPU (optional dep)
 """
 
@@ -44,6 +45,7 @@ from bench import (
     save_load,
     scale,
     scaling,
+    seqpar,
 )
 
 COMMANDS = {
@@ -63,6 +65,7 @@ COMMANDS = {
     "gpu-io": (gpu_io, "GPU restores (warm/cold) and sync GPU saves vs dcp and safetensors, vs H2D/disk/dd"),
     "scale": (scale, "simulated DeepSeek-V3 planning at 16,384 ranks: ckpt vs DCP's planner, no tensors"),
     "scaling": (scaling, "8..64 forked gloo ranks: save/async/resharded load vs DCP, coordinator bytes and growth"),
+    "sp": (seqpar, "sequence parallelism: per-rank activations and step time vs seq len for sp=1,2,4; LASP-2H bytes"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 

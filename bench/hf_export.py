@@ -74,7 +74,7 @@ def _save_rank(rank: int, world: int, init: str, path: str, cfg_dict: dict[str, 
     import torch.distributed as dist
 
     import ckpt
-    from ckpt.resharders.layout import Layout
+    from ckpt.layout import Layout
     from ckpt.resharders.rules import MOE_RULES, param_box
     from ckpt.trainer.model import ModelConfig, MoEForCausalLM
 

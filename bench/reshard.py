@@ -56,7 +56,7 @@ from bench.common import (
     remove,
     run_dd,
 )
-from ckpt.resharders.layout import Layout
+from ckpt.layout import RANK_ORDER, Layout
 from ckpt.trainer.model import ModelConfig, MoEForCausalLM
 
 DD_BLOCK_MIB = 16
@@ -107,7 +107,7 @@ def make_state(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
 
 
 def _dtensor_state(manifest: Any, layout: Layout, rank: int) -> dict[str, Any]:
-    """What ``rank`` holds under ``layout`` (no ZeRO), as DTensors of its stage's (dp, ep, tp) mesh."""
+    """What ``rank`` holds under ``layout`` (no ZeRO), as DTensors of its stage's (dp, ep, sp, tp) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as DShard
@@ -116,9 +116,10 @@ def _dtensor_state(manifest: Any, layout: Layout, rank: int) -> dict[str, Any]:
     from ckpt.resharders.placement import rank_state as ckpt_rank_state
     from ckpt.resharders.rules import MOE_RULES
 
-    mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.ep, layout.tp),
-                            mesh_dim_names=("pp", "dp", "ep", "tp"))
-    sub = mesh["dp", "ep", "tp"]
+    # The mesh in the layout's rank order (slowest first), so mesh coordinates are layout coordinates.
+    order = RANK_ORDER[::-1]
+    mesh = init_device_mesh("cpu", tuple(getattr(layout, a) for a in order), mesh_dim_names=order)
+    sub = mesh["dp", "ep", "sp", "tp"]
     specs = specs_of(manifest)
     out: dict[str, Any] = {}
     for key, piece in ckpt_rank_state(manifest, layout, rank, MOE_RULES).items():
@@ -130,6 +131,7 @@ def _dtensor_state(manifest: Any, layout: Layout, rank: int) -> dict[str, Any]:
         p = MOE_RULES.placement(role.param)
         placements = [Replicate(),
                       DShard(p.ep_dim) if p.ep_dim is not None and layout.ep > 1 else Replicate(),
+                      Replicate(),  # sp replicates parameters
                       DShard(p.tp_dim) if p.tp_dim is not None and layout.tp > 1 else Replicate()]
         stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
         out[key] = DTensor.from_local(piece.local, sub, placements, run_check=False, shape=torch.Size(shape),
@@ -227,7 +229,7 @@ def run_dcp(job: dict[str, Any], world: int) -> list[dict[str, Any]]:
 
 _CKPT_CHILD = r"""
 import json, resource, sys, time
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.resharders.reshard import reshard
 src, dst, layout, budget, workers, verify = sys.argv[1:7]
 def status(field):  # VmHWM, not ru_maxrss (which an exec inherits from the parent)

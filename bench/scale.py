@@ -29,8 +29,8 @@ import msgpack
 
 from bench.common import print_table
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
+from ckpt.layout import Layout
 from ckpt.planner import LoadRequest, PieceDecl, RankDecl, plan_load, plan_save
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.rules import Placement, Rule, RuleSet, param_box, zero_range
 from ckpt.shards import Box, Flat
 

@@ -216,8 +216,8 @@ def test_trainer_checkpoints_through_a_capped_ring_equal_uncapped_ones(small_sla
     forked ranks inherit the shrunk slabs, so the tiny model's state goes round a ring many times."""
     import dataclasses
 
+    from ckpt.layout import Layout
     from ckpt.manager import step_dir
-    from ckpt.resharders.layout import Layout
     from ckpt.trainer.config import TrainConfig
     from tests.trainer.trainer_utils import checkpoint_tensors, run_training
 

@@ -16,9 +16,9 @@ import torch
 import ckpt
 from ckpt import transaction
 from ckpt.errors import CheckpointExistsError, StateError
+from ckpt.layout import Layout
 from ckpt.manager import gc, list_checkpoints, step_dir
 from ckpt.manifest import MANIFEST_NAME
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.reshard import reshard
 from tests.dist_utils import run_ranks
 from tests.manifest_edit import edit_manifest, read_manifest, write_manifest

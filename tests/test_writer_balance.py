@@ -14,9 +14,9 @@ import ckpt
 from bench.scale import DSV3_RULES, dsv3_params, rank_pieces, replica_balance, replica_groups
 from ckpt.formats.safetensors_header import parse_header
 from ckpt.io import entry_source, write_assignment
+from ckpt.layout import Layout
 from ckpt.planner import SPLIT_MIN_PART_BYTES, PieceDecl, RankDecl, WriteAssignment, plan_save
 from ckpt.regions import check_tiling, sub_region
-from ckpt.resharders.layout import Layout
 from ckpt.shards import Box, Flat
 from ckpt.storage import get_storage
 from tests.dist_utils import run_ranks

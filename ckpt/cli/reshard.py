@@ -23,8 +23,8 @@ from rich.text import Text
 import ckpt
 from ckpt.cli.common import console, err_console, handle_errors, human_bytes, parse_storage_options, print_json
 from ckpt.errors import CheckpointError, StateError
+from ckpt.layout import AXES, RANK_ORDER, Layout
 from ckpt.resharders.diff import diff
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.plan import parse_stages, plan, rules_for, source_layout
 from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, reshard
 
@@ -70,7 +70,7 @@ def short_layout(lay: Layout | dict | None) -> str:
             lay = Layout.from_dict(lay)
         except (CheckpointError, TypeError, ValueError, KeyError):
             return str(lay)
-    parts = [f"{a}={getattr(lay, a)}" for a in ("tp", "ep", "pp", "dp") if getattr(lay, a) > 1]
+    parts = [f"{a}={getattr(lay, a)}" for a in RANK_ORDER if getattr(lay, a) > 1]
     if lay.zero:
         parts.append(f"zero={lay.zero}")
     return ",".join(parts) or "single"
@@ -94,12 +94,13 @@ def plan_cmd(
     console.print(f"[bold]{src}[/bold]: {short_layout(p.source_layout)} ({m.world_size} ranks) -> "
                   f"[bold]{short_layout(p.target)}[/bold] ({p.target.world_size} ranks); rules {p.rules}, "
                   f"{p.num_layers} layers, plan {p.plan_id}", highlight=False)
-    table = Table("rank", "dp/tp/pp/ep", "layers", "tensors", "holds", "writes", "reads", "src files",
+    axes = tuple(a for a in AXES if a in p.target.shown_axes())
+    table = Table("rank", "/".join(axes), "layers", "tensors", "holds", "writes", "reads", "src files",
                   "largest read", "load files")
     for r in p.ranks:
         layers = "-" if not r.layers else (str(r.layers[0]) if r.layers[1] - r.layers[0] == 1
                                            else f"{r.layers[0]}-{r.layers[1] - 1}")
-        coord = f"{r.coord.dp}/{r.coord.tp}/{r.coord.pp}/{r.coord.ep}"
+        coord = "/".join(str(getattr(r.coord, a)) for a in axes)
         table.add_row(str(r.rank), coord, layers, str(len(r.holds)), human_bytes(r.held_bytes),
                       human_bytes(r.bytes_written) if r.file else "-", human_bytes(r.bytes_read),
                       str(len(r.source_files)), human_bytes(r.largest_read), str(len(r.load_files)))

@@ -24,6 +24,8 @@ def train_cmd(
     config: str = typer.Option("tiny", "--config", help="model config: tiny or 100m"),
     tp: int = typer.Option(1, "--tp", min=1, help="tensor-parallel degree"),
     ep: int = typer.Option(1, "--ep", min=1, help="expert-parallel degree"),
+    sp: int = typer.Option(1, "--sp", min=1,
+                           help="sequence-parallel degree (zigzag slices of each sample, LASP-2H attention)"),
     pp: int = typer.Option(1, "--pp", min=1, help="pipeline stages"),
     dp: int = typer.Option(1, "--dp", min=1, help="data-parallel degree (besides ep)"),
     zero: int = typer.Option(1, "--zero", min=0, max=1, help="1: ZeRO-1 optimizer state sharding"),
@@ -62,13 +64,13 @@ def train_cmd(
     metrics: str | None = typer.Option(None, "--metrics", help="JSON lines file (default CKPT_DIR/metrics.jsonl)"),
     plot: str | None = typer.Option(None, "--plot", help="write the loss curve PNG here (needs matplotlib)"),
 ) -> None:
-    """Train the embedded MoE on dp*tp*pp*ep processes (torchrun, elastic restarts), with checkpoints."""
-    from ckpt.resharders.layout import Layout
+    """Train the embedded MoE on dp*tp*pp*ep*sp processes (torchrun, elastic restarts), with checkpoints."""
+    from ckpt.layout import Layout
     from ckpt.trainer.config import TrainConfig, model_config
     from ckpt.trainer.launch import TrainingFailed, launch
     from ckpt.trainer.metrics import plot_loss
 
-    layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero)
+    layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, sp=sp, zero=zero)
     try:
         from ckpt.cli.reshard import parse_size
         from ckpt.errors import CheckpointError

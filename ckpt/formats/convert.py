@@ -31,10 +31,10 @@ from ckpt.formats import torch_pickle
 from ckpt.formats.dcp_source import METADATA_NAME, reader
 from ckpt.formats.msgpack_codec import decode_object, encode_object
 from ckpt.io import byte_view
+from ckpt.layout import Layout
 from ckpt.load import fetch_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.resharders.chunks import split_region
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.plan import plan as reshard_plan
 from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, reshard
 from ckpt.resharders.rules import MOE_RULES, RuleSet

@@ -53,9 +53,9 @@ from ckpt.hf.directory import (
 )
 from ckpt.hf.embedded import PREFIX, RULES_NAME, config_from_hf, model_config_of, param_shapes
 from ckpt.hf.engine import embedded_export, embedded_import, export_items, import_manifest, source_adapter
+from ckpt.layout import Layout
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
 from ckpt.planner import PieceDecl, RankDecl, plan_save
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.rules import MOE_RULES, RuleSet
 from ckpt.resharders.stream import Item, OutFile, Progress, copy_files
 from ckpt.save import read_manifest

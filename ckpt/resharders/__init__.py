@@ -3,7 +3,7 @@
 One module per job (the functions live in the module of the same name, which this package does not
 shadow):
 
-- :mod:`~ckpt.resharders.layout`: ``Layout`` (rank <-> coordinate order);
+- :mod:`~ckpt.resharders.layout`: a re-export of :mod:`ckpt.layout` (``Layout``, rank <-> coordinate);
 - :mod:`~ckpt.resharders.rules`: ``RuleSet``, ``MOE_RULES``, ``load_rules`` (TOML), ``param_box``;
 - :mod:`~ckpt.resharders.placement`: which region of each key a rank holds (``shard_state``,
   ``rank_state``);
@@ -16,7 +16,7 @@ shadow):
 
 Example::
 
-    from ckpt.resharders.layout import Layout
+    from ckpt.layout import Layout
     from ckpt.resharders.plan import plan
     from ckpt.resharders.reshard import reshard
     from ckpt.resharders.diff import diff

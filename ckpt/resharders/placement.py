@@ -23,8 +23,8 @@ import torch
 
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import LayoutError
+from ckpt.layout import Layout
 from ckpt.manifest import Manifest
-from ckpt.resharders.layout import Coord, Layout
 from ckpt.resharders.rules import RuleSet, optim_region, param_box, stage_bounds
 from ckpt.shards import Box, FlatShard, Region, Shard, full_box
 
@@ -106,17 +106,13 @@ def region_of(key: str, role: Role, shape: tuple[int, ...], layout: Layout, rank
             return optim_region(role.param, shape, layout, coord, rules)
         return full_box(shape)
     except LayoutError as e:
-        raise LayoutError(f"tensor {key!r}, target rank {rank} ({_coord_str(coord)}) of layout {layout}: {e}") \
+        raise LayoutError(f"tensor {key!r}, target rank {rank} ({layout.coord_str(rank)}) of layout {layout}: {e}") \
             from None
 
 
-def _coord_str(c: Coord) -> str:
-    return f"dp={c.dp},tp={c.tp},pp={c.pp},ep={c.ep}"
-
-
 def coord_str(layout: Layout, rank: int) -> str:
-    """``"dp=0,tp=1,pp=0,ep=1"`` for ``rank`` of ``layout``."""
-    return _coord_str(layout.coord(rank))
+    """``"dp=0,tp=1,pp=0,ep=1"`` for ``rank`` of ``layout`` (``sp`` too when the layout has it)."""
+    return layout.coord_str(rank)
 
 
 def regions_for_ranks(specs: Mapping[str, Spec], layout: Layout, rules: RuleSet, num_layers: int,

@@ -23,10 +23,10 @@ from typing import Any
 
 from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import LayoutError
+from ckpt.layout import Coord, Layout
 from ckpt.manifest import Manifest, ObjectEntry, TensorEntry
 from ckpt.planner import LoadRequest, PieceDecl, RankDecl, SavePlan, plan_load, plan_save
 from ckpt.regions import intersect_boxes, strides
-from ckpt.resharders.layout import Coord, Layout
 from ckpt.resharders.placement import coord_str, num_layers_of, regions_for_ranks, specs_of, stage_layers
 from ckpt.resharders.rules import MOE_RULES, RuleSet
 from ckpt.shards import Box, Flat, Region
@@ -86,8 +86,7 @@ class RankPlan:
 
     def to_dict(self, detail: bool = True) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "rank": self.rank, "coord": {"dp": self.coord.dp, "tp": self.coord.tp, "pp": self.coord.pp,
-                                         "ep": self.coord.ep},
+            "rank": self.rank, "coord": self.coord.to_dict(),
             "layers": list(self.layers) if self.layers else None, "tensors": len(self.holds),
             "held_bytes": self.held_bytes, "file": self.file, "bytes_written": self.bytes_written,
             "bytes_read": self.bytes_read, "source_files": self.source_files, "largest_read": self.largest_read,

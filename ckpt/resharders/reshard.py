@@ -36,11 +36,11 @@ from ckpt import transaction
 from ckpt.checksum import crc32
 from ckpt.errors import CheckpointError, IntegrityError, StateError, StorageError
 from ckpt.formats.msgpack_codec import encode_manifest
+from ckpt.layout import Layout
 from ckpt.load import _few, fetch_manifest
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
 from ckpt.planner import WriteAssignment
 from ckpt.regions import sub_region
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.plan import ReshardPlan, plan
 from ckpt.resharders.rules import MOE_RULES, RuleSet
 from ckpt.resharders.stream import Item, OutFile, Progress, copy_files

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.errors import LayoutError
-from ckpt.resharders.layout import Coord, Layout
+from ckpt.layout import Coord, Layout
 from ckpt.shards import Box, Flat
 
 
@@ -179,6 +179,12 @@ def stage_bounds(num_layers: int, pp: int, stages: list[int] | None = None) -> l
     return out
 
 
+# Replica groups: ranks holding the same block of a parameter. Every axis but tp (which splits
+# blocks), pp (which owns layers) and, for experts, ep (which splits them) replicates.
+DENSE_REPLICAS: tuple[str, ...] = ("dp", "ep", "sp")
+EXPERT_REPLICAS: tuple[str, ...] = ("dp", "sp")
+
+
 def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
     size = -(-n // k) if n else 0
     start = min(i * size, n)
@@ -220,14 +226,13 @@ def padded_rows(n: int, tp: int) -> int:
 def zero_range(numel: int, layout: Layout, coord: Coord, expert: bool) -> tuple[int, int]:
     """ZeRO-1: the ``[start, stop)`` of a local block's flattening this rank's optimizer state holds.
 
-    The replica group is ``dp x ep`` for dense parameters (index ``dp_i * ep + ep_i``) and ``dp`` for
-    expert parameters; chunks of ``ceil(numel / group)``.
+    The replica group is :data:`DENSE_REPLICAS` (``dp x ep x sp``) for dense parameters and
+    :data:`EXPERT_REPLICAS` (``dp x sp``) for expert parameters; the rank's index in it follows the
+    rank order (``Layout.group_index``: index ``dp_i * ep + ep_i`` when ``sp=1``, as before ``sp``
+    existed); chunks of ``ceil(numel / group)``.
     """
-    if expert:
-        size, idx = layout.dp, coord.dp
-    else:
-        size, idx = layout.dp * layout.ep, coord.dp * layout.ep + coord.ep
-    s, n = _chunk(numel, size, idx)
+    axes = EXPERT_REPLICAS if expert else DENSE_REPLICAS
+    s, n = _chunk(numel, layout.group_size(axes), layout.group_index(coord, axes))
     return s, s + n
 
 

@@ -38,8 +38,8 @@ import torch
 import ckpt
 from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.errors import MismatchError
+from ckpt.layout import Layout
 from ckpt.manifest import Manifest
-from ckpt.resharders.layout import Layout
 from ckpt.shards import Flat
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.model import ModelConfig, MoEForCausalLM

@@ -1,6 +1,6 @@
 """The trainer's run configuration: a typed dataclass validated once, with messages that say the fix.
 
-The parallel layout is separate (:class:`ckpt.resharders.layout.Layout`): a run may change layout
+The parallel layout is separate (:class:`ckpt.layout.Layout`): a run may change layout
 at a restart while its :class:`TrainConfig` stays the same, which is what elastic resume means.
 """
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import CheckpointError, LayoutError
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.model import CONFIGS, ModelConfig
+from ckpt.trainer.sp import check_sp
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -169,6 +170,7 @@ class TrainConfig:
             raise LayoutError(f"ep={layout.ep} must divide num_experts={m.num_experts}")
         if m.moe_intermediate_size % layout.tp:
             raise LayoutError(f"tp={layout.tp} must divide moe_intermediate_size={m.moe_intermediate_size}")
+        check_sp(self.seq_len, layout.sp)
         if self.nodes is not None and layout.world_size % self.nodes:
             raise LayoutError(f"--nodes {self.nodes} must divide the {layout.world_size} ranks (ranks per node = "
                               "world / nodes)")

@@ -26,8 +26,8 @@ import torch
 
 import ckpt
 from ckpt.errors import StateError
+from ckpt.layout import Layout
 from ckpt.manager import CheckpointManager
-from ckpt.resharders.layout import Layout
 from ckpt.trainer.checkpoint import load_full_model
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.data import SampleSource

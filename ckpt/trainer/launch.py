@@ -25,7 +25,7 @@ from contextlib import ExitStack
 from typing import IO
 
 from ckpt.errors import CheckpointError
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.metrics import MetricsLog
 

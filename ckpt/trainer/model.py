@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +49,11 @@ __all__ = [
     "RotaryEmbedding",
     "Router",
     "apply_rotary_pos_emb",
+    "causal_attention",
     "causal_lm_loss",
     "experts_forward",
     "initial_value",
+    "repeat_kv",
 ]
 
 # Labels equal to this value do not count in the loss (same convention as PyTorch and transformers).
@@ -315,6 +317,9 @@ class Attention(nn.Module):
         # Over head_dim only (not the whole projection), so they are unaffected by head slicing.
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        # The attention proper, ``(q, k, v) -> out`` after RoPE (None: :func:`causal_attention`). A
+        # sequence-parallel wrapper sets it to attend over the keys of the whole sequence.
+        self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
     def forward(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
         """Attend causally over ``x`` (batch, seq, hidden) given RoPE ``(cos, sin)``."""
@@ -324,19 +329,35 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(heads_shape)).transpose(1, 2)
         v = self.v_proj(x).view(heads_shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        group = q.shape[1] // k.shape[1]
-        if group * k.shape[1] != q.shape[1]:
-            raise ValueError(
-                f"{q.shape[1]} local query heads do not split evenly over {k.shape[1]} local key/value "
-                "heads; slice heads so that every rank keeps whole key/value groups"
-            )
-        if group > 1:
-            # Key/value head j serves query heads j*group .. (j+1)*group - 1, as in transformers.
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        # Default scale 1/sqrt(head_dim) is Qwen3's scaling; no dropout (attention_dropout=0).
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attend = self.attention_fn if self.attention_fn is not None else causal_attention
+        out = attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def repeat_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Repeat key/value heads (batch, kv heads, seq, head_dim) to ``q``'s head count (grouped-query
+    attention: key/value head j serves query heads j*group .. (j+1)*group - 1, as in transformers).
+
+    Raises ValueError when the query heads are not a multiple of the key/value heads.
+    """
+    group = q.shape[1] // k.shape[1]
+    if group * k.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"{q.shape[1]} local query heads do not split evenly over {k.shape[1]} local key/value "
+            "heads; slice heads so that every rank keeps whole key/value groups"
+        )
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return k, v
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal grouped-query attention of ``q`` (batch, heads, seq, head_dim) over ``k``/``v`` (batch,
+    kv heads, seq, head_dim) of the same tokens; returns ``q``'s shape."""
+    k, v = repeat_kv(q, k, v)
+    # Default scale 1/sqrt(head_dim) is Qwen3's scaling; no dropout (attention_dropout=0).
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Router(nn.Module):
@@ -484,12 +505,19 @@ class MoEModel(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # ``(local seq, device) -> (1, local seq)`` global positions of this module's tokens (None:
+        # 0 .. seq-1). A sequence-parallel wrapper sets it: a rank holds a slice of each sequence.
+        self.position_fn: Callable[[int, torch.device], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         """Map token ids (batch, seq), or hidden states (batch, seq, hidden) when there is no
-        ``embed_tokens``, to hidden states (batch, seq, hidden). Positions are 0 .. seq-1."""
+        ``embed_tokens``, to hidden states (batch, seq, hidden). Positions are 0 .. seq-1 unless
+        ``position_fn`` says otherwise."""
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        if self.position_fn is not None:
+            positions = self.position_fn(h.shape[1], h.device)
+        else:
+            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(h, positions)
         # A pipeline stage keeps its layers in an nn.ModuleDict keyed by global index, so that
         # parameter names stay global ("layers.5." on the stage that holds layers 4..7).

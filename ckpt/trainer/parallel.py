@@ -1,13 +1,14 @@
 """Process groups of a layout and the few collectives the trainer needs, as no-ops on one rank.
 
-Every group comes from :class:`ckpt.resharders.layout.Layout` (rank order tp, ep, dp, pp), the same
+Every group comes from :class:`ckpt.layout.Layout` (rank order tp, sp, ep, dp, pp), the same
 object the resharders read, so "who holds what" has one definition:
 
 - ``tp``: tensor-parallel peers (same data, split weights);
+- ``sp``: sequence-parallel peers (same samples, different tokens of them; LASP-2H's K/V all-gather);
 - ``ep``: expert-parallel peers (different data, experts split): the all-to-all group;
 - ``pp``: the pipeline (one rank per stage);
-- ``dense``: replicas of a dense parameter (``dp x ep``): gradient all-reduce and ZeRO-1 group;
-- ``expert``: replicas of an expert parameter (``dp``);
+- ``dense``: replicas of a dense parameter (``dp x ep x sp``): gradient all-reduce and ZeRO-1 group;
+- ``expert``: replicas of an expert parameter (``dp x sp``);
 - ``world``.
 
 Groups are created with ``new_group`` in the same order on every rank (``new_group`` is collective
@@ -25,11 +26,13 @@ import torch
 import torch.distributed as dist
 
 from ckpt.errors import LayoutError
-from ckpt.resharders.layout import Coord, Layout
+from ckpt.layout import AXES, Coord, Layout
+from ckpt.resharders.rules import DENSE_REPLICAS, EXPERT_REPLICAS
 
+# The replica groups are the rules' (ZeRO ranges and checkpoints agree with the reductions).
 GROUP_AXES: dict[str, tuple[str, ...]] = {
-    "tp": ("tp",), "ep": ("ep",), "pp": ("pp",), "dense": ("dp", "ep"), "expert": ("dp",),
-    "world": ("dp", "tp", "pp", "ep"),
+    "tp": ("tp",), "sp": ("sp",), "ep": ("ep",), "pp": ("pp",), "dense": DENSE_REPLICAS,
+    "expert": EXPERT_REPLICAS, "world": AXES,
 }
 
 
@@ -107,6 +110,11 @@ class ParallelContext:
         return self.groups["tp"]
 
     @property
+    def sp(self) -> Group:
+        """Sequence-parallel peers (each holds a zigzag slice of the same samples)."""
+        return self.groups["sp"]
+
+    @property
     def ep(self) -> Group:
         """Expert-parallel peers (the all-to-all group)."""
         return self.groups["ep"]
@@ -118,7 +126,8 @@ class ParallelContext:
 
     @property
     def data_rank(self) -> int:
-        """Index among the ``dp x ep`` ranks that see different samples (same as ZeRO's dense index)."""
+        """Index among the ``dp x ep`` ranks that see different samples (the ``sp`` ranks of one data rank
+        share its samples, each holding a slice of their tokens)."""
         return self.coord.dp * self.layout.ep + self.coord.ep
 
     @property
@@ -152,7 +161,7 @@ class ParallelContext:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != layout.world_size:
             raise LayoutError(f"layout {layout} needs {layout.world_size} ranks, the process group has {world}; "
-                              "the launcher's process count must equal dp*tp*pp*ep")
+                              "the launcher's process count must equal " + "*".join(AXES))
         groups = {}
         for name, axes in GROUP_AXES.items():
             mine: Group | None = None

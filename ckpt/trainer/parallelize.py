@@ -8,7 +8,9 @@ Every decision comes from the shared rules table (:data:`ckpt.resharders.rules.M
 - the block of each parameter a rank holds: ``param_box`` (TP rows/columns, EP expert slices; the
   vocabulary split is padded to ``padded_rows`` rows per rank, padding zero-filled and never saved);
 - then TP (:mod:`ckpt.trainer.tp`) and EP (:mod:`ckpt.trainer.ep`) wrap the modules that compute
-  on those blocks, and :mod:`ckpt.trainer.pp` runs the stage under a pipeline schedule.
+  on those blocks, SP (:mod:`ckpt.trainer.sp`) gives the model global positions and LASP-2H
+  attention (parameters are whole on every ``sp`` rank), and :mod:`ckpt.trainer.pp` runs the stage
+  under a pipeline schedule.
 
 Each local block is drawn from the same per-parameter generator as
 :meth:`~ckpt.trainer.model.MoEForCausalLM.init_weights` (draw the whole, keep the block), so every
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ckpt.errors import LayoutError
@@ -33,6 +36,7 @@ from ckpt.resharders.rules import MOE_RULES, padded_rows, param_box, stage_bound
 from ckpt.shards import Box
 from ckpt.trainer.ep import ParallelMoEBlock
 from ckpt.trainer.model import (
+    IGNORE_INDEX,
     DecoderLayer,
     ModelConfig,
     MoEBlock,
@@ -42,12 +46,14 @@ from ckpt.trainer.model import (
     initial_value,
 )
 from ckpt.trainer.parallel import ParallelContext
+from ckpt.trainer.sp import shard_sequence, sp_loss_denominator
 from ckpt.trainer.tp import (
     VocabParallelEmbedding,
     VocabParallelHead,
     is_tp_partial_grad,
     parallel_causal_lm_loss,
     shard_attention,
+    vocab_parallel_cross_entropy,
 )
 
 RULES = MOE_RULES
@@ -97,8 +103,20 @@ class ParallelModel:
     config: ModelConfig
 
     def loss_fn(self, output: Tensor, labels: Tensor) -> Tensor:
-        """Mean next-token loss of the last stage's output (local logits under TP)."""
+        """Mean next-token loss of the last stage's output (local logits under TP).
+
+        ``labels`` are the input ids (shifted here), except under sequence parallelism: then they
+        are this rank's zigzag slice of the labels shifted on the whole sequence
+        (:func:`ckpt.trainer.sp.split_batch`), and the result is this rank's share of the mean (the
+        sum of its tokens' losses over the whole batch's count), which sums to the mean over ``sp``.
+        """
         head = self.module.lm_head
+        if self.ctx.layout.sp > 1:
+            total = sp_loss_denominator(labels, self.ctx.sp)
+            logits, target = output.reshape(-1, output.shape[-1]), labels.reshape(-1)
+            if isinstance(head, VocabParallelHead):
+                return vocab_parallel_cross_entropy(logits, target, head.start, head.real, head.group, total=total)
+            return F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum") / total
         if isinstance(head, VocabParallelHead):
             return parallel_causal_lm_loss(output, labels, head)
         return causal_lm_loss(output, labels)
@@ -170,6 +188,7 @@ def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0) -> Par
         experts = layer.mlp.experts
         experts.expert_offset = boxes[f"model.layers.{index}.mlp.experts.gate_proj"][0].offsets[0]
         layer.mlp = ParallelMoEBlock(layer.mlp.gate, experts, config.num_experts, ctx.ep, ctx.tp)  # type: ignore[assignment]
+    shard_sequence(model, ctx.sp)  # global positions and LASP-2H attention (nothing when sp == 1)
     if layout.tp > 1 and model.model.embed_tokens is not None:
         box, _ = boxes["model.embed_tokens.weight"]
         model.model.embed_tokens = VocabParallelEmbedding(  # type: ignore[assignment]

@@ -34,18 +34,20 @@ class ForwardBackward:
             # Every stage gets the loss function: schedules run backward only when they have one.
             self.schedule = cls(stage, microbatches, loss_fn=pm.loss_fn)
 
-    def __call__(self, ids: Tensor) -> Tensor | None:
-        """Forward + backward on ``ids`` (local batch, seq); labels are the ids (shifted inside)."""
+    def __call__(self, ids: Tensor, target: Tensor | None = None) -> Tensor | None:
+        """Forward + backward on ``ids`` (local batch, seq); ``target``: what the loss function takes
+        (:meth:`ParallelModel.loss_fn`; None: the ids, shifted inside)."""
         ctx = self.pm.ctx
+        target = ids if target is None else target
         if self.schedule is None:
-            loss = self.pm.loss_fn(self.pm.module(ids), ids)
+            loss = self.pm.loss_fn(self.pm.module(ids), target)
             loss.backward()
             return loss.detach()
         losses: list[Tensor] = []
         if ctx.is_first_stage:
             self.schedule.step(ids, return_outputs=False)
         elif ctx.is_last_stage:
-            self.schedule.step(target=ids, losses=losses, return_outputs=False)
+            self.schedule.step(target=target, losses=losses, return_outputs=False)
         else:
             self.schedule.step(return_outputs=False)
         if not ctx.is_last_stage:

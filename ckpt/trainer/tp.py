@@ -156,14 +156,15 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, start: int, real: int, group: Group,
-                                 ignore_index: int = IGNORE_INDEX) -> Tensor:
+                                 ignore_index: int = IGNORE_INDEX, total: Tensor | None = None) -> Tensor:
     """Mean cross-entropy of ``logits`` (N, padded local vocab), rows ``[start, start + real)`` of
     the vocabulary on this rank, against global ``target`` ids (N,); ``ignore_index`` entries do not
-    count. Equals ``F.cross_entropy`` on the gathered logits."""
+    count. Equals ``F.cross_entropy`` on the gathered logits. ``total``: divide the sum by this
+    count instead of the local number of targets (sequence parallelism: the whole batch's count)."""
     valid = target != ignore_index
     per_token = _VocabParallelCE.apply(logits, torch.where(valid, target, torch.zeros_like(target)), start, real,
                                        group)
-    return (per_token * valid).sum() / valid.sum().clamp(min=1)
+    return (per_token * valid).sum() / (valid.sum().clamp(min=1) if total is None else total)
 
 
 def parallel_causal_lm_loss(logits: Tensor, labels: Tensor, head: nn.Module) -> Tensor:

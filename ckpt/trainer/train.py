@@ -37,9 +37,9 @@ import torch
 from ckpt.async_save import SaveHandle
 from ckpt.comm import Comm
 from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StorageError
+from ckpt.layout import Layout
 from ckpt.manager import CheckpointManager
 from ckpt.manifest import Manifest
-from ckpt.resharders.layout import Layout
 from ckpt.tier.nodes import node_identity
 from ckpt.tier.store import pieces_digest
 from ckpt.trainer.checkpoint import (
@@ -57,6 +57,7 @@ from ckpt.trainer.metrics import MetricsLog, load_fields, save_record
 from ckpt.trainer.parallel import ParallelContext, all_reduce_, pick_device
 from ckpt.trainer.parallelize import ParallelModel, parallelize
 from ckpt.trainer.pp import ForwardBackward
+from ckpt.trainer.sp import split_batch
 from ckpt.trainer.zero import AdamWConfig, LRSchedule, ZeroAdamW
 
 
@@ -250,7 +251,7 @@ def _barrier(ctx: ParallelContext) -> None:
 
 def _global_loss(ctx: ParallelContext, local: torch.Tensor | None) -> float:
     # The mean over data-parallel ranks of their mean losses: the last stage's TP rank 0 of each
-    # data-parallel rank contributes, everyone else adds zero.
+    # data-parallel rank contributes (each sp rank its share of the mean), everyone else adds zero.
     counts = local is not None and ctx.is_last_stage and ctx.coord.tp == 0
     value = float(local) if counts and local is not None else 0.0
     t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
@@ -329,7 +330,8 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
             _lose(cfg, ctx, mgr, step, node)
         t0 = time.perf_counter()
         ids = rank_batch(source, sample_index, cfg.global_batch, ctx.data_rank, ctx.data_world).to(ctx.device)
-        local = fb(ids)
+        # Under sp each rank trains on its zigzag slice of the same samples (labels shifted first).
+        local = fb(*split_batch(ids, ctx.sp)) if layout.sp > 1 else fb(ids)
         stall = 0.0
         if handle is not None:
             t = time.perf_counter()

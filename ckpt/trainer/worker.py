@@ -21,7 +21,7 @@ import traceback
 import torch.distributed as dist
 
 from ckpt.errors import IntegrityError, LayoutError, ManifestError, MismatchError, StateError
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.launch import FINAL_EXIT_CODE, record_final_error
 from ckpt.trainer.parallel import init_distributed

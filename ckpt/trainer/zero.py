@@ -3,9 +3,11 @@
 Per step, after backward:
 
 1. q/k-norm gradients are summed over TP (each TP rank saw only its heads);
-2. gradients are summed over each parameter's replica group (``dense``: ``dp x ep``; ``expert``:
-   ``dp``) and divided by ``dp x ep`` (every data-parallel rank's loss is a mean over its own
-   samples; expert gradients already hold their EP peers' tokens): with ZeRO-1 one bucketed
+2. gradients are summed over each parameter's replica group (``dense``: ``dp x ep x sp``;
+   ``expert``: ``dp x sp``) and divided by ``dp x ep`` (every data-parallel rank's loss is a mean
+   over its own samples; expert gradients already hold their EP peers' tokens; the ``sp`` ranks of
+   one data-parallel rank each hold their tokens' share of its mean, so their sum is that mean's
+   gradient): with ZeRO-1 one bucketed
    reduce-scatter per group hands each rank just its ranges, else one all-reduce;
 3. the global gradient norm counts each element once: ZeRO ranges partition a block over its replica
    group, and blocks replicated over TP count on TP rank 0 only;
@@ -126,8 +128,8 @@ class ZeroAdamW:
 
     def reduce(self, kind: str) -> list[Tensor]:
         """Each ``kind`` slot's range of the gradient, summed over the replica group and divided by
-        ``dp x ep``: one bucketed reduce-scatter with ZeRO-1 (each rank receives only its ranges),
-        else one all-reduce."""
+        ``dp x ep`` (not ``sp``: see the module docstring): one bucketed reduce-scatter with ZeRO-1
+        (each rank receives only its ranges), else one all-reduce."""
         slots, group = self.slots[kind], self.groups[kind]
         if not slots:
             return []
@@ -167,7 +169,7 @@ class ZeroAdamW:
                 # Count every global element once: the ZeRO ranges partition the replicas (or, with
                 # zero=0, replica 0 counts), and a TP-replicated block counts on TP rank 0.
                 counted = (s.spec.tp_split or coord.tp == 0) and (
-                    zero == 1 or (coord.dp == 0 and (kind == "expert" or coord.ep == 0)))
+                    zero == 1 or (coord.dp == 0 and coord.sp == 0 and (kind == "expert" or coord.ep == 0)))
                 if counted:
                     total += g.double().pow(2).sum()
         all_reduce_(total, self.ctx.groups["world"])

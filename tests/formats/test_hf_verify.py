@@ -24,8 +24,8 @@ import ckpt.formats.hf as hf
 from ckpt import checksum, source_checks
 from ckpt.cli.app import app
 from ckpt.formats.hf import export_hf
+from ckpt.layout import Layout
 from ckpt.manifest import Manifest, ShardEntry, TensorEntry
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.reshard import reshard
 from ckpt.shards import full_box
 from ckpt.storage.local import LocalStorage

@@ -47,7 +47,7 @@ def test_verified_load_refuses_the_corrupted_source(corrupted: str):
 def test_reshard_refuses_a_corrupted_source(corrupted: str, tmp_path):
     # Found while writing these tests (reshard copied the corrupted bytes and wrote fresh checksums
     # over them: the result verified deep); fixed since (verify_source=True by default).
-    from ckpt.resharders.layout import Layout
+    from ckpt.layout import Layout
     from ckpt.resharders.reshard import reshard
 
     dst = str(tmp_path / "dst")

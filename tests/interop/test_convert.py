@@ -16,7 +16,7 @@ import ckpt
 from ckpt.cli.app import app
 from ckpt.errors import CheckpointExistsError, IntegrityError, ManifestError, StateError
 from ckpt.formats.convert import export_dcp, import_checkpoint
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from tests.dist_utils import run_ranks
 from tests.frameworks import fsdp_tp as F
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import ckpt
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.model import CONFIGS, ModelConfig, MoEForCausalLM
 
 TINY = CONFIGS["tiny"]

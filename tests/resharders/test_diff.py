@@ -9,8 +9,8 @@ import torch
 
 import ckpt
 from ckpt.errors import ManifestError, StateError
+from ckpt.layout import Layout
 from ckpt.resharders.diff import CLOSE, DIFFERENT, EQUAL, MISMATCH, ONLY_A, ONLY_B, diff
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.reshard import reshard
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt.errors import LayoutError
-from ckpt.resharders.layout import Coord, Layout
+from ckpt.layout import Coord, Layout
 from ckpt.resharders.rules import MOE_RULES, RuleSet, optim_region, param_box, stage_bounds
 from ckpt.shards import Box, Flat
 

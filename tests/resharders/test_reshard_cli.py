@@ -11,7 +11,7 @@ import ckpt
 from ckpt.cli.app import app
 from ckpt.cli.reshard import parse_size, short_layout
 from ckpt.errors import StateError
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from tests.resharders.moe_states import config, save_single
 
 runner = CliRunner(env={"COLUMNS": "200"})
@@ -109,3 +109,19 @@ def test_to_without_zero_keeps_the_source_zero_stage(src, tmp_path):
     r = runner.invoke(app, ["reshard", z1, str(tmp_path / "b"), "--to", "tp=2,dp=2,zero=0", "--json"])
     assert r.exit_code == 0, r.output
     assert "zero" not in json.loads(r.output)["layout"]
+
+
+def test_plan_reshard_and_diff_accept_sp(src, tmp_path):
+    """sp replicates parameters: an sp layout is a replica (and ZeRO range) change, nothing else."""
+    r = runner.invoke(app, ["plan", src, "--to", "sp=2,tp=2,zero=1"])
+    assert r.exit_code == 0, r.output
+    assert "-> tp=2,sp=2,zero=1 (4 ranks)" in r.output and "dp/tp/pp/ep/sp" in r.output
+    dst, back = str(tmp_path / "sp"), str(tmp_path / "back")
+    assert runner.invoke(app, ["reshard", src, dst, "--to", "sp=2,tp=2,zero=1"]).exit_code == 0
+    m = ckpt.inspect(dst)
+    assert m.world_size == 4 and m.layout is not None and m.layout["sp"] == 2
+    assert runner.invoke(app, ["reshard", dst, back, "--to", "dp=1,zero=0"]).exit_code == 0
+    r = runner.invoke(app, ["diff", src, back])
+    assert r.exit_code == 0 and "equal" in r.output
+    r = runner.invoke(app, ["plan", src, "--to", "sp=0"])
+    assert r.exit_code == 5 and "sp=0 must be a positive integer" in r.output

@@ -11,10 +11,10 @@ import torch
 
 import ckpt
 from ckpt.errors import CheckpointExistsError, LayoutError, StateError, StorageError
+from ckpt.layout import Layout
 from ckpt.manifest import DATA_DIR
 from ckpt.resharders import reshard as reshard_mod
 from ckpt.resharders.diff import diff
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.placement import local_piece, rank_state
 from ckpt.resharders.plan import plan
 from ckpt.resharders.reshard import MARKER_DIR, reshard

@@ -9,8 +9,8 @@ import torch
 
 import ckpt
 from ckpt.formats.msgpack_codec import decode_object
+from ckpt.layout import Layout
 from ckpt.resharders.diff import diff
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.placement import shard_state
 from ckpt.resharders.plan import plan
 from ckpt.resharders.reshard import reshard

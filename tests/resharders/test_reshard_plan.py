@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import LayoutError
+from ckpt.layout import Layout
 from ckpt.manifest import Manifest
 from ckpt.planner import PieceDecl, RankDecl, plan_save
 from ckpt.regions import check_tiling
 from ckpt.resharders.chunks import split_region
-from ckpt.resharders.layout import Layout
 from ckpt.resharders.placement import (
     GLOBAL,
     OPTIM,
@@ -112,6 +112,9 @@ PAIRS = [
     ("pp=4", "pp=3"),
     ("tp=2,dp=2,zero=1", "tp=2,dp=2,zero=0"),  # ZeRO-1 flat -> box
     ("ep=4,dp=2", "ep=2,dp=3,zero=1"),  # box -> ZeRO-1 flat over a different group
+    ("tp=2,ep=2,zero=1", "sp=2,tp=2,ep=2,zero=1"),  # sp: more replicas, ZeRO over dp x ep x sp
+    ("sp=4,zero=1", "tp=2,sp=2,pp=2,zero=0"),
+    ("sp=2,dp=2,ep=2,zero=1", "single"),
 ]
 
 

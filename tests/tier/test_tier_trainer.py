@@ -22,8 +22,8 @@ from torch.multiprocessing import ProcessExitedException
 
 import ckpt
 from ckpt.errors import StorageError
+from ckpt.layout import Layout
 from ckpt.manager import list_checkpoints, step_dir
-from ckpt.resharders.layout import Layout
 from ckpt.tier.nodes import run_id_for, step_name
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.metrics import read_metrics

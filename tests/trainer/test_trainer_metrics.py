@@ -11,9 +11,9 @@ from typing import Any
 import ckpt
 from ckpt.async_save import SaveHandle
 from ckpt.errors import StorageError
+from ckpt.layout import Layout
 from ckpt.manager import step_dir
 from ckpt.manifest import Manifest
-from ckpt.resharders.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.metrics import MetricsLog, load_fields, rank_bytes, read_metrics, save_record
 from ckpt.trainer.train import _log_finished

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.data import SampleSource, rank_batch
 from ckpt.trainer.model import CONFIGS, MoEForCausalLM

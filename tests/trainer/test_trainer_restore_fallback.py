@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import ckpt
+from ckpt.layout import Layout
 from ckpt.manager import step_dir
-from ckpt.resharders.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.metrics import read_metrics
 from tests.trainer.trainer_utils import run_training

@@ -12,8 +12,8 @@ import torch
 
 import ckpt
 from ckpt.errors import MismatchError
+from ckpt.layout import Layout
 from ckpt.manager import list_checkpoints, step_dir
-from ckpt.resharders.layout import Layout
 from ckpt.shards import Flat
 from ckpt.trainer.checkpoint import load_full_model
 from ckpt.trainer.config import TrainConfig

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 import ckpt
 from ckpt.cli.app import app
+from ckpt.layout import Layout
 from ckpt.manager import list_checkpoints, step_dir
-from ckpt.resharders.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.launch import FINAL_EXIT_CODE, TrainingFailed, launch
 from ckpt.trainer.metrics import read_metrics

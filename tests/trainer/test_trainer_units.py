@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ckpt.errors import LayoutError
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.data import SampleSource, corpus, rank_batch
 from ckpt.trainer.metrics import MetricsLog, plot_loss, read_metrics

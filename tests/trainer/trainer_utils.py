@@ -12,7 +12,7 @@ import torch
 
 import ckpt
 from ckpt.dtypes import dtype_from_name
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.train import train
 from tests.dist_utils import run_ranks
