@@ -19,6 +19,7 @@ Subcommands::
     scale       simulated planning for a DeepSeek-V3-sized MoE on 16,384 ranks, ckpt vs DCP
     scaling     real forked gloo ranks (8..64): save, async save, resharded load vs DCP; coordinator bytes
     bytecheckpoint  ByteCheckpoint 0.0.2 vs ckpt vs DCP: 2 torchrun ranks, FSDP2 + AdamW on CPU (optional dep)
+    xmoe        trainer MoE all-to-all bytes per step: X-MoE dedup dispatch vs per-expert (forked gloo ranks)
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from bench import (
     save_load,
     scale,
     scaling,
+    xmoe,
 )
 
 COMMANDS = {
@@ -63,6 +65,7 @@ COMMANDS = {
     "gpu-io": (gpu_io, "GPU restores (warm/cold) and sync GPU saves vs dcp and safetensors, vs H2D/disk/dd"),
     "scale": (scale, "simulated DeepSeek-V3 planning at 16,384 ranks: ckpt vs DCP's planner, no tensors"),
     "scaling": (scaling, "8..64 forked gloo ranks: save/async/resharded load vs DCP, coordinator bytes and growth"),
+    "xmoe": (xmoe, "trainer MoE all-to-all bytes per step, dedup vs per-expert dispatch, ep 2/4, top-k 2/4/8"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 

@@ -137,8 +137,10 @@ class DispatchStats:
     forward (rows, ids, results back) and in the backward those calls cause (gradients, no ids);
     ``remote_ep_bytes`` the same without the rows to itself (which never leave the process).
     ``tp_bytes``: bytes sent to other TP ranks by the sequence-sharded path (row all-gather,
-    partial reduce-scatter, output all-gather, forward and backward). The count exchanges (one int
-    per peer) are not counted.
+    partial reduce-scatter, output all-gather, forward and backward). ``tp_allreduce_bytes``: what
+    a ring all-reduce would send per rank (``2 (tp - 1) / tp`` of the tensor) for the block's TP
+    all-reduces: the output and the input/weight gradients without sequence sharding, the router
+    weight's gradient with it. The count exchanges (one int per peer) are not counted.
     """
 
     calls: int = 0
@@ -147,6 +149,7 @@ class DispatchStats:
     ep_bytes: int = 0
     remote_ep_bytes: int = 0
     tp_bytes: int = 0
+    tp_allreduce_bytes: int = 0
 
 
 def _gather_v(x: Tensor, counts: list[int], group: Group) -> Tensor:
@@ -240,10 +243,13 @@ class ParallelMoEBlock(nn.Module):
             # over TP: "f" on the weight all-reduces it and every TP rank keeps the whole gradient.
             _, weights, selected = route(mine, copy_to_tp(g.weight, self.tp), g.top_k, g.norm_topk_prob)
             out = self._dispatch_combine(mine, weights, selected, gather_tp=True)
+            self._count_allreduce(g.weight.numel() * g.weight.element_size())
             self.stats.tp_bytes += 2 * (self.tp.size - 1) * out.shape[0] * out.shape[1] * out.element_size()
             return _GatherTokens.apply(out, sizes, self.tp).view_as(x)
         _, weights, selected = self.gate(flat)
         flat, weights = copy_to_tp(flat, self.tp), copy_to_tp(weights, self.tp)
+        if not self.tp.trivial:  # output forward, input and weight gradients backward
+            self._count_allreduce((2 * flat.numel() + weights.numel()) * flat.element_size())
         if self.ep.trivial:
             e = self.experts
             out = experts_forward(flat, weights, selected, e.gate_proj, e.up_proj, e.down_proj, e.expert_offset)
@@ -296,6 +302,9 @@ class ParallelMoEBlock(nn.Module):
             y = all_to_all(y, counts, mine, tp).view(tp.size, received, hidden).sum(dim=0)
         back = y if ep.trivial else all_to_all(y, recv, send, ep)
         return torch.zeros_like(flat).index_add(0, plan.token, back)
+
+    def _count_allreduce(self, nbytes: int) -> None:
+        self.stats.tp_allreduce_bytes += 2 * (self.tp.size - 1) * nbytes // self.tp.size
 
     def _count(self, send: list[int], recv: list[int], hidden: int, slots: int, elt: int) -> None:
         s = self.stats

@@ -124,10 +124,10 @@ def test_shard_sizes_cover_every_token_once() -> None:
 # Forked gloo ranks
 
 
-def _record_all_to_all(log: list[tuple[Any, int, list[int]]]) -> None:
+def _record_collectives(log: list[tuple[Any, int, list[int]]]) -> None:
     """Wrap ``dist.all_to_all_single`` (this forked process only) to log every uneven call: its
-    group, its row size in bytes and its input splits; the count exchanges (even splits) are not
-    payload and are left out."""
+    group, its row size in bytes and its input splits (the count exchanges, even splits, are not
+    payload and are left out); and ``dist.all_reduce``: its group and minus its bytes."""
     inner = dist.all_to_all_single
 
     def recording(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
@@ -138,6 +138,14 @@ def _record_all_to_all(log: list[tuple[Any, int, list[int]]]) -> None:
         return inner(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
     dist.all_to_all_single = recording  # type: ignore[assignment]
+    reduce = dist.all_reduce
+
+    def recording_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                         async_op: bool = False) -> Any:
+        log.append((group, -tensor.numel() * tensor.element_size(), []))  # negative: an all-reduce
+        return reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = recording_reduce  # type: ignore[assignment]
 
 
 def _close(got: torch.Tensor | None, want: torch.Tensor, what: str) -> None:
@@ -151,7 +159,7 @@ def _close(got: torch.Tensor | None, want: torch.Tensor, what: str) -> None:
 def _sent(calls: list[tuple[Any, int, list[int]]], pg: Any, me: int, remote: bool) -> int:
     """Bytes handed to the logged all-to-alls of group ``pg`` (without member ``me``'s share if
     ``remote``)."""
-    return sum(row * n for g, row, splits in calls if g is pg for i, n in enumerate(splits)
+    return sum(row * n for g, row, splits in calls if g is pg and row >= 0 for i, n in enumerate(splits)
                if not (remote and i == me))
 
 
@@ -174,7 +182,7 @@ def _slice_block(ref: MoEBlock, ctx: ParallelContext, num_experts: int, dispatch
 
 def _block_check(rank: int, world: int, layout: str, top_k: int, num_experts: int) -> None:
     log: list[tuple[Any, int, list[int]]] = []
-    _record_all_to_all(log)
+    _record_collectives(log)
     ctx = ParallelContext.create(Layout.parse(layout))
     lay, coord = ctx.layout, ctx.coord
     cfg = dataclasses.replace(SMALL, num_experts=num_experts, num_experts_per_tok=top_k)
@@ -235,6 +243,8 @@ def _block_check(rank: int, world: int, layout: str, top_k: int, num_experts: in
                 assert s.ep_bytes == s.remote_ep_bytes == 0
             if lay.tp > 1:
                 assert s.tp_bytes == _sent(calls, ctx.tp.pg, ctx.tp.index, True), what
+                reduced = sum(-row for g, row, _ in calls if g is ctx.tp.pg and row < 0)
+                assert s.tp_allreduce_bytes == 2 * (lay.tp - 1) * reduced // lay.tp, what
     # The modes agree with each other; bitwise where dedup keeps the unsplit order (one expert per
     # EP rank, so every rank's partial sum is one term).
     for shard in shards:
