@@ -127,7 +127,8 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
         b = base.get((r["layout"], r["top_k"]))
         rows.append([r["layout"], str(r["top_k"]), r["dispatch"], "on" if r["sequence_shard"] else "off",
                      f"{p['rows']:.0f}", fmt(p["ep_bytes"] / 1e6, 2), fmt(p["remote_ep_bytes"] / 1e6, 2),
-                     fmt((p["tp_bytes"] + p["tp_allreduce_bytes"]) / 1e6, 2), fmt(p["remote_ep_bytes"] / b, 2) if b else "-",
+                     fmt((p["tp_bytes"] + p["tp_allreduce_bytes"]) / 1e6, 2),
+                     fmt(p["remote_ep_bytes"] / b, 2) if b else "-",
                      fmt(r["step_s"] * 1e3, 0)])
     return rows
 
