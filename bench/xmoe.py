@@ -32,7 +32,7 @@ from bench.common import fmt, machine_info, markdown_table, median, print_table
 
 # (layout, top-k, dispatch, sequence_shard)
 CASES: list[tuple[str, int, str, bool]] = [
-    (f"ep={ep}", k, d, True) for ep in (2, 4) for k in (2, 4, 8) for d in ("per-expert", "dedup")
+    (f"ep={ep}", k, d, False) for ep in (2, 4) for k in (2, 4, 8) for d in ("per-expert", "dedup")
 ] + [("tp=2,ep=2", k, "dedup", s) for k in (2, 8) for s in (False, True)]
 
 
@@ -106,8 +106,9 @@ def run(steps: int, hidden: int, experts: int, seq_len: int, global_batch: int) 
                           moe_sequence_shard=shard)
         res = run_case(cfg.to_dict(), layout, steps)
         results.append({"layout": layout, "top_k": k, "dispatch": dispatch, "sequence_shard": shard, **res})
-        print(f"  {layout} top-{k} {dispatch} shard={shard}: {res['per_step']['remote_ep_bytes'] / 1e6:.2f} MB "
-              f"remote a2a/step, {res['step_s'] * 1e3:.0f} ms/step", flush=True)
+        label = f"{layout} top-{k} {dispatch}" + (" sequence-sharded" if shard else "")
+        print(f"  {label}: {res['per_step']['remote_ep_bytes'] / 1e6:.2f} MB remote a2a/step, "
+              f"{res['step_s'] * 1e3:.0f} ms/step", flush=True)
     return {"steps": steps, "hidden": hidden, "experts": experts, "layers": 2, "seq_len": seq_len,
             "global_batch": global_batch, "tokens_per_step": seq_len * global_batch, "results": results,
             "machine": machine_info(tempfile.gettempdir())}
@@ -125,7 +126,8 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
     for r in res["results"]:
         p = r["per_step"]
         b = base.get((r["layout"], r["top_k"]))
-        rows.append([r["layout"], str(r["top_k"]), r["dispatch"], "on" if r["sequence_shard"] else "off",
+        shard = ("on" if r["sequence_shard"] else "off") if "tp=" in r["layout"] else "-"
+        rows.append([r["layout"], str(r["top_k"]), r["dispatch"], shard,
                      f"{p['rows']:.0f}", fmt(p["ep_bytes"] / 1e6, 2), fmt(p["remote_ep_bytes"] / 1e6, 2),
                      fmt((p["tp_bytes"] + p["tp_allreduce_bytes"]) / 1e6, 2),
                      fmt(p["remote_ep_bytes"] / b, 2) if b else "-",

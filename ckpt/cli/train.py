@@ -60,8 +60,9 @@ def train_cmd(
     device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cpu or cuda"),
     moe_dispatch: str = typer.Option("dedup", "--moe-dispatch",
                                      help="MoE all-to-all: dedup (one row per token and EP rank) or per-expert"),
-    moe_sequence_shard: bool = typer.Option(True, "--moe-sequence-shard/--no-moe-sequence-shard",
-                                            help="under TP, each TP rank routes and dispatches 1/tp of the tokens"),
+    moe_sequence_shard: bool = typer.Option(False, "--moe-sequence-shard/--no-moe-sequence-shard",
+                                            help="under TP, each TP rank routes and dispatches 1/tp of the MoE "
+                                                 "tokens (fewer EP all-to-all bytes, more TP traffic)"),
     max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="torchrun restarts after a failure"),
     metrics: str | None = typer.Option(None, "--metrics", help="JSON lines file (default CKPT_DIR/metrics.jsonl)"),
     plot: str | None = typer.Option(None, "--plot", help="write the loss curve PNG here (needs matplotlib)"),

@@ -61,7 +61,8 @@ class TrainConfig:
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         moe_dispatch: ``"dedup"`` (X-MoE: one all-to-all row per (token, EP rank)) or
             ``"per-expert"`` (one row per (token, expert)); see :mod:`ckpt.trainer.ep`.
-        moe_sequence_shard: under TP, each TP rank routes and dispatches 1/tp of the MoE tokens.
+        moe_sequence_shard: under TP, each TP rank routes and dispatches 1/tp of the MoE tokens
+            (fewer EP all-to-all bytes, more TP traffic; off by default).
     """
 
     model: ModelConfig = CONFIGS["tiny"]
@@ -99,7 +100,7 @@ class TrainConfig:
     metrics_path: str | None = None
     device: str = "auto"
     moe_dispatch: str = "dedup"
-    moe_sequence_shard: bool = True
+    moe_sequence_shard: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "microbatches", "steps", "keep_last"):

@@ -28,7 +28,7 @@ they agree within fp32 rounding (~1e-7 relative). Neither mode promises bitwise 
 unsplit model across layouts (the expert GEMMs run on other row counts; the trainer's layout tests
 use tolerances), but each mode is deterministic: the same layout and mode replay bitwise.
 
-**Sequence-sharded MoE blocks under TP** (``sequence_shard=True``, the default; X-MoE's hybrid
+**Sequence-sharded MoE blocks under TP** (``sequence_shard=True``; off by default; X-MoE's hybrid
 parallelism). The block's input is replicated over TP. Instead of every TP rank routing and
 dispatching every token, TP rank ``j`` takes the ``j``-th of ``tp`` near-equal contiguous slices of
 the tokens (backward: the slices' gradients are all-gathered), routes them (the router weight's
@@ -40,7 +40,11 @@ partials back to the TP rank that received each row; that rank sends one row per
 over EP. Finally the outputs of the ``tp`` slices are all-gathered over TP (backward: the rank's
 slice). The EP all-to-all then moves each (token, rank) pair once per TP group instead of once per
 TP rank: ``tp`` times fewer bytes; the TP group pays an all-gather and a reduce-scatter of the
-received rows (on fast intra-node links in practice) instead of the all-reduce of all outputs.
+received rows plus the all-gather of the outputs, instead of the all-reduce of all outputs, which
+is more TP bytes than it saves EP bytes (``python -m bench xmoe``). It pays off where the EP
+all-to-all crosses nodes and TP stays on a node's fast links, hence off by default. Whole experts
+per TP rank (X-MoE's own pairing, TP ranks acting as extra EP ranks) would need no TP traffic in the
+block but would change the checkpoint layout of every expert tensor; this variant keeps it.
 
 With ``ep == 1`` and no sequence sharding, the dispatch vanishes and this is the plain
 :class:`~ckpt.trainer.model.MoEBlock`.
@@ -218,7 +222,7 @@ class ParallelMoEBlock(nn.Module):
     """
 
     def __init__(self, gate: Router, experts: Experts, num_experts: int, ep: Group, tp: Group,
-                 dispatch: str = "dedup", sequence_shard: bool = True):
+                 dispatch: str = "dedup", sequence_shard: bool = False):
         super().__init__()
         if dispatch not in DISPATCH_MODES:
             raise LayoutError(f"unknown MoE dispatch {dispatch!r}; choose one of {', '.join(DISPATCH_MODES)}")

@@ -110,7 +110,7 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0, moe_dispatch: str = "dedup",
-                moe_sequence_shard: bool = True) -> ParallelModel:
+                moe_sequence_shard: bool = False) -> ParallelModel:
     """This rank's stage of the model with its blocks of every parameter, initialized as
     ``init_weights(seed)`` would initialize the full model. ``moe_dispatch`` / ``moe_sequence_shard``
     choose the MoE blocks' dispatch (:class:`~ckpt.trainer.ep.ParallelMoEBlock`).
