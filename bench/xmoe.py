@@ -10,7 +10,7 @@ sequence-sharded MoE blocks, with the MoE blocks' TP traffic (all-to-alls sent t
 plus what a ring all-reduce would send for the TP all-reduces). Step time is rank 0's median wall
 time of a whole step.
 
-    python -m bench xmoe [--steps 5] [--hidden 256] [--experts 16] [--json FILE]
+    python -m bench xmoe [--steps 5] [--repeats 3] [--hidden 256] [--experts 16] [--json FILE]
 """
 
 from __future__ import annotations
@@ -92,24 +92,33 @@ def run_case(cfg_dict: dict[str, Any], layout: str, steps: int) -> dict[str, Any
     return result
 
 
-def run(steps: int, hidden: int, experts: int, seq_len: int, global_batch: int) -> dict[str, Any]:
-    """Every case of :data:`CASES`."""
+def run(steps: int, hidden: int, experts: int, seq_len: int, global_batch: int, repeats: int = 1
+        ) -> dict[str, Any]:
+    """Every case of :data:`CASES`, ``repeats`` times round-robin (fresh ranks each time): the step
+    time is the median over repeats of each run's median; the counts are the same in every run."""
     from ckpt.trainer.config import TrainConfig
     from ckpt.trainer.model import CONFIGS
 
     model = dataclasses.replace(CONFIGS["tiny"], hidden_size=hidden, head_dim=hidden // 4,
                                 moe_intermediate_size=hidden // 2, num_experts=experts, num_hidden_layers=2)
+    runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(CASES))}
+    for _ in range(repeats):
+        for i, (layout, k, dispatch, shard) in enumerate(CASES):
+            cfg = TrainConfig(model=dataclasses.replace(model, num_experts_per_tok=k), seq_len=seq_len,
+                              global_batch=global_batch, steps=steps + 1, warmup=0, moe_dispatch=dispatch,
+                              moe_sequence_shard=shard)
+            runs[i].append(run_case(cfg.to_dict(), layout, steps))
     results = []
-    for layout, k, dispatch, shard in CASES:
-        cfg = TrainConfig(model=dataclasses.replace(model, num_experts_per_tok=k), seq_len=seq_len,
-                          global_batch=global_batch, steps=steps + 1, warmup=0, moe_dispatch=dispatch,
-                          moe_sequence_shard=shard)
-        res = run_case(cfg.to_dict(), layout, steps)
+    for i, (layout, k, dispatch, shard) in enumerate(CASES):
+        if any(r["per_step"] != runs[i][0]["per_step"] for r in runs[i]):
+            raise RuntimeError(f"{layout} top-{k} {dispatch}: the byte counts differ between repeats")
+        res = {"per_step": runs[i][0]["per_step"], "step_s": median([r["step_s"] for r in runs[i]]),
+               "step_s_runs": [r["step_s"] for r in runs[i]]}
         results.append({"layout": layout, "top_k": k, "dispatch": dispatch, "sequence_shard": shard, **res})
         label = f"{layout} top-{k} {dispatch}" + (" sequence-sharded" if shard else "")
         print(f"  {label}: {res['per_step']['remote_ep_bytes'] / 1e6:.2f} MB remote a2a/step, "
               f"{res['step_s'] * 1e3:.0f} ms/step", flush=True)
-    return {"steps": steps, "hidden": hidden, "experts": experts, "layers": 2, "seq_len": seq_len,
+    return {"steps": steps, "repeats": repeats, "hidden": hidden, "experts": experts, "layers": 2, "seq_len": seq_len,
             "global_batch": global_batch, "tokens_per_step": seq_len * global_batch, "results": results,
             "machine": machine_info(tempfile.gettempdir())}
 
@@ -138,6 +147,7 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options."""
     p.add_argument("--steps", type=int, default=5, help="measured steps per case (after one warm-up step)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per case (fresh ranks), round-robin")
     p.add_argument("--hidden", type=int, default=256, help="model width (expert width: half)")
     p.add_argument("--experts", type=int, default=16, help="experts per layer (top-k 8 and ep 4 need 8+)")
     p.add_argument("--seq-len", type=int, default=64)
@@ -147,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run every case and print the table (and the markdown for docs/BENCHMARKS.md)."""
-    res = run(args.steps, args.hidden, args.experts, args.seq_len, args.global_batch)
+    res = run(args.steps, args.hidden, args.experts, args.seq_len, args.global_batch, args.repeats)
     title = (f"MoE all-to-all per step: {res['tokens_per_step']} tokens, hidden {res['hidden']}, "
              f"{res['experts']} experts, 2 layers")
     print_table(title, COLUMNS, rows_for(res))
