@@ -20,6 +20,7 @@ Subcommands::
     scaling     real forked gloo ranks (8..64): save, async save, resharded load vs DCP; coordinator bytes
     sp          sequence parallelism (sp=1,2,4 gloo ranks): activation memory, step time, LASP-2H vs ring bytes
     bytecheckpoint  ByteCheckpoint 0.0.2 vs ckpt vs DCP: 2 torchrun ranks, FSDP2 + AdamW on CPU (optional dep)
+    xmoe        trainer MoE all-to-all bytes per step: X-MoE dedup dispatch vs per-expert (forked gloo ranks)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from bench import (
     scale,
     scaling,
     seqpar,
+    xmoe,
 )
 
 COMMANDS = {
@@ -66,6 +68,7 @@ COMMANDS = {
     "scale": (scale, "simulated DeepSeek-V3 planning at 16,384 ranks: ckpt vs DCP's planner, no tensors"),
     "scaling": (scaling, "8..64 forked gloo ranks: save/async/resharded load vs DCP, coordinator bytes and growth"),
     "sp": (seqpar, "sequence parallelism: per-rank activations and step time vs seq len for sp=1,2,4; LASP-2H bytes"),
+    "xmoe": (xmoe, "trainer MoE all-to-all bytes per step, dedup vs per-expert dispatch, ep 2/4, top-k 2/4/8"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 

@@ -60,6 +60,11 @@ def train_cmd(
     lr: float = typer.Option(3e-3, "--lr", help="peak learning rate"),
     seed: int = typer.Option(0, "--seed", help="init and data seed"),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when available), cpu or cuda"),
+    moe_dispatch: str = typer.Option("dedup", "--moe-dispatch",
+                                     help="MoE all-to-all: dedup (one row per token and EP rank) or per-expert"),
+    moe_sequence_shard: bool = typer.Option(False, "--moe-sequence-shard/--no-moe-sequence-shard",
+                                            help="under TP, each TP rank routes and dispatches 1/tp of the MoE "
+                                                 "tokens (fewer EP all-to-all bytes, more TP traffic)"),
     max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="torchrun restarts after a failure"),
     metrics: str | None = typer.Option(None, "--metrics", help="JSON lines file (default CKPT_DIR/metrics.jsonl)"),
     plot: str | None = typer.Option(None, "--plot", help="write the loss curve PNG here (needs matplotlib)"),
@@ -89,7 +94,8 @@ def train_cmd(
                           verify_restore=not no_verify_restore, fail_at_step=fail_at_step,
                           fail_rank=fail_rank, metrics_path=metrics, device=device, fail_node=fail_node,
                           memory_every=memory_every, replicas=replicas, memory_keep=memory_keep, nodes=nodes,
-                          shm_dir=shm_dir, run_id=run_id)
+                          shm_dir=shm_dir, run_id=run_id, moe_dispatch=moe_dispatch,
+                          moe_sequence_shard=moe_sequence_shard)
     except ValueError as e:
         _error(str(e))
         raise typer.Exit(5) from None

@@ -60,6 +60,10 @@ class TrainConfig:
         metrics_path: JSON lines, one per step (rank 0 writes); None: ``<ckpt_dir>/metrics.jsonl``
             when there is a ``ckpt_dir``.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+        moe_dispatch: ``"dedup"`` (X-MoE: one all-to-all row per (token, EP rank)) or
+            ``"per-expert"`` (one row per (token, expert)); see :mod:`ckpt.trainer.ep`.
+        moe_sequence_shard: under TP, each TP rank routes and dispatches 1/tp of the MoE tokens
+            (fewer EP all-to-all bytes, more TP traffic; off by default).
     """
 
     model: ModelConfig = CONFIGS["tiny"]
@@ -96,6 +100,8 @@ class TrainConfig:
     run_id: str | None = None
     metrics_path: str | None = None
     device: str = "auto"
+    moe_dispatch: str = "dedup"
+    moe_sequence_shard: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "microbatches", "steps", "keep_last"):
@@ -133,6 +139,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.fail_node={self.fail_node} is outside the {self.nodes} node(s)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"TrainConfig.device={self.device!r}: choose auto, cpu or cuda")
+        if self.moe_dispatch not in ("dedup", "per-expert"):
+            raise ValueError(f"TrainConfig.moe_dispatch={self.moe_dispatch!r}: choose dedup or per-expert")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
             raise ValueError("TrainConfig: lr must be > 0, min_lr_ratio in [0, 1], warmup >= 0")
 

@@ -54,6 +54,7 @@ __all__ = [
     "experts_forward",
     "initial_value",
     "repeat_kv",
+    "route",
 ]
 
 # Labels equal to this value do not count in the loss (same convention as PyTorch and transformers).
@@ -376,13 +377,22 @@ class Router(nn.Module):
             ``(router_logits, routing_weights, selected_experts)``: logits (tokens, E), the top-k
             probabilities (tokens, k) in the logits' dtype, and global expert ids (tokens, k).
         """
-        logits = F.linear(x, self.weight)
-        # Softmax in float32 as transformers does; top-k then renormalize the kept probabilities.
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, selected = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights.to(logits.dtype), selected
+        return route(x, self.weight, self.top_k, self.norm_topk_prob)
+
+
+def route(x: Tensor, weight: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """:class:`Router`'s computation with an explicit ``weight`` (E, H), so that a parallel wrapper
+    can route with a wrapped weight (e.g. one whose gradient is summed over a group).
+
+    Returns ``(router_logits, routing_weights, selected_experts)`` as :meth:`Router.forward`.
+    """
+    logits = F.linear(x, weight)
+    # Softmax in float32 as transformers does; top-k then renormalize the kept probabilities.
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, selected = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights.to(logits.dtype), selected
 
 
 def experts_forward(

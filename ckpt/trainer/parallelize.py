@@ -127,9 +127,11 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(path) if path else root), attr
 
 
-def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0) -> ParallelModel:
+def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0, moe_dispatch: str = "dedup",
+                moe_sequence_shard: bool = False) -> ParallelModel:
     """This rank's stage of the model with its blocks of every parameter, initialized as
-    ``init_weights(seed)`` would initialize the full model.
+    ``init_weights(seed)`` would initialize the full model. ``moe_dispatch`` / ``moe_sequence_shard``
+    choose the MoE blocks' dispatch (:class:`~ckpt.trainer.ep.ParallelMoEBlock`).
 
     Raises LayoutError when the layout cannot split this model (see the rules' messages).
     """
@@ -187,7 +189,8 @@ def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0) -> Par
         shard_attention(layer.self_attn, ctx.tp)
         experts = layer.mlp.experts
         experts.expert_offset = boxes[f"model.layers.{index}.mlp.experts.gate_proj"][0].offsets[0]
-        layer.mlp = ParallelMoEBlock(layer.mlp.gate, experts, config.num_experts, ctx.ep, ctx.tp)  # type: ignore[assignment]
+        layer.mlp = ParallelMoEBlock(layer.mlp.gate, experts, config.num_experts, ctx.ep, ctx.tp,  # type: ignore[assignment]
+                                     moe_dispatch, moe_sequence_shard)
     shard_sequence(model, ctx.sp)  # global positions and LASP-2H attention (nothing when sp == 1)
     if layout.tp > 1 and model.model.embed_tokens is not None:
         box, _ = boxes["model.embed_tokens.weight"]

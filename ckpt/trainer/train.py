@@ -86,7 +86,8 @@ def build(cfg: TrainConfig, layout: Layout, device: torch.device | None = None
     cfg.check_layout(layout)
     ctx = ParallelContext.create(layout, device or pick_device(cfg.device))
     torch.manual_seed(cfg.seed)  # nothing random after init, but a defined RNG state for checkpoints
-    pm = parallelize(cfg.model, ctx, seed=cfg.seed)
+    pm = parallelize(cfg.model, ctx, seed=cfg.seed, moe_dispatch=cfg.moe_dispatch,
+                     moe_sequence_shard=cfg.moe_sequence_shard)
     opt = ZeroAdamW(pm, AdamWConfig(cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.eps, cfg.grad_clip))
     schedule = LRSchedule(cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     return ctx, pm, opt, schedule
