@@ -103,6 +103,11 @@ class Adapter:
         """True for a Hugging Face tensor an import drops: a buffer transformers recomputes from the config."""
         return name.endswith("rotary_emb.inv_freq")
 
+    def derived(self, cfg: Config) -> dict[str, Any]:
+        """Hugging Face tensors an export computes from the config instead of reading them from the
+        checkpoint (persistent buffers such as decay tables): name -> float32 tensor. Default none."""
+        return {}
+
     def hf_config(self, cfg: Config) -> Config:
         """The ``config.json`` body to write (the stored config; ``dtype`` is set by the caller)."""
         out = dict(cfg)
@@ -424,6 +429,18 @@ class MiniMax(Mixtral):
 
     def ignored(self, name: str) -> bool:
         return super().ignored(name) or name.rsplit(".", 1)[-1] in self.BUFFERS and ".self_attn." in name
+
+    def derived(self, cfg: Config) -> dict[str, Any]:
+        from ckpt.trainer.hybrid import decay_tables, slope_rates
+
+        out: dict[str, Any] = {}
+        n, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        for i, kind in enumerate(cfg["layer_types"]):
+            if kind == "linear_attention":
+                rate = slope_rates(n, i, layers)[:, None, None]
+                tables = (rate, *decay_tables(rate, cfg["block_size"]))
+                out |= {f"model.layers.{i}.self_attn.{b}": t for b, t in zip(self.BUFFERS, tables, strict=True)}
+        return out
 
     def _layer_attention(self, cfg: Config, layer: int) -> list[tuple[str, tuple[int, ...]]]:
         if cfg["layer_types"][layer] != "linear_attention":

@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from ckpt.trainer.model import Attention, MoEBlock, ModelConfig, RMSNorm, RotaryEmbedding, causal_lm_loss, initial_value
 
 __all__ = ["HYBRID_CONFIGS", "LAYER_TYPES", "FullAttention", "HybridConfig", "HybridDecoderLayer",
-           "HybridForCausalLM", "HybridModel", "LightningAttention", "lightning_attention", "slope_rates"]
+           "HybridForCausalLM", "HybridModel", "LightningAttention", "decay_tables", "lightning_attention",
+           "slope_rates"]
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 # MiniMaxLightningAttention builds its output norm with MiniMaxRMSNorm's default epsilon, not the
@@ -210,6 +211,17 @@ def slope_rates(num_heads: int, layer_idx: int, num_layers: int) -> Tensor:
     return (base**exponent) * factor
 
 
+def decay_tables(rate: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(query_decay (h, B, 1), key_decay (h, B, 1), diagonal_decay (1, h, B, B))`` for rates
+    ``rate`` (h, 1, 1): MiniMaxLightningAttention's ``decay_factors``, same operations (float32)."""
+    steps = torch.arange(block_size, device=rate.device) + 1
+    query_decay = torch.exp(-rate * steps[:, None])
+    key_decay = torch.exp(-rate * (block_size - steps[:, None]))
+    diagonal = rate * (steps[:, None] - steps[None, :])[None, None, :, :]
+    diagonal_decay = torch.exp(torch.where(diagonal >= 0, -diagonal, float("-inf")))
+    return query_decay, key_decay, diagonal_decay
+
+
 def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, block_size: int,
                         initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Causal linear attention with per-head decay, block by block as transformers computes it.
@@ -230,12 +242,7 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, block_s
     """
     batch, heads, seq, _ = q.shape
     rate = slopes.to(device=q.device, dtype=torch.float32)[:, None, None]
-    # The decay tables of MiniMaxLightningAttention.decay_factors (float32 there too).
-    steps = torch.arange(block_size, device=q.device) + 1
-    query_decay = torch.exp(-rate * steps[:, None])
-    key_decay = torch.exp(-rate * (block_size - steps[:, None]))
-    diagonal = rate * (steps[:, None] - steps[None, :])[None, None, :, :]
-    diagonal_decay = torch.exp(torch.where(diagonal >= 0, -diagonal, float("-inf")))
+    query_decay, key_decay, diagonal_decay = decay_tables(rate, block_size)
     state = initial_state if initial_state is not None else q.new_zeros(batch, heads, q.shape[-1], v.shape[-1])
     out = []
     for start in range(0, seq, block_size):
