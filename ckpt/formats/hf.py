@@ -37,11 +37,11 @@ from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.hf.adapters import HF_RULES, adapter_for
 from ckpt.hf.directory import (
     CONFIG_NAME,
-    add_computed_file,
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     SINGLE_NAME,
     ST_METADATA,
+    add_computed_file,
     export_dtype,
     few,
     index_of,

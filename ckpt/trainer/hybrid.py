@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ckpt.trainer.model import Attention, MoEBlock, ModelConfig, RMSNorm, RotaryEmbedding, causal_lm_loss, initial_value
+from ckpt.trainer.model import Attention, ModelConfig, MoEBlock, RMSNorm, RotaryEmbedding, causal_lm_loss, initial_value
 
 __all__ = ["HYBRID_CONFIGS", "LAYER_TYPES", "FullAttention", "HybridConfig", "HybridDecoderLayer",
            "HybridForCausalLM", "HybridModel", "LightningAttention", "decay_tables", "lightning_attention",

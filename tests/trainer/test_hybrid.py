@@ -26,8 +26,8 @@ from ckpt.errors import LayoutError, MismatchError
 from ckpt.trainer.hybrid import HYBRID_CONFIGS, HybridConfig, HybridForCausalLM, lightning_attention, slope_rates
 from ckpt.trainer.lasp import (
     CommStats,
-    chunk_ids,
     check_sequence,
+    chunk_ids,
     gather_sequence,
     lasp2_linear_attention,
     shard_sequence,
@@ -165,7 +165,8 @@ def _bytes_ranks(rank: int, world: int) -> None:
         for n in (2 * world * BLOCK, 16 * world * BLOCK):  # 8x longer sequence
             stats = CommStats()
             q, k, v = (shard_sequence(t, 2, rank, world, layout).requires_grad_() for t in _qkvw(n)[:3])
-            lasp2_linear_attention(q, k, v, slopes, group, block_size=BLOCK, layout=layout, stats=stats).sum().backward()
+            out = lasp2_linear_attention(q, k, v, slopes, group, block_size=BLOCK, layout=layout, stats=stats)
+            out.sum().backward()
             assert stats.all_gather_calls == 1 and stats.reduce_scatter_calls == 1
             assert stats.all_gather_sent == per_rank * state, (layout, n)
             assert stats.all_gather_received == world * per_rank * state, (layout, n)
