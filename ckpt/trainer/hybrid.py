@@ -285,6 +285,9 @@ class LightningAttention(nn.Module):
         self.out_proj = nn.Linear(n * d, h, bias=False)
         self.norm = RMSNorm(n * d, LIGHTNING_NORM_EPS)
         self.core: LinearCore = _single_process
+        # Under tensor parallelism the output norm spans heads held by other ranks: this sums a
+        # per-token statistic over the TP group (forward and backward); None: every head is here.
+        self.sum_over_heads: Callable[[Tensor], Tensor] | None = None
 
     def slopes(self) -> Tensor:
         """Decay rates of the local heads, (local heads,) float32."""
@@ -298,8 +301,18 @@ class LightningAttention(nn.Module):
         qkv = F.silu(self.qkv_proj(x)).view(batch, seq, -1, 3 * self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, self.head_dim, dim=3))
         out = self.core(q, k, v, self.slopes(), self.block_size)
-        out = self.norm(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = self._norm(out.transpose(1, 2).reshape(batch, seq, -1))
         return self.out_proj(torch.sigmoid(self.output_gate(x)) * out)
+
+    def _norm(self, x: Tensor) -> Tensor:
+        if self.sum_over_heads is None:
+            return self.norm(x)
+        # RMSNorm over all heads when this rank holds some: the mean of squares is the group's sum
+        # of squares over the full width (float32, as RMSNorm computes).
+        x32 = x.float()
+        squares = self.sum_over_heads(x32.pow(2).sum(-1, keepdim=True))
+        x32 = x32 * torch.rsqrt(squares / (self.num_heads * self.head_dim) + self.norm.eps)
+        return self.norm.weight * x32.to(x.dtype)
 
 
 class FullAttention(Attention):

@@ -8,6 +8,8 @@
   model of linear layers under sp=2 gives the unsplit model's logits;
 - the AllGather moves exactly ranks x chunks x (batch x heads x d_k x d_v) floats per layer, the same
   at every sequence length, and the backward one reduce-scatter of the same size;
+- tensor parallelism of a lightning layer (weights sliced by the ``hf-decoder`` rules, tp=2): output
+  and gradients equal the unsplit layer's;
 - bad input: typed errors naming the values that would work.
 """
 
@@ -23,7 +25,15 @@ import torch
 
 import ckpt
 from ckpt.errors import LayoutError, MismatchError
-from ckpt.trainer.hybrid import HYBRID_CONFIGS, HybridConfig, HybridForCausalLM, lightning_attention, slope_rates
+from ckpt.trainer.hybrid import (
+    HYBRID_CONFIGS,
+    HybridConfig,
+    HybridForCausalLM,
+    LightningAttention,
+    lightning_attention,
+    slope_rates,
+)
+from ckpt.trainer.hybrid_parallel import check_hybrid_layout, shard_linear_attention, use_lasp2
 from ckpt.trainer.lasp import (
     CommStats,
     check_sequence,
@@ -142,9 +152,7 @@ def _sp_ranks(rank: int, world: int) -> None:
         ids = _ids(64)
         with torch.no_grad():
             ref_logits = model(ids)
-            for layer in model.model.layers:
-                layer.self_attn.core = lambda q, k, v, s, b: lasp2_linear_attention(
-                    q, k, v, s, group, block_size=b, layout="zigzag")
+            assert use_lasp2(model, group, layout="zigzag") == 4
             local = model(shard_sequence(ids, 1, rank, world, "zigzag"))
         torch.testing.assert_close(local, shard_sequence(ref_logits, 1, rank, world, "zigzag"), rtol=0, atol=2e-5)
 
@@ -210,3 +218,49 @@ def test_bad_sequence_input_is_a_typed_error_naming_what_works():
         lasp2_linear_attention(q, k, v, slopes[:2], _Group(None, 1, 0), block_size=BLOCK)
     with pytest.raises(MismatchError, match="same batch, heads and tokens"):
         lasp2_linear_attention(q, k[:, :, :16], v, slopes, _Group(None, 1, 0), block_size=BLOCK)
+
+
+def _tp_ranks(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from ckpt.hf.adapters import HF_RULES
+    from ckpt.trainer.model import initial_value
+    from ckpt.trainer.parallel import Group
+
+    full, local = LightningAttention(CFG, 2), LightningAttention(CFG, 2)
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            p.copy_(initial_value(name, tuple(p.shape), 0.1) + (1.0 if name == "norm.weight" else 0.0))
+        for name, p in local.named_parameters():  # this rank's block, as the checkpoint rules place it
+            dim = HF_RULES.placement(f"model.layers.2.self_attn.{name}").tp_dim
+            assert dim is not None, name
+            p.data = full.get_parameter(name).detach().chunk(world, dim=dim)[rank].clone()
+    shard_linear_attention(local, Group(list(range(world)), rank, dist.group.WORLD))
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 32, CFG.hidden_size, generator=g), torch.randn(2, 32, CFG.hidden_size, generator=g)
+    x_full, x_local = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref = full(x_full)
+    (ref * w).sum().backward()
+    out = local(x_local)
+    (out * w).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
+    torch.testing.assert_close(x_local.grad, x_full.grad, rtol=0, atol=2e-5)
+    for name, p in local.named_parameters():
+        dim = HF_RULES.placement(f"model.layers.2.self_attn.{name}").tp_dim
+        want = full.get_parameter(name).grad.chunk(world, dim=dim)[rank]  # type: ignore[union-attr]
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_tensor_parallel_lightning_layer_equals_the_unsplit_one():
+    run_ranks(2, _tp_ranks)
+
+
+def test_layouts_the_hybrid_model_cannot_run_are_refused_before_starting():
+    check_hybrid_layout(CFG, tp=2, ep=4, sp=4, seq_len=128)
+    with pytest.raises(LayoutError, match=r"tp can be \[1, 2\]"):
+        check_hybrid_layout(CFG, tp=4)  # 4 query heads but 2 key/value heads in the softmax layers
+    with pytest.raises(LayoutError, match=r"ep can be \[1, 2, 4\]"):
+        check_hybrid_layout(CFG, ep=3)
+    with pytest.raises(LayoutError, match="multiple of 128"):
+        check_hybrid_layout(CFG, sp=4, seq_len=96)
+    check_hybrid_layout(dataclasses.replace(CFG, layer_types=("full_attention",) * 4), sp=4, seq_len=96)
