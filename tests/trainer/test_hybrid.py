@@ -4,8 +4,9 @@
   ``MiniMaxForCausalLM`` with no missing or unexpected keys and gives the same logits (fp32, max
   abs difference <= 1e-5; bitwise on this machine), and imports back to the same weights, bitwise;
 - LASP-2 on 2 and 4 forked gloo ranks, contiguous and zigzag chunks: forward and the gradients of
-  q, k, v equal the single-process lightning attention within fp32 rounding (atol 2e-5), and a whole
-  model of linear layers under sp=2 gives the unsplit model's logits;
+  q, k, v equal the single-process lightning attention within fp32 rounding (atol 2e-5); under sp=2 a
+  whole model of linear layers, and the hybrid model (softmax layers on the same zigzag chunks over
+  gathered K/V, global RoPE positions), give the unsplit model's logits;
 - the AllGather moves exactly ranks x chunks x (batch x heads x d_k x d_v) floats per layer, the same
   at every sequence length, and the backward one reduce-scatter of the same size;
 - tensor parallelism of a lightning layer (weights sliced by the ``hf-decoder`` rules, tp=2): output
@@ -70,8 +71,9 @@ def test_export_hf_output_loads_in_minimax_and_reproduces_logits(tmp_path):
     ckpt.save({"model." + n: p.detach() for n, p in model.named_parameters()}, str(src),
               user_metadata=CFG.checkpoint_metadata())
     out = tmp_path / "hf"
-    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["export-hf", str(src), str(out), "--json"])
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["export-hf", str(src), str(out), "--check", "--json"])
     assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["check"]["max_abs_logits_diff"] == 0.0  # export vs source, both in transformers
     assert json.loads((out / "config.json").read_text())["model_type"] == "minimax"
     hf, info = transformers.MiniMaxForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -146,6 +148,8 @@ def _sp_ranks(rank: int, world: int) -> None:
         for name, t, g in zip("qkv", (q, k, v), ref_grads, strict=True):
             torch.testing.assert_close(t.grad, shard_sequence(g, 2, rank, world, layout), rtol=0, atol=2e-5,
                                        msg=lambda m, name=name, layout=layout: f"d{name} ({layout}): {m}")
+    if world == 2:  # the hybrid model on zigzag chunks: LASP-2 linear layers, softmax layers over gathered K/V
+        _hybrid_model_on_zigzag_chunks(rank, world, group)
     if world == 2:  # a whole model of linear layers, each one's core swapped for LASP-2 on zigzag chunks
         cfg = dataclasses.replace(CFG, layer_types=("linear_attention",) * 4)
         model = _hybrid(cfg)
@@ -155,6 +159,48 @@ def _sp_ranks(rank: int, world: int) -> None:
             assert use_lasp2(model, group, layout="zigzag") == 4
             local = model(shard_sequence(ids, 1, rank, world, "zigzag"))
         torch.testing.assert_close(local, shard_sequence(ref_logits, 1, rank, world, "zigzag"), rtol=0, atol=2e-5)
+
+
+def _hybrid_model_on_zigzag_chunks(rank: int, world: int, group: _Group) -> None:
+    """Linear and softmax layers alternate on the same zigzag chunks, no re-arrangement between them.
+
+    The softmax layers stand in for LASP-2H (another module's job) with the plainest sp attention:
+    all-gather K and V, put them in global order, mask by global positions."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ckpt.trainer.model import apply_rotary_pos_emb
+
+    def gathered(t: torch.Tensor) -> torch.Tensor:  # (b, h, local, d) -> (b, h, seq, d) in global order
+        pieces = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(pieces, t.contiguous())
+        return gather_sequence(pieces, 2, "zigzag")
+
+    def sp_softmax(attn: Any, x: torch.Tensor, pe: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        b, n, _ = x.shape
+        shape = (b, n, -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *pe)
+        k, v = (gathered(t).repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        pos = shard_sequence(torch.arange(k.shape[2]), 0, rank, world, "zigzag")
+        mask = pos[:, None] >= torch.arange(k.shape[2])[None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    model = _hybrid()
+    ids = _ids(128)
+    with torch.no_grad():
+        ref = model(ids)
+        use_lasp2(model, group, layout="zigzag")
+        for layer in model.model.layers:
+            if layer.layer_type == "full_attention":
+                layer.self_attn.forward = lambda x, pe, attn=layer.self_attn: sp_softmax(attn, x, pe)
+        positions = shard_sequence(torch.arange(128), 0, rank, world, "zigzag")[None]
+        assert model.lm_head is not None
+        local = model.lm_head(model.model(shard_sequence(ids, 1, rank, world, "zigzag"), position_ids=positions))
+    torch.testing.assert_close(local, shard_sequence(ref, 1, rank, world, "zigzag"), rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("sp", [2, 4])
