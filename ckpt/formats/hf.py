@@ -189,6 +189,9 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
     tensor alone is larger), then ``model.safetensors.index.json``, then ``config.json`` (the
     Qwen3-MoE config). Experts are written per expert (``...mlp.experts.E.gate_proj.weight``), as
     ``save_pretrained`` does; vocab padding is dropped; optimizer and training state are ignored.
+    Persistent buffers an adapter computes from the config (MiniMax's decay tables,
+    :meth:`~ckpt.hf.adapters.Adapter.derived`) go into one more ``model-k-of-n`` file, so that
+    ``from_pretrained`` finds every key it expects.
 
     Args:
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``; default: the stored dtype (float32 if mixed).
