@@ -5,6 +5,7 @@ Subcommands::
     save-load   ckpt.save/ckpt.load vs torch DCP, torch.save and safetensors (single process)
     hf-export   ckpt export-hf (streaming) vs load-everything + save_file / save_pretrained
     hf-llama    a Llama: ckpt import-hf / export-hf vs transformers from_pretrained + save_pretrained
+    lasp        LASP-2 on 2 and 4 gloo ranks: AllGather bytes per linear-attention layer vs a ring, and time
     multirank   4 forked gloo ranks: save as Shard(0), resharded load as Shard(1), vs DCP
     fsdp-tp     4 forked gloo ranks: FSDP2 x TP model + AdamW saved, loaded FSDP-only, vs DCP
     dcp-source  a DCP checkpoint (saved on 4 ranks) loaded resharded on 3 by dcp.load and by ckpt.load
@@ -40,6 +41,7 @@ from bench import (
     hashcost,
     hf_export,
     hf_llama,
+    lasp_bench,
     multirank,
     reshard,
     s3_bench,
@@ -54,6 +56,7 @@ COMMANDS = {
     "save-load": (save_load, "save/load throughput vs DCP, torch.save, safetensors and dd"),
     "hf-export": (hf_export, "Hugging Face export time and peak RSS vs the naive load-then-save paths"),
     "hf-llama": (hf_llama, "a Llama (adapter family): ckpt import-hf/export-hf vs from_pretrained + save_pretrained"),
+    "lasp": (lasp_bench, "LASP-2 (one AllGather of memory states) vs a LASP-1 ring: bytes per layer and time"),
     "multirank": (multirank, "4 gloo ranks: DTensor Shard(0) save, Shard(1) load vs DCP"),
     "fsdp-tp": (fsdp_tp, "4 gloo ranks: FSDP2 x TP state saved, loaded as FSDP-only, vs DCP; bytes on disk"),
     "dcp-source": (dcp_source, "a DCP checkpoint saved on 4 ranks, loaded resharded on 3: dcp.load vs ckpt.load"),

@@ -41,6 +41,7 @@ from ckpt.hf.directory import (
     INDEX_NAME,
     SINGLE_NAME,
     ST_METADATA,
+    add_computed_file,
     export_dtype,
     few,
     index_of,
@@ -104,6 +105,7 @@ class ExportPlan:
     files: list[OutFile]
     index: dict[str, Any]
     config_json: dict[str, Any]
+    computed: dict[str, bytes] = field(default_factory=dict)  # file -> bytes of tensors computed from the config
 
     @property
     def total_size(self) -> int:
@@ -132,7 +134,9 @@ def plan_export(manifest: Manifest, *, dtype: torch.dtype | None = None,
         names = source_names or manifest.user_metadata.get("names") or "ckpt"
         tensors, out_dtype, config_json = export_items(manifest, adapter, full, names, dtype, url=url)
         files = split_files_approx(tensors, out_dtype, max_shard_size)
-        return ExportPlan(full, out_dtype, files, index_of(files), config_json)
+        extra = add_computed_file(files, adapter.derived(full), out_dtype)
+        computed = {extra[0]: extra[2]} if extra is not None else {}
+        return ExportPlan(full, out_dtype, files, index_of(files, extra[:2] if extra else None), config_json, computed)
     cfg = model_config_of(manifest, url=url)
     tensors, out_dtype, config_json = embedded_export(manifest, cfg, dtype, url=url)
     files = split_files(tensors, out_dtype, max_shard_size)
@@ -185,6 +189,9 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
     tensor alone is larger), then ``model.safetensors.index.json``, then ``config.json`` (the
     Qwen3-MoE config). Experts are written per expert (``...mlp.experts.E.gate_proj.weight``), as
     ``save_pretrained`` does; vocab padding is dropped; optimizer and training state are ignored.
+    Persistent buffers an adapter computes from the config (MiniMax's decay tables,
+    :meth:`~ckpt.hf.adapters.Adapter.derived`) go into one more ``model-k-of-n`` file, so that
+    ``from_pretrained`` finds every key it expects.
 
     Args:
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``; default: the stored dtype (float32 if mixed).
@@ -234,7 +241,7 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         # tokenizer / generation config: beside the source checkpoint's manifest, then --tokenizer DIR
         side = hf_files.from_manifest(manifest) | hf_files.read_side_files(src) | (
             hf_files.from_dir(tokenizer) if tokenizer else {})
-        ours = {f.path for f in plan.files} | {INDEX_NAME, CONFIG_NAME} | set(side)
+        ours = {f.path for f in plan.files} | set(plan.computed) | {INDEX_NAME, CONFIG_NAME} | set(side)
         replaced = _check_empty_target(dst, overwrite, ours)
         created = _new_local_root(dst)
         opened: list[str] = []
@@ -242,6 +249,9 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         try:
             res = copy_files(src, manifest, dst, plan.files, budget=budget, readers=workers, verify=verify,
                              progress=progress, written=opened)
+            for name, data in plan.computed.items():
+                opened.append(name)
+                dst.commit(name, data)
             dst.commit(INDEX_NAME, (json.dumps(plan.index, indent=2) + "\n").encode())
             dst.commit(CONFIG_NAME, (json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n").encode())
             for name, data in side.items():

@@ -42,6 +42,13 @@ HF_RULES = RuleSet(
           for m in ("", "shared_expert.", "shared_experts.")],
         *[Rule(f"model.layers.*.mlp.{m}down_proj.weight", Placement(tp_dim=1))
           for m in ("", "shared_expert.", "shared_experts.")],
+        # MiniMax lightning attention: qkv_proj rows are per head (q, k, v of head 0, then head 1...),
+        # so whole heads are contiguous row blocks; the output norm spans all heads (its RMS then
+        # needs a sum of squares over the TP group).
+        Rule("model.layers.*.self_attn.qkv_proj.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.self_attn.output_gate.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.self_attn.norm.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.self_attn.out_proj.weight", Placement(tp_dim=1)),
     ],
     first_stage=["model.embed_tokens.*"],
     last_stage=["model.norm.*", "lm_head.*"],
@@ -92,6 +99,15 @@ class Adapter:
     def refuse(self, cfg: Config, where: str) -> None:
         """Raise ManifestError naming an option of ``cfg`` this adapter cannot represent."""
 
+    def ignored(self, name: str) -> bool:
+        """True for a Hugging Face tensor an import drops: a buffer transformers recomputes from the config."""
+        return name.endswith("rotary_emb.inv_freq")
+
+    def derived(self, cfg: Config) -> dict[str, Any]:
+        """Hugging Face tensors an export computes from the config instead of reading them from the
+        checkpoint (persistent buffers such as decay tables): name -> float32 tensor. Default none."""
+        return {}
+
     def hf_config(self, cfg: Config) -> Config:
         """The ``config.json`` body to write (the stored config; ``dtype`` is set by the caller)."""
         out = dict(cfg)
@@ -133,7 +149,7 @@ class Adapter:
         for i in range(cfg["num_hidden_layers"]):
             pre = f"model.layers.{i}."
             p(pre + "input_layernorm.weight", h)
-            for name, shape in self._attention(cfg):
+            for name, shape in self._layer_attention(cfg, i):
                 p(pre + "self_attn." + name, *shape)
             p(pre + "post_attention_layernorm.weight", h)
             for name, shape in self._mlp(cfg, i):
@@ -157,6 +173,10 @@ class Adapter:
         if o_bias:
             out.append(("o_proj.bias", (h,)))
         return out
+
+    def _layer_attention(self, cfg: Config, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Attention parameters of layer ``layer`` (the same for every layer, except in hybrids)."""
+        return self._attention(cfg)
 
     def _biases(self, cfg: Config) -> tuple[bool, bool]:
         b = bool(cfg.get("attention_bias"))
@@ -376,8 +396,62 @@ class DeepseekV3(Adapter):
         return _layer_order(m)
 
 
+class MiniMax(Mixtral):
+    """MiniMax hybrid (``MiniMaxForCausalLM``): ``layer_types`` picks per layer lightning attention
+    (``self_attn.qkv_proj``, ``output_gate``, ``out_proj``, ``norm``) or softmax attention (q/k/v/o, no
+    biases, no q/k norms); every layer MoE, on disk Mixtral's ``block_sparse_moe.experts.E.w1/w2/w3``.
+    The four decay buffers of a linear layer are functions of the config: an import drops them and
+    an export writes them (:meth:`derived`)."""
+
+    name, model_types, architecture = "minimax", ("minimax",), "MiniMaxForCausalLM"
+    defaults = {"tie_word_embeddings": False, "num_key_value_heads": 8, "head_dim": None,  # noqa: RUF012
+                "num_local_experts": 8, "intermediate_size": 14336, "layer_types": None, "block_size": 256}
+    BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+
+    def complete(self, d: Config, *, where: str) -> Config:
+        cfg = super().complete(d, where=where)
+        if cfg.get("layer_types") is None:  # transformers' default: full attention first, then alternating
+            cfg["layer_types"] = ["full_attention" if (i + 1) % 2 else "linear_attention"
+                                  for i in range(cfg["num_hidden_layers"])]
+        return cfg
+
+    def refuse(self, cfg: Config, where: str) -> None:
+        types = cfg.get("layer_types")
+        if types is None:
+            return
+        if not isinstance(types, list) or len(types) != cfg["num_hidden_layers"]:
+            raise ManifestError(f"{where}: layer_types must list one type per layer "
+                                f"(num_hidden_layers={cfg['num_hidden_layers']}), got {types!r}")
+        bad = sorted({t for t in types if t not in ("linear_attention", "full_attention")})
+        if bad:
+            raise ManifestError(f"{where}: layer_types holds {bad}; minimax layers are 'linear_attention' or "
+                                "'full_attention'")
+
+    def ignored(self, name: str) -> bool:
+        return super().ignored(name) or name.rsplit(".", 1)[-1] in self.BUFFERS and ".self_attn." in name
+
+    def derived(self, cfg: Config) -> dict[str, Any]:
+        from ckpt.trainer.hybrid import decay_tables, slope_rates
+
+        out: dict[str, Any] = {}
+        n, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        for i, kind in enumerate(cfg["layer_types"]):
+            if kind == "linear_attention":
+                rate = slope_rates(n, i, layers)[:, None, None]
+                tables = (rate, *decay_tables(rate, cfg["block_size"]))
+                out |= {f"model.layers.{i}.self_attn.{b}": t for b, t in zip(self.BUFFERS, tables, strict=True)}
+        return out
+
+    def _layer_attention(self, cfg: Config, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+        if cfg["layer_types"][layer] != "linear_attention":
+            return self._attention(cfg)
+        h, width = cfg["hidden_size"], cfg["num_attention_heads"] * cfg["head_dim"]
+        return [("qkv_proj.weight", (3 * width, h)), ("out_proj.weight", (h, width)),
+                ("output_gate.weight", (width, h)), ("norm.weight", (width,))]
+
+
 ADAPTERS: dict[str, Adapter] = {a.model_types[0]: a for a in (Llama(), Qwen2(), Qwen3(), Mixtral(), Qwen2Moe(),
-                                                                Qwen3Moe(), DeepseekV3())}
+                                                                Qwen3Moe(), DeepseekV3(), MiniMax())}
 
 
 def adapter_for(model_type: Any, *, where: str) -> Adapter:

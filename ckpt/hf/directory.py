@@ -242,9 +242,30 @@ def split_files_approx(tensors: Tensors, dtype: torch.dtype, limit: int) -> list
     return _files(groups, st, dtype)
 
 
-def index_of(files: list[OutFile]) -> dict[str, Any]:
-    """``model.safetensors.index.json``'s body for ``files``."""
+def index_of(files: list[OutFile], computed: tuple[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """``model.safetensors.index.json``'s body for ``files`` (and the ``computed`` file's tensors)."""
     items = [it for f in files for it in f.items]
-    return {"metadata": {"total_size": sum(it.out_bytes for it in items),
+    weight_map = {it.name: f.path for f in files for it in f.items}
+    extra = 0
+    if computed is not None:
+        weight_map |= {name: computed[0] for name in computed[1]}
+        extra = sum(t.numel() * t.element_size() for t in computed[1].values())
+    return {"metadata": {"total_size": sum(it.out_bytes for it in items) + extra,
                          "total_parameters": sum(it.numel for it in items)},
-            "weight_map": dict(sorted({it.name: f.path for f in files for it in f.items}.items()))}
+            "weight_map": dict(sorted(weight_map.items()))}
+
+
+def add_computed_file(files: list[OutFile], tensors: dict[str, torch.Tensor],
+                      dtype: torch.dtype) -> tuple[str, dict[str, torch.Tensor], bytes] | None:
+    """Make room for one more file, the last, holding ``tensors`` (buffers an adapter computes from the
+    config, cast to ``dtype``): renames ``files`` to ``model-k-of-(n+1)``; returns that file's name,
+    its tensors and its bytes, or None when there are none."""
+    if not tensors:
+        return None
+    import safetensors.torch
+
+    n = len(files) + 1
+    for k, f in enumerate(files):
+        f.path = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+    cast = {name: t.to(dtype).contiguous() for name, t in tensors.items()}
+    return f"model-{n:05d}-of-{n:05d}.safetensors", cast, safetensors.torch.save(cast, metadata=ST_METADATA)

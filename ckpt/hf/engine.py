@@ -155,7 +155,7 @@ def import_manifest(adapter: Adapter, cfg: Config, entries: dict[str, tuple[str,
                     names: str, *, url: str) -> tuple[Manifest, dict[str, Any]]:
     """The Hugging Face files as a (virtual) manifest of stored tensors under naming ``names``, and
     the user_metadata an import records."""
-    entries = {k: v for k, v in entries.items() if not k.endswith("rotary_emb.inv_freq")}
+    entries = {k: v for k, v in entries.items() if not adapter.ignored(k)}
     hf = adapter.hf_map(cfg, set(entries))
     nm = naming(names, adapter, cfg)
     prefix = nm.prefixes[0]

@@ -40,9 +40,13 @@ CONFIGS = {
         **{**SMALL, "num_hidden_layers": 3, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8,
         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=2, topk_group=1),
+    # hybrid: lightning-attention layers (decay buffers written from the config) and softmax layers
+    "minimax": lambda: transformers.MiniMaxConfig(**{**SMALL, "num_hidden_layers": 3}, head_dim=8, num_local_experts=4,
+                                                  num_experts_per_tok=2, block_size=4),
 }
 LAYOUTS = {"llama": "tp=2,pp=2", "qwen2": "tp=2", "qwen3": "tp=2,pp=2", "mixtral": "tp=2,ep=2",
-           "qwen2_moe": "tp=2,ep=2", "qwen3_moe": "tp=2,ep=2,pp=2", "deepseek_v3": "tp=2,ep=2"}
+           "qwen2_moe": "tp=2,ep=2", "qwen3_moe": "tp=2,ep=2,pp=2", "deepseek_v3": "tp=2,ep=2",
+           "minimax": "tp=2,ep=2"}
 IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
