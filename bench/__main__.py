@@ -22,6 +22,10 @@ Subcommands::
     sp          sequence parallelism (sp=1,2,4 gloo ranks): activation memory, step time, LASP-2H vs ring bytes
     bytecheckpoint  ByteCheckpoint 0.0.2 vs ckpt vs DCP: 2 torchrun ranks, FSDP2 + AdamW on CPU (optional dep)
     xmoe        trainer MoE all-to-all bytes per step: X-MoE dedup dispatch vs per-expert (forked gloo ranks)
+    trainer-gpu the trainer on N GPUs (NCCL) or CPU ranks: sp=1/2/4 and ep=4 (dedup / per-expert): tokens/s,
+                all-to-all bytes and time, peak memory vs sequence length, kill + resume bitwise (issue 20.3)
+    memtier-gpu the memory tier on N GPUs as 2 simulated nodes: --memory-every 1 slowdown at >= 8 GB per GPU,
+                node loss recovered from peer copies vs from storage, against H2D bandwidth (issue 20.2)
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from bench import (
     scale,
     scaling,
     seqpar,
+    trainer_gpu,
     xmoe,
 )
 
@@ -72,6 +77,7 @@ COMMANDS = {
     "scaling": (scaling, "8..64 forked gloo ranks: save/async/resharded load vs DCP, coordinator bytes and growth"),
     "sp": (seqpar, "sequence parallelism: per-rank activations and step time vs seq len for sp=1,2,4; LASP-2H bytes"),
     "xmoe": (xmoe, "trainer MoE all-to-all bytes per step, dedup vs per-expert dispatch, ep 2/4, top-k 2/4/8"),
+    "trainer-gpu": (trainer_gpu, "trainer on N GPUs/CPU ranks: sp and ep=4 dispatch figures, sequence limit, kill+resume"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 

@@ -1,0 +1,83 @@
+"""Forked trainer ranks on CPU (gloo) or GPUs (NCCL), joined as torchrun joins them, for the GPU
+benches (``trainer-gpu``, ``memtier-gpu``); a rank's death ends the whole group without a hang.
+
+Ranks are forked (no new interpreter, no ``import torch`` per rank), so the parent must not have
+touched CUDA: forking after CUDA initialization breaks the children. Each rank gets the environment
+torchrun would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) and joins
+through :func:`ckpt.trainer.parallel.init_distributed` (gloo on CPU, NCCL with ``device_id`` on CUDA),
+exactly as ``ckpt train``'s workers do.
+
+When any rank exits abnormally (a SIGKILL from fault injection, :data:`OOM_EXIT` after an
+out-of-memory error) the others may be blocked in a collective with it: torch.multiprocessing
+terminates them, and :func:`fork_ranks` returns the first failing exit code instead of raising.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+OOM_EXIT = 17  # a rank's exit code after torch.OutOfMemoryError: the group stops, the parent records it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, device_name: str, threads: int, env: dict[str, str],
+           fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    import torch.distributed as dist
+
+    from ckpt.trainer.parallel import init_distributed
+
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    device = init_distributed(device_name)
+    try:
+        fn(rank, world, device, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def fork_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", threads: int = 1,
+               env: dict[str, str] | None = None) -> int:
+    """Run ``fn(rank, world, device, *args)`` on ``world`` forked ranks in one process group.
+
+    Returns 0 when every rank returned, else the exit code of the first rank that died (negative:
+    killed by that signal, e.g. -9; :data:`OOM_EXIT`); an exception in a rank is re-raised here.
+    """
+    ctx = mp.start_processes(_entry, args=(world, free_port(), device, threads, dict(env or {}), fn, args),
+                             nprocs=world, start_method="fork", join=False)
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessExitedException as e:
+        return int(e.exit_code)
+    return 0
+
+
+def cuda_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def scratch_dir(prefix: str, need_bytes: int, prefer_shm: bool = True) -> str:
+    """A fresh directory under /dev/shm when it has ``need_bytes`` free (fast, no disk), else under
+    the temporary directory."""
+    import tempfile
+
+    base = None
+    if prefer_shm and os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need_bytes:
+        base = "/dev/shm"
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
