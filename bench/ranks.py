@@ -57,10 +57,12 @@ def fork_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cp
     Returns 0 when every rank returned, else the exit code of the first rank that died (negative:
     killed by that signal, e.g. -9; :data:`OOM_EXIT`); an exception in a rank is re-raised here.
     """
+    if torch.cuda.is_initialized():
+        raise RuntimeError("fork_ranks: CUDA is initialized in the parent; forked ranks could not use it")
     ctx = mp.start_processes(_entry, args=(world, free_port(), device, threads, dict(env or {}), fn, args),
                              nprocs=world, start_method="fork", join=False)
     try:
-        while not ctx.join():
+        while not ctx.join(grace_period=1.0):  # peers of a dead rank: SIGTERM after 1 s, SIGKILL after 2
             pass
     except mp.ProcessExitedException as e:
         return int(e.exit_code)
@@ -81,3 +83,30 @@ def scratch_dir(prefix: str, need_bytes: int, prefer_shm: bool = True) -> str:
     if prefer_shm and os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need_bytes:
         base = "/dev/shm"
     return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
+def _child(fn: Callable[..., Any], args: tuple[Any, ...], out: str) -> None:
+    import json
+
+    with open(out, "w") as f:
+        json.dump(fn(*args), f)
+
+
+def in_child(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` (JSON-able result) in a forked process, so that whatever it initializes (CUDA, by
+    loading into pinned memory) stays out of the parent that forks the ranks."""
+    import json
+    import tempfile
+
+    fd, out = tempfile.mkstemp(prefix="ckpt-bench-child-", suffix=".json")
+    os.close(fd)
+    try:
+        p = mp.get_context("fork").Process(target=_child, args=(fn, args, out))
+        p.start()
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its child process (exit code {p.exitcode})")
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from bench.common import fmt, markdown_table, median, print_table
-from bench.ranks import OOM_EXIT, cuda_sync, fork_ranks, scratch_dir
+from bench.ranks import OOM_EXIT, cuda_sync, fork_ranks, in_child, scratch_dir
 
 CASES = ("sp=1", "sp=2", "sp=4", "ep=4 dedup", "ep=4 per-expert")
 
@@ -359,11 +359,13 @@ def kill_resume(case: str, layout: str, cfg_base: dict[str, Any], root: str, ran
         res["recovery"] = {k: rec[0].get(k) for k in ("tier", "step", "bytes", "steps_lost", "restart_ms",
                                                       "restore_ms", "first_step_ms", "total_ms")}
     if rc1 == 0:
-        res["final"] = _compare(os.path.join(uninterrupted_dir, step_dir(steps)), os.path.join(run, step_dir(steps)))
+        res["final"] = in_child(_compare, os.path.join(uninterrupted_dir, step_dir(steps)),
+                                os.path.join(run, step_dir(steps)))
         pre = (steps - 1) // save_every * save_every
         if pre > 0:
             res["before_kill_step"] = pre
-            res["before_kill"] = _compare(os.path.join(uninterrupted_dir, step_dir(pre)), os.path.join(run, step_dir(pre)))
+            res["before_kill"] = in_child(_compare, os.path.join(uninterrupted_dir, step_dir(pre)),
+                                          os.path.join(run, step_dir(pre)))
     res["bitwise"] = bool(res.get("final", {}).get("bitwise"))
     return res
 
@@ -376,6 +378,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device
     model_name = args.config or ("tiny" if quick else "100m")
     model = CONFIGS[model_name]
+    if args.experts or args.top_k:
+        model = dataclasses.replace(model, num_experts=args.experts or model.num_experts,
+                                    num_experts_per_tok=args.top_k or model.num_experts_per_tok)
     seq = args.seq or (64 if quick else 4096)
     resume_seq = args.resume_seq or (32 if quick else 1024)
     sweep_start = args.sweep_start or (64 if quick else 4096)
@@ -537,6 +542,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="tiny model, short sequences (CPU smoke run)")
     p.add_argument("--config", default=None, help="model config (default 100m; tiny with --quick)")
+    p.add_argument("--experts", type=int, default=None, help="override the config's experts per layer")
+    p.add_argument("--top-k", type=int, default=None, help="override the config's experts per token")
     p.add_argument("--cases", default=None, help=f"comma-separated, default all: {', '.join(CASES)}")
     p.add_argument("--seq", type=int, default=None, help="sequence length of the throughput runs (4096; 64 quick)")
     p.add_argument("--batch-per-rank", type=int, default=1, help="samples per data-parallel rank and step")

@@ -244,6 +244,24 @@ CONFIGS: dict[str, ModelConfig] = {
         num_experts_per_tok=2,
         max_position_embeddings=4096,
     ),
+    # 782,985,728 parameters (65.5M in embeddings + lm_head, 12 layers x 59.8M), 145M active per
+    # token with top-2 of 16 experts: sized for the memory-tier bench (``python -m bench
+    # memtier-gpu``): under dp=4 without ZeRO every GPU holds 12.5 GB of fp32 weights, gradients and
+    # AdamW moments and checkpoints 9.4 GB of them. 16 heads / 8 kv heads allow TP up to 8, 16
+    # experts EP up to 16.
+    "800m": ModelConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        moe_intermediate_size=1152,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+    ),
 }
 
 

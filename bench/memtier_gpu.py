@@ -1,0 +1,338 @@
+"""The memory tier on N GPUs (NCCL) as 2 simulated nodes, issue 20 part 2: what ``--memory-every 1``
+costs per step at >= 8 GB of state per GPU, and a lost node recovered from peer copies against a
+restore from persistent storage, with the host-to-device bandwidth of the same machine as the limit.
+
+Two runs of the embedded trainer (``--config 800m``: 782M parameters; under ``dp=4,zero=0`` each GPU
+holds fp32 weights, gradients and AdamW moments, 12.5 GB, and checkpoints 9.4 GB of it), each started
+through torchrun by a restart loop like ``ckpt train``'s (``--launcher fork`` forks the ranks instead,
+for quick CPU runs), same steps, same synchronous persistent saves every ``--save-every`` steps, node 1
+(ranks 2 and 3) lost at ``--fail-at`` (``fail_node``: its memory-tier directory deleted, its ranks
+SIGKILLed), then restarted:
+
+- **storage**: no memory tier; the restart restores the newest persistent checkpoint. Between the
+  attempts the checkpoint files are evicted from the page cache (``drop_caches`` as root, else
+  ``posix_fadvise(DONTNEED)`` per file after an fsync), so the restore reads the disk;
+- **memory**: ``--memory-every 1`` with 1 peer copy; the restart restores the newest memory
+  checkpoint, node 1's ranks fetching their pieces from node 0's copies (``tier: memory-peer``).
+
+Figures (from the trainer's metrics file: ``step_ms`` per step, ``memory_checkpoint`` and
+``recovery`` records):
+
+- **step time**: median ``step_ms`` of attempt 0's steps, the first step and those with a persistent
+  save left out; the memory run's steps include the synchronous memory checkpoint (write to
+  ``/dev/shm``, copy to the peer node, agreement). Slowdown = memory / storage.
+- **recovery**: ``restart_ms`` (the restart loop seeing the attempt end -> the restore starting:
+  process start, imports, process group, model build), ``restore_ms``, ``first_step_ms``;
+  restart-to-next-step = their sum (``total_ms - detect_ms``); ``steps_lost``; restore bandwidth =
+  the bytes all ranks restored / ``restore_ms`` / ranks, against the pinned host-to-device copy
+  bandwidth of one GPU measured in the same run (``--h2d-gib``; on CPU a memcpy of the same size).
+
+    python -m bench memtier-gpu --device cuda --ranks 4 --json memtier_gpu.json    # 4 GPUs, ~3-4 min
+    python -m bench memtier-gpu --device cpu --quick --launcher fork              # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from bench.common import drop_caches, fmt, markdown_table, median, print_table
+from bench.ranks import fork_ranks, in_child
+
+
+def bandwidth(device: str, nbytes: int, repeats: int = 5) -> dict[str, Any]:
+    """Pinned host -> device (and back) copy bandwidth of one GPU, or memcpy bandwidth on CPU; GB/s."""
+    import torch
+
+    n = max(nbytes // 4, 1)
+    out: dict[str, Any] = {"bytes": n * 4, "device": device}
+    if device == "cuda":
+        dev = torch.device("cuda", 0)
+        host = torch.ones(n, dtype=torch.float32).pin_memory()
+        gpu = torch.empty(n, dtype=torch.float32, device=dev)
+        times, back = [], []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            gpu.copy_(host, non_blocking=True)
+            torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            host.copy_(gpu, non_blocking=True)
+            torch.cuda.synchronize(dev)
+            back.append(time.perf_counter() - t)
+        out.update(h2d_gbps=n * 4 / median(times[1:]) / 1e9, d2h_gbps=n * 4 / median(back[1:]) / 1e9,
+                   gpu=torch.cuda.get_device_name(dev), gpus=torch.cuda.device_count(), torch=torch.__version__,
+                   cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())))
+        return out
+    a, b = torch.ones(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t)
+    out.update(memcpy_gbps=n * 4 / median(times[1:]) / 1e9, torch=torch.__version__)
+    return out
+
+
+def evict(root: str) -> dict[str, Any]:
+    """Get ``root``'s files out of the page cache: drop_caches when allowed, else fsync + fadvise."""
+    t = time.perf_counter()
+    why = drop_caches()
+    how = "drop_caches"
+    if why is not None:
+        how = "fadvise"
+        for dirpath, _dirs, files in os.walk(root):
+            for name in files:
+                try:
+                    fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    return {"how": how, "seconds": round(time.perf_counter() - t, 3), "drop_caches_refused": why}
+
+
+def attempts(cfg: Any, layout: Any, launcher: str, device: str, log: str, between: Any = None) -> list[int]:
+    """Run the job until an attempt ends cleanly (at most 2 attempts, as fault injection kills only
+    the first), writing the launcher's ``attempt_end`` records; returns the exit codes."""
+    from ckpt.trainer.launch import FATAL_ENV, torchrun_command
+    from ckpt.trainer.metrics import MetricsLog
+
+    from bench.trainer_gpu import _train_worker
+
+    codes = []
+    for attempt in range(2):
+        if launcher == "fork":
+            rc = fork_ranks(layout.world_size, _train_worker, cfg.to_dict(), str(layout), False, device=device,
+                            env={"CKPT_ATTEMPT": str(attempt)})
+        else:
+            fatal = tempfile.mkdtemp(prefix="ckpt-fatal-")
+            env = {**os.environ, "CKPT_ATTEMPT": str(attempt), FATAL_ENV: fatal, "OMP_NUM_THREADS": "1"}
+            with open(log, "a") as f:
+                rc = subprocess.run(torchrun_command(cfg, layout), env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    check=False).returncode
+            shutil.rmtree(fatal, ignore_errors=True)
+        codes.append(rc)
+        if rc != 0 and between is not None:
+            between()
+        MetricsLog(cfg.metrics_file).write({"event": "attempt_end", "attempt": attempt, "rc": rc})
+        if rc == 0:
+            break
+    return codes
+
+
+def summarize(metrics: str) -> dict[str, Any]:
+    """Step times, memory checkpoints, the recovery record of one run's metrics file."""
+    from ckpt.trainer.metrics import read_metrics
+
+    recs = read_metrics(metrics)
+    attempt, steps, saves = -1, {0: [], 1: []}, set()  # type: ignore[var-annotated]
+    for r in recs:
+        ev = r.get("event")
+        if ev == "start":
+            attempt += 1
+        elif ev == "save":
+            saves.add((attempt, r["step"]))
+        elif ev is None and "step_ms" in r and attempt in steps:
+            steps[attempt].append(r)
+    timed = [r["step_ms"] for r in steps[0] if r["step"] > 1 and (0, r["step"]) not in saves]
+    mem = [r for r in recs if r.get("event") == "memory_checkpoint"]
+    rec = next((r for r in recs if r.get("event") == "recovery"), None)
+    out: dict[str, Any] = {"step_ms": median(timed), "step_ms_all": timed,
+                           "steps_attempt0": [[r["step"], r["step_ms"]] for r in steps[0]],
+                           "steps_attempt1": [[r["step"], r["step_ms"]] for r in steps[1]],
+                           "memory_checkpoints": len(mem), "memory_complete": sum(1 for r in mem if r["complete"])}
+    if mem:
+        out["memory_bytes_per_step"] = median([r["bytes"] for r in mem])
+        out["replica_bytes_per_step"] = median([r["replica_bytes"] for r in mem])
+        out["memory_write_ms"] = median([r["max_write_ms"] for r in mem])
+        out["memory_replicate_ms"] = median([r["max_replicate_ms"] for r in mem])
+        out["memory_warnings"] = [r.get("warning") for r in mem if not r["complete"]][:3]
+    if rec is not None:
+        out["recovery"] = rec
+        if "total_ms" in rec:
+            out["restart_to_step_ms"] = rec["total_ms"] - rec.get("detect_ms", 0.0)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ckpt.layout import Layout
+    from ckpt.trainer.config import TrainConfig
+    from ckpt.trainer.model import CONFIGS
+
+    from bench.trainer_gpu import param_count
+
+    quick = args.quick
+    name = args.config or ("tiny" if quick else "800m")
+    model = CONFIGS[name]
+    layout = Layout.parse(args.layout or f"dp={args.ranks},zero=0")
+    if layout.world_size != args.ranks:
+        raise SystemExit(f"--layout {layout} has {layout.world_size} ranks, not --ranks {args.ranks}")
+    p = param_count(model)
+    opt_share = layout.dp * layout.ep * layout.sp if layout.zero else 1  # dense params' ZeRO group (dp-only: exact)
+    per_rank = (8 * p + 8 * p // opt_share) if layout.tp == layout.pp == layout.ep == 1 else None
+    work = args.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-memtier-")
+    os.makedirs(work, exist_ok=True)
+    shm = tempfile.mkdtemp(prefix="ckpt-bench-memtier-shm-", dir=args.shm_dir or
+                           ("/dev/shm" if os.path.isdir("/dev/shm") else None))
+    res: dict[str, Any] = {"device": args.device, "ranks": args.ranks, "nodes": 2, "layout": str(layout),
+                           "model": name, "parameters": p, "state_bytes_per_rank": per_rank,
+                           "seq": args.seq, "global_batch": args.global_batch or 2 * layout.dp * layout.ep,
+                           "steps": args.steps, "save_every": args.save_every, "fail_at": args.fail_at,
+                           "launcher": args.launcher, "work_dir": work, "shm_dir": shm,
+                           "shm_free_bytes": shutil.disk_usage(shm).free, "disk_free_bytes": shutil.disk_usage(work).free}
+    if per_rank:
+        print(f"{name}: {p / 1e6:.0f}M parameters; under {layout}: {per_rank / 1e9:.2f} GB of fp32 weights, grads "
+              f"and AdamW state per rank; shm free {res['shm_free_bytes'] / 1e9:.0f} GB", flush=True)
+    t_all = time.perf_counter()
+    try:
+        res["bandwidth"] = in_child(bandwidth, args.device, int(args.h2d_gib * 2**30))
+        bw = res["bandwidth"]
+        print(f"bandwidth: {json.dumps({k: v for k, v in bw.items() if k.endswith('gbps') or k == 'gpu'})}",
+              flush=True)
+        for kind in ("storage", "memory"):
+            t = time.perf_counter()
+            ckpt_dir = os.path.join(work, kind)
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+            cfg = TrainConfig(model=model, seq_len=args.seq, global_batch=res["global_batch"], microbatches=1,
+                              steps=args.steps, save_every=args.save_every, async_save=False, warmup=1,
+                              ckpt_dir=ckpt_dir, fail_at_step=args.fail_at, fail_node=1, nodes=2, device=args.device,
+                              memory_every=1 if kind == "memory" else None, replicas=1, shm_dir=shm,
+                              metrics_path=os.path.join(work, f"{kind}.metrics.jsonl"))
+            if os.path.exists(cfg.metrics_file or ""):
+                os.unlink(cfg.metrics_file or "")
+            cfg.check_layout(layout)
+            print(f"== {kind}: {layout}, {args.steps} steps, persistent save every {args.save_every}, node 1 lost "
+                  f"at step {args.fail_at}" + (", memory checkpoint every step" if kind == "memory" else ""),
+                  flush=True)
+            evicted: dict[str, Any] = {}
+
+            def between(d: str = ckpt_dir, kind: str = kind, evicted: dict[str, Any] = evicted) -> None:
+                if kind == "storage":
+                    evicted.update(evict(d))
+
+            codes = attempts(cfg, layout, args.launcher, args.device, os.path.join(work, f"{kind}.log"), between)
+            out = summarize(cfg.metrics_file or "")
+            out.update(exit_codes=codes, wall_s=round(time.perf_counter() - t, 1), evicted=evicted or None)
+            res[kind] = out
+            rec = out.get("recovery") or {}
+            print(f"  {kind}: exit codes {codes}; step {out['step_ms']:.1f} ms (median of {out['step_ms_all']}); "
+                  f"recovery tier {rec.get('tier')} from step {rec.get('step')}, lost {rec.get('steps_lost')}, "
+                  f"restart {rec.get('restart_ms')} ms + restore {rec.get('restore_ms')} ms + first step "
+                  f"{rec.get('first_step_ms')} ms, {rec.get('bytes', 0) / 1e9:.2f} GB restored; {out['wall_s']} s",
+                  flush=True)
+            if codes[-1] != 0:
+                log = os.path.join(work, f"{kind}.log")
+                if os.path.exists(log):
+                    with open(log) as f:
+                        print("  last lines of the workers' log:\n" + "".join(f.readlines()[-30:]), flush=True)
+            shutil.rmtree(ckpt_dir, ignore_errors=True)  # disk: the next run needs the room
+            res["wall_s"] = round(time.perf_counter() - t_all, 1)
+            if args.json:
+                _write(args.json, res)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        if not args.work_dir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    res["wall_s"] = round(time.perf_counter() - t_all, 1)
+    derive(res)
+    if args.json:
+        _write(args.json, res)
+    return res
+
+
+def derive(res: dict[str, Any]) -> None:
+    """Slowdown and restore bandwidths (per rank, and over the H2D / memcpy limit)."""
+    s, m = res.get("storage", {}), res.get("memory", {})
+    if s.get("step_ms") and m.get("step_ms"):
+        res["slowdown"] = m["step_ms"] / s["step_ms"]
+    bw = res.get("bandwidth", {})
+    limit = bw.get("h2d_gbps") or bw.get("memcpy_gbps")
+    for run in (s, m):
+        rec = run.get("recovery")
+        if rec and rec.get("restore_ms"):
+            per_rank = rec["bytes"] / res["ranks"] / (rec["restore_ms"] / 1e3) / 1e9
+            run["restore_gbps_per_rank"] = per_rank
+            if limit:
+                run["restore_vs_limit"] = per_rank / limit
+
+
+def _write(path: str, res: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    s, m = res.get("storage", {}), res.get("memory", {})
+    bw = res.get("bandwidth", {})
+    limit_name = "H2D" if bw.get("h2d_gbps") else "memcpy"
+    limit = bw.get("h2d_gbps") or bw.get("memcpy_gbps") or float("nan")
+    step_rows = [["no memory tier", fmt(s.get("step_ms", float("nan")), 1), "-", "-", "-", "1.00"],
+                 ["--memory-every 1", fmt(m.get("step_ms", float("nan")), 1),
+                  fmt(m.get("memory_bytes_per_step", float("nan")) / res["ranks"] / 1e9, 2),
+                  fmt(m.get("memory_write_ms", float("nan")), 0), fmt(m.get("memory_replicate_ms", float("nan")), 0),
+                  fmt(res.get("slowdown", float("nan")), 2)]]
+    rec_rows = []
+    for label, run in (("persistent storage", s), ("memory tier (peer copies)", m)):
+        r = run.get("recovery") or {}
+        nan = float("nan")
+        rec_rows.append([label, str(r.get("tier", "-")), str(r.get("step", "-")), str(r.get("steps_lost", "-")),
+                         fmt(r.get("restart_ms", nan), 0), fmt(r.get("restore_ms", nan), 0),
+                         fmt(r.get("first_step_ms", nan), 0), fmt(run.get("restart_to_step_ms", nan), 0),
+                         fmt(r.get("bytes", nan) / 1e9, 2), fmt(run.get("restore_gbps_per_rank", nan), 2),
+                         fmt(run.get("restore_vs_limit", nan), 2)])
+    return [
+        (f"step time, {res['model']} under {res['layout']} ({res['ranks']} ranks, 2 simulated nodes)",
+         ["run", "step ms", "memory ckpt GB/rank", "write ms", "replicate ms", "slowdown"], step_rows),
+        (f"node 1 lost at step {res['fail_at']}: restart to the next step ({limit_name} limit {fmt(limit, 1)} GB/s "
+         "per GPU)" if limit_name == "H2D" else f"node 1 lost at step {res['fail_at']} (memcpy {fmt(limit, 1)} GB/s)",
+         ["restore from", "tier", "step", "steps lost", "restart ms", "restore ms", "first step ms",
+          "restart-to-step ms", "GB restored", "GB/s per rank", f"vs {limit_name}"], rec_rows),
+    ]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--ranks", type=int, default=4, help="ranks (2 simulated nodes of ranks / 2)")
+    p.add_argument("--quick", action="store_true", help="tiny model (CPU smoke run)")
+    p.add_argument("--config", default=None, help="model config (default 800m; tiny with --quick)")
+    p.add_argument("--layout", default=None, help="default dp=RANKS,zero=0 (every GPU holds the whole state)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--global-batch", type=int, default=None, help="default 2 samples per data-parallel rank")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--save-every", type=int, default=3, help="synchronous persistent saves (both runs)")
+    p.add_argument("--fail-at", type=int, default=5, help="node 1 is lost when this step starts (1-based)")
+    p.add_argument("--launcher", default="torchrun", choices=("torchrun", "fork"),
+                   help="torchrun (new processes per attempt, as ckpt train) or forked ranks (faster, CPU tests)")
+    p.add_argument("--h2d-gib", type=float, default=1.0, help="size of the bandwidth probe")
+    p.add_argument("--shm-dir", default=None, help="memory tier base (default /dev/shm)")
+    p.add_argument("--work-dir", default=None, help="persistent checkpoints, metrics, logs (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the temp work dir (metrics, logs)")
+    p.add_argument("--json", default=None, help="write the results here (rewritten after each run)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick and args.h2d_gib == 1.0:
+        args.h2d_gib = 0.25
+    res = run(args)
+    for title, cols, rows in tables(res):
+        print_table(title, cols, rows)
+    print()
+    for title, cols, rows in tables(res):
+        print(f"**{title}**\n\n{markdown_table(cols, rows)}\n")
+    print(f"total wall time {res.get('wall_s', 0):.0f} s", flush=True)
+    ok = all(res.get(k, {}).get("exit_codes", [1])[-1] == 0 for k in ("storage", "memory"))
+    tiers = (res.get("storage", {}).get("recovery", {}).get("tier"), res.get("memory", {}).get("recovery", {}).get("tier"))
+    return 0 if ok and tiers == ("storage", "memory-peer") else 1
