@@ -6,7 +6,7 @@ Two runs of the embedded trainer (``--config 800m``: 782M parameters; under ``dp
 holds fp32 weights, gradients and AdamW moments, 12.5 GB, and checkpoints 9.4 GB of it), each started
 through torchrun by a restart loop like ``ckpt train``'s (``--launcher fork`` forks the ranks instead,
 for quick CPU runs), same steps, same synchronous persistent saves every ``--save-every`` steps, node 1
-(ranks 2 and 3) lost at ``--fail-at`` (``fail_node``: its memory-tier directory deleted, its ranks
+(ranks 2 and 3) lost after ``--fail-at`` steps (``fail_node``: its memory-tier directory deleted, its ranks
 SIGKILLed), then restarted:
 
 - **storage**: no memory tier; the restart restores the newest persistent checkpoint. Between the
@@ -191,6 +191,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "steps": args.steps, "save_every": args.save_every, "fail_at": args.fail_at,
                            "launcher": args.launcher, "work_dir": work, "shm_dir": shm,
                            "shm_free_bytes": shutil.disk_usage(shm).free, "disk_free_bytes": shutil.disk_usage(work).free}
+    need = 4 * args.ranks * 12 * p  # own + peer copy, old + new, of every rank's weights and AdamW moments
+    if per_rank and need > res["shm_free_bytes"]:
+        print(f"WARNING: {shm} has {res['shm_free_bytes'] / 1e9:.0f} GB free, the memory tier may need up to "
+              f"{need / 1e9:.0f} GB: memory checkpoints that do not fit are skipped (pass --shm-dir)", flush=True)
     if per_rank:
         print(f"{name}: {p / 1e6:.0f}M parameters; under {layout}: {per_rank / 1e9:.2f} GB of fp32 weights, grads "
               f"and AdamW state per rank; shm free {res['shm_free_bytes'] / 1e9:.0f} GB", flush=True)
@@ -213,7 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 os.unlink(cfg.metrics_file or "")
             cfg.check_layout(layout)
             print(f"== {kind}: {layout}, {args.steps} steps, persistent save every {args.save_every}, node 1 lost "
-                  f"at step {args.fail_at}" + (", memory checkpoint every step" if kind == "memory" else ""),
+                  f"after step {args.fail_at}" + (", memory checkpoint every step" if kind == "memory" else ""),
                   flush=True)
             evicted: dict[str, Any] = {}
 
@@ -229,7 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {kind}: exit codes {codes}; step {out['step_ms']:.1f} ms (median of {out['step_ms_all']}); "
                   f"recovery tier {rec.get('tier')} from step {rec.get('step')}, lost {rec.get('steps_lost')}, "
                   f"restart {rec.get('restart_ms')} ms + restore {rec.get('restore_ms')} ms + first step "
-                  f"{rec.get('first_step_ms')} ms, {rec.get('bytes', 0) / 1e9:.2f} GB restored; {out['wall_s']} s",
+                  f"{rec.get('first_step_ms')} ms, {rec.get('bytes', 0) / 1e9:.2f} GB restored; {out['wall_s']} s"
+                  + (f"; memory tier warnings: {out['memory_warnings']}" if out.get("memory_warnings") else ""),
                   flush=True)
             if codes[-1] != 0:
                 log = os.path.join(work, f"{kind}.log")
@@ -281,7 +286,7 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     limit = bw.get("h2d_gbps") or bw.get("memcpy_gbps") or float("nan")
     step_rows = [["no memory tier", fmt(s.get("step_ms", float("nan")), 1), "-", "-", "-", "1.00"],
                  ["--memory-every 1", fmt(m.get("step_ms", float("nan")), 1),
-                  fmt(m.get("memory_bytes_per_step", float("nan")) / res["ranks"] / 1e9, 2),
+                  fmt(m.get("memory_bytes_per_step", float("nan")) / res["ranks"] / 1e9, 3),
                   fmt(m.get("memory_write_ms", float("nan")), 0), fmt(m.get("memory_replicate_ms", float("nan")), 0),
                   fmt(res.get("slowdown", float("nan")), 2)]]
     rec_rows = []
@@ -291,13 +296,13 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
         rec_rows.append([label, str(r.get("tier", "-")), str(r.get("step", "-")), str(r.get("steps_lost", "-")),
                          fmt(r.get("restart_ms", nan), 0), fmt(r.get("restore_ms", nan), 0),
                          fmt(r.get("first_step_ms", nan), 0), fmt(run.get("restart_to_step_ms", nan), 0),
-                         fmt(r.get("bytes", nan) / 1e9, 2), fmt(run.get("restore_gbps_per_rank", nan), 2),
-                         fmt(run.get("restore_vs_limit", nan), 2)])
+                         fmt(r.get("bytes", nan) / 1e9, 3), fmt(run.get("restore_gbps_per_rank", nan), 3),
+                         fmt(run.get("restore_vs_limit", nan), 3)])
     return [
         (f"step time, {res['model']} under {res['layout']} ({res['ranks']} ranks, 2 simulated nodes)",
          ["run", "step ms", "memory ckpt GB/rank", "write ms", "replicate ms", "slowdown"], step_rows),
-        (f"node 1 lost at step {res['fail_at']}: restart to the next step ({limit_name} limit {fmt(limit, 1)} GB/s "
-         "per GPU)" if limit_name == "H2D" else f"node 1 lost at step {res['fail_at']} (memcpy {fmt(limit, 1)} GB/s)",
+        (f"node 1 lost after step {res['fail_at']}: restart to the next step ({limit_name} {fmt(limit, 1)} GB/s"
+         + (" per GPU)" if limit_name == "H2D" else ")"),
          ["restore from", "tier", "step", "steps lost", "restart ms", "restore ms", "first step ms",
           "restart-to-step ms", "GB restored", "GB/s per rank", f"vs {limit_name}"], rec_rows),
     ]
@@ -313,7 +318,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=None, help="default 2 samples per data-parallel rank")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-every", type=int, default=3, help="synchronous persistent saves (both runs)")
-    p.add_argument("--fail-at", type=int, default=5, help="node 1 is lost when this step starts (1-based)")
+    p.add_argument("--fail-at", type=int, default=5, help="node 1 is lost after this many steps")
     p.add_argument("--launcher", default="torchrun", choices=("torchrun", "fork"),
                    help="torchrun (new processes per attempt, as ckpt train) or forked ranks (faster, CPU tests)")
     p.add_argument("--h2d-gib", type=float, default=1.0, help="size of the bandwidth probe")
