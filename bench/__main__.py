@@ -78,8 +78,8 @@ COMMANDS = {
     "scaling": (scaling, "8..64 forked gloo ranks: save/async/resharded load vs DCP, coordinator bytes and growth"),
     "sp": (seqpar, "sequence parallelism: per-rank activations and step time vs seq len for sp=1,2,4; LASP-2H bytes"),
     "xmoe": (xmoe, "trainer MoE all-to-all bytes per step, dedup vs per-expert dispatch, ep 2/4, top-k 2/4/8"),
-    "trainer-gpu": (trainer_gpu, "trainer on N GPUs/CPU ranks: sp and ep=4 dispatch figures, sequence limit, kill+resume"),
-    "memtier-gpu": (memtier_gpu, "memory tier on N GPUs, 2 simulated nodes: --memory-every 1 slowdown, node loss vs storage"),
+    "trainer-gpu": (trainer_gpu, "trainer on N GPUs/CPU ranks: sp, ep=4 dispatch, longest sequence, kill + resume"),
+    "memtier-gpu": (memtier_gpu, "memory tier on N GPUs as 2 nodes: --memory-every 1 cost, node loss vs storage"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 

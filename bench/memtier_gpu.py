@@ -105,10 +105,9 @@ def evict(root: str) -> dict[str, Any]:
 def attempts(cfg: Any, layout: Any, launcher: str, device: str, log: str, between: Any = None) -> list[int]:
     """Run the job until an attempt ends cleanly (at most 2 attempts, as fault injection kills only
     the first), writing the launcher's ``attempt_end`` records; returns the exit codes."""
+    from bench.trainer_gpu import _train_worker
     from ckpt.trainer.launch import FATAL_ENV, torchrun_command
     from ckpt.trainer.metrics import MetricsLog
-
-    from bench.trainer_gpu import _train_worker
 
     codes = []
     for attempt in range(2):
@@ -166,11 +165,10 @@ def summarize(metrics: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.trainer_gpu import param_count
     from ckpt.layout import Layout
     from ckpt.trainer.config import TrainConfig
     from ckpt.trainer.model import CONFIGS
-
-    from bench.trainer_gpu import param_count
 
     quick = args.quick
     name = args.config or ("tiny" if quick else "800m")
@@ -190,7 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "seq": args.seq, "global_batch": args.global_batch or 2 * layout.dp * layout.ep,
                            "steps": args.steps, "save_every": args.save_every, "fail_at": args.fail_at,
                            "launcher": args.launcher, "work_dir": work, "shm_dir": shm,
-                           "shm_free_bytes": shutil.disk_usage(shm).free, "disk_free_bytes": shutil.disk_usage(work).free}
+                           "shm_free_bytes": shutil.disk_usage(shm).free,
+                           "disk_free_bytes": shutil.disk_usage(work).free}
     need = 4 * args.ranks * 12 * p  # own + peer copy, old + new, of every rank's weights and AdamW moments
     if per_rank and need > res["shm_free_bytes"]:
         print(f"WARNING: {shm} has {res['shm_free_bytes'] / 1e9:.0f} GB free, the memory tier may need up to "
@@ -339,5 +338,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"**{title}**\n\n{markdown_table(cols, rows)}\n")
     print(f"total wall time {res.get('wall_s', 0):.0f} s", flush=True)
     ok = all(res.get(k, {}).get("exit_codes", [1])[-1] == 0 for k in ("storage", "memory"))
-    tiers = (res.get("storage", {}).get("recovery", {}).get("tier"), res.get("memory", {}).get("recovery", {}).get("tier"))
+    tiers = tuple(res.get(k, {}).get("recovery", {}).get("tier") for k in ("storage", "memory"))
     return 0 if ok and tiers == ("storage", "memory-peer") else 1

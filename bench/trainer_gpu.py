@@ -439,8 +439,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 limit = budget if device == "cuda" else spec["cpu_budget_bytes"]
                 fits = [r["seq"] for r in sweep if r[mem_key] <= limit]
                 entry["longest_measured"] = max(fits, default=0)
-                entry["first_failed"] = (next((s for s in tried if s not in {r["seq"] for r in sweep}), None)
-                                         if device == "cuda" else next((r["seq"] for r in sweep if r[mem_key] > limit), None))
+                done = {r["seq"] for r in sweep}
+                entry["first_failed"] = (next((s for s in tried if s not in done), None) if device == "cuda" else
+                                         next((r["seq"] for r in sweep if r[mem_key] > limit), None))
                 entry["reached_max_seq"] = bool(sweep) and sweep[-1]["seq"] == spec["sweep"][-1] and rc == 0
                 entry["longest_fit"] = fit_longest([(r["seq"], r[mem_key]) for r in sweep], limit, 2 * sp)
             if resume_cfg is not None:
