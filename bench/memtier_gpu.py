@@ -42,8 +42,8 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import drop_caches, fmt, markdown_table, median, print_table
-from bench.ranks import fork_ranks, in_child
+from bench.common import drop_caches, fmt, machine_info, markdown_table, median, print_table
+from bench.ranks import fork_ranks, in_child, nccl_version
 
 
 def bandwidth(device: str, nbytes: int, repeats: int = 5) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def bandwidth(device: str, nbytes: int, repeats: int = 5) -> dict[str, Any]:
             back.append(time.perf_counter() - t)
         out.update(h2d_gbps=n * 4 / median(times[1:]) / 1e9, d2h_gbps=n * 4 / median(back[1:]) / 1e9,
                    gpu=torch.cuda.get_device_name(dev), gpus=torch.cuda.device_count(), torch=torch.__version__,
-                   cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())))
+                   cuda=torch.version.cuda, nccl=nccl_version())
         return out
     a, b = torch.ones(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
     times = []
@@ -199,7 +199,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"and AdamW state per rank; shm free {res['shm_free_bytes'] / 1e9:.0f} GB", flush=True)
     t_all = time.perf_counter()
     try:
-        res["bandwidth"] = in_child(bandwidth, args.device, int(args.h2d_gib * 2**30))
+        res["work_fs"] = machine_info(work)
+        res["shm_fs"] = machine_info(shm)
+        print(f"persistent checkpoints in {work} ({res['work_fs'].get('fs_type', '?')}, "
+              f"{res['disk_free_bytes'] / 1e9:.0f} GB free); memory tier in {shm} "
+              f"({res['shm_fs'].get('fs_type', '?')})", flush=True)
+        try:
+            res["bandwidth"] = in_child(bandwidth, args.device, int(args.h2d_gib * 2**30))
+        except RuntimeError as e:  # the runs still say what they measured; the ratio is left out
+            res["bandwidth"] = {"error": str(e)}
         bw = res["bandwidth"]
         print(f"bandwidth: {json.dumps({k: v for k, v in bw.items() if k.endswith('gbps') or k == 'gpu'})}",
               flush=True)

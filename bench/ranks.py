@@ -110,3 +110,12 @@ def in_child(fn: Callable[..., Any], *args: Any) -> Any:
             return json.load(f)
     finally:
         os.unlink(out)
+
+
+def nccl_version() -> str:
+    """NCCL's version as text (torch returns a tuple, or an int in some builds)."""
+    try:
+        v = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return "?"
+    return ".".join(map(str, v)) if isinstance(v, tuple | list) else str(v)

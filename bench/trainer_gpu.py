@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from bench.common import fmt, markdown_table, median, print_table
-from bench.ranks import OOM_EXIT, cuda_sync, fork_ranks, in_child, scratch_dir
+from bench.ranks import OOM_EXIT, cuda_sync, fork_ranks, in_child, nccl_version, scratch_dir
 
 CASES = ("sp=1", "sp=2", "sp=4", "ep=4 dedup", "ep=4 per-expert")
 
@@ -198,7 +198,7 @@ def _case_worker(rank: int, world: int, device: torch.device, spec: dict[str, An
         if rank == 0:
             _emit(out, {"kind": "device", "name": torch.cuda.get_device_name(device), "total_bytes": total,
                         "torch": torch.__version__, "cuda": torch.version.cuda,
-                        "nccl": ".".join(map(str, torch.cuda.nccl.version()))})
+                        "nccl": nccl_version()})
     comm = _Comm(device)
     cfg = TrainConfig.from_dict(spec["config"])
     ctx, pm, opt, _ = build(cfg, layout, device)
