@@ -210,6 +210,8 @@ def _case_worker(rank: int, world: int, device: torch.device, spec: dict[str, An
     step_no = [0]
 
     def one_step(src: SampleSource) -> float:
+        if spec.get("fake_oom_seq") and src.seq_len >= spec["fake_oom_seq"] and rank == world - 1:
+            raise torch.OutOfMemoryError("fake out of memory (--fake-oom-seq, a test of the sweep's ending)")
         ids = rank_batch(src, step_no[0] * gb, gb, ctx.data_rank, ctx.data_world).to(device)
         step_no[0] += 1
         all_reduce_(torch.zeros(1, device=device), world_group)  # a barrier on the training backend
@@ -417,7 +419,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sweep": [] if args.no_sweep or not case.startswith("sp") else
             [s for s in _doubling(sweep_start, max_seq) if s % (2 * sp) == 0],
             "sweep_steps": args.sweep_steps, "quick_step_s": args.quick_step_s, "budget_bytes": budget,
-            "cpu_budget_bytes": int(args.cpu_budget_mib * 2**20)}
+            "cpu_budget_bytes": int(args.cpu_budget_mib * 2**20), "fake_oom_seq": args.fake_oom_seq}
         resume_cfg: dict[str, Any] | None = None
         if case in resume_cases and args.resume_steps >= 2:
             half = max(args.resume_steps // 2, 1)
@@ -444,8 +446,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fits = [r["seq"] for r in sweep if r[mem_key] <= limit]
                 entry["longest_measured"] = max(fits, default=0)
                 done = {r["seq"] for r in sweep}
-                entry["first_failed"] = (next((s for s in tried if s not in done), None) if device == "cuda" else
-                                         next((r["seq"] for r in sweep if r[mem_key] > limit), None))
+                entry["out_of_memory_at"] = next((s for s in tried if s not in done), None) if rc == OOM_EXIT else None
+                entry["first_failed"] = entry["out_of_memory_at"] or next(
+                    (r["seq"] for r in sweep if r[mem_key] > limit), None)
                 entry["reached_max_seq"] = bool(sweep) and sweep[-1]["seq"] == spec["sweep"][-1] and rc == 0
                 entry["longest_fit"] = fit_longest([(r["seq"], r[mem_key]) for r in sweep], limit, 2 * sp)
             if resume_cfg is not None and time.perf_counter() - t_all > args.time_budget_s:
@@ -571,6 +574,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-shm", action="store_true", help="keep the checkpoints of the resume runs off /dev/shm")
     p.add_argument("--time-budget-s", type=float, default=420.0,
                    help="start no case or kill + resume check after this many seconds (default 420)")
+    p.add_argument("--fake-oom-seq", type=int, default=None, help=argparse.SUPPRESS)  # tests: the last rank OOMs
     p.add_argument("--json", default=None, help="write the results here (rewritten after each case)")
 
 

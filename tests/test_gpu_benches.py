@@ -41,6 +41,19 @@ def test_trainer_gpu_bench_on_cpu(tmp_path: Path) -> None:
     assert r["bitwise"] and r["before_kill"]["bitwise"] and r["final"]["tensors"] > 0
 
 
+def test_an_out_of_memory_rank_ends_the_sweep_without_a_hang(tmp_path: Path) -> None:
+    """One rank raising torch.OutOfMemoryError mid-sweep (its peers then wait in a collective with it):
+    the group ends, the lengths measured before are kept, the failing length is named."""
+    out = tmp_path / "o.json"
+    rc = bench_main.main(["trainer-gpu", "--device", "cpu", "--quick", "--cases", "sp=2", "--resume-cases", "",
+                          "--warmup", "0", "--steps", "1", "--max-seq", "512", "--sweep-steps", "1",
+                          "--cpu-budget-mib", "100", "--fake-oom-seq", "256", "--json", str(out)])
+    assert rc == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["exit"] == "out of memory" and case["out_of_memory_at"] == 256 == case["first_failed"]
+    assert [r["seq"] for r in case["sweep"]] == [64, 128] and case["longest_measured"] == 128
+
+
 def test_memtier_gpu_bench_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     rc = bench_main.main(["memtier-gpu", "--device", "cpu", "--quick", "--launcher", "fork", "--steps", "4",
