@@ -53,21 +53,27 @@ class _Block(torch.nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
-def _model(layers: int, hidden: int, mesh_shape: tuple[int, ...], names: tuple[str, ...], device: str = "cpu",
-           dtype: torch.dtype = torch.float32, mesh: Any = None) -> tuple[Any, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
+def _initial(layers: int, hidden: int, device: str, dtype: torch.dtype) -> torch.nn.Sequential:
+    """The model's initial values, the same on every rank (built before any sharding)."""
     torch.manual_seed(0)
     with torch.device("meta" if device == "cuda" else "cpu"):  # no host copy of a large GPU model
         model = torch.nn.Sequential(*[_Block(hidden) for _ in range(layers)]).to(dtype)
     if device == "cuda":
         model.to_empty(device="cuda")
         with torch.no_grad():
-            for p in model.parameters():  # same values on every rank, before sharding
+            for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=torch.Generator("cuda").manual_seed(p.numel() % 9973),
                                     device="cuda").to(dtype) * 0.02)
+    return model
+
+
+def _model(layers: int, hidden: int, mesh_shape: tuple[int, ...], names: tuple[str, ...], device: str = "cpu",
+           dtype: torch.dtype = torch.float32, mesh: Any = None) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _initial(layers, hidden, device, dtype)
     mesh = mesh if mesh is not None else init_device_mesh(device, mesh_shape, mesh_dim_names=names)
     if "tp" in names:
         for blk in model:
@@ -75,7 +81,10 @@ def _model(layers: int, hidden: int, mesh_shape: tuple[int, ...], names: tuple[s
     for blk in model:
         fully_shard(blk, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # lr 0: the step fills AdamW's state (exp_avg, exp_avg_sq) and leaves the weights at their initial
+    # values, which every rank can rebuild on its own: the bitwise check then needs no collective
+    # (a _StridedShard full_tensor() is what it would otherwise trust)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.0)
 
 
 def _state(model: Any, opt: Any) -> dict[str, Any]:
@@ -134,7 +143,7 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
                       "dcp async done": []})
     disk: dict[str, int] = {}
     timed = timed_collective
-    want = {k: v.full_tensor().cpu() for k, v in src["model"].items()}
+    want = {k: v.detach().cpu() for k, v in _initial(layers, hidden, device, dt).state_dict().items()}
     mismatches: list[str] = []
     for r in range(repeats):
         for name in ("ckpt", "dcp"):
