@@ -48,10 +48,10 @@ from ckpt.shards import Flat
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.hybrid import HybridConfig, HybridForCausalLM
 from ckpt.trainer.model import ModelConfig, MoEForCausalLM
-from ckpt.trainer.parallelize import ParallelModel
+from ckpt.trainer.parallelize import ParallelModel, rules_of
 from ckpt.trainer.zero import LRSchedule, ZeroAdamW
 
-RULES_NAME = "embedded-moe"
+RULES_NAME = "embedded-moe"  # the MoE model's (rules_of(config).name for any model)
 
 
 def model_state(pm: ParallelModel) -> dict[str, Any]:
@@ -117,10 +117,10 @@ def save_metadata(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     trainer = {k: v for k, v in cfg.to_dict().items() if k in (
         "seq_len", "global_batch", "microbatches", "schedule", "steps", "lr", "min_lr_ratio", "warmup",
         "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed")}
-    meta = {"model_config": cfg.model.to_dict(), "layout": layout.to_dict(), "rules": RULES_NAME,
+    meta = {"model_config": cfg.model.to_dict(), "layout": layout.to_dict(), "rules": rules_of(cfg.model).name,
             "trainer": trainer}
     if isinstance(cfg.model, HybridConfig):
-        meta |= cfg.model.checkpoint_metadata()  # its rules name, the HF adapter and config
+        meta |= cfg.model.checkpoint_metadata()  # the HF adapter and config (and the same rules name)
     return meta
 
 

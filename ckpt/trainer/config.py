@@ -161,14 +161,18 @@ class TrainConfig:
 
     def check_layout(self, layout: Layout) -> None:
         """Raise LayoutError when ``layout`` cannot run this config, naming the fix."""
-        hybrid = isinstance(self.model, HybridConfig)
         if isinstance(self.model, HybridConfig):
             # Whole heads per TP rank (linear and softmax layers), experts over EP, and under sp the
             # zigzag chunks must hold whole lightning blocks (LASP-2 computes block by block); the
             # checks below see the shared fields through the MoE view.
             check_hybrid_layout(self.model, tp=layout.tp, ep=layout.ep, sp=layout.sp, seq_len=self.seq_len,
                                 sequence_layout="zigzag")
-        m = self.model.moe_config() if isinstance(self.model, HybridConfig) else self.model
+            m, width = self.model.moe_config(), "intermediate_size"
+        else:
+            m, width = self.model, "moe_intermediate_size"
+            if m.num_key_value_heads % layout.tp:
+                raise LayoutError(f"tp={layout.tp} must divide num_key_value_heads={m.num_key_value_heads} "
+                                  "(each TP rank keeps whole key/value groups)")
         data = layout.dp * layout.ep
         if self.global_batch % data:
             raise LayoutError(f"global_batch={self.global_batch} does not split over dp x ep = {data} data-parallel "
@@ -181,13 +185,9 @@ class TrainConfig:
                               f"{self.microbatches}; raise --microbatches or use --schedule gpipe")
         if layout.pp > m.num_hidden_layers:
             raise LayoutError(f"pp={layout.pp} exceeds the {m.num_hidden_layers} layers of the model")
-        if not hybrid and m.num_key_value_heads % layout.tp:
-            raise LayoutError(f"tp={layout.tp} must divide num_key_value_heads={m.num_key_value_heads} "
-                              "(each TP rank keeps whole key/value groups)")
         if m.num_experts % layout.ep:
             raise LayoutError(f"ep={layout.ep} must divide num_experts={m.num_experts}")
         if m.moe_intermediate_size % layout.tp:
-            width = "intermediate_size" if hybrid else "moe_intermediate_size"
             raise LayoutError(f"tp={layout.tp} must divide {width}={m.moe_intermediate_size} (the experts' width)")
         check_sp(self.seq_len, layout.sp)
         if self.nodes is not None and layout.world_size % self.nodes:

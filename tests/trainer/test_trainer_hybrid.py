@@ -32,7 +32,7 @@ from ckpt.cli.app import app
 from ckpt.errors import LayoutError, MismatchError
 from ckpt.layout import Layout
 from ckpt.manager import step_dir
-from ckpt.trainer.checkpoint import load_full_model
+from ckpt.trainer.checkpoint import _check_model_config, load_full_model
 from ckpt.trainer.config import TrainConfig, model_config
 from ckpt.trainer.data import SampleSource, rank_batch
 from ckpt.trainer.hybrid import HYBRID_CONFIGS, HybridForCausalLM
@@ -139,8 +139,6 @@ def test_resume_under_another_layout(runs: Path, tmp_path: Path) -> None:
     losses_close(resumed["losses"], {k: v for k, v in full.items() if k > CUT})
     # the MoE model refuses it by name rather than by missing tensors
     with pytest.raises(MismatchError, match="a checkpoint of the hybrid family, this run trains the MoE model"):
-        from ckpt.trainer.checkpoint import _check_model_config
-
         _check_model_config(ckpt.inspect(str(tmp_path / "run" / step_dir(CUT))), TrainConfig(), "run")
 
 
