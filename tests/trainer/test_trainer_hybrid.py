@@ -10,7 +10,8 @@
 - a checkpoint saved under sp=2 resumes under tp=2 (resharded on load) within tolerance, reshards
   with ``ckpt reshard`` without ``--rules`` (its rules are recorded), and exports with ``ckpt
   export-hf`` to a directory that transformers' ``MiniMaxForCausalLM`` loads and whose logits equal
-  the trainer's model's;
+  the trainer's model's; imported back (``import-hf``), ``--init-from`` starts from those weights;
+- the trainer's zigzag split (``sp.split_batch``) and LASP-2's zigzag chunks are the same cut;
 - layouts the hybrid model cannot run fail with a LayoutError before any process starts.
 """
 
@@ -169,6 +170,14 @@ def test_export_hf_reproduces_the_trainers_logits(runs: Path, tmp_path: Path) ->
         ours, theirs = model.eval()(ids), hf.eval()(ids).logits
     assert (ours - theirs).abs().max() <= 1e-5
     assert theirs.std() > 0.05  # trained logits, not a degenerate comparison
+    # and back: import-hf, then --init-from it: the first step's loss is the exported model's loss
+    r = CliRunner().invoke(app, ["import-hf", str(tmp_path / "hf"), str(tmp_path / "back")])
+    assert r.exit_code == 0, r.output
+    first = run_training(dataclasses.replace(CFG, steps=1, init_from=str(tmp_path / "back")), SP)["losses"][1]
+    batch = SampleSource(CFG.seq_len, CFG.seed).batch(0, CFG.global_batch)
+    with torch.no_grad():
+        want = float(model(batch, labels=batch)[1])  # type: ignore[index]
+    assert first == pytest.approx(want, rel=1e-6)
 
 
 def test_killed_sp_rank_restarts_and_resumes_bitwise(tmp_path: Path) -> None:
@@ -189,6 +198,19 @@ def test_killed_sp_rank_restarts_and_resumes_bitwise(tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_trainer_and_lasp2_cut_the_sequence_the_same_way() -> None:
+    """sp.split_batch's zigzag slices (what the trainer feeds, LASP-2H's positions) are the chunks
+    lasp.chunk_ids("zigzag") gives each rank, in the same order: linear and softmax layers agree."""
+    from ckpt.trainer.lasp import shard_sequence as lasp_shard
+    from ckpt.trainer.sp import zigzag_positions, zigzag_split
+
+    x = torch.arange(2 * 64).view(2, 64)
+    for size in (2, 4):
+        for i in range(size):
+            assert torch.equal(zigzag_split(x, size, i), lasp_shard(x, 1, i, size, "zigzag"))
+            assert torch.equal(zigzag_positions(64, size, i), lasp_shard(torch.arange(64), 0, i, size, "zigzag"))
 
 
 def test_layouts_the_hybrid_cannot_run_are_rejected_before_processes_start(tmp_path: Path) -> None:
