@@ -1,4 +1,4 @@
-"""``ckpt train`` (launch the embedded MoE trainer through torchrun) and ``ckpt demo`` (the main job)."""
+"""``ckpt train`` (launch the embedded trainer through torchrun) and ``ckpt demo`` (the main job)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ def _error(text: str) -> None:
 
 @handle_errors
 def train_cmd(
-    config: str = typer.Option("tiny", "--config", help="model config: tiny or 100m"),
+    config: str = typer.Option("tiny", "--config",
+                               help="model config: tiny, 100m (the MoE model) or hybrid-tiny (the hybrid MiniMax "
+                                    "family: lightning and softmax attention layers)"),
     tp: int = typer.Option(1, "--tp", min=1, help="tensor-parallel degree"),
     ep: int = typer.Option(1, "--ep", min=1, help="expert-parallel degree"),
     sp: int = typer.Option(1, "--sp", min=1,
@@ -69,7 +71,8 @@ def train_cmd(
     metrics: str | None = typer.Option(None, "--metrics", help="JSON lines file (default CKPT_DIR/metrics.jsonl)"),
     plot: str | None = typer.Option(None, "--plot", help="write the loss curve PNG here (needs matplotlib)"),
 ) -> None:
-    """Train the embedded MoE on dp*tp*pp*ep*sp processes (torchrun, elastic restarts), with checkpoints."""
+    """Train the embedded MoE (or the hybrid family) on dp*tp*pp*ep*sp processes (torchrun, elastic
+    restarts), with checkpoints."""
     from ckpt.layout import Layout
     from ckpt.trainer.config import TrainConfig, model_config
     from ckpt.trainer.launch import TrainingFailed, launch

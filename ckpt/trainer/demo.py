@@ -31,6 +31,7 @@ from ckpt.manager import CheckpointManager
 from ckpt.trainer.checkpoint import load_full_model
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.data import SampleSource
+from ckpt.trainer.hybrid import HybridConfig
 from ckpt.trainer.launch import launch
 from ckpt.trainer.metrics import plot_loss, read_metrics
 from ckpt.trainer.model import ModelConfig
@@ -71,7 +72,7 @@ def _prepare(out_dir: str) -> None:
     open(os.path.join(out_dir, MARKER), "w").close()
 
 
-def evaluate(url: str, config: ModelConfig, samples: int = 32, seq_len: int = 64) -> float:
+def evaluate(url: str, config: ModelConfig | HybridConfig, samples: int = 32, seq_len: int = 64) -> float:
     """Mean loss of the checkpoint's model on held-out text (another corpus seed), in one process."""
     model = load_full_model(url, config)
     ids = SampleSource(seq_len, seed=12345).batch(0, samples)
@@ -80,7 +81,7 @@ def evaluate(url: str, config: ModelConfig, samples: int = 32, seq_len: int = 64
     return float(loss)
 
 
-def hf_roundtrip(url: str, out: str, config: ModelConfig) -> tuple[str | None, str]:
+def hf_roundtrip(url: str, out: str, config: ModelConfig | HybridConfig) -> tuple[str | None, str]:
     """Export with ``ckpt.formats.hf.export_hf(url, out)`` and reload in transformers, comparing
     logits with this package's model; ``(path, note)``, path None when skipped."""
     try:

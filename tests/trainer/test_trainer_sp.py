@@ -4,11 +4,14 @@
   over ``dp x ep x sp``) equals the same range of the unsplit model's gradient on the whole batch,
   within fp32 tolerance (LASP-2H's masked attention and the split loss sum in another order, so not
   bitwise);
+- the same with X-MoE's sequence-sharded MoE blocks under sp=2, tp=2;
 - over 10 optimizer steps the losses equal the single-process run's within ``LOSS_TOL``;
 - LASP-2H attention alone: equal to the rows of unsplit causal attention, gradients too.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -66,6 +69,13 @@ def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None
 def test_gradients_equal_single_process_blocks(layout: str) -> None:
     lay = Layout.parse(layout)
     run_ranks(lay.world_size, _grad_check, CFG, lay)
+
+
+def test_sp_with_sequence_sharded_moe_under_tp() -> None:
+    """The sp and X-MoE branches together: under sp=2, tp=2 each TP rank routes and dispatches 1/tp of
+    its sp slice's tokens (``moe_sequence_shard``); the reduced gradients still equal one process's."""
+    cfg = dataclasses.replace(CFG, moe_sequence_shard=True)
+    run_ranks(4, _grad_check, cfg, Layout(sp=2, tp=2, zero=1))
 
 
 @pytest.fixture(scope="module")
