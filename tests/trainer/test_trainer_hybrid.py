@@ -43,7 +43,7 @@ from ckpt.trainer.pp import ForwardBackward
 from ckpt.trainer.sp import split_batch
 from ckpt.trainer.train import build
 from tests.dist_utils import run_ranks
-from tests.trainer.trainer_utils import checkpoint_tensors, losses_close, run_training
+from tests.trainer.trainer_utils import assert_slots_match, checkpoint_tensors, losses_close, run_training
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = HYBRID_CONFIGS["hybrid-tiny"]
@@ -52,7 +52,6 @@ TINY = HYBRID_CONFIGS["hybrid-tiny"]
 GRAD_CFG = TrainConfig(model=dataclasses.replace(TINY, initializer_range=0.1), seq_len=128, steps=10)
 # ``ckpt train --config hybrid-tiny --seq-len 64``: the smallest sequence sp=2 accepts.
 CFG = TrainConfig(model=TINY, seq_len=64, steps=10)
-GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}  # what the MoE model's layout gradient checks allow
 
 
 def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None:
@@ -69,16 +68,7 @@ def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None
     full = src.batch(0, cfg.global_batch)
     ref(full, labels=full)[1].backward()  # type: ignore[index]
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    seen = set()
-    for kind, slots in opt.slots.items():
-        for s, got in zip(slots, grads[kind], strict=True):
-            box = s.spec.box
-            g = ref_grads[s.spec.name]
-            assert g is not None
-            block = g[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
-            want = block.reshape(-1)[s.start: s.stop]
-            torch.testing.assert_close(got, want, **GRAD_TOL, msg=lambda m, n=s.spec.name: f"{n}: {m}")
-            seen.add(s.spec.name)
+    seen = assert_slots_match(opt, grads, ref_grads)
     assert seen == {n for n in ref_grads
                     if pm.rules.stage_of(n, cfg.model.num_hidden_layers, layout.pp) == ctx.coord.pp}
     # not a vacuous comparison: the linear layers' weights get real gradients

@@ -26,10 +26,9 @@ from ckpt.trainer.pp import ForwardBackward
 from ckpt.trainer.sp import lasp2h_attention, split_batch, zigzag_merge, zigzag_positions_all, zigzag_split
 from ckpt.trainer.train import build
 from tests.dist_utils import run_ranks
-from tests.trainer.trainer_utils import losses_close, run_training
+from tests.trainer.trainer_utils import assert_slots_match, losses_close, run_training
 
 CFG = TrainConfig(steps=10)
-GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}  # what the TP / EP / PP gradient checks allow
 
 
 def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None:
@@ -45,16 +44,7 @@ def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None
     full = src.batch(0, cfg.global_batch)
     ref(full, labels=full)[1].backward()  # type: ignore[index]
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    seen = set()
-    for kind, slots in opt.slots.items():
-        for s, got in zip(slots, grads[kind], strict=True):
-            box = s.spec.box
-            g = ref_grads[s.spec.name]
-            assert g is not None
-            block = g[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
-            want = block.reshape(-1)[s.start: s.stop]
-            torch.testing.assert_close(got, want, **GRAD_TOL, msg=lambda m, n=s.spec.name: f"{n}: {m}")
-            seen.add(s.spec.name)
+    seen = assert_slots_match(opt, grads, ref_grads)
     from ckpt.resharders.rules import MOE_RULES
 
     assert seen == {n for n in ref_grads
