@@ -29,7 +29,7 @@ from ckpt.staging import check_cap
 from ckpt.storage import Storage, get_storage, join_url
 
 if TYPE_CHECKING:
-    from ckpt.tier import MemoryCheckpoint, MemoryTier, TierRestore
+    from ckpt.tier import MemoryHandle, MemoryTier, TierRestore
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LEASE = ".writing"
@@ -305,7 +305,7 @@ class CheckpointManager:
         start = mgr.restore(state) or 0      # memory (own copy, else a peer's), else storage
         ...
             if mgr.memory_due(step):
-                mgr.save_memory(step, state)  # synchronous, into /dev/shm; skipped when full
+                mgr.save_memory(step, state)  # copies to host, then /dev/shm + peer in the background
             if step % 50 == 0:
                 mgr.save(step, state)         # persistent, async
 
@@ -484,18 +484,24 @@ class CheckpointManager:
         return self.memory is not None and self.memory_every is not None and step % self.memory_every == 0
 
     def save_memory(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
-                    layout: dict[str, Any] | None = None) -> MemoryCheckpoint:
-        """Write the memory checkpoint of ``step`` (collective, synchronous; see
-        :meth:`ckpt.tier.MemoryTier.save`). A full shared memory skips it on every rank with a
-        warning (``result.skipped``); persistent saves are not affected.
+                    layout: dict[str, Any] | None = None) -> MemoryHandle:
+        """Start the memory checkpoint of ``step`` (collective; see
+        :meth:`ckpt.tier.MemoryTier.save_async`): returns once this rank's pieces are copied into
+        host buffers (after the previous memory checkpoint, if still running, has finished); the
+        write to shared memory and the copy to a peer node run in the background. ``result()`` on
+        the handle waits and returns the :class:`ckpt.tier.MemoryCheckpoint`; a full shared memory
+        skips it on every rank with a warning (``result().skipped``); persistent saves are not
+        affected.
 
-        Raises StateError when the manager has no memory tier (``memory_every`` None).
+        Raises StateError when the manager has no memory tier (``memory_every`` None), and the
+        previous memory checkpoint's error (a lost peer, a state ``ckpt.save`` refuses) if nothing
+        has raised it yet.
         """
         if self.memory is None:
             from ckpt.errors import StateError
 
             raise StateError(f"{self.root}: this CheckpointManager has no memory tier; pass memory_every=N")
-        return self.memory.save(step, state, user_metadata=user_metadata, layout=layout)
+        return self.memory.save_async(step, state, user_metadata=user_metadata, layout=layout)
 
     def restore(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest checkpoint into ``state`` (collective); return its step or None.
@@ -533,8 +539,12 @@ class CheckpointManager:
             m.close()
 
     def close(self) -> None:
-        """Wait for the save in flight (clean shutdown)."""
-        self.wait()
+        """Wait for the saves in flight, persistent and memory (clean shutdown)."""
+        try:
+            self.wait()
+        finally:
+            if self.memory is not None:
+                self.memory.drain(raise_error=True)
 
 
 def _update_in_place(state: dict[str, Any], new: dict[str, Any]) -> None:

@@ -10,8 +10,8 @@ from ckpt.tier.listing import MemoryInfo, list_memory
 from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to
 from ckpt.tier.restore import Candidate, TierRestore, plan_restore
 from ckpt.tier.store import load_local, pieces_digest
-from ckpt.tier.tier import MemoryCheckpoint, MemoryTier, TierConfig
+from ckpt.tier.tier import MemoryCheckpoint, MemoryHandle, MemoryTier, TierConfig
 
-__all__ = ["MemoryTier", "TierConfig", "MemoryCheckpoint", "TierRestore", "MemoryInfo", "Candidate",
+__all__ = ["MemoryTier", "TierConfig", "MemoryCheckpoint", "MemoryHandle", "TierRestore", "MemoryInfo", "Candidate",
            "list_memory", "node_identity", "replica_holders", "senders_to", "run_id_for", "plan_restore",
            "load_local", "pieces_digest"]

@@ -3,6 +3,8 @@ peer on another node, restored newest-complete-first with every checksum checked
 
 One memory checkpoint of step N, on every rank (collective over the tier's own gloo group)::
 
+    snapshot copy this rank's pieces into reused host buffers                training thread: its only stall
+    ----- the rest on a background thread, over the tier's own gloo group (never the training group) -----
     write    ckpt.save(this rank's local pieces, <node>/rank-<r>/step-N)   single-rank: no collective
     copy     send those files to the holders on other nodes; keep the copies sent to this rank
     agree    one gather + verdict: complete iff every rank wrote and every copy arrived
@@ -12,6 +14,13 @@ Memory is bounded by ``keep`` complete checkpoints per rank (and per copy kept f
 the one being written; an older step is freed only once a newer one is complete on every rank. A
 rank that cannot write (shared memory full, ENOSPC) or keep a copy makes the step incomplete on every
 rank: it is skipped with a warning, training goes on, the previous complete step stays.
+
+Why a separate group and a background thread rather than an agreement at the next call: the tier's
+group carries only the tier's messages, in the same order on every rank (one memory checkpoint in
+flight; the next one, a restore, reset or clear first wait for it), so its collectives can never
+interleave with training's collectives on another thread, and a step is known complete as soon as
+every rank has it, not one step later. A background error (a lost peer, a state ``ckpt.save``
+refuses) reaches the training thread at the handle's ``result()`` or the next ``save_async``.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import contextlib
 import datetime
 import json
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -31,6 +41,7 @@ from ckpt.comm import Comm, describe, error_payload, raise_payload
 from ckpt.errors import CollectiveError, StateError
 from ckpt.tier import restore as _restore
 from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to, shm_base, tier_dir
+from ckpt.tier.snapshot import HostSnapshots, Snapshot
 from ckpt.tier.store import META_KEY, TIER_VERSION, NodeStore, data_bytes, load_local, localize, remove_step
 from ckpt.tier.transfer import exchange, failed, package
 
@@ -95,6 +106,9 @@ class MemoryCheckpoint:
     max_write_s: float = 0.0
     max_replicate_s: float = 0.0
     freed: list[int] = field(default_factory=list)
+    rank_wait_s: float = 0.0  # the training thread waiting for the previous memory checkpoint
+    rank_snapshot_s: float = 0.0  # the training thread copying its pieces into host buffers
+    snapshot_bytes: int = 0
 
     @property
     def skipped(self) -> bool:
@@ -107,11 +121,38 @@ class MemoryCheckpoint:
                                "skipped": self.skipped, "bytes": self.bytes, "replica_bytes": self.replica_bytes,
                                "write_ms": ms(self.rank_write_s), "replicate_ms": ms(self.rank_replicate_s),
                                "agree_ms": ms(self.rank_agree_s), "max_write_ms": ms(self.max_write_s),
-                               "max_replicate_ms": ms(self.max_replicate_s)}
+                               "max_replicate_ms": ms(self.max_replicate_s), "wait_ms": ms(self.rank_wait_s),
+                               "snapshot_ms": ms(self.rank_snapshot_s)}
         if self.skipped:
             rec["warning"] = self.warning
             rec["errors"] = self.errors[:8]
         return rec
+
+
+class MemoryHandle:
+    """A memory checkpoint started by :meth:`MemoryTier.save_async`. ``wait_s`` / ``snapshot_s``: how
+    long the training thread waited for the previous one and copied its pieces (its whole stall)."""
+
+    def __init__(self, step: int, *, wait_s: float = 0.0, snapshot_s: float = 0.0):
+        self.step, self.wait_s, self.snapshot_s = step, wait_s, snapshot_s
+        self.error: BaseException | None = None
+        self._result: MemoryCheckpoint | None = None
+        self._done = threading.Event()
+        self._error_seen = False
+
+    @property
+    def done(self) -> bool:
+        """Whether the background work has finished (completed, skipped or failed)."""
+        return self._done.is_set()
+
+    def result(self) -> MemoryCheckpoint:
+        """Wait for the background work; its :class:`MemoryCheckpoint`, or raise its error."""
+        self._done.wait()
+        if self.error is not None:
+            self._error_seen = True
+            raise self.error
+        assert self._result is not None
+        return self._result
 
 
 def _self_group(rank: int) -> Any:
@@ -154,8 +195,9 @@ class MemoryTier:
             except Exception as e:  # noqa: BLE001 - a rank that never arrives: typed, named
                 raise CollectiveError(f"rank {dist.get_rank()}: could not create the memory tier's gloo group of "
                                       f"ranks {ranks} ({type(e).__name__}: {e}); restart the job") from e
-            if len(ranks) > 1:
-                self._single = _self_group(dist.get_rank())
+            # ckpt.save / ckpt.load of one rank's copy go through a single-rank group: not collective
+            # (and, in a world of one, never on the training group, which another thread may be using)
+            self._single = _self_group(dist.get_rank()) if len(ranks) > 1 else self.pg
         self.comm = Comm(self.pg, timeout=self.timeout)
         self.rank, self.world = self.comm.rank, self.comm.world
         bad: dict[str, Any] | None = None
@@ -177,6 +219,8 @@ class MemoryTier:
         self.store = NodeStore(self.base, self.run_id, node, self.rank, self.world, config.lineage)
         self._complete: list[int] = []
         self.warnings: list[str] = []
+        self._snapshots = HostSnapshots()  # host buffers reused by every memory checkpoint of this rank
+        self._inflight: MemoryHandle | None = None  # the memory checkpoint on the background thread
         if config.replicas and len(set(self.nodes)) < 2:
             self._warn(f"memory tier: replicas={config.replicas} but all {self.world} ranks are on node "
                        f"{self.nodes[0]}: no peer copies, so losing the node falls back to storage (set "
@@ -221,14 +265,72 @@ class MemoryTier:
 
     def save(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
              layout: dict[str, Any] | None = None) -> MemoryCheckpoint:
-        """Write this rank's part of ``state`` as the memory checkpoint of ``step``, copy it to its
-        holders, agree, free (collective over the tier's group; synchronous).
+        """:meth:`save_async`, then wait for it: the memory checkpoint of ``step`` is over on every
+        rank when this returns (collective). Raises what the background work raised."""
+        return self.save_async(step, state, user_metadata=user_metadata, layout=layout).result()
 
-        Never raises for a full or failing shared memory: the step is then skipped on every rank
-        (``complete`` False, a warning). Raises StateError on every rank for a state ``ckpt.save``
-        refuses on any rank, and CollectiveError when a peer is lost (the job must restart; the
-        previous complete step stays).
+    def save_async(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
+                   layout: dict[str, Any] | None = None) -> MemoryHandle:
+        """Start the memory checkpoint of ``step`` (collective, in the same order on every rank).
+
+        On the calling thread: wait for the previous memory checkpoint if it is still running (one
+        in flight; its error, if any, is raised here), then copy this rank's pieces into reused
+        host buffers (:mod:`ckpt.tier.snapshot`). The caller may change ``state`` as soon as this
+        returns. On a background thread, over the tier's own gloo group (never the training
+        group, so no collective of training can interleave with these): write the copy to shared
+        memory, send it to its holders, agree, free the older step (see the module docstring).
+
+        The handle's ``result()`` is the :class:`MemoryCheckpoint`. A full or failing shared memory
+        never raises: the step is skipped on every rank with a warning. ``result()`` (or the next
+        ``save_async``) raises StateError on every rank for a state ``ckpt.save`` refuses on any
+        rank, and CollectiveError when a peer is lost (the job must restart; the previous complete
+        step stays).
         """
+        t0 = time.perf_counter()
+        self.drain(raise_error=True)
+        t1 = time.perf_counter()
+        problem: BaseException | None = None
+        snap: Snapshot | None = None
+        meta: dict[str, Any] = {}
+        try:
+            flat, _objects, digest = localize(state)
+            meta = self._meta(digest, user_metadata)
+            snap = self._snapshots.take(flat)
+        except Exception as e:  # noqa: BLE001 - reported through the agreement: every rank skips or raises
+            problem = e
+        handle = MemoryHandle(step, wait_s=t1 - t0, snapshot_s=time.perf_counter() - t1)
+        self._inflight = handle
+        threading.Thread(target=self._background, args=(handle, snap, problem, meta, layout), daemon=True,
+                         name=f"ckpt-memory-tier-step-{step}").start()
+        return handle
+
+    def drain(self, *, raise_error: bool = False) -> MemoryHandle | None:
+        """Wait for the memory checkpoint in flight, if any, and return its handle (None: none was
+        started). ``raise_error``: raise its error unless its ``result()`` already did."""
+        h = self._inflight
+        if h is None:
+            return None
+        h._done.wait()
+        if raise_error and h.error is not None and not h._error_seen:
+            h._error_seen = True
+            raise h.error
+        return h
+
+    def _background(self, handle: MemoryHandle, snap: Snapshot | None, problem: BaseException | None,
+                    meta: dict[str, Any], layout: dict[str, Any] | None) -> None:
+        try:
+            result = self._write_and_agree(handle.step, snap, problem, meta, layout)
+            result.rank_wait_s, result.rank_snapshot_s = handle.wait_s, handle.snapshot_s
+            result.snapshot_bytes = snap.nbytes if snap is not None else 0
+            handle._result = result
+        except BaseException as e:  # noqa: BLE001 - kept for the training thread (result() / the next save)
+            handle.error = e
+        finally:
+            handle._done.set()
+
+    def _write_and_agree(self, step: int, snap: Snapshot | None, problem: BaseException | None,
+                         meta: dict[str, Any], layout: dict[str, Any] | None) -> MemoryCheckpoint:
+        """The background part of one memory checkpoint (collective over the tier's group)."""
         from ckpt.save import save
 
         t0 = time.perf_counter()
@@ -237,10 +339,13 @@ class MemoryTier:
         fatal: dict[str, Any] | None = None  # a state ckpt.save refuses: raised on every rank after the agreement
         nbytes = 0
         try:
-            flat, _objects, digest = localize(state)
+            if problem is not None:
+                raise problem
+            assert snap is not None
             remove_step(own)  # leftovers of a write cut short: never a complete step (see reset)
-            save(flat, own, group=self._single, step=step, user_metadata=self._meta(digest, user_metadata),
-                 layout=layout, timeout=self.timeout)
+            snap.ready()
+            save(snap.flat, own, group=self._single, step=step, user_metadata=meta, layout=layout,
+                 timeout=self.timeout)
             nbytes = data_bytes(own)
         except CollectiveError:
             raise
@@ -308,6 +413,7 @@ class MemoryTier:
         """Restore the newest complete memory step at or above ``min_step`` through ``fn(url)``
         (collective); None when there is none or every source failed. ``digest``: the pieces this
         rank wants (:func:`ckpt.tier.store.pieces_digest` of its state). See :func:`ckpt.tier.restore.run`."""
+        self.drain()  # the tier's group is the background thread's while a memory checkpoint runs
         return _restore.run(self, fn, digest=digest, min_step=min_step, on_failure=on_failure)
 
     def restore(self, state: dict[str, Any], *, min_step: int | None = None, strict: bool = True,
@@ -326,7 +432,9 @@ class MemoryTier:
     def reset(self, keep_step: int | None = None) -> None:
         """After a restore decision (every rank): keep only ``keep_step``'s memory checkpoint (the step
         the run continues from) and drop every other one this rank owns or keeps, together with
-        directories no rank of this job uses (another world size or node mapping). Not collective."""
+        directories no rank of this job uses (another world size or node mapping). Not collective
+        (waits for the memory checkpoint in flight, if any)."""
+        self.drain()
         self._free(lambda s: s != keep_step)
         self._complete = [keep_step] if keep_step is not None else []
         here = [r for r, n in enumerate(self.nodes) if n == self.node]

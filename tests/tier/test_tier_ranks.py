@@ -125,7 +125,7 @@ def _manager(rank: int, world: int, shm: str, root: str, phase: str, out: str) -
             if step == 1 and phase == "save":
                 mgr.save(step, state_of(rank, step))
             assert mgr.memory_due(step)
-            assert mgr.save_memory(step, state_of(rank, step)).complete
+            assert mgr.save_memory(step, state_of(rank, step)).result().complete
         return
     target = state_of(rank, 0)
     step = mgr.restore(target)
@@ -274,3 +274,27 @@ def _bad_state(rank: int, world: int, shm: str) -> None:
 
 def test_a_state_one_rank_cannot_save_raises_on_every_rank(shm: str) -> None:
     run_ranks(4, _bad_state, shm)
+
+
+def test_save_async_returns_after_the_snapshot_and_the_caller_may_change_its_state(shm: str) -> None:
+    from tests.tier.kill_harness import _scribble
+
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
+    tier.reset(None)
+    handles = []
+    for step in (1, 2, 3):
+        state = state_of(0, step)
+        handles.append(tier.save_async(step, state))  # waits for the previous one, then snapshots
+        _scribble(state)  # what the optimizer does next: the memory checkpoint must not see it
+    assert [h.result().complete for h in handles] == [True, True, True]
+    assert tier._snapshots.allocations == 1  # the host buffers are reused step after step
+    target = state_of(0, 0)
+    got = tier.restore(target)
+    assert got is not None and got.step == 3
+    ref = state_of(0, 3)
+    assert torch.equal(target["model"]["w"].local, ref["model"]["w"].local)
+    assert torch.equal(target["optim"]["m"].local, ref["optim"]["m"].local)
+    assert got.value["train"] == ref["train"]
+    rec = handles[-1].result().to_record()
+    assert rec["snapshot_ms"] > 0 and rec["wait_ms"] >= 0
+    tier.clear()

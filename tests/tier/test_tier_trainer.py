@@ -95,7 +95,11 @@ def test_losing_a_node_resumes_from_the_memory_tier_bitwise(base: str, full: dic
     (resume,) = _events(cfg, "resume")
     assert resume["tier"] == "memory-peer" and resume["bytes_verified"] > 0  # every piece's checksum checked
     mem = _events(cfg, "memory_checkpoint")
-    assert [r["step"] for r in mem] == [*range(1, at + 1), *range(at + 1, STEPS)]
+    # step `at`'s record may be missing from the first attempt: its background work ended while rank 0
+    # (which writes the metrics) was already stuck in step at+1 with the lost node (start == at says
+    # it was complete everywhere)
+    assert [r["step"] for r in mem if r["step"] != at] == [*range(1, at), *range(at + 1, STEPS)]
+    assert all(0 <= r["snapshot_ms"] < r["write_ms"] + r["replicate_ms"] + r["agree_ms"] for r in mem), mem
     assert all(r["complete"] and r["replica_bytes"] > 0 for r in mem)
     assert len(_events(cfg, "fail")) == 2  # both ranks of node 1
 
