@@ -313,7 +313,9 @@ class CheckpointManager:
     ``replicas`` (copies on other nodes), ``memory_keep`` (complete memory checkpoints kept),
     ``shm_dir`` (base, default ``$CKPT_SHM_DIR`` or ``/dev/shm``), ``run_id`` (default
     ``$CKPT_RUN_ID`` or a hash of the root), ``node`` / ``nodes`` (this rank's node, or simulated
-    nodes; default ``$CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE`` grouping), ``memory_timeout`` (s).
+    nodes; default ``$CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE`` grouping), ``memory_timeout`` (s),
+    ``memory_busy`` (``wait``: a memory checkpoint due while the previous one still runs waits for it;
+    ``skip``: it is skipped, see :class:`ckpt.tier.TierConfig`).
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = 3, keep_every: int | None = None,
@@ -322,7 +324,7 @@ class CheckpointManager:
                  max_staging_bytes: int | None = None,
                  memory_every: int | None = None, replicas: int = 1, memory_keep: int = 1,
                  shm_dir: str | None = None, run_id: str | None = None, node: int | None = None,
-                 nodes: int | None = None, memory_timeout: float = 120.0):
+                 nodes: int | None = None, memory_timeout: float = 120.0, memory_busy: str = "wait"):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
         self.root = root_url.rstrip("/")
@@ -351,7 +353,7 @@ class CheckpointManager:
 
             self.memory = MemoryTier(TierConfig(self.root, run_id=run_id, shm_dir=shm_dir, node=node, nodes=nodes,
                                                 keep=memory_keep, replicas=replicas, timeout=memory_timeout,
-                                                lineage=self._lineage(memory_timeout)),
+                                                lineage=self._lineage(memory_timeout), busy=memory_busy),
                                      group=group)
         if gc_on_start and self._rank == 0:
             # Incomplete leftovers of a crash. No save of this job can have started yet: the first

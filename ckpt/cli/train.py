@@ -43,6 +43,8 @@ def train_cmd(
                                             help="memory checkpoint every N steps (/dev/shm + a peer node's copy)"),
     replicas: int = typer.Option(1, "--replicas", min=0, help="peer-node copies of each memory checkpoint"),
     memory_keep: int = typer.Option(1, "--memory-keep", min=1, help="complete memory checkpoints kept per rank"),
+    memory_busy: str = typer.Option("wait", "--memory-busy",
+                                    help="a memory checkpoint due while the previous one runs: wait, or skip it"),
     nodes: int | None = typer.Option(None, "--nodes", min=1,
                                      help="simulate N nodes on this host (default with --memory-every: 2)"),
     shm_dir: str | None = typer.Option(None, "--shm-dir", help="memory tier base (default $CKPT_SHM_DIR, /dev/shm)"),
@@ -86,7 +88,8 @@ def train_cmd(
                           async_save=not sync_save, max_staging_bytes=cap, init_from=init_from,
                           verify_restore=not no_verify_restore, fail_at_step=fail_at_step,
                           fail_rank=fail_rank, metrics_path=metrics, device=device, fail_node=fail_node,
-                          memory_every=memory_every, replicas=replicas, memory_keep=memory_keep, nodes=nodes,
+                          memory_every=memory_every, replicas=replicas, memory_keep=memory_keep,
+                          memory_busy=memory_busy, nodes=nodes,
                           shm_dir=shm_dir, run_id=run_id)
     except ValueError as e:
         _error(str(e))

@@ -34,7 +34,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.comm import Comm, describe, error_payload, raise_payload
@@ -44,115 +43,9 @@ from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_
 from ckpt.tier.snapshot import HostSnapshots, Snapshot
 from ckpt.tier.store import META_KEY, TIER_VERSION, NodeStore, data_bytes, load_local, localize, remove_step
 from ckpt.tier.transfer import exchange, failed, package
+from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
 _SELF_GROUPS: dict[tuple[int, int], Any] = {}
-
-
-@dataclass(frozen=True, slots=True)
-class TierConfig:
-    """Settings of a memory tier; the same on every rank.
-
-    Args:
-        root: the persistent checkpoint root of the run (names the run when ``run_id`` is None and
-            is recorded for ``ckpt ls``).
-        run_id: the run's identity (default ``$CKPT_RUN_ID``, else a hash of ``root``); a tier is
-            only restored by a job with the same run id, world size and layout.
-        shm_dir: base directory (default ``$CKPT_SHM_DIR``, else ``/dev/shm``).
-        node / nodes: this rank's node, or the number of simulated nodes (see
-            :func:`ckpt.tier.nodes.node_identity`; default ``$CKPT_NODE`` or torchrun's grouping).
-        keep: complete memory checkpoints kept per rank (plus the one being written).
-        replicas: copies of each rank's pieces on other nodes (0: none).
-        timeout: seconds any wait of the tier may take (a lost peer is named after it).
-        lineage: a token of the persistent root's life (``CheckpointManager`` keeps one in
-            ``<root>/.ckpt-lineage``): copies written under another token are never restored (a
-            new run in an emptied or replaced root). None: not checked.
-    """
-
-    root: str
-    run_id: str | None = None
-    shm_dir: str | None = None
-    node: int | None = None
-    nodes: int | None = None
-    keep: int = 1
-    replicas: int = 1
-    timeout: float = 120.0
-    lineage: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.keep, int) or self.keep < 1:
-            raise StateError(f"memory tier keep={self.keep!r}: keep at least 1 complete memory checkpoint")
-        if not isinstance(self.replicas, int) or self.replicas < 0:
-            raise StateError(f"memory tier replicas={self.replicas!r}: use 0 (no peer copies) or more")
-        if not self.timeout > 0:
-            raise StateError(f"memory tier timeout={self.timeout!r}: use a positive number of seconds")
-
-
-@dataclass(slots=True)
-class MemoryCheckpoint:
-    """What one memory checkpoint did. ``complete``: on every rank, copies included; otherwise it
-    was skipped (``warning`` says why, ``errors`` per rank). Sizes over all ranks; ``rank_*``
-    durations (s) are this rank's, ``max_*`` the slowest rank's."""
-
-    step: int
-    complete: bool
-    warning: str = ""
-    errors: list[str] = field(default_factory=list)
-    bytes: int = 0
-    replica_bytes: int = 0
-    rank_bytes: int = 0
-    rank_write_s: float = 0.0
-    rank_replicate_s: float = 0.0
-    rank_agree_s: float = 0.0
-    max_write_s: float = 0.0
-    max_replicate_s: float = 0.0
-    freed: list[int] = field(default_factory=list)
-    rank_wait_s: float = 0.0  # the training thread waiting for the previous memory checkpoint
-    rank_snapshot_s: float = 0.0  # the training thread copying its pieces into host buffers
-    snapshot_bytes: int = 0
-
-    @property
-    def skipped(self) -> bool:
-        return not self.complete
-
-    def to_record(self) -> dict[str, Any]:
-        """The ``memory_checkpoint`` metrics record (durations in ms)."""
-        ms = lambda s: round(s * 1e3, 3)  # noqa: E731
-        rec: dict[str, Any] = {"event": "memory_checkpoint", "step": self.step, "complete": self.complete,
-                               "skipped": self.skipped, "bytes": self.bytes, "replica_bytes": self.replica_bytes,
-                               "write_ms": ms(self.rank_write_s), "replicate_ms": ms(self.rank_replicate_s),
-                               "agree_ms": ms(self.rank_agree_s), "max_write_ms": ms(self.max_write_s),
-                               "max_replicate_ms": ms(self.max_replicate_s), "wait_ms": ms(self.rank_wait_s),
-                               "snapshot_ms": ms(self.rank_snapshot_s)}
-        if self.skipped:
-            rec["warning"] = self.warning
-            rec["errors"] = self.errors[:8]
-        return rec
-
-
-class MemoryHandle:
-    """A memory checkpoint started by :meth:`MemoryTier.save_async`. ``wait_s`` / ``snapshot_s``: how
-    long the training thread waited for the previous one and copied its pieces (its whole stall)."""
-
-    def __init__(self, step: int, *, wait_s: float = 0.0, snapshot_s: float = 0.0):
-        self.step, self.wait_s, self.snapshot_s = step, wait_s, snapshot_s
-        self.error: BaseException | None = None
-        self._result: MemoryCheckpoint | None = None
-        self._done = threading.Event()
-        self._error_seen = False
-
-    @property
-    def done(self) -> bool:
-        """Whether the background work has finished (completed, skipped or failed)."""
-        return self._done.is_set()
-
-    def result(self) -> MemoryCheckpoint:
-        """Wait for the background work; its :class:`MemoryCheckpoint`, or raise its error."""
-        self._done.wait()
-        if self.error is not None:
-            self._error_seen = True
-            raise self.error
-        assert self._result is not None
-        return self._result
 
 
 def _self_group(rank: int) -> Any:
@@ -221,6 +114,12 @@ class MemoryTier:
         self.warnings: list[str] = []
         self._snapshots = HostSnapshots()  # host buffers reused by every memory checkpoint of this rank
         self._inflight: MemoryHandle | None = None  # the memory checkpoint on the background thread
+        # busy="skip": the newest step save_async was called with, reported in each agreement (under
+        # the lock: see save_async); the agreed first step of the next memory checkpoint; skips since
+        self._lock = threading.Lock()
+        self._called = -1
+        self._next_at: int | None = None
+        self._busy_skips = 0
         if config.replicas and len(set(self.nodes)) < 2:
             self._warn(f"memory tier: replicas={config.replicas} but all {self.world} ranks are on node "
                        f"{self.nodes[0]}: no peer copies, so losing the node falls back to storage (set "
@@ -287,7 +186,13 @@ class MemoryTier:
         step stays).
         """
         t0 = time.perf_counter()
+        if self.config.busy == "skip" and self._skip(step):
+            self._busy_skips += 1
+            return MemoryHandle.skipped_busy(step)
         self.drain(raise_error=True)
+        if self.config.busy == "skip" and self._next_at is not None and step < self._next_at:
+            self._busy_skips += 1
+            return MemoryHandle.skipped_busy(step)
         t1 = time.perf_counter()
         problem: BaseException | None = None
         snap: Snapshot | None = None
@@ -300,9 +205,27 @@ class MemoryTier:
             problem = e
         handle = MemoryHandle(step, wait_s=t1 - t0, snapshot_s=time.perf_counter() - t1)
         self._inflight = handle
-        threading.Thread(target=self._background, args=(handle, snap, problem, meta, layout), daemon=True,
+        busy, self._busy_skips = self._busy_skips, 0
+        threading.Thread(target=self._background, args=(handle, snap, problem, meta, layout, busy), daemon=True,
                          name=f"ckpt-memory-tier-step-{step}").start()
         return handle
+
+    def _skip(self, step: int) -> bool:
+        """busy="skip": whether ``step`` is provably before the next agreed memory checkpoint while the
+        previous one still runs (else the caller waits for its verdict, in transit, and decides then).
+
+        The verdict says: next at ``max(step each rank reported) + 1``, each rank reporting the
+        newest step its training thread has called with when its background thread sends its part
+        of the agreement (read under the lock). So while this rank has not reported yet, its report
+        will be >= ``step``: skip; once it reported ``r``, every ``step <= r`` is before the next
+        one: skip. Otherwise the verdict decides, the same on every rank: no rank starts a memory
+        checkpoint of a step that another rank skips."""
+        h = self._inflight
+        with self._lock:
+            self._called = max(self._called, step)
+            if h is None or h.done:
+                return False
+            return h.reported is None or step <= h.reported
 
     def drain(self, *, raise_error: bool = False) -> MemoryHandle | None:
         """Wait for the memory checkpoint in flight, if any, and return its handle (None: none was
@@ -317,10 +240,10 @@ class MemoryTier:
         return h
 
     def _background(self, handle: MemoryHandle, snap: Snapshot | None, problem: BaseException | None,
-                    meta: dict[str, Any], layout: dict[str, Any] | None) -> None:
+                    meta: dict[str, Any], layout: dict[str, Any] | None, busy: int = 0) -> None:
         try:
-            result = self._write_and_agree(handle.step, snap, problem, meta, layout)
-            result.rank_wait_s, result.rank_snapshot_s = handle.wait_s, handle.snapshot_s
+            result = self._write_and_agree(handle, snap, problem, meta, layout)
+            result.rank_wait_s, result.rank_snapshot_s, result.busy_skipped = handle.wait_s, handle.snapshot_s, busy
             result.snapshot_bytes = snap.nbytes if snap is not None else 0
             handle._result = result
         except BaseException as e:  # noqa: BLE001 - kept for the training thread (result() / the next save)
@@ -328,11 +251,12 @@ class MemoryTier:
         finally:
             handle._done.set()
 
-    def _write_and_agree(self, step: int, snap: Snapshot | None, problem: BaseException | None,
+    def _write_and_agree(self, handle: MemoryHandle, snap: Snapshot | None, problem: BaseException | None,
                          meta: dict[str, Any], layout: dict[str, Any] | None) -> MemoryCheckpoint:
         """The background part of one memory checkpoint (collective over the tier's group)."""
         from ckpt.save import save
 
+        step = handle.step
         t0 = time.perf_counter()
         own = self.store.own(step)
         err: str | None = None
@@ -365,7 +289,10 @@ class MemoryTier:
         t2 = time.perf_counter()
         mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),
                 "w": t1 - t0, "r": t2 - t1, "fatal": fatal}
+        with self._lock:  # see _skip: what this rank reports bounds the steps it skips meanwhile
+            handle.reported = mine["at"] = max(self._called, step)
         verdict = self.comm.exchange(mine, _verdict, timeout=self.timeout, what=f"memory tier agreement on step {step}")
+        self._next_at = int(verdict["next_at"])
         t3 = time.perf_counter()
         if verdict.get("fatal"):
             self._free(lambda s: s == step)
@@ -435,6 +362,7 @@ class MemoryTier:
         directories no rank of this job uses (another world size or node mapping). Not collective
         (waits for the memory checkpoint in flight, if any)."""
         self.drain()
+        self._next_at = None  # the run continues from keep_step: no memory checkpoint is due later than asked
         self._free(lambda s: s != keep_step)
         self._complete = [keep_step] if keep_step is not None else []
         here = [r for r, n in enumerate(self.nodes) if n == self.node]
@@ -467,5 +395,6 @@ def _verdict(got: list[Any]) -> list[Any]:
     slow_r = max(range(len(got)), key=lambda r: got[r]["r"])
     fatal = next((g["fatal"] for g in got if g.get("fatal")), None)
     v = {"complete": not errors, "errors": errors, "fatal": fatal, "bytes": sum(g["bytes"] for g in got),
+         "next_at": max(int(g["at"]) for g in got) + 1,
          "sent": sum(g["sent"] for g in got), "max_w": got[slow_w]["w"], "max_r": got[slow_r]["r"]}
     return [v] * len(got)

@@ -255,7 +255,7 @@ def _manager(cfg: TrainConfig) -> CheckpointManager | None:
     return CheckpointManager(cfg.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_save,
                              max_staging_bytes=cfg.max_staging_bytes, memory_every=cfg.memory_every,
                              replicas=cfg.replicas, memory_keep=cfg.memory_keep, shm_dir=cfg.shm_dir,
-                             run_id=cfg.run_id, nodes=cfg.nodes)
+                             run_id=cfg.run_id, nodes=cfg.nodes, memory_busy=cfg.memory_busy)
 
 
 def _barrier(ctx: ParallelContext) -> None:
@@ -389,9 +389,11 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
                                       save_s=t_end - t_save))
         if mgr is not None and mgr.memory_due(step) and step < cfg.last_step:
             t = time.perf_counter()
-            mem = _log_memory(log, mem, rank0, wait=True)  # one in flight: the previous one is over first
-            mem = mgr.save_memory(step, state or training_state(pm, opt, step, sample_index, schedule),
+            new = mgr.save_memory(step, state or training_state(pm, opt, step, sample_index, schedule),
                                   user_metadata=metadata, layout=layout.to_dict())
+            if not new.busy:  # it started: the previous one (one in flight) is over
+                _log_memory(log, mem, rank0, wait=True)
+                mem = new
             stall += time.perf_counter() - t
         dt = time.perf_counter() - t0
         log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,

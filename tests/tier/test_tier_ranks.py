@@ -298,3 +298,40 @@ def test_save_async_returns_after_the_snapshot_and_the_caller_may_change_its_sta
     rec = handles[-1].result().to_record()
     assert rec["snapshot_ms"] > 0 and rec["wait_ms"] >= 0
     tier.clear()
+
+
+def _busy_skip(rank: int, world: int, shm: str, out: str) -> None:
+    import time
+
+    import ckpt.tier.tier as tier_mod
+
+    tier = _tier(shm, busy="skip")
+    tier.reset(None)
+    exchange = tier_mod.exchange
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(0.05 * (rank + 1))  # the background work outlasts a step, longer on some ranks
+        return exchange(*a, **k)
+
+    tier_mod.exchange = slow  # type: ignore[assignment]
+    seen = []
+    for step in range(1, 25):
+        time.sleep(0.01 * ((step * (rank + 3)) % 4))  # ranks reach each step at different times
+        h = tier.save_async(step, state_of(rank, step))
+        seen.append([step, h.busy])
+    last = tier.drain()
+    assert last is not None and last.result().complete
+    with open(out, "a") as f:
+        f.write(json.dumps({"rank": rank, "seen": seen, "last": last.step,
+                            "busy_skipped": last.result().busy_skipped}) + "\n")
+
+
+def test_busy_skip_never_waits_and_every_rank_skips_the_same_steps(shm: str, tmp_path: Path) -> None:
+    out = tmp_path / "busy.jsonl"
+    run_ranks(4, _busy_skip, shm, str(out))
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(g["seen"] == got[0]["seen"] for g in got)  # the same steps started (or skipped) on every rank
+    started = [s for s, busy in got[0]["seen"] if not busy]
+    assert 1 in started and len(started) < 24  # some due steps were skipped: the previous one still ran
+    assert {g["last"] for g in got} == {started[-1]}
+    assert {r["step"] for r in _restored(shm, tmp_path).values()} == {started[-1]}  # bitwise (see _restore)
