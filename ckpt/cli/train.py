@@ -128,12 +128,14 @@ def train_cmd(
 def demo_cmd(
     out: str = typer.Option("ckpt-demo", "--out", help="directory for checkpoints, metrics and the plot"),
     steps: int = typer.Option(200, "--steps", min=20, help="total training steps"),
+    node_loss: bool = typer.Option(False, "--node-loss",
+                                   help="lose a whole node instead of one rank; recover from the memory tier"),
 ) -> None:
     """The main job: train tiny on 4 ranks, kill one, resume, continue on 2 ranks under another layout,
     verify, export (when the HF exporter is there), plot."""
     from ckpt.trainer.demo import run_demo, summarize
 
-    report = run_demo(out, steps=steps, say=_say)
+    report = run_demo(out, steps=steps, say=_say, node_loss=node_loss)
     for line in summarize(report):
         _say(f"  {line}")
     _say(f"final checkpoint: {report.final_checkpoint} (verified: checksums and coverage OK)")
