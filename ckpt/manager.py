@@ -522,7 +522,10 @@ class CheckpointManager:
                 with contextlib.suppress(CheckpointError):
                     newest = self._step_of(url)
             got = self.memory.restore(state, min_step=newest, strict=strict)
-            self.memory.reset(got.step if got is not None else None)
+            if got is None:  # another layout or world size: the resharding load, when every piece is here
+                got = self.memory.restore_resharded(state, min_step=newest, strict=strict)
+            # a resharded step is not this layout's memory checkpoint: nothing of the old one is kept
+            self.memory.reset(got.step if got is not None and got.tier != "memory-reshard" else None)
             if got is not None:
                 _update_in_place(state, got.value)
                 self.last_restore = got

@@ -38,10 +38,20 @@ from typing import Any
 
 from ckpt.comm import Comm, describe, error_payload, raise_payload
 from ckpt.errors import CollectiveError, StateError
+from ckpt.tier import reshard as _reshard
 from ckpt.tier import restore as _restore
 from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to, shm_base, tier_dir
 from ckpt.tier.snapshot import HostSnapshots, Snapshot
-from ckpt.tier.store import META_KEY, TIER_VERSION, NodeStore, data_bytes, load_local, localize, remove_step
+from ckpt.tier.store import (
+    META_KEY,
+    TIER_VERSION,
+    NodeStore,
+    data_bytes,
+    load_local,
+    localize,
+    localize_pieces,
+    remove_step,
+)
 from ckpt.tier.transfer import exchange, failed, package
 from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
@@ -198,8 +208,9 @@ class MemoryTier:
         snap: Snapshot | None = None
         meta: dict[str, Any] = {}
         try:
-            flat, _objects, digest = localize(state)
+            flat, _objects, digest, pieces = localize_pieces(state)
             meta = self._meta(digest, user_metadata)
+            meta[META_KEY]["pieces"] = pieces
             snap = self._snapshots.take(flat)
         except Exception as e:  # noqa: BLE001 - reported through the agreement: every rank skips or raises
             problem = e
@@ -356,6 +367,29 @@ class MemoryTier:
         return self.restore_with(lambda url: self.load_local(state, url, strict=strict), digest=digest,
                                  min_step=min_step, on_failure=on_failure)
 
+    def restore_resharded_with(self, fn: Callable[[str], Any], *, min_step: int | None = None,
+                               on_failure: Callable[[dict[str, Any]], None] | None = None
+                               ) -> _restore.TierRestore | None:
+        """Restore under another layout (collective): the newest step at or above ``min_step`` whose
+        every old rank's copy this rank can reach, read through ``fn(url)`` (a resharding load of
+        this rank's state from an ordinary checkpoint at ``url``, not collective); None when there
+        is none or any rank failed. See :mod:`ckpt.tier.reshard`."""
+        return _reshard.run(self, fn, min_step=min_step, on_failure=on_failure)
+
+    def load_view(self, state: dict[str, Any], url: str, **kw: Any) -> dict[str, Any]:
+        """``ckpt.load`` of this rank's ``state`` from a view (see :meth:`restore_resharded_with`),
+        through a single-rank group: not collective."""
+        from ckpt.load import load
+
+        return load(state, url, group=self._single, **kw)
+
+    def restore_resharded(self, state: dict[str, Any], *, min_step: int | None = None, strict: bool = True,
+                          on_failure: Callable[[dict[str, Any]], None] | None = None) -> _restore.TierRestore | None:
+        """:meth:`restore_resharded_with` through ``ckpt.load`` of ``state`` (every checksum checked):
+        a memory tier written under another layout or world size, read as this job's pieces."""
+        return self.restore_resharded_with(lambda url: self.load_view(state, url, strict=strict, verify=True),
+                                           min_step=min_step, on_failure=on_failure)
+
     def reset(self, keep_step: int | None = None) -> None:
         """After a restore decision (every rank): keep only ``keep_step``'s memory checkpoint (the step
         the run continues from) and drop every other one this rank owns or keeps, together with
@@ -363,6 +397,7 @@ class MemoryTier:
         (waits for the memory checkpoint in flight, if any)."""
         self.drain()
         self._next_at = None  # the run continues from keep_step: no memory checkpoint is due later than asked
+        _reshard.clear_views(self)
         self._free(lambda s: s != keep_step)
         self._complete = [keep_step] if keep_step is not None else []
         here = [r for r, n in enumerate(self.nodes) if n == self.node]

@@ -130,7 +130,11 @@ def _resume_memory(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule
     digest = pieces_digest({"model": model_state(pm), "optim": optim_state(opt)})
     got = tier.restore_with(lambda url: restore(url, pm, opt, schedule, cfg, load=tier.load_local), digest=digest,
                             min_step=newest, on_failure=failed)
-    tier.reset(got.step if got is not None else None)  # what the run does not continue from goes
+    if got is None:  # written under another layout: the resharding load, when every piece is reachable
+        got = tier.restore_resharded_with(lambda url: restore(url, pm, opt, schedule, cfg, load=tier.load_view),
+                                          min_step=newest, on_failure=failed)
+    # what the run does not continue from goes (all of it after a resharded restore: another layout's)
+    tier.reset(got.step if got is not None and got.tier != "memory-reshard" else None)
     if got is None:
         return None
     detail = {"peer_ranks": got.peer_ranks, "fetched_bytes": got.fetched_bytes, "memory_bytes": got.bytes,

@@ -160,3 +160,18 @@ def test_full_shared_memory_skips_memory_checkpoints_and_training_goes_on(base: 
     assert mem[3]["skipped"] and "No space left on device" in mem[3]["warning"] and "rank 1" in mem[3]["errors"][0]
     assert all(mem[s]["complete"] for s in mem if s != 3) and sorted(mem) == list(range(1, STEPS))
     assert [r["step"] for r in _events(cfg, "checkpoint")] == [SAVE_EVERY, STEPS]  # persistent saves unaffected
+
+
+def test_a_layout_change_resumes_from_the_memory_tier(base: str, full: dict[str, Any]) -> None:
+    cfg = _cfg(base, "lose-node-then-reshard")
+    _lose_node(cfg, 7)
+    # the job comes back on 2 ranks (one per node) under another layout: pipeline-parallel
+    resumed = run_training(cfg, Layout(pp=2, zero=1))
+    assert resumed["start"] == 7  # the memory step, read through the resharding load: no step lost
+    (rec,) = _events(cfg, "recovery")
+    assert rec["tier"] == "memory-reshard" and rec["steps_lost"] == 0
+    (resume,) = _events(cfg, "resume")
+    assert resume["resharded"] and resume["bytes_verified"] > 0  # every piece's checksum checked
+    # the same trajectory up to float reassociation across layouts
+    for k, v in resumed["losses"].items():
+        assert abs(v - full["losses"][k]) < 1e-3 * abs(full["losses"][k]), (k, v, full["losses"][k])
