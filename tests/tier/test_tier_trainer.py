@@ -122,8 +122,10 @@ def test_a_damaged_copy_falls_back_and_still_ends_bitwise(base: str, full: dict[
     _lose_node(cfg, 7)
     copy = _node(cfg, 0) / "replicas" / "rank-3" / step_name(7)
     m = ckpt.inspect(str(copy))
-    s = max((s for t in m.tensors.values() for s in t.shards), key=lambda s: s.length)
-    with open(copy / s.file, "r+b") as f:  # flipped bytes in the middle of the biggest piece
+    # the biggest piece only rank 3 holds (its ZeRO-1 optimizer slice): a replicated piece would be
+    # read from another rank's copy by the resharding restore (the fallback after the own-copy one)
+    s = max((s for k, t in m.tensors.items() if k.startswith("optim.") for s in t.shards), key=lambda s: s.length)
+    with open(copy / s.file, "r+b") as f:  # flipped bytes in the middle of it
         f.seek(s.offset + s.length // 2)
         b = f.read(2)
         f.seek(s.offset + s.length // 2)
@@ -131,9 +133,10 @@ def test_a_damaged_copy_falls_back_and_still_ends_bitwise(base: str, full: dict[
     resumed = run_training(cfg, LAYOUT)
     assert resumed["start"] == SAVE_EVERY  # keep=1: no older memory step, so storage's
     _same_end(full, cfg)
-    (failed,) = _events(cfg, "restore_failed")
+    failed, resharded = _events(cfg, "restore_failed")
     assert failed["tier"] == "memory" and failed["rank"] == 3 and failed["source"] == "peer" and failed["step"] == 7
     assert "checksum" in failed["error"].lower() or "IntegrityError" in failed["error"]
+    assert resharded["tier"] == "memory-reshard" and "checksum" in resharded["error"].lower()
     assert _events(cfg, "recovery")[0]["tier"] == "storage"
     assert [c.step for c in list_checkpoints(cfg.ckpt_dir or "") if c.committed][-1] == STEPS
 
