@@ -196,8 +196,8 @@ def gc_memory(root: str | None = None, shm_dir: str | None = None, *, min_age: f
                     e = read_entry(path, owner, step, kind, run_id, world, token)
                     if gone:
                         remove(run_id, path, f"stale: {gone}")
-                    elif e.problem:
-                        remove(run_id, path, e.problem)
+                    elif e.problem and (e.committed or e.problem.startswith("incomplete")):
+                        remove(run_id, path, e.problem)  # an unreadable manifest is reported by ls, left alone
                 for d in (where, os.path.dirname(where) if kind == "replica" else ""):
                     if d and not dry_run:
                         with contextlib.suppress(OSError):

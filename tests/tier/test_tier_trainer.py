@@ -178,3 +178,17 @@ def test_a_layout_change_resumes_from_the_memory_tier(base: str, full: dict[str,
     # the same trajectory up to float reassociation across layouts
     for k, v in resumed["losses"].items():
         assert abs(v - full["losses"][k]) < 1e-3 * abs(full["losses"][k]), (k, v, full["losses"][k])
+
+
+def test_memory_busy_skip_skips_the_same_steps_everywhere_and_training_is_unchanged(base: str,
+                                                                                    full: dict[str, Any]) -> None:
+    cfg = dataclasses.replace(_cfg(base, "busy-skip"), memory_busy="skip")
+    run_training(cfg, LAYOUT)
+    _same_end(full, cfg)  # memory checkpoints never change training
+    mem = _events(cfg, "memory_checkpoint")
+    assert mem and all(r["complete"] for r in mem) and mem[0]["step"] == 1
+    steps = [r["step"] for r in mem]
+    assert steps == sorted(set(steps))
+    # each record counts the due steps skipped since the previous one (the same on every rank: the
+    # background agreement would otherwise have mixed steps and failed)
+    assert all(r["busy_skipped"] == r["step"] - p - 1 for p, r in zip([0, *steps], mem, strict=False))
