@@ -328,7 +328,7 @@ def _busy_skip(rank: int, world: int, shm: str, out: str) -> None:
     seen = []
     import torch.distributed as dist
 
-    for step in range(1, 61):
+    for step in range(1, 25):
         dist.barrier()  # training's collectives keep the ranks within a step of each other
         time.sleep(0.002 * ((step * (rank + 3)) % 4))  # but they reach each step at different times
         h = tier.save_async(step, state_of(rank, step))
@@ -346,6 +346,6 @@ def test_busy_skip_never_waits_and_every_rank_skips_the_same_steps(shm: str, tmp
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(g["seen"] == got[0]["seen"] for g in got)  # the same steps started (or skipped) on every rank
     started = [s for s, busy in got[0]["seen"] if not busy]
-    assert 1 in started and 3 <= len(started) < 60  # some due steps were skipped: the previous one still ran
+    assert 1 in started and 3 <= len(started) < 24  # some due steps were skipped: the previous one still ran
     assert {g["last"] for g in got} == {started[-1]}
     assert {r["step"] for r in _restored(shm, tmp_path).values()} == {started[-1]}  # bitwise (see _restore)
