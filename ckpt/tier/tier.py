@@ -175,7 +175,8 @@ class MemoryTier:
     def save(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
              layout: dict[str, Any] | None = None) -> MemoryCheckpoint:
         """:meth:`save_async`, then wait for it: the memory checkpoint of ``step`` is over on every
-        rank when this returns (collective). Raises what the background work raised."""
+        rank when this returns (collective; with ``busy="skip"`` it may have been skipped:
+        ``result.busy``). Raises what the background work raised."""
         return self.save_async(step, state, user_metadata=user_metadata, layout=layout).result()
 
     def save_async(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
