@@ -56,7 +56,7 @@ from ckpt.tier.transfer import exchange, failed, package
 from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
 _SELF_GROUPS: dict[tuple[int, int], Any] = {}
-BACKGROUND_NICE = 10  # the background thread's niceness (see MemoryTier._background)
+BACKGROUND_NICE = 10  # the background thread's niceness with busy="skip" (see MemoryTier._background)
 
 
 def _self_group(rank: int) -> Any:
@@ -254,10 +254,13 @@ class MemoryTier:
 
     def _background(self, handle: MemoryHandle, snap: Snapshot | None, problem: BaseException | None,
                     meta: dict[str, Any], layout: dict[str, Any] | None, busy: int = 0) -> None:
-        # nice +10 for this thread only (Linux: a thread is a task): where cores are short, training
-        # gets them first; the memory checkpoint takes what is left (a thread per checkpoint: no reset)
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        if self.config.busy == "skip":
+            # nice +10 for this thread only (Linux: a thread is a task): where cores are short,
+            # training gets them first and the memory checkpoint takes what is left (a due step finding
+            # it still running is skipped). Not with busy="wait": training would then wait for work
+            # that it starved itself. A thread per checkpoint: nothing to reset.
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         try:
             result = self._write_and_agree(handle, snap, problem, meta, layout)
             result.rank_wait_s, result.rank_snapshot_s, result.busy_skipped = handle.wait_s, handle.snapshot_s, busy
