@@ -56,6 +56,9 @@ class TrainConfig:
             node; ``CheckpointManager(memory_every=)``); None: no memory tier.
         replicas / memory_keep: peer copies of each rank's memory checkpoint; complete memory
             checkpoints kept per rank.
+        memory_busy: ``wait`` (a memory checkpoint due while the previous one still runs waits for
+            it) or ``skip`` (it is skipped: no stall, fewer memory checkpoints); see
+            :class:`ckpt.tier.TierConfig`.
         nodes: simulate this many nodes on one host (contiguous blocks of ranks); None: the node
             comes from ``CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE``.
         shm_dir / run_id: the memory tier's base directory (default ``$CKPT_SHM_DIR`` or
@@ -98,6 +101,7 @@ class TrainConfig:
     memory_every: int | None = None
     replicas: int = 1
     memory_keep: int = 1
+    memory_busy: str = "wait"
     nodes: int | None = None
     shm_dir: str | None = None
     run_id: str | None = None
@@ -133,6 +137,8 @@ class TrainConfig:
         if self.memory_every is not None and (self.memory_every < 1 or self.ckpt_dir is None):
             raise ValueError(f"TrainConfig.memory_every={self.memory_every}: use a positive step count, with a "
                              "ckpt_dir (it names the run; persistent saves go there)")
+        if self.memory_busy not in ("wait", "skip"):
+            raise ValueError(f"TrainConfig.memory_busy={self.memory_busy!r}: use 'wait' or 'skip'")
         if self.replicas < 0 or self.memory_keep < 1:
             raise ValueError(f"TrainConfig: replicas={self.replicas} must be >= 0 and memory_keep="
                              f"{self.memory_keep} >= 1")
