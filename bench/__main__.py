@@ -16,6 +16,7 @@ Subcommands::
     crash       SIGKILL during saves (500 random + targeted kills), audit every checkpoint left behind
     fuzz        long fuzzing of the manifest/header/object parsers and verify; single-fault corruption census
     hashcost    save time with and without CRC-32 checksumming
+    memory-tier memory tier: restore vs persistent (vs H2D/memcpy), recovery with/without, peer fetch, stall
     gpu-io      loads into GPU tensors (warm, cold) and synchronous GPU saves vs DCP and safetensors
     scale       simulated planning for a DeepSeek-V3-sized MoE on 16,384 ranks, ckpt vs DCP
     scaling     real forked gloo ranks (8..64): save, async save, resharded load vs DCP; coordinator bytes
@@ -46,6 +47,7 @@ from bench import (
     hf_export,
     hf_llama,
     lasp_bench,
+    memory_tier,
     memtier_gpu,
     multirank,
     reshard,
@@ -73,6 +75,8 @@ COMMANDS = {
     "crash": (crash, "SIGKILL during saves; every manifest verifies, latest() loads"),
     "fuzz": (fuzz, "fuzz the parsers of untrusted bytes (100k inputs) and census single-fault corruptions"),
     "hashcost": (hashcost, "save time with and without CRC-32 checksums"),
+    "memory-tier": (memory_tier, "memory tier: restore vs persistent and H2D/memcpy, recovery with and without "
+                                 "the tier, peer fetch vs raw gloo, step slowdown"),
     "gpu-io": (gpu_io, "GPU restores (warm/cold) and sync GPU saves vs dcp and safetensors, vs H2D/disk/dd"),
     "scale": (scale, "simulated DeepSeek-V3 planning at 16,384 ranks: ckpt vs DCP's planner, no tensors"),
     "scaling": (scaling, "8..64 forked gloo ranks: save/async/resharded load vs DCP, coordinator bytes and growth"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -53,21 +54,37 @@ class _Block(torch.nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
-def _model(layers: int, hidden: int, mesh_shape: tuple[int, ...], names: tuple[str, ...], device: str = "cpu",
-           dtype: torch.dtype = torch.float32, mesh: Any = None) -> tuple[Any, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included), not value equality."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(ints[a.element_size()]),
+                                                                     b.view(ints[b.element_size()]))
 
+
+def _initial(layers: int, hidden: int, device: str, dtype: torch.dtype) -> torch.nn.Sequential:
+    """The model's initial values, the same on every rank (built before any sharding)."""
     torch.manual_seed(0)
     with torch.device("meta" if device == "cuda" else "cpu"):  # no host copy of a large GPU model
         model = torch.nn.Sequential(*[_Block(hidden) for _ in range(layers)]).to(dtype)
     if device == "cuda":
         model.to_empty(device="cuda")
         with torch.no_grad():
-            for p in model.parameters():  # same values on every rank, before sharding
+            for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=torch.Generator("cuda").manual_seed(p.numel() % 9973),
                                     device="cuda").to(dtype) * 0.02)
+    with torch.no_grad():  # residual scaling (GPT-2): 159 blocks would otherwise overflow bf16, and NaN != NaN
+        for blk in model:
+            blk.down.weight.mul_(1 / math.sqrt(2 * layers))
+    return model
+
+
+def _model(layers: int, hidden: int, mesh_shape: tuple[int, ...], names: tuple[str, ...], device: str = "cpu",
+           dtype: torch.dtype = torch.float32, mesh: Any = None) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _initial(layers, hidden, device, dtype)
     mesh = mesh if mesh is not None else init_device_mesh(device, mesh_shape, mesh_dim_names=names)
     if "tp" in names:
         for blk in model:
@@ -75,7 +92,10 @@ def _model(layers: int, hidden: int, mesh_shape: tuple[int, ...], names: tuple[s
     for blk in model:
         fully_shard(blk, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # lr 0: the step fills AdamW's state (exp_avg, exp_avg_sq) and leaves the weights at their initial
+    # values, which every rank can rebuild on its own: the bitwise check then needs no collective
+    # (a _StridedShard full_tensor() is what it would otherwise trust)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.0)
 
 
 def _state(model: Any, opt: Any) -> dict[str, Any]:
@@ -120,6 +140,8 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
     model, opt = _model(layers, hidden, (world // tp, tp), ("dp", "tp"), device, dt)
     model(torch.randn(2, DIM, device=device, dtype=dt)).float().square().mean().backward()  # replicas stay equal
     opt.step()
+    # a non-finite weight would make the bitwise check meaningless (and the state unrealistic)
+    nonfinite = sum(int((~torch.isfinite(p.to_local())).sum()) for p in model.parameters())
     src = _state(model, opt)
     # FSDP only over the first load_ranks ranks: another mesh (and, with fewer ranks, other GPUs)
     sub = dist.new_group(list(range(load_ranks)))
@@ -134,7 +156,7 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
                       "dcp async done": []})
     disk: dict[str, int] = {}
     timed = timed_collective
-    want = {k: v.full_tensor().cpu() for k, v in src["model"].items()}
+    want = {k: v.detach().cpu() for k, v in _initial(layers, hidden, device, dt).state_dict().items()}
     mismatches: list[str] = []
     for r in range(repeats):
         for name in ("ckpt", "dcp"):
@@ -161,7 +183,7 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
                     times["dcp load"].append(_timed_on(sub, lambda d=d: dcp.load(dst, checkpoint_id=d,
                                                                                 process_group=sub)))
                 for k, v in dst["model"].items():
-                    if not torch.equal(v.full_tensor().cpu(), want[k]):
+                    if not _same_bits(v.full_tensor().cpu(), want[k]):
                         mismatches.append(f"{name} {k}")
                 for t in dst["model"].values():  # the next load must write every byte again
                     t.to_local().zero_()
@@ -173,7 +195,8 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"bytes": nbytes, "times": times, "disk_bytes": disk, "mismatches": mismatches,
-                       "device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+                       "nonfinite": nonfinite, "device": device,
+                       "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                        "world": world, "tp": tp, "load_ranks": load_ranks, "dtype": dtype}, f)
     dist.destroy_process_group()
 
@@ -266,7 +289,8 @@ def main(args: argparse.Namespace) -> int:
              f"(dp={res['world'] // res['tp']}, tp={res['tp']}) saved; loaded as FSDP dp={res['load_ranks']}")
     print_table(title, COLUMNS, rows_for(res))
     print("bitwise: " + ("every loaded parameter equals the saved one" if not res["mismatches"]
-                         else f"MISMATCHES {res['mismatches'][:6]}"))
+                         else f"MISMATCHES {res['mismatches'][:6]}")
+          + (f"; {res['nonfinite']} non-finite weights on rank 0" if res.get("nonfinite") else ""))
     n = res["bytes"]
     print(f"state {n / 1e9:.2f} GB in {res['layers']} layers; on disk: ckpt {res['disk_bytes']['ckpt'] / 1e9:.3f} GB, "
           f"dcp {res['disk_bytes']['dcp'] / 1e9:.3f} GB; dd conv=fdatasync {res['dd_gbps']:.2f} GB/s; "

@@ -8,7 +8,12 @@ fresh subprocess (page cache dropped first when root) and records wall time and 
 - ``ckpt-import``: ``import_hf(HF_DIR, CKPT)`` (streaming, single layout);
 - ``ckpt-export``: ``export_hf(CKPT, OUT)`` (streaming);
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(HF_DIR)`` then ``save_pretrained(OUT)``,
-  the job both of ckpt's commands replace.
+  the job both of ckpt's commands replace;
+- ``transformers+fsync``: the same, then ``fsync`` of every file written and of the directory: the
+  durability ckpt's commands give (they fsync before they return), so the two can be compared with
+  the disk's write-back counted on both sides.
+
+The disk's own write speed (``dd conv=fdatasync`` of the source's size) is measured in the same run.
 
 The ckpt export is compared with the source tensor by tensor (bitwise) once.
 """
@@ -24,9 +29,19 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import GB, drop_caches, fmt, markdown_table, median, print_table, proc_status_bytes, remove
+from bench.common import (
+    GB,
+    drop_caches,
+    fmt,
+    markdown_table,
+    median,
+    print_table,
+    proc_status_bytes,
+    remove,
+    run_dd,
+)
 
-CONTENDERS = ["ckpt-import", "ckpt-export", "transformers"]
+CONTENDERS = ["ckpt-import", "ckpt-export", "transformers", "transformers+fsync"]
 
 
 def _config(size_gb: float) -> dict[str, Any]:
@@ -81,9 +96,21 @@ def worker(name: str, src: str, ck: str, out: str) -> dict[str, Any]:
         import_hf(src, ck)
     elif name == "ckpt-export":
         export_hf(ck, out)
-    elif name == "transformers":
+    elif name in ("transformers", "transformers+fsync"):
         m = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
         m.save_pretrained(out)
+        if name == "transformers+fsync":
+            for f in os.listdir(out):
+                fd = os.open(os.path.join(out, f), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fd = os.open(out, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     else:
         raise SystemExit(f"unknown contender {name!r}")
     return {"seconds": time.perf_counter() - t0, "peak_rss": proc_status_bytes("VmHWM")}
@@ -137,7 +164,12 @@ def main(args: argparse.Namespace) -> int:
         rows.append([n, fmt(s), f"{size / s / GB:.2f}", f"{rss / GB:.2f}", f"{tf['seconds'] / s:.2f}x",
                      f"{rss / tf['peak_rss']:.2f}"])
     cols = ["contender", "seconds (median)", "GB/s", "peak RSS GB", "speed vs transformers", "RSS / transformers"]
-    title = f"Llama {size / GB:.2f} GB fp32 ({args.repeats} repeats; export bitwise: {runs['_checked'][0]['tensors']})"
+    dd = run_dd(os.path.join(root, "dd.bin"), count=max(1, int(size / (16 << 20))))
+    durable = median([r["seconds"] for r in runs["transformers+fsync"]])
+    checked = runs["_checked"][0]["tensors"]
+    title = (f"Llama {size / GB:.2f} GB fp32 ({args.repeats} repeats; export bitwise: {checked}); "
+             f"dd conv=fdatasync {dd.gbps:.2f} GB/s = {size / dd.gbps / GB:.2f} s for the export's bytes; "
+             f"ckpt-export vs transformers+fsync {durable / median([r['seconds'] for r in runs['ckpt-export']]):.2f}x")
     print_table(title, cols, rows)
     if args.markdown:
         with open(args.markdown, "w") as f:

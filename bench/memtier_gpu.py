@@ -144,10 +144,12 @@ def summarize(metrics: str) -> dict[str, Any]:
             saves.add((attempt, r["step"]))
         elif ev is None and "step_ms" in r and attempt in steps:
             steps[attempt].append(r)
-    timed = [r["step_ms"] for r in steps[0] if r["step"] > 1 and (0, r["step"]) not in saves]
+    timed_recs = [r for r in steps[0] if r["step"] > 1 and (0, r["step"]) not in saves]
+    timed = [r["step_ms"] for r in timed_recs]
     mem = [r for r in recs if r.get("event") == "memory_checkpoint"]
     rec = next((r for r in recs if r.get("event") == "recovery"), None)
     out: dict[str, Any] = {"step_ms": median(timed), "step_ms_all": timed,
+                           "stall_ms": median([r.get("ckpt_stall_ms", 0.0) for r in timed_recs]),
                            "steps_attempt0": [[r["step"], r["step_ms"]] for r in steps[0]],
                            "steps_attempt1": [[r["step"], r["step_ms"]] for r in steps[1]],
                            "memory_checkpoints": len(mem), "memory_complete": sum(1 for r in mem if r["complete"])}
@@ -156,6 +158,9 @@ def summarize(metrics: str) -> dict[str, Any]:
         out["replica_bytes_per_step"] = median([r["replica_bytes"] for r in mem])
         out["memory_write_ms"] = median([r["max_write_ms"] for r in mem])
         out["memory_replicate_ms"] = median([r["max_replicate_ms"] for r in mem])
+        out["memory_wait_ms"] = median([r.get("wait_ms", 0.0) for r in mem])
+        out["memory_snapshot_ms"] = median([r.get("snapshot_ms", 0.0) for r in mem])
+        out["memory_steps"] = [r["step"] for r in mem if r["complete"]]
         out["memory_warnings"] = [r.get("warning") for r in mem if not r["complete"]][:3]
     if rec is not None:
         out["recovery"] = rec
@@ -211,21 +216,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bw = res["bandwidth"]
         print(f"bandwidth: {json.dumps({k: v for k, v in bw.items() if k.endswith('gbps') or k == 'gpu'})}",
               flush=True)
-        for kind in ("storage", "memory"):
+        busy = [b.strip() for b in args.memory_busy.split(",") if b.strip()]
+        runs = ["storage"] + ["memory" if b == "wait" else f"memory-{b}" for b in busy]
+        res["runs"] = runs
+        for kind in runs:
             t = time.perf_counter()
             ckpt_dir = os.path.join(work, kind)
             shutil.rmtree(ckpt_dir, ignore_errors=True)
             cfg = TrainConfig(model=model, seq_len=args.seq, global_batch=res["global_batch"], microbatches=1,
                               steps=args.steps, save_every=args.save_every, async_save=False, warmup=1,
                               ckpt_dir=ckpt_dir, fail_at_step=args.fail_at, fail_node=1, nodes=2, device=args.device,
-                              memory_every=1 if kind == "memory" else None, replicas=1, shm_dir=shm,
+                              memory_every=1 if kind != "storage" else None, replicas=1, shm_dir=shm,
+                              memory_busy="skip" if kind == "memory-skip" else "wait",
                               metrics_path=os.path.join(work, f"{kind}.metrics.jsonl"))
             if os.path.exists(cfg.metrics_file or ""):
                 os.unlink(cfg.metrics_file or "")
             cfg.check_layout(layout)
+            mem_note = f", memory checkpoint every step (busy={cfg.memory_busy})" if kind != "storage" else ""
             print(f"== {kind}: {layout}, {args.steps} steps, persistent save every {args.save_every}, node 1 lost "
-                  f"after step {args.fail_at}" + (", memory checkpoint every step" if kind == "memory" else ""),
-                  flush=True)
+                  f"after step {args.fail_at}{mem_note}", flush=True)
             evicted: dict[str, Any] = {}
 
             def between(d: str = ckpt_dir, kind: str = kind, evicted: dict[str, Any] = evicted) -> None:
@@ -237,7 +246,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out.update(exit_codes=codes, wall_s=round(time.perf_counter() - t, 1), evicted=evicted or None)
             res[kind] = out
             rec = out.get("recovery") or {}
-            print(f"  {kind}: exit codes {codes}; step {out['step_ms']:.1f} ms (median of {out['step_ms_all']}); "
+            print(f"  {kind}: exit codes {codes}; step {out['step_ms']:.1f} ms (median of {out['step_ms_all']}), "
+                  f"checkpoint stall {out['stall_ms']:.1f} ms; complete memory checkpoints at steps "
+                  f"{out.get('memory_steps', [])}; "
                   f"recovery tier {rec.get('tier')} from step {rec.get('step')}, lost {rec.get('steps_lost')}, "
                   f"restart {rec.get('restart_ms')} ms + restore {rec.get('restore_ms')} ms + first step "
                   f"{rec.get('first_step_ms')} ms, {rec.get('bytes', 0) / 1e9:.2f} GB restored; {out['wall_s']} s"
@@ -265,12 +276,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def derive(res: dict[str, Any]) -> None:
     """Slowdown and restore bandwidths (per rank, and over the H2D / memcpy limit)."""
-    s, m = res.get("storage", {}), res.get("memory", {})
-    if s.get("step_ms") and m.get("step_ms"):
-        res["slowdown"] = m["step_ms"] / s["step_ms"]
+    s = res.get("storage", {})
+    mems = [res[k] for k in res.get("runs", []) if k != "storage" and k in res]
+    for m in mems:
+        if s.get("step_ms") and m.get("step_ms"):
+            m["slowdown"] = m["step_ms"] / s["step_ms"]
+    if res.get("memory", {}).get("slowdown"):
+        res["slowdown"] = res["memory"]["slowdown"]
     bw = res.get("bandwidth", {})
     limit = bw.get("h2d_gbps") or bw.get("memcpy_gbps")
-    for run in (s, m):
+    for run in (s, *mems):
         rec = run.get("recovery")
         if rec and rec.get("restore_ms"):
             per_rank = rec["bytes"] / res["ranks"] / (rec["restore_ms"] / 1e3) / 1e9
@@ -287,19 +302,25 @@ def _write(path: str, res: dict[str, Any]) -> None:
 
 
 def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    s, m = res.get("storage", {}), res.get("memory", {})
+    nan = float("nan")
+    s = res.get("storage", {})
+    mems = [(k, res[k]) for k in res.get("runs", []) if k != "storage" and k in res]
     bw = res.get("bandwidth", {})
     limit_name = "H2D" if bw.get("h2d_gbps") else "memcpy"
-    limit = bw.get("h2d_gbps") or bw.get("memcpy_gbps") or float("nan")
-    step_rows = [["no memory tier", fmt(s.get("step_ms", float("nan")), 1), "-", "-", "-", "1.00"],
-                 ["--memory-every 1", fmt(m.get("step_ms", float("nan")), 1),
-                  fmt(m.get("memory_bytes_per_step", float("nan")) / res["ranks"] / 1e9, 3),
-                  fmt(m.get("memory_write_ms", float("nan")), 0), fmt(m.get("memory_replicate_ms", float("nan")), 0),
-                  fmt(res.get("slowdown", float("nan")), 2)]]
+    limit = bw.get("h2d_gbps") or bw.get("memcpy_gbps") or nan
+    step_rows = [["no memory tier", fmt(s.get("step_ms", nan), 1), fmt(s.get("stall_ms", nan), 1), "-", "-", "-",
+                  "-", "-", "1.00"]]
+    for k, m in mems:
+        step_rows.append([f"--memory-every 1, busy={'skip' if k == 'memory-skip' else 'wait'}",
+                          fmt(m.get("step_ms", nan), 1), fmt(m.get("stall_ms", nan), 1),
+                          fmt(m.get("memory_bytes_per_step", nan) / res["ranks"] / 1e9, 3),
+                          str(m.get("memory_complete", 0)),
+                          fmt(m.get("memory_snapshot_ms", nan), 0), fmt(m.get("memory_write_ms", nan), 0),
+                          fmt(m.get("memory_replicate_ms", nan), 0), fmt(m.get("slowdown", nan), 2)])
     rec_rows = []
-    for label, run in (("persistent storage", s), ("memory tier (peer copies)", m)):
+    for label, run in (("persistent storage", s),
+                       *((f"memory tier, busy={'skip' if k == 'memory-skip' else 'wait'}", m) for k, m in mems)):
         r = run.get("recovery") or {}
-        nan = float("nan")
         rec_rows.append([label, str(r.get("tier", "-")), str(r.get("step", "-")), str(r.get("steps_lost", "-")),
                          fmt(r.get("restart_ms", nan), 0), fmt(r.get("restore_ms", nan), 0),
                          fmt(r.get("first_step_ms", nan), 0), fmt(run.get("restart_to_step_ms", nan), 0),
@@ -307,7 +328,8 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                          fmt(run.get("restore_vs_limit", nan), 3)])
     return [
         (f"step time, {res['model']} under {res['layout']} ({res['ranks']} ranks, 2 simulated nodes)",
-         ["run", "step ms", "memory ckpt GB/rank", "write ms", "replicate ms", "slowdown"], step_rows),
+         ["run", "step ms", "stall ms", "memory ckpt GB/rank", "complete ckpts logged", "snapshot ms", "write ms",
+          "replicate ms", "slowdown"], step_rows),
         (f"node 1 lost after step {res['fail_at']}: restart to the next step ({limit_name} {fmt(limit, 1)} GB/s"
          + (" per GPU)" if limit_name == "H2D" else ")"),
          ["restore from", "tier", "step", "steps lost", "restart ms", "restore ms", "first step ms",
@@ -328,6 +350,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-at", type=int, default=5, help="node 1 is lost after this many steps")
     p.add_argument("--launcher", default="torchrun", choices=("torchrun", "fork"),
                    help="torchrun (new processes per attempt, as ckpt train) or forked ranks (faster, CPU tests)")
+    p.add_argument("--memory-busy", default="wait",
+                   help="memory runs: wait (a checkpoint due while the previous runs waits for it), skip, or "
+                        "wait,skip for both (one more run, ~1 min on GPUs)")
     p.add_argument("--h2d-gib", type=float, default=1.0, help="size of the bandwidth probe")
     p.add_argument("--shm-dir", default=None, help="memory tier base (default /dev/shm)")
     p.add_argument("--work-dir", default=None, help="persistent checkpoints, metrics, logs (default: a temp dir)")
@@ -345,6 +370,7 @@ def main(args: argparse.Namespace) -> int:
     for title, cols, rows in tables(res):
         print(f"**{title}**\n\n{markdown_table(cols, rows)}\n")
     print(f"total wall time {res.get('wall_s', 0):.0f} s", flush=True)
-    ok = all(res.get(k, {}).get("exit_codes", [1])[-1] == 0 for k in ("storage", "memory"))
-    tiers = tuple(res.get(k, {}).get("recovery", {}).get("tier") for k in ("storage", "memory"))
-    return 0 if ok and tiers == ("storage", "memory-peer") else 1
+    runs = res.get("runs", [])
+    ok = bool(runs) and all(res.get(k, {}).get("exit_codes", [1])[-1] == 0 for k in runs)
+    tiers = [res.get(k, {}).get("recovery", {}).get("tier") for k in runs]
+    return 0 if ok and tiers[0] == "storage" and all(t == "memory-peer" for t in tiers[1:]) else 1

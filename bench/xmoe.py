@@ -38,7 +38,7 @@ CASES: list[tuple[str, int, str, bool]] = [
 
 def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], layout: str, steps: int,
                out: str) -> None:
-    from ckpt.resharders.layout import Layout
+    from ckpt.layout import Layout
     from ckpt.trainer.config import TrainConfig
     from ckpt.trainer.data import SampleSource, rank_batch
     from ckpt.trainer.ep import DispatchStats, ParallelMoEBlock
@@ -75,7 +75,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], layou
 
 def run_case(cfg_dict: dict[str, Any], layout: str, steps: int) -> dict[str, Any]:
     """One layout and config on forked gloo ranks; per-step sums over ranks and rank 0's step time."""
-    from ckpt.resharders.layout import Layout
+    from ckpt.layout import Layout
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,7 +29,7 @@ from ckpt.staging import check_cap
 from ckpt.storage import Storage, get_storage, join_url
 
 if TYPE_CHECKING:
-    from ckpt.tier import MemoryCheckpoint, MemoryTier, TierRestore
+    from ckpt.tier import MemoryHandle, MemoryTier, TierRestore
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LEASE = ".writing"
@@ -305,7 +305,7 @@ class CheckpointManager:
         start = mgr.restore(state) or 0      # memory (own copy, else a peer's), else storage
         ...
             if mgr.memory_due(step):
-                mgr.save_memory(step, state)  # synchronous, into /dev/shm; skipped when full
+                mgr.save_memory(step, state)  # copies to host, then /dev/shm + peer in the background
             if step % 50 == 0:
                 mgr.save(step, state)         # persistent, async
 
@@ -313,7 +313,9 @@ class CheckpointManager:
     ``replicas`` (copies on other nodes), ``memory_keep`` (complete memory checkpoints kept),
     ``shm_dir`` (base, default ``$CKPT_SHM_DIR`` or ``/dev/shm``), ``run_id`` (default
     ``$CKPT_RUN_ID`` or a hash of the root), ``node`` / ``nodes`` (this rank's node, or simulated
-    nodes; default ``$CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE`` grouping), ``memory_timeout`` (s).
+    nodes; default ``$CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE`` grouping), ``memory_timeout`` (s),
+    ``memory_busy`` (``wait``: a memory checkpoint due while the previous one still runs waits for it;
+    ``skip``: it is skipped, see :class:`ckpt.tier.TierConfig`).
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = 3, keep_every: int | None = None,
@@ -322,7 +324,7 @@ class CheckpointManager:
                  max_staging_bytes: int | None = None,
                  memory_every: int | None = None, replicas: int = 1, memory_keep: int = 1,
                  shm_dir: str | None = None, run_id: str | None = None, node: int | None = None,
-                 nodes: int | None = None, memory_timeout: float = 120.0):
+                 nodes: int | None = None, memory_timeout: float = 120.0, memory_busy: str = "wait"):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
         self.root = root_url.rstrip("/")
@@ -351,7 +353,7 @@ class CheckpointManager:
 
             self.memory = MemoryTier(TierConfig(self.root, run_id=run_id, shm_dir=shm_dir, node=node, nodes=nodes,
                                                 keep=memory_keep, replicas=replicas, timeout=memory_timeout,
-                                                lineage=self._lineage(memory_timeout)),
+                                                lineage=self._lineage(memory_timeout), busy=memory_busy),
                                      group=group)
         if gc_on_start and self._rank == 0:
             # Incomplete leftovers of a crash. No save of this job can have started yet: the first
@@ -484,18 +486,24 @@ class CheckpointManager:
         return self.memory is not None and self.memory_every is not None and step % self.memory_every == 0
 
     def save_memory(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
-                    layout: dict[str, Any] | None = None) -> MemoryCheckpoint:
-        """Write the memory checkpoint of ``step`` (collective, synchronous; see
-        :meth:`ckpt.tier.MemoryTier.save`). A full shared memory skips it on every rank with a
-        warning (``result.skipped``); persistent saves are not affected.
+                    layout: dict[str, Any] | None = None) -> MemoryHandle:
+        """Start the memory checkpoint of ``step`` (collective; see
+        :meth:`ckpt.tier.MemoryTier.save_async`): returns once this rank's pieces are copied into
+        host buffers (after the previous memory checkpoint, if still running, has finished); the
+        write to shared memory and the copy to a peer node run in the background. ``result()`` on
+        the handle waits and returns the :class:`ckpt.tier.MemoryCheckpoint`; a full shared memory
+        skips it on every rank with a warning (``result().skipped``); persistent saves are not
+        affected.
 
-        Raises StateError when the manager has no memory tier (``memory_every`` None).
+        Raises StateError when the manager has no memory tier (``memory_every`` None), and the
+        previous memory checkpoint's error (a lost peer, a state ``ckpt.save`` refuses) if nothing
+        has raised it yet.
         """
         if self.memory is None:
             from ckpt.errors import StateError
 
             raise StateError(f"{self.root}: this CheckpointManager has no memory tier; pass memory_every=N")
-        return self.memory.save(step, state, user_metadata=user_metadata, layout=layout)
+        return self.memory.save_async(step, state, user_metadata=user_metadata, layout=layout)
 
     def restore(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest checkpoint into ``state`` (collective); return its step or None.
@@ -514,7 +522,10 @@ class CheckpointManager:
                 with contextlib.suppress(CheckpointError):
                     newest = self._step_of(url)
             got = self.memory.restore(state, min_step=newest, strict=strict)
-            self.memory.reset(got.step if got is not None else None)
+            if got is None:  # another layout or world size: the resharding load, when every piece is here
+                got = self.memory.restore_resharded(state, min_step=newest, strict=strict)
+            # a resharded step is not this layout's memory checkpoint: nothing of the old one is kept
+            self.memory.reset(got.step if got is not None and got.tier != "memory-reshard" else None)
             if got is not None:
                 _update_in_place(state, got.value)
                 self.last_restore = got
@@ -533,8 +544,12 @@ class CheckpointManager:
             m.close()
 
     def close(self) -> None:
-        """Wait for the save in flight (clean shutdown)."""
-        self.wait()
+        """Wait for the saves in flight, persistent and memory (clean shutdown)."""
+        try:
+            self.wait()
+        finally:
+            if self.memory is not None:
+                self.memory.drain(raise_error=True)
 
 
 def _update_in_place(state: dict[str, Any], new: dict[str, Any]) -> None:

@@ -70,15 +70,28 @@ def gc_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="only show what would be removed"),
     json_out: bool = typer.Option(False, "--json", help="print what was (or would be) removed and what was kept"),
     storage_option: list[str] = StorageOpt,
+    memory: bool = typer.Option(False, "--memory",
+                                help="also remove what no job can restore from ROOT's memory tiers on this host"),
+    shm_dir: str | None = typer.Option(None, "--shm-dir",
+                                       help="memory tier base directory (default $CKPT_SHM_DIR or /dev/shm)"),
+    min_age: float = typer.Option(300.0, "--min-age", min=0,
+                                  help="with --memory: only what nothing touched for this many seconds"),
 ) -> None:
     """Remove unfinished saves of ours and, with --keep-last, old committed ones. Entries gc cannot
-    prove are ours (unreadable manifest, foreign files, symlinks) are reported and kept."""
+    prove are ours (unreadable manifest, foreign files, symlinks) are reported and kept. With
+    --memory: memory-tier copies of a root emptied or replaced since, of another run id or world
+    size, incomplete ones and leftover views (see ckpt.tier.gc_memory)."""
     opts = parse_storage_options(storage_option)
     doomed = gc(root, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run, storage_options=opts)
     kept = [c for c in list_checkpoints(root, opts) if not c.removable]
+    mem = []
+    if memory:
+        from ckpt.tier import gc_memory
+
+        mem = gc_memory(root, shm_dir, min_age=min_age, dry_run=dry_run)
     if json_out:
         print_json({"dry_run": dry_run, "removed": [c.to_dict() for c in doomed],
-                    "kept_not_ours": [c.to_dict() for c in kept]})
+                    "kept_not_ours": [c.to_dict() for c in kept], "memory_removed": [m.to_dict() for m in mem]})
         return
     verb = "would remove" if dry_run else "removed"
     for c in kept:
@@ -87,6 +100,11 @@ def gc_cmd(
         console.print(f"{verb} {c.url} ({'committed' if c.committed else 'incomplete'}, {human_bytes(c.bytes)})",
                       highlight=False)
     console.print(f"{verb} {len(doomed)} checkpoint(s)", highlight=False)
+    for m in mem:
+        console.print(f"{verb} memory tier {m.path} ({m.reason}, {human_bytes(m.bytes)})", highlight=False,
+                      markup=False)
+    if memory:
+        console.print(f"{verb} {len(mem)} memory-tier director(ies)", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,4 @@
-"""``ckpt train`` (launch the embedded MoE trainer through torchrun) and ``ckpt demo`` (the main job)."""
+"""``ckpt train`` (launch the embedded trainer through torchrun) and ``ckpt demo`` (the main job)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ def _error(text: str) -> None:
 
 @handle_errors
 def train_cmd(
-    config: str = typer.Option("tiny", "--config", help="model config: tiny or 100m"),
+    config: str = typer.Option("tiny", "--config",
+                               help="model config: tiny, 100m (the MoE model) or hybrid-tiny (the hybrid MiniMax "
+                                    "family: lightning and softmax attention layers)"),
     tp: int = typer.Option(1, "--tp", min=1, help="tensor-parallel degree"),
     ep: int = typer.Option(1, "--ep", min=1, help="expert-parallel degree"),
     sp: int = typer.Option(1, "--sp", min=1,
@@ -45,6 +47,8 @@ def train_cmd(
                                             help="memory checkpoint every N steps (/dev/shm + a peer node's copy)"),
     replicas: int = typer.Option(1, "--replicas", min=0, help="peer-node copies of each memory checkpoint"),
     memory_keep: int = typer.Option(1, "--memory-keep", min=1, help="complete memory checkpoints kept per rank"),
+    memory_busy: str = typer.Option("wait", "--memory-busy",
+                                    help="a memory checkpoint due while the previous one runs: wait, or skip it"),
     nodes: int | None = typer.Option(None, "--nodes", min=1,
                                      help="simulate N nodes on this host (default with --memory-every: 2)"),
     shm_dir: str | None = typer.Option(None, "--shm-dir", help="memory tier base (default $CKPT_SHM_DIR, /dev/shm)"),
@@ -69,7 +73,8 @@ def train_cmd(
     metrics: str | None = typer.Option(None, "--metrics", help="JSON lines file (default CKPT_DIR/metrics.jsonl)"),
     plot: str | None = typer.Option(None, "--plot", help="write the loss curve PNG here (needs matplotlib)"),
 ) -> None:
-    """Train the embedded MoE on dp*tp*pp*ep*sp processes (torchrun, elastic restarts), with checkpoints."""
+    """Train the embedded MoE (or the hybrid family) on dp*tp*pp*ep*sp processes (torchrun, elastic
+    restarts), with checkpoints."""
     from ckpt.layout import Layout
     from ckpt.trainer.config import TrainConfig, model_config
     from ckpt.trainer.launch import TrainingFailed, launch
@@ -93,9 +98,9 @@ def train_cmd(
                           async_save=not sync_save, max_staging_bytes=cap, init_from=init_from,
                           verify_restore=not no_verify_restore, fail_at_step=fail_at_step,
                           fail_rank=fail_rank, metrics_path=metrics, device=device, fail_node=fail_node,
-                          memory_every=memory_every, replicas=replicas, memory_keep=memory_keep, nodes=nodes,
-                          shm_dir=shm_dir, run_id=run_id, moe_dispatch=moe_dispatch,
-                          moe_sequence_shard=moe_sequence_shard)
+                          memory_every=memory_every, replicas=replicas, memory_keep=memory_keep,
+                          memory_busy=memory_busy, nodes=nodes, shm_dir=shm_dir, run_id=run_id,
+                          moe_dispatch=moe_dispatch, moe_sequence_shard=moe_sequence_shard)
     except ValueError as e:
         _error(str(e))
         raise typer.Exit(5) from None
@@ -133,12 +138,14 @@ def train_cmd(
 def demo_cmd(
     out: str = typer.Option("ckpt-demo", "--out", help="directory for checkpoints, metrics and the plot"),
     steps: int = typer.Option(200, "--steps", min=20, help="total training steps"),
+    node_loss: bool = typer.Option(False, "--node-loss",
+                                   help="lose a whole node instead of one rank; recover from the memory tier"),
 ) -> None:
     """The main job: train tiny on 4 ranks, kill one, resume, continue on 2 ranks under another layout,
     verify, export (when the HF exporter is there), plot."""
     from ckpt.trainer.demo import run_demo, summarize
 
-    report = run_demo(out, steps=steps, say=_say)
+    report = run_demo(out, steps=steps, say=_say, node_loss=node_loss)
     for line in summarize(report):
         _say(f"  {line}")
     _say(f"final checkpoint: {report.final_checkpoint} (verified: checksums and coverage OK)")

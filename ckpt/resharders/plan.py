@@ -196,16 +196,22 @@ def plan_id(manifest: Manifest, target: Layout, rules: RuleSet, stages: list[int
 
 
 def check_model(manifest: Manifest, target: Layout, rules: RuleSet) -> None:
-    """Model-level checks for the embedded MoE (its config is in ``user_metadata["model_config"]``):
-    TP must split attention by whole heads (query and key/value), EP must divide the experts.
+    """Model-level checks for the trainer's models (their config is in ``user_metadata["model_config"]``;
+    the embedded MoE, or the hybrid family with ``layer_types``): TP must split attention by whole
+    heads (query and key/value; a hybrid with no softmax layer only its heads), EP must divide the
+    experts.
 
     Raises LayoutError saying which values would work.
     """
     cfg = manifest.user_metadata.get("model_config")
-    if rules.name != MOE_RULES.name or not isinstance(cfg, dict):
+    if rules.name not in _builtin_rules() or not isinstance(cfg, dict):
         return
     ints = {k: v for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
-    heads, kv, experts = (ints.get(k) for k in ("num_attention_heads", "num_key_value_heads", "num_experts"))
+    heads, kv = ints.get("num_attention_heads"), ints.get("num_key_value_heads")
+    experts = ints.get("num_experts", ints.get("num_local_experts"))
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and "full_attention" not in types:
+        kv = heads  # linear layers only: q, k and v all have num_attention_heads heads
     if target.tp > 1 and heads and kv and (heads % target.tp or kv % target.tp):
         raise LayoutError(
             f"target layout {target}: tp={target.tp} does not divide the model's {heads} attention heads and "
@@ -373,9 +379,18 @@ def source_reads(manifest: Manifest, key: str, region: Region) -> list[tuple[str
     return out
 
 
+def _builtin_rules() -> dict[str, RuleSet]:
+    """The rules tables ckpt writes checkpoints with, by the name recorded in ``user_metadata["rules"]``:
+    the embedded MoE's, and ``hf-decoder`` (``import-hf`` and the trainer's hybrid family)."""
+    from ckpt.hf.adapters import HF_RULES  # lazily: the HF adapters are not needed to plan otherwise
+
+    return {MOE_RULES.name: MOE_RULES, HF_RULES.name: HF_RULES}
+
+
 def rules_for(manifest: Manifest, path: str | None = None) -> RuleSet:
     """The rules to reshard ``manifest`` with: the TOML file at ``path`` when given, else the
-    embedded MoE's table when the checkpoint names it (``user_metadata["rules"]``) or names none.
+    built-in table the checkpoint names (``user_metadata["rules"]``: ``embedded-moe`` or
+    ``hf-decoder``), else the embedded MoE's when it names none.
 
     Raises LayoutError when the checkpoint names other rules and no file is given.
     """
@@ -384,10 +399,14 @@ def rules_for(manifest: Manifest, path: str | None = None) -> RuleSet:
     if path is not None:
         return load_rules(path)
     name = manifest.user_metadata.get("rules")
-    if name is None or name == MOE_RULES.name:
+    if name is None:
         return MOE_RULES
-    raise LayoutError(f"the checkpoint was saved with sharding rules {name!r}, not the embedded MoE's; "
-                      "pass the model's rules file with --rules FILE (TOML, see the README)")
+    known = _builtin_rules()
+    if name in known:
+        return known[name]
+    raise LayoutError(f"the checkpoint was saved with sharding rules {name!r}, not a built-in table "
+                      f"({', '.join(sorted(known))}); pass the model's rules file with --rules FILE (TOML, "
+                      "see the README)")
 
 
 def parse_stages(text: str | None) -> list[int] | None:

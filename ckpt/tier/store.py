@@ -34,18 +34,28 @@ REPLICAS = "replicas"
 
 
 def localize(state: dict[str, Any]) -> tuple[dict[str, Any], list[str], str]:
-    """``(flat state of local pieces, object keys, digest)`` of a state as ``ckpt.save`` takes it.
+    """``(flat state of local pieces, object keys, digest)``: see :func:`localize_pieces`."""
+    flat, objects, digest, _pieces = localize_pieces(state)
+    return flat, objects, digest
+
+
+def localize_pieces(state: dict[str, Any]) -> tuple[dict[str, Any], list[str], str, dict[str, list[Any]]]:
+    """``(flat state of local pieces, object keys, digest, pieces)`` of a state as ``ckpt.save`` takes it.
 
     Tensors become their local pieces under their flattened keys (a DTensor with several local
     boxes gets ``key@1``, ``key@2``, ... for the extra ones); objects keep their value (``PerRank``
     kept). The digest hashes each tensor's key, dtype, global shape and region: equal digests mean
-    the same pieces of the same global tensors, i.e. the same layout for this rank.
+    the same pieces of the same global tensors, i.e. the same layout for this rank. ``pieces`` maps
+    each flat tensor key to ``[global key, dtype, global shape, where]`` (``where``: ``["box",
+    offsets, lengths]`` or ``["flat", start, stop, box or None]``): what a resharding restore needs
+    to read the memory checkpoint as pieces of the global tensors (:mod:`ckpt.tier.reshard`).
     """
     items = flatten_state(stateful.expand(state))
     flat: dict[str, Any] = {}
     objects: list[str] = []
     h = hashlib.blake2b(digest_size=16)
     seen: dict[str, int] = {}
+    pieces: dict[str, list[Any]] = {}
     for it in items:
         if isinstance(it, TensorItem):
             n = seen.get(it.key, 0)
@@ -56,11 +66,12 @@ def localize(state: dict[str, Any]) -> tuple[dict[str, Any], list[str], str]:
             where = (["flat", region.start, region.stop, region.box.to_list() if region.box else None]
                      if isinstance(region, Flat) else ["box", list(region.offsets), list(region.lengths)])
             h.update(repr((key, it.dtype, list(it.global_shape), where)).encode())
+            pieces[key] = [it.key, it.dtype, list(it.global_shape), where]
         else:
             assert isinstance(it, ObjectItem)
             flat[it.key] = PerRank(it.value) if it.per_rank else it.value
             objects.append(it.key)
-    return flat, objects, h.hexdigest()
+    return flat, objects, h.hexdigest(), pieces
 
 
 def pieces_digest(state: dict[str, Any]) -> str:

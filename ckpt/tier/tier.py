@@ -3,6 +3,8 @@ peer on another node, restored newest-complete-first with every checksum checked
 
 One memory checkpoint of step N, on every rank (collective over the tier's own gloo group)::
 
+    snapshot copy this rank's pieces into reused host buffers                training thread: its only stall
+    ----- the rest on a background thread, over the tier's own gloo group (never the training group) -----
     write    ckpt.save(this rank's local pieces, <node>/rank-<r>/step-N)   single-rank: no collective
     copy     send those files to the holders on other nodes; keep the copies sent to this rank
     agree    one gather + verdict: complete iff every rank wrote and every copy arrived
@@ -12,6 +14,13 @@ Memory is bounded by ``keep`` complete checkpoints per rank (and per copy kept f
 the one being written; an older step is freed only once a newer one is complete on every rank. A
 rank that cannot write (shared memory full, ENOSPC) or keep a copy makes the step incomplete on every
 rank: it is skipped with a warning, training goes on, the previous complete step stays.
+
+Why a separate group and a background thread rather than an agreement at the next call: the tier's
+group carries only the tier's messages, in the same order on every rank (one memory checkpoint in
+flight; the next one, a restore, reset or clear first wait for it), so its collectives can never
+interleave with training's collectives on another thread, and a step is known complete as soon as
+every rank has it, not one step later. A background error (a lost peer, a state ``ckpt.save``
+refuses) reaches the training thread at the handle's ``result()`` or the next ``save_async``.
 """
 
 from __future__ import annotations
@@ -20,98 +29,34 @@ import contextlib
 import datetime
 import json
 import os
+import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.comm import Comm, describe, error_payload, raise_payload
 from ckpt.errors import CollectiveError, StateError
+from ckpt.tier import reshard as _reshard
 from ckpt.tier import restore as _restore
 from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to, shm_base, tier_dir
-from ckpt.tier.store import META_KEY, TIER_VERSION, NodeStore, data_bytes, load_local, localize, remove_step
+from ckpt.tier.snapshot import HostSnapshots, Snapshot
+from ckpt.tier.store import (
+    META_KEY,
+    TIER_VERSION,
+    NodeStore,
+    data_bytes,
+    load_local,
+    localize,
+    localize_pieces,
+    remove_step,
+)
 from ckpt.tier.transfer import exchange, failed, package
+from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
 _SELF_GROUPS: dict[tuple[int, int], Any] = {}
-
-
-@dataclass(frozen=True, slots=True)
-class TierConfig:
-    """Settings of a memory tier; the same on every rank.
-
-    Args:
-        root: the persistent checkpoint root of the run (names the run when ``run_id`` is None and
-            is recorded for ``ckpt ls``).
-        run_id: the run's identity (default ``$CKPT_RUN_ID``, else a hash of ``root``); a tier is
-            only restored by a job with the same run id, world size and layout.
-        shm_dir: base directory (default ``$CKPT_SHM_DIR``, else ``/dev/shm``).
-        node / nodes: this rank's node, or the number of simulated nodes (see
-            :func:`ckpt.tier.nodes.node_identity`; default ``$CKPT_NODE`` or torchrun's grouping).
-        keep: complete memory checkpoints kept per rank (plus the one being written).
-        replicas: copies of each rank's pieces on other nodes (0: none).
-        timeout: seconds any wait of the tier may take (a lost peer is named after it).
-        lineage: a token of the persistent root's life (``CheckpointManager`` keeps one in
-            ``<root>/.ckpt-lineage``): copies written under another token are never restored (a
-            new run in an emptied or replaced root). None: not checked.
-    """
-
-    root: str
-    run_id: str | None = None
-    shm_dir: str | None = None
-    node: int | None = None
-    nodes: int | None = None
-    keep: int = 1
-    replicas: int = 1
-    timeout: float = 120.0
-    lineage: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.keep, int) or self.keep < 1:
-            raise StateError(f"memory tier keep={self.keep!r}: keep at least 1 complete memory checkpoint")
-        if not isinstance(self.replicas, int) or self.replicas < 0:
-            raise StateError(f"memory tier replicas={self.replicas!r}: use 0 (no peer copies) or more")
-        if not self.timeout > 0:
-            raise StateError(f"memory tier timeout={self.timeout!r}: use a positive number of seconds")
-
-
-@dataclass(slots=True)
-class MemoryCheckpoint:
-    """What one memory checkpoint did. ``complete``: on every rank, copies included; otherwise it
-    was skipped (``warning`` says why, ``errors`` per rank). Sizes over all ranks; ``rank_*``
-    durations (s) are this rank's, ``max_*`` the slowest rank's."""
-
-    step: int
-    complete: bool
-    warning: str = ""
-    errors: list[str] = field(default_factory=list)
-    bytes: int = 0
-    replica_bytes: int = 0
-    rank_bytes: int = 0
-    rank_write_s: float = 0.0
-    rank_replicate_s: float = 0.0
-    rank_agree_s: float = 0.0
-    max_write_s: float = 0.0
-    max_replicate_s: float = 0.0
-    freed: list[int] = field(default_factory=list)
-
-    @property
-    def skipped(self) -> bool:
-        return not self.complete
-
-    def to_record(self) -> dict[str, Any]:
-        """The ``memory_checkpoint`` metrics record (durations in ms)."""
-        ms = lambda s: round(s * 1e3, 3)  # noqa: E731
-        rec: dict[str, Any] = {"event": "memory_checkpoint", "step": self.step, "complete": self.complete,
-                               "skipped": self.skipped, "bytes": self.bytes, "replica_bytes": self.replica_bytes,
-                               "write_ms": ms(self.rank_write_s), "replicate_ms": ms(self.rank_replicate_s),
-                               "agree_ms": ms(self.rank_agree_s), "max_write_ms": ms(self.max_write_s),
-                               "max_replicate_ms": ms(self.max_replicate_s)}
-        if self.skipped:
-            rec["warning"] = self.warning
-            rec["errors"] = self.errors[:8]
-        return rec
+BACKGROUND_NICE = 10  # the background thread's niceness with busy="skip" (see MemoryTier._background)
 
 
 def _self_group(rank: int) -> Any:
@@ -154,8 +99,9 @@ class MemoryTier:
             except Exception as e:  # noqa: BLE001 - a rank that never arrives: typed, named
                 raise CollectiveError(f"rank {dist.get_rank()}: could not create the memory tier's gloo group of "
                                       f"ranks {ranks} ({type(e).__name__}: {e}); restart the job") from e
-            if len(ranks) > 1:
-                self._single = _self_group(dist.get_rank())
+            # ckpt.save / ckpt.load of one rank's copy go through a single-rank group: not collective
+            # (and, in a world of one, never on the training group, which another thread may be using)
+            self._single = _self_group(dist.get_rank()) if len(ranks) > 1 else self.pg
         self.comm = Comm(self.pg, timeout=self.timeout)
         self.rank, self.world = self.comm.rank, self.comm.world
         bad: dict[str, Any] | None = None
@@ -177,6 +123,14 @@ class MemoryTier:
         self.store = NodeStore(self.base, self.run_id, node, self.rank, self.world, config.lineage)
         self._complete: list[int] = []
         self.warnings: list[str] = []
+        self._snapshots = HostSnapshots()  # host buffers reused by every memory checkpoint of this rank
+        self._inflight: MemoryHandle | None = None  # the memory checkpoint on the background thread
+        # busy="skip": the newest step save_async was called with, reported in each agreement (under
+        # the lock: see save_async); the agreed first step of the next memory checkpoint; skips since
+        self._lock = threading.Lock()
+        self._called = -1
+        self._next_at: int | None = None
+        self._busy_skips = 0
         if config.replicas and len(set(self.nodes)) < 2:
             self._warn(f"memory tier: replicas={config.replicas} but all {self.world} ranks are on node "
                        f"{self.nodes[0]}: no peer copies, so losing the node falls back to storage (set "
@@ -221,26 +175,121 @@ class MemoryTier:
 
     def save(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
              layout: dict[str, Any] | None = None) -> MemoryCheckpoint:
-        """Write this rank's part of ``state`` as the memory checkpoint of ``step``, copy it to its
-        holders, agree, free (collective over the tier's group; synchronous).
+        """:meth:`save_async`, then wait for it: the memory checkpoint of ``step`` is over on every
+        rank when this returns (collective; with ``busy="skip"`` it may have been skipped:
+        ``result.busy``). Raises what the background work raised."""
+        return self.save_async(step, state, user_metadata=user_metadata, layout=layout).result()
 
-        Never raises for a full or failing shared memory: the step is then skipped on every rank
-        (``complete`` False, a warning). Raises StateError on every rank for a state ``ckpt.save``
-        refuses on any rank, and CollectiveError when a peer is lost (the job must restart; the
-        previous complete step stays).
+    def save_async(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
+                   layout: dict[str, Any] | None = None) -> MemoryHandle:
+        """Start the memory checkpoint of ``step`` (collective, in the same order on every rank).
+
+        On the calling thread: wait for the previous memory checkpoint if it is still running (one
+        in flight; its error, if any, is raised here), then copy this rank's pieces into reused
+        host buffers (:mod:`ckpt.tier.snapshot`). The caller may change ``state`` as soon as this
+        returns. On a background thread, over the tier's own gloo group (never the training
+        group, so no collective of training can interleave with these): write the copy to shared
+        memory, send it to its holders, agree, free the older step (see the module docstring).
+
+        The handle's ``result()`` is the :class:`MemoryCheckpoint`. A full or failing shared memory
+        never raises: the step is skipped on every rank with a warning. ``result()`` (or the next
+        ``save_async``) raises StateError on every rank for a state ``ckpt.save`` refuses on any
+        rank, and CollectiveError when a peer is lost (the job must restart; the previous complete
+        step stays).
         """
+        t0 = time.perf_counter()
+        if self.config.busy == "skip" and self._skip(step):
+            self._busy_skips += 1
+            return MemoryHandle.skipped_busy(step)
+        self.drain(raise_error=True)
+        if self.config.busy == "skip" and self._next_at is not None and step < self._next_at:
+            self._busy_skips += 1
+            return MemoryHandle.skipped_busy(step)
+        t1 = time.perf_counter()
+        problem: BaseException | None = None
+        snap: Snapshot | None = None
+        meta: dict[str, Any] = {}
+        try:
+            flat, _objects, digest, pieces = localize_pieces(state)
+            meta = self._meta(digest, user_metadata)
+            meta[META_KEY]["pieces"] = pieces
+            snap = self._snapshots.take(flat)
+        except Exception as e:  # noqa: BLE001 - reported through the agreement: every rank skips or raises
+            problem = e
+        handle = MemoryHandle(step, wait_s=t1 - t0, snapshot_s=time.perf_counter() - t1)
+        self._inflight = handle
+        busy, self._busy_skips = self._busy_skips, 0
+        threading.Thread(target=self._background, args=(handle, snap, problem, meta, layout, busy), daemon=True,
+                         name=f"ckpt-memory-tier-step-{step}").start()
+        return handle
+
+    def _skip(self, step: int) -> bool:
+        """busy="skip": whether ``step`` is provably before the next agreed memory checkpoint while the
+        previous one still runs (else the caller waits for its verdict, in transit, and decides then).
+
+        The verdict says: next at ``max(step each rank reported) + 1``, each rank reporting the
+        newest step its training thread has called with when its background thread sends its part
+        of the agreement (read under the lock). So while this rank has not reported yet, its report
+        will be >= ``step``: skip; once it reported ``r``, every ``step <= r`` is before the next
+        one: skip. Otherwise the verdict decides, the same on every rank: no rank starts a memory
+        checkpoint of a step that another rank skips."""
+        h = self._inflight
+        with self._lock:
+            self._called = max(self._called, step)
+            if h is None or h.done:
+                return False
+            return h.reported is None or step <= h.reported
+
+    def drain(self, *, raise_error: bool = False) -> MemoryHandle | None:
+        """Wait for the memory checkpoint in flight, if any, and return its handle (None: none was
+        started). ``raise_error``: raise its error unless its ``result()`` already did."""
+        h = self._inflight
+        if h is None:
+            return None
+        h._done.wait()
+        if raise_error and h.error is not None and not h._error_seen:
+            h._error_seen = True
+            raise h.error
+        return h
+
+    def _background(self, handle: MemoryHandle, snap: Snapshot | None, problem: BaseException | None,
+                    meta: dict[str, Any], layout: dict[str, Any] | None, busy: int = 0) -> None:
+        if self.config.busy == "skip":
+            # nice +10 for this thread only (Linux: a thread is a task): where cores are short,
+            # training gets them first and the memory checkpoint takes what is left (a due step finding
+            # it still running is skipped). Not with busy="wait": training would then wait for work
+            # that it starved itself. A thread per checkpoint: nothing to reset.
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        try:
+            result = self._write_and_agree(handle, snap, problem, meta, layout)
+            result.rank_wait_s, result.rank_snapshot_s, result.busy_skipped = handle.wait_s, handle.snapshot_s, busy
+            result.snapshot_bytes = snap.nbytes if snap is not None else 0
+            handle._result = result
+        except BaseException as e:  # noqa: BLE001 - kept for the training thread (result() / the next save)
+            handle.error = e
+        finally:
+            handle._done.set()
+
+    def _write_and_agree(self, handle: MemoryHandle, snap: Snapshot | None, problem: BaseException | None,
+                         meta: dict[str, Any], layout: dict[str, Any] | None) -> MemoryCheckpoint:
+        """The background part of one memory checkpoint (collective over the tier's group)."""
         from ckpt.save import save
 
+        step = handle.step
         t0 = time.perf_counter()
         own = self.store.own(step)
         err: str | None = None
         fatal: dict[str, Any] | None = None  # a state ckpt.save refuses: raised on every rank after the agreement
         nbytes = 0
         try:
-            flat, _objects, digest = localize(state)
+            if problem is not None:
+                raise problem
+            assert snap is not None
             remove_step(own)  # leftovers of a write cut short: never a complete step (see reset)
-            save(flat, own, group=self._single, step=step, user_metadata=self._meta(digest, user_metadata),
-                 layout=layout, timeout=self.timeout)
+            snap.ready()
+            save(snap.flat, own, group=self._single, step=step, user_metadata=meta, layout=layout,
+                 timeout=self.timeout)
             nbytes = data_bytes(own)
         except CollectiveError:
             raise
@@ -260,7 +309,10 @@ class MemoryTier:
         t2 = time.perf_counter()
         mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),
                 "w": t1 - t0, "r": t2 - t1, "fatal": fatal}
+        with self._lock:  # see _skip: what this rank reports bounds the steps it skips meanwhile
+            handle.reported = mine["at"] = max(self._called, step)
         verdict = self.comm.exchange(mine, _verdict, timeout=self.timeout, what=f"memory tier agreement on step {step}")
+        self._next_at = int(verdict["next_at"])
         t3 = time.perf_counter()
         if verdict.get("fatal"):
             self._free(lambda s: s == step)
@@ -308,6 +360,7 @@ class MemoryTier:
         """Restore the newest complete memory step at or above ``min_step`` through ``fn(url)``
         (collective); None when there is none or every source failed. ``digest``: the pieces this
         rank wants (:func:`ckpt.tier.store.pieces_digest` of its state). See :func:`ckpt.tier.restore.run`."""
+        self.drain()  # the tier's group is the background thread's while a memory checkpoint runs
         return _restore.run(self, fn, digest=digest, min_step=min_step, on_failure=on_failure)
 
     def restore(self, state: dict[str, Any], *, min_step: int | None = None, strict: bool = True,
@@ -323,10 +376,37 @@ class MemoryTier:
         return self.restore_with(lambda url: self.load_local(state, url, strict=strict), digest=digest,
                                  min_step=min_step, on_failure=on_failure)
 
+    def restore_resharded_with(self, fn: Callable[[str], Any], *, min_step: int | None = None,
+                               on_failure: Callable[[dict[str, Any]], None] | None = None
+                               ) -> _restore.TierRestore | None:
+        """Restore under another layout (collective): the newest step at or above ``min_step`` whose
+        every old rank's copy this rank can reach, read through ``fn(url)`` (a resharding load of
+        this rank's state from an ordinary checkpoint at ``url``, not collective); None when there
+        is none or any rank failed. See :mod:`ckpt.tier.reshard`."""
+        return _reshard.run(self, fn, min_step=min_step, on_failure=on_failure)
+
+    def load_view(self, state: dict[str, Any], url: str, **kw: Any) -> dict[str, Any]:
+        """``ckpt.load`` of this rank's ``state`` from a view (see :meth:`restore_resharded_with`),
+        through a single-rank group: not collective."""
+        from ckpt.load import load
+
+        return load(state, url, group=self._single, **kw)
+
+    def restore_resharded(self, state: dict[str, Any], *, min_step: int | None = None, strict: bool = True,
+                          on_failure: Callable[[dict[str, Any]], None] | None = None) -> _restore.TierRestore | None:
+        """:meth:`restore_resharded_with` through ``ckpt.load`` of ``state`` (every checksum checked):
+        a memory tier written under another layout or world size, read as this job's pieces."""
+        return self.restore_resharded_with(lambda url: self.load_view(state, url, strict=strict, verify=True),
+                                           min_step=min_step, on_failure=on_failure)
+
     def reset(self, keep_step: int | None = None) -> None:
         """After a restore decision (every rank): keep only ``keep_step``'s memory checkpoint (the step
         the run continues from) and drop every other one this rank owns or keeps, together with
-        directories no rank of this job uses (another world size or node mapping). Not collective."""
+        directories no rank of this job uses (another world size or node mapping). Not collective
+        (waits for the memory checkpoint in flight, if any)."""
+        self.drain()
+        self._next_at = None  # the run continues from keep_step: no memory checkpoint is due later than asked
+        _reshard.clear_views(self)
         self._free(lambda s: s != keep_step)
         self._complete = [keep_step] if keep_step is not None else []
         here = [r for r, n in enumerate(self.nodes) if n == self.node]
@@ -359,5 +439,6 @@ def _verdict(got: list[Any]) -> list[Any]:
     slow_r = max(range(len(got)), key=lambda r: got[r]["r"])
     fatal = next((g["fatal"] for g in got if g.get("fatal")), None)
     v = {"complete": not errors, "errors": errors, "fatal": fatal, "bytes": sum(g["bytes"] for g in got),
+         "next_at": max(int(g["at"]) for g in got) + 1,
          "sent": sum(g["sent"] for g in got), "max_w": got[slow_w]["w"], "max_r": got[slow_r]["r"]}
     return [v] * len(got)

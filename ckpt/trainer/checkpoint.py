@@ -21,6 +21,10 @@ Keys (what the resharder and the Hugging Face exporter read):
 Save metadata: ``layout=layout.to_dict()`` and ``user_metadata = {"model_config":
 cfg.to_dict(), "layout": layout.to_dict(), "rules": "embedded-moe", "trainer": {...}}``; the
 ``trainer`` entry (data and optimizer settings, for information) is an addition to the contract.
+A hybrid-family model (:class:`~ckpt.trainer.hybrid.HybridConfig`, ``model_config`` with
+``layer_types``) adds its :meth:`~ckpt.trainer.hybrid.HybridConfig.checkpoint_metadata`: rules
+``hf-decoder`` (its parameter names are the Hugging Face ones), the ``minimax`` adapter and its
+``hf_config``, so ``ckpt export-hf`` and ``ckpt reshard`` need no flag for it.
 
 Resume: under the saving layout everything is restored, RNG included. Under another layout the
 tensors are resharded by ``ckpt.load`` and the per-rank RNG states are not restored (ranks no
@@ -42,11 +46,12 @@ from ckpt.layout import Layout
 from ckpt.manifest import Manifest
 from ckpt.shards import Flat
 from ckpt.trainer.config import TrainConfig
+from ckpt.trainer.hybrid import HybridConfig, HybridForCausalLM
 from ckpt.trainer.model import ModelConfig, MoEForCausalLM
-from ckpt.trainer.parallelize import ParallelModel
+from ckpt.trainer.parallelize import ParallelModel, rules_of
 from ckpt.trainer.zero import LRSchedule, ZeroAdamW
 
-RULES_NAME = "embedded-moe"
+RULES_NAME = "embedded-moe"  # the MoE model's (rules_of(config).name for any model)
 
 
 def model_state(pm: ParallelModel) -> dict[str, Any]:
@@ -112,8 +117,17 @@ def save_metadata(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     trainer = {k: v for k, v in cfg.to_dict().items() if k in (
         "seq_len", "global_batch", "microbatches", "schedule", "steps", "lr", "min_lr_ratio", "warmup",
         "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed")}
-    return {"model_config": cfg.model.to_dict(), "layout": layout.to_dict(), "rules": RULES_NAME,
+    meta = {"model_config": cfg.model.to_dict(), "layout": layout.to_dict(), "rules": rules_of(cfg.model).name,
             "trainer": trainer}
+    if isinstance(cfg.model, HybridConfig):
+        meta |= cfg.model.checkpoint_metadata()  # the HF adapter and config (and the same rules name)
+    return meta
+
+
+def config_from_metadata(saved: dict[str, Any]) -> ModelConfig | HybridConfig:
+    """The model config a checkpoint's ``model_config`` describes: the hybrid family when it has
+    ``layer_types``, else the MoE model. Raises ValueError on unknown or invalid fields."""
+    return HybridConfig.from_dict(saved) if "layer_types" in saved else ModelConfig.from_dict(saved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +147,11 @@ def _check_model_config(manifest: Manifest, cfg: TrainConfig, url: str) -> None:
     saved = manifest.user_metadata.get("model_config") if manifest.user_metadata else None
     if saved is None:
         return  # e.g. imported from Hugging Face: shapes are still checked tensor by tensor
+    family = {True: "the hybrid family", False: "the MoE model"}
+    theirs, mine_hybrid = "layer_types" in saved, isinstance(cfg.model, HybridConfig)
+    if theirs != mine_hybrid:
+        raise MismatchError(f"{url}: a checkpoint of {family[theirs]}, this run trains {family[mine_hybrid]}; "
+                            "resume with the --config it was trained with")
     mine = cfg.model.to_dict()
     diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
     if diff:
@@ -234,9 +253,11 @@ def load_weights(url: str, pm: ParallelModel, *, verify: bool = True) -> dict[st
     return stats
 
 
-def load_full_model(url: str, config: ModelConfig | None = None) -> MoEForCausalLM:
+def load_full_model(url: str, config: ModelConfig | HybridConfig | None = None
+                    ) -> MoEForCausalLM | HybridForCausalLM:
     """The whole model of a checkpoint in one process (e.g. to evaluate or compare); ``config``
-    defaults to the checkpoint's ``model_config``.
+    defaults to the checkpoint's ``model_config`` (a :class:`HybridForCausalLM` when it has
+    ``layer_types``).
 
     Raises MismatchError when a ``model.*`` tensor is missing or shaped differently.
     """
@@ -244,9 +265,9 @@ def load_full_model(url: str, config: ModelConfig | None = None) -> MoEForCausal
     if config is None:
         saved = (manifest.user_metadata or {}).get("model_config")
         if saved is None:
-            raise MismatchError(f"{url}: no model_config in the metadata; pass the ModelConfig")
-        config = ModelConfig.from_dict(saved)
-    model = MoEForCausalLM(config)
+            raise MismatchError(f"{url}: no model_config in the metadata; pass the ModelConfig or HybridConfig")
+        config = config_from_metadata(saved)
+    model = HybridForCausalLM(config) if isinstance(config, HybridConfig) else MoEForCausalLM(config)
     state = {"model": {k: v.data for k, v in model.named_parameters()}}
     _require(manifest, state, url, ("model.",))
     state["model"], casts = _cast_targets(manifest, state["model"], url)

@@ -12,6 +12,8 @@ from typing import Any
 
 from ckpt.errors import CheckpointError, LayoutError
 from ckpt.layout import Layout
+from ckpt.trainer.hybrid import HYBRID_CONFIGS, HybridConfig
+from ckpt.trainer.hybrid_parallel import check_hybrid_layout
 from ckpt.trainer.model import CONFIGS, ModelConfig
 from ckpt.trainer.sp import check_sp
 
@@ -23,7 +25,8 @@ class TrainConfig:
     """What to train and how; the same on every rank.
 
     Args:
-        model: the architecture (``CONFIGS["tiny"]`` ...).
+        model: the architecture: the MoE model (``CONFIGS["tiny"]`` ...) or the hybrid
+            linear-attention family (``HYBRID_CONFIGS["hybrid-tiny"]``).
         seq_len: tokens per sample.
         global_batch: samples per optimizer step over all data-parallel ranks (``dp x ep`` of them).
         microbatches: pipeline microbatches per data-parallel rank (used when ``pp > 1``).
@@ -53,6 +56,9 @@ class TrainConfig:
             node; ``CheckpointManager(memory_every=)``); None: no memory tier.
         replicas / memory_keep: peer copies of each rank's memory checkpoint; complete memory
             checkpoints kept per rank.
+        memory_busy: ``wait`` (a memory checkpoint due while the previous one still runs waits for
+            it) or ``skip`` (it is skipped: no stall, fewer memory checkpoints); see
+            :class:`ckpt.tier.TierConfig`.
         nodes: simulate this many nodes on one host (contiguous blocks of ranks); None: the node
             comes from ``CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE``.
         shm_dir / run_id: the memory tier's base directory (default ``$CKPT_SHM_DIR`` or
@@ -66,7 +72,7 @@ class TrainConfig:
             (fewer EP all-to-all bytes, more TP traffic; off by default).
     """
 
-    model: ModelConfig = CONFIGS["tiny"]
+    model: ModelConfig | HybridConfig = CONFIGS["tiny"]
     seq_len: int = 32
     global_batch: int = 8
     microbatches: int = 2
@@ -95,6 +101,7 @@ class TrainConfig:
     memory_every: int | None = None
     replicas: int = 1
     memory_keep: int = 1
+    memory_busy: str = "wait"
     nodes: int | None = None
     shm_dir: str | None = None
     run_id: str | None = None
@@ -130,6 +137,8 @@ class TrainConfig:
         if self.memory_every is not None and (self.memory_every < 1 or self.ckpt_dir is None):
             raise ValueError(f"TrainConfig.memory_every={self.memory_every}: use a positive step count, with a "
                              "ckpt_dir (it names the run; persistent saves go there)")
+        if self.memory_busy not in ("wait", "skip"):
+            raise ValueError(f"TrainConfig.memory_busy={self.memory_busy!r}: use 'wait' or 'skip'")
         if self.replicas < 0 or self.memory_keep < 1:
             raise ValueError(f"TrainConfig: replicas={self.replicas} must be >= 0 and memory_keep="
                              f"{self.memory_keep} >= 1")
@@ -158,7 +167,18 @@ class TrainConfig:
 
     def check_layout(self, layout: Layout) -> None:
         """Raise LayoutError when ``layout`` cannot run this config, naming the fix."""
-        m = self.model
+        if isinstance(self.model, HybridConfig):
+            # Whole heads per TP rank (linear and softmax layers), experts over EP, and under sp the
+            # zigzag chunks must hold whole lightning blocks (LASP-2 computes block by block); the
+            # checks below see the shared fields through the MoE view.
+            check_hybrid_layout(self.model, tp=layout.tp, ep=layout.ep, sp=layout.sp, seq_len=self.seq_len,
+                                sequence_layout="zigzag")
+            m, width = self.model.moe_config(), "intermediate_size"
+        else:
+            m, width = self.model, "moe_intermediate_size"
+            if m.num_key_value_heads % layout.tp:
+                raise LayoutError(f"tp={layout.tp} must divide num_key_value_heads={m.num_key_value_heads} "
+                                  "(each TP rank keeps whole key/value groups)")
         data = layout.dp * layout.ep
         if self.global_batch % data:
             raise LayoutError(f"global_batch={self.global_batch} does not split over dp x ep = {data} data-parallel "
@@ -171,13 +191,10 @@ class TrainConfig:
                               f"{self.microbatches}; raise --microbatches or use --schedule gpipe")
         if layout.pp > m.num_hidden_layers:
             raise LayoutError(f"pp={layout.pp} exceeds the {m.num_hidden_layers} layers of the model")
-        if m.num_key_value_heads % layout.tp:
-            raise LayoutError(f"tp={layout.tp} must divide num_key_value_heads={m.num_key_value_heads} "
-                              "(each TP rank keeps whole key/value groups)")
         if m.num_experts % layout.ep:
             raise LayoutError(f"ep={layout.ep} must divide num_experts={m.num_experts}")
         if m.moe_intermediate_size % layout.tp:
-            raise LayoutError(f"tp={layout.tp} must divide moe_intermediate_size={m.moe_intermediate_size}")
+            raise LayoutError(f"tp={layout.tp} must divide {width}={m.moe_intermediate_size} (the experts' width)")
         check_sp(self.seq_len, layout.sp)
         if self.nodes is not None and layout.world_size % self.nodes:
             raise LayoutError(f"--nodes {self.nodes} must divide the {layout.world_size} ranks (ranks per node = "
@@ -197,13 +214,15 @@ class TrainConfig:
         if isinstance(model, str):
             d["model"] = model_config(model)
         elif model is not None:
-            d["model"] = ModelConfig.from_dict(model)
+            d["model"] = HybridConfig.from_dict(model) if "layer_types" in model else ModelConfig.from_dict(model)
         return cls(**d)
 
 
-def model_config(name: str) -> ModelConfig:
-    """``CONFIGS[name]`` with an error listing the known names."""
-    try:
+def model_config(name: str) -> ModelConfig | HybridConfig:
+    """``CONFIGS[name]`` (the MoE model) or ``HYBRID_CONFIGS[name]`` (the hybrid family), with an
+    error listing the known names."""
+    if name in CONFIGS:
         return CONFIGS[name]
-    except KeyError:
-        raise ValueError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS)}") from None
+    if name in HYBRID_CONFIGS:
+        return HYBRID_CONFIGS[name]
+    raise ValueError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS) + sorted(HYBRID_CONFIGS)}")

@@ -8,6 +8,12 @@
 5. export to Hugging Face and reload in transformers when the exporter (``ckpt.formats.hf``) exists;
 6. plot the loss curve with the saves, the failure and the resume marked (matplotlib optional).
 
+``node_loss`` (``ckpt demo --node-loss``): phase 1 keeps a memory checkpoint every step (node-local
+shared memory, each rank's pieces copied to a rank of the other simulated node) and loses a whole
+node instead of one rank: ranks 2 and 3 (node 1) delete node 1's shared memory and SIGKILL
+themselves; the restarted group resumes from the memory tier, ranks 2 and 3 fetching their pieces
+from the copies node 0 keeps (every checksum checked), with no step lost.
+
 The workers' and torchrun's output (including the killed rank's peers' errors) goes to
 ``<out>/logs/phase-<n>.log``; the console tells the story only.
 """
@@ -18,6 +24,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -31,6 +38,7 @@ from ckpt.manager import CheckpointManager
 from ckpt.trainer.checkpoint import load_full_model
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.data import SampleSource
+from ckpt.trainer.hybrid import HybridConfig
 from ckpt.trainer.launch import launch
 from ckpt.trainer.metrics import plot_loss, read_metrics
 from ckpt.trainer.model import ModelConfig
@@ -56,6 +64,7 @@ class DemoReport:
     hf_note: str = ""
     phases: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
+    node_loss: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (written as ``demo.json``)."""
@@ -71,7 +80,7 @@ def _prepare(out_dir: str) -> None:
     open(os.path.join(out_dir, MARKER), "w").close()
 
 
-def evaluate(url: str, config: ModelConfig, samples: int = 32, seq_len: int = 64) -> float:
+def evaluate(url: str, config: ModelConfig | HybridConfig, samples: int = 32, seq_len: int = 64) -> float:
     """Mean loss of the checkpoint's model on held-out text (another corpus seed), in one process."""
     model = load_full_model(url, config)
     ids = SampleSource(seq_len, seed=12345).batch(0, samples)
@@ -80,7 +89,7 @@ def evaluate(url: str, config: ModelConfig, samples: int = 32, seq_len: int = 64
     return float(loss)
 
 
-def hf_roundtrip(url: str, out: str, config: ModelConfig) -> tuple[str | None, str]:
+def hf_roundtrip(url: str, out: str, config: ModelConfig | HybridConfig) -> tuple[str | None, str]:
     """Export with ``ckpt.formats.hf.export_hf(url, out)`` and reload in transformers, comparing
     logits with this package's model; ``(path, note)``, path None when skipped."""
     try:
@@ -105,23 +114,29 @@ def hf_roundtrip(url: str, out: str, config: ModelConfig) -> tuple[str | None, s
     return out, f"reloaded in transformers; max |logits difference| {diff:.2e}"
 
 
-def run_demo(out_dir: str = "ckpt-demo", *, steps: int = 200, say: Callable[[str], None] = print) -> DemoReport:
-    """Run the whole main job on this machine (CPU is enough); returns where everything is."""
+def run_demo(out_dir: str = "ckpt-demo", *, steps: int = 200, say: Callable[[str], None] = print,
+             node_loss: bool = False) -> DemoReport:
+    """Run the whole main job on this machine (CPU is enough); returns where everything is.
+    ``node_loss``: phase 1 loses node 1 and recovers from the memory tier (see the module docstring)."""
     t0 = time.perf_counter()
     out_dir = os.path.abspath(out_dir)
     _prepare(out_dir)
     ckpt_dir = os.path.join(out_dir, "checkpoints")
-    report = DemoReport(out_dir, ckpt_dir, os.path.join(ckpt_dir, "metrics.jsonl"))
+    report = DemoReport(out_dir, ckpt_dir, os.path.join(ckpt_dir, "metrics.jsonl"), node_loss=node_loss)
     logs = os.path.join(out_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     stop = int(steps * 0.6)
     fail_at = int(steps * 0.35)
     base = TrainConfig(steps=steps, global_batch=16, seq_len=64, save_every=max(steps // 10, 1), ckpt_dir=ckpt_dir,
                        keep_last=3, warmup=max(steps // 20, 1), lr=4e-3, device="cpu")
+    first = replace(base, stop_after=stop, fail_at_step=fail_at, fail_rank=FIRST_LAYOUT.world_size - 1)
+    lost = f"rank {FIRST_LAYOUT.world_size - 1} killed at step {fail_at}"
+    if node_loss:
+        # this demo's own run id: a fresh tier, whatever an earlier demo in the same --out left
+        first = replace(first, fail_node=1, nodes=2, memory_every=1, run_id=f"demo-{uuid.uuid4().hex[:8]}")
+        lost = f"memory checkpoint every step, node 1 (ranks 2-3) lost at step {fail_at}"
     phases = [
-        (FIRST_LAYOUT, replace(base, stop_after=stop, fail_at_step=fail_at, fail_rank=FIRST_LAYOUT.world_size - 1),
-         f"phase 1: {FIRST_LAYOUT.world_size} ranks ({FIRST_LAYOUT}), steps 0-{stop}, rank "
-         f"{FIRST_LAYOUT.world_size - 1} killed at step {fail_at}"),
+        (FIRST_LAYOUT, first, f"phase 1: {FIRST_LAYOUT.world_size} ranks ({FIRST_LAYOUT}), steps 0-{stop}, {lost}"),
         (SECOND_LAYOUT, base, f"phase 2: {SECOND_LAYOUT.world_size} ranks ({SECOND_LAYOUT}), steps {stop}-{steps}, "
                               "resharded at load"),
     ]
@@ -155,17 +170,44 @@ def summarize(report: DemoReport) -> list[str]:
     records = read_metrics(report.metrics)
     steps = [r for r in records if "loss" in r and "event" not in r]
     lines = []
+    lost_nodes: dict[tuple[int, int], list[int]] = {}
     for r in records:
-        if r.get("event") == "fail":
+        if r.get("event") == "fail" and "node" in r:
+            lost_nodes.setdefault((r["node"], r["step"]), []).append(r["rank"])
+    said: set[tuple[int, int]] = set()
+    for r in records:
+        if r.get("event") == "fail" and "node" in r:
+            key = (r["node"], r["step"])
+            if key not in said:
+                said.add(key)
+                ranks = ", ".join(str(x) for x in sorted(lost_nodes[key]))
+                lines.append(f"node {key[0]} lost at step {key[1]}: its shared memory deleted, ranks {ranks} "
+                             "killed (SIGKILL)")
+        elif r.get("event") == "fail":
             lines.append(f"rank {r['rank']} killed itself (SIGKILL) at step {r['step']}")
-        elif r.get("event") == "resume":
+        elif r.get("event") == "recovery" and str(r.get("tier", "")).startswith("memory"):
+            peers = r.get("peer_ranks") or []
+            how = (f"ranks {', '.join(map(str, peers))} fetched {r.get('fetched_bytes', 0) / 1e6:.1f} MB from peer "
+                   "copies" if peers else "every rank from its own copy")
+            lines.append(f"resumed at step {r['step']} from the memory tier, {r.get('steps_lost', 0)} step(s) lost "
+                         f"({how}; checksums checked): restore {r['restore_ms']:.0f} ms, training again "
+                         f"{r.get('total_ms', 0) / 1e3:.1f} s after the failure")
+        elif r.get("event") == "resume" and not str(r.get("tier", "")).startswith("memory"):  # see "recovery"
             how = "resharded from another layout" if r.get("resharded") else "same layout"
             lines.append(f"resumed at step {r['step']} under {r['layout_text']} ({how}) from {r['from']}")
     if steps:
         stalls = [r["ckpt_stall_ms"] for r in steps if r["ckpt_stall_ms"] > 0]
         lines.append(f"loss {steps[0]['loss']:.3f} (step {steps[0]['step']}) -> {steps[-1]['loss']:.3f} "
                      f"(step {steps[-1]['step']})")
+        mem_steps = any(r.get("event") == "memory_checkpoint" for r in records)
         if stalls:
-            lines.append(f"checkpoint stall per save: median {sorted(stalls)[len(stalls) // 2]:.1f} ms, "
-                         f"max {max(stalls):.1f} ms over {len(stalls)} saves")
+            what = "step (saves and memory checkpoints)" if mem_steps else "save"
+            lines.append(f"checkpoint stall per {what}: median {sorted(stalls)[len(stalls) // 2]:.1f} ms, "
+                         f"max {max(stalls):.1f} ms over {len(stalls)} {what.split(' ')[0]}s")
+    mem = [r for r in records if r.get("event") == "memory_checkpoint"]
+    if mem:
+        snap = sorted(r["snapshot_ms"] for r in mem)[len(mem) // 2]
+        lines.append(f"memory checkpoints: {sum(r['complete'] for r in mem)} complete of {len(mem)}, "
+                     f"{mem[-1]['bytes'] / 1e6:.1f} MB each plus a peer copy; training thread's snapshot median "
+                     f"{snap:.1f} ms")
     return lines

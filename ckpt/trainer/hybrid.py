@@ -363,14 +363,20 @@ class HybridModel(nn.Module):
             HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # ``(local seq, device) -> (1, local seq)`` global positions when no ``position_ids`` are
+        # passed: the trainer's sequence parallelism sets it (:func:`ckpt.trainer.sp.shard_sequence`),
+        # as for :class:`~ckpt.trainer.model.MoEModel`, since a pipeline stage is called with one input.
+        self.position_fn: Callable[[int, torch.device], Tensor] | None = None
 
     def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """Token ids (batch, seq), or hidden states without ``embed_tokens``, to hidden states.
 
-        ``position_ids`` (1 or batch, seq): the tokens' global positions (default 0 .. seq-1), for
-        a sequence-parallel rank that holds a slice of the sequence.
+        ``position_ids`` (1 or batch, seq): the tokens' global positions (default ``position_fn``'s,
+        else 0 .. seq-1), for a sequence-parallel rank that holds a slice of the sequence.
         """
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        if position_ids is None and self.position_fn is not None:
+            position_ids = self.position_fn(h.shape[1], h.device)
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(h, position_ids)

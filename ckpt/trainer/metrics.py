@@ -16,10 +16,14 @@ Checkpoint figures (rank 0's own, durations in ms, sizes in bytes):
   manifest's ``stats``). ``save_failed`` carries the save's ``error`` instead.
 - ``memory_checkpoint`` (every ``memory_every`` steps): ``complete`` / ``skipped`` (with ``warning``
   and per-rank ``errors``: shared memory full, ...), ``bytes`` (every rank's copy), ``replica_bytes``
-  (sent to peer nodes), ``write_ms`` / ``replicate_ms`` / ``agree_ms`` (rank 0's) and
-  ``max_write_ms`` / ``max_replicate_ms`` (the slowest rank's).
+  (sent to peer nodes), ``write_ms`` / ``replicate_ms`` / ``agree_ms`` (rank 0's background work),
+  ``max_write_ms`` / ``max_replicate_ms`` (the slowest rank's), ``snapshot_ms`` / ``wait_ms`` (rank
+  0's training thread: the host copy, and waiting for the previous one), ``busy_skipped`` (due steps
+  skipped before it with ``--memory-busy skip``; those get no record). Written once the background
+  work is over (it may come after later steps' records).
 - ``recovery`` (after a resume, once the first step is done): ``tier`` (``memory``: every rank its own
-  copy; ``memory-peer``: some fetched from peer nodes, ``peer_ranks``; ``storage``), ``step``,
+  copy; ``memory-peer``: some fetched from peer nodes, ``peer_ranks``; ``memory-reshard``: written
+  under another layout, read through the resharding load; ``storage``), ``step``,
   ``bytes`` (all ranks), ``steps_lost`` (steps done before the failure and redone), ``detect_ms``
   (the failure until the launcher saw the attempt end), ``restart_ms`` (from there, or from the
   failure without the launcher, to the restore), ``restore_ms``, ``first_step_ms``, ``total_ms``.

@@ -1,6 +1,9 @@
-"""Build this rank's piece of :class:`~ckpt.trainer.model.MoEForCausalLM` for a layout.
+"""Build this rank's piece of :class:`~ckpt.trainer.model.MoEForCausalLM` (or of the hybrid family's
+:class:`~ckpt.trainer.hybrid.HybridForCausalLM`) for a layout.
 
-Every decision comes from the shared rules table (:data:`ckpt.resharders.rules.MOE_RULES`):
+Every decision comes from the model's rules table (:data:`ckpt.resharders.rules.MOE_RULES`; for
+the hybrid model :data:`ckpt.hf.adapters.HF_RULES`, whose names are the model's and whose expert
+rules equal MOE_RULES'), :func:`rules_of`:
 
 - pipeline stage: ``stage_bounds`` / ``RuleSet.stage_of`` pick the layers (kept in an
   ``nn.ModuleDict`` keyed by global index, so parameter names stay global) and whether the stage
@@ -10,7 +13,8 @@ Every decision comes from the shared rules table (:data:`ckpt.resharders.rules.M
 - then TP (:mod:`ckpt.trainer.tp`) and EP (:mod:`ckpt.trainer.ep`) wrap the modules that compute
   on those blocks, SP (:mod:`ckpt.trainer.sp`) gives the model global positions and LASP-2H
   attention (parameters are whole on every ``sp`` rank), and :mod:`ckpt.trainer.pp` runs the stage
-  under a pipeline schedule.
+  under a pipeline schedule. The hybrid model's lightning-attention layers take their TP and LASP-2
+  from :mod:`ckpt.trainer.hybrid_parallel`, on the same zigzag slices as its softmax layers.
 
 Each local block is drawn from the same per-parameter generator as
 :meth:`~ckpt.trainer.model.MoEForCausalLM.init_weights` (draw the whole, keep the block), so every
@@ -25,16 +29,19 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ckpt.errors import LayoutError
-from ckpt.resharders.rules import MOE_RULES, padded_rows, param_box, stage_bounds
+from ckpt.hf.adapters import HF_RULES
+from ckpt.resharders.rules import MOE_RULES, RuleSet, padded_rows, param_box, stage_bounds
 from ckpt.shards import Box
 from ckpt.trainer.ep import ParallelMoEBlock
+from ckpt.trainer.hybrid import HybridConfig, HybridDecoderLayer, HybridForCausalLM, LightningAttention
+from ckpt.trainer.hybrid_parallel import shard_linear_attention, use_lasp2
 from ckpt.trainer.model import (
     IGNORE_INDEX,
     DecoderLayer,
@@ -56,7 +63,12 @@ from ckpt.trainer.tp import (
     vocab_parallel_cross_entropy,
 )
 
-RULES = MOE_RULES
+RULES = MOE_RULES  # the MoE model's table (rules_of(config) for any model)
+
+
+def rules_of(config: ModelConfig | HybridConfig) -> RuleSet:
+    """The sharding rules of a model: the names its checkpoints use, recorded as ``rules``."""
+    return HF_RULES if isinstance(config, HybridConfig) else MOE_RULES
 
 
 @dataclass(slots=True)
@@ -95,12 +107,14 @@ class ParamSpec:
 
 @dataclass(slots=True)
 class ParallelModel:
-    """A rank's module (its pipeline stage, TP/EP-split) with a spec per local parameter."""
+    """A rank's module (its pipeline stage, TP/EP-split) with a spec per local parameter, and the
+    rules its blocks follow."""
 
-    module: MoEForCausalLM
+    module: MoEForCausalLM | HybridForCausalLM
     specs: list[ParamSpec]
     ctx: ParallelContext
-    config: ModelConfig
+    config: ModelConfig | HybridConfig
+    rules: RuleSet = field(default_factory=lambda: MOE_RULES)
 
     def loss_fn(self, output: Tensor, labels: Tensor) -> Tensor:
         """Mean next-token loss of the last stage's output (local logits under TP).
@@ -127,18 +141,22 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(path) if path else root), attr
 
 
-def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0, moe_dispatch: str = "dedup",
-                moe_sequence_shard: bool = False) -> ParallelModel:
+def parallelize(config: ModelConfig | HybridConfig, ctx: ParallelContext, seed: int = 0,
+                moe_dispatch: str = "dedup", moe_sequence_shard: bool = False) -> ParallelModel:
     """This rank's stage of the model with its blocks of every parameter, initialized as
     ``init_weights(seed)`` would initialize the full model. ``moe_dispatch`` / ``moe_sequence_shard``
-    choose the MoE blocks' dispatch (:class:`~ckpt.trainer.ep.ParallelMoEBlock`).
+    choose the MoE blocks' dispatch (:class:`~ckpt.trainer.ep.ParallelMoEBlock`). A
+    :class:`HybridConfig` builds the hybrid family (its layouts: :func:`check_hybrid_layout`).
 
     Raises LayoutError when the layout cannot split this model (see the rules' messages).
     """
     layout, coord = ctx.layout, ctx.coord
+    hybrid = isinstance(config, HybridConfig)
+    rules = rules_of(config)
     # A CPU skeleton (its values are replaced below; 0.2 s and 0.4 GB transient for "100m"): on the
     # meta device, nn.Embedding's init would import torch._dynamo, 2.4 s in every fresh process.
-    model = MoEForCausalLM(config)
+    model = HybridForCausalLM(config) if isinstance(config, HybridConfig) else MoEForCausalLM(config)
+    num_experts = config.num_local_experts if isinstance(config, HybridConfig) else config.num_experts
     global_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     norms = {f"{m_name}.{p_name}" for m_name, m in model.named_modules() if isinstance(m, RMSNorm)
              for p_name, _ in m.named_parameters(recurse=False)}
@@ -151,7 +169,7 @@ def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0, moe_di
     model.model.layers = stage_layers
 
     def on_stage(name: str) -> bool:
-        return RULES.stage_of(name, config.num_hidden_layers, layout.pp) == coord.pp
+        return rules.stage_of(name, config.num_hidden_layers, layout.pp) == coord.pp
 
     if not on_stage("model.embed_tokens.weight"):
         model.model.embed_tokens = None
@@ -165,8 +183,8 @@ def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0, moe_di
         if not on_stage(name):
             raise LayoutError(f"parameter {name!r} is not on stage {coord.pp} by the rules but its module is")
         shape = global_shapes[name]
-        box = param_box(name, shape, layout, coord, RULES)
-        placement = RULES.placement(name)
+        box = param_box(name, shape, layout, coord, rules)
+        placement = rules.placement(name)
         local_shape = list(box.lengths)
         pad_dim = None
         if placement.pad and placement.tp_dim is not None and layout.tp > 1:
@@ -185,13 +203,20 @@ def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0, moe_di
 
     # Modules that compute on the blocks.
     for index, layer in stage_layers.items():
-        assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp, MoEBlock)
-        shard_attention(layer.self_attn, ctx.tp)
+        assert isinstance(layer, DecoderLayer | HybridDecoderLayer) and isinstance(layer.mlp, MoEBlock)
+        if isinstance(layer.self_attn, LightningAttention):
+            shard_linear_attention(layer.self_attn, ctx.tp)
+        else:
+            shard_attention(layer.self_attn, ctx.tp)
         experts = layer.mlp.experts
         experts.expert_offset = boxes[f"model.layers.{index}.mlp.experts.gate_proj"][0].offsets[0]
-        layer.mlp = ParallelMoEBlock(layer.mlp.gate, experts, config.num_experts, ctx.ep, ctx.tp,  # type: ignore[assignment]
+        layer.mlp = ParallelMoEBlock(layer.mlp.gate, experts, num_experts, ctx.ep, ctx.tp,  # type: ignore[assignment]
                                      moe_dispatch, moe_sequence_shard)
     shard_sequence(model, ctx.sp)  # global positions and LASP-2H attention (nothing when sp == 1)
+    if hybrid and not ctx.sp.trivial:
+        # LASP-2 on the same zigzag chunks as sp.split_batch / LASP-2H (chunk_ids "zigzag": rank i
+        # holds chunks i and 2sp-1-i), so no activation is re-arranged between the two layer kinds.
+        use_lasp2(model, ctx.sp, layout="zigzag")
     if layout.tp > 1 and model.model.embed_tokens is not None:
         box, _ = boxes["model.embed_tokens.weight"]
         model.model.embed_tokens = VocabParallelEmbedding(  # type: ignore[assignment]
@@ -206,11 +231,11 @@ def parallelize(config: ModelConfig, ctx: ParallelContext, seed: int = 0, moe_di
         if name not in boxes:
             raise LayoutError(f"parallelize: parameter {name!r} has no block (internal naming error)")
         box, pad_dim = boxes[name]
-        placement = RULES.placement(name)
+        placement = rules.placement(name)
         specs.append(ParamSpec(name, param, global_shapes[name], box, pad_dim, placement.is_expert,
                                placement.tp_dim is not None and layout.tp > 1,
                                layout.tp > 1 and is_tp_partial_grad(name), name in norms))
     if len(specs) != len(boxes):
         raise LayoutError("parallelize: a parameter was lost while wrapping modules (internal error)")
-    return ParallelModel(model, specs, ctx, config)
+    return ParallelModel(model, specs, ctx, config, rules)
 

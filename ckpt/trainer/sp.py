@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ from torch import Tensor
 from ckpt.errors import LayoutError
 from ckpt.trainer.model import IGNORE_INDEX, Attention, MoEForCausalLM
 from ckpt.trainer.parallel import Group, all_gather_flat, all_reduce_, reduce_scatter_flat
+
+if TYPE_CHECKING:
+    from ckpt.trainer.hybrid import HybridForCausalLM
 
 __all__ = ["all_gather_seq", "check_sp", "lasp2h_attention", "lasp2h_masks", "shard_sequence", "shift_labels",
            "sp_choices", "sp_loss_denominator", "split_batch", "zigzag_merge", "zigzag_positions",
@@ -176,9 +179,10 @@ def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def shard_sequence(model: MoEForCausalLM, group: Group) -> None:
+def shard_sequence(model: MoEForCausalLM | HybridForCausalLM, group: Group) -> None:
     """Make ``model`` (a pipeline stage or the whole model) compute on this member's zigzag slice of
-    every sequence: global positions for RoPE, :func:`lasp2h_attention` in every layer."""
+    every sequence: global positions for RoPE, :func:`lasp2h_attention` in every softmax layer (the
+    hybrid model's linear layers need LASP-2 besides: :func:`ckpt.trainer.hybrid_parallel.use_lasp2`)."""
     if group.trivial:
         return
     size, index = group.size, group.index

@@ -8,7 +8,7 @@ One step, on every rank::
     handle.staged()                  # the previous async save has copied the state out
     opt.step(lr)                     # reduce grads, clip, AdamW on the ZeRO range, all-gather
     save every N steps (async)       # CheckpointManager: plan now, stage + write in the background
-    memory checkpoint every M steps  # node-local shared memory + a copy on a peer node (synchronous)
+    memory checkpoint every M steps  # copy to host buffers; /dev/shm + a peer node's copy in the background
     log the previous save's figures  # once its handle is done (never waited for): "checkpoint" record
 
 Resume takes the newest step complete across tiers: the memory tier (each rank's own copy, else the
@@ -40,6 +40,7 @@ from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StorageE
 from ckpt.layout import Layout
 from ckpt.manager import CheckpointManager
 from ckpt.manifest import Manifest
+from ckpt.tier import MemoryHandle
 from ckpt.tier.nodes import node_identity
 from ckpt.tier.store import pieces_digest
 from ckpt.trainer.checkpoint import (
@@ -131,7 +132,11 @@ def _resume_memory(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule
     digest = pieces_digest({"model": model_state(pm), "optim": optim_state(opt)})
     got = tier.restore_with(lambda url: restore(url, pm, opt, schedule, cfg, load=tier.load_local), digest=digest,
                             min_step=newest, on_failure=failed)
-    tier.reset(got.step if got is not None else None)  # what the run does not continue from goes
+    if got is None:  # written under another layout: the resharding load, when every piece is reachable
+        got = tier.restore_resharded_with(lambda url: restore(url, pm, opt, schedule, cfg, load=tier.load_view),
+                                          min_step=newest, on_failure=failed)
+    # what the run does not continue from goes (all of it after a resharded restore: another layout's)
+    tier.reset(got.step if got is not None and got.tier != "memory-reshard" else None)
     if got is None:
         return None
     detail = {"peer_ranks": got.peer_ranks, "fetched_bytes": got.fetched_bytes, "memory_bytes": got.bytes,
@@ -224,9 +229,23 @@ def _recovery_record(found: Found, prior: dict[str, float], resume_wall: float, 
     return rec
 
 
+def _log_memory(log: MetricsLog, h: MemoryHandle | None, rank0: bool, *, wait: bool = False) -> MemoryHandle | None:
+    """Write the ``memory_checkpoint`` record of ``h`` once its background work is over (``wait``:
+    wait for it). Returns ``h`` while it is still running, else None; raises its error."""
+    if h is None or not (wait or h.done):
+        return h
+    mc = h.result()
+    log.write(mc.to_record())
+    if mc.skipped and rank0:
+        print(f"[rank 0] warning: {mc.warning}", file=sys.stderr)
+    return None
+
+
 def _lose(cfg: TrainConfig, ctx: ParallelContext, mgr: CheckpointManager | None, step: int, node: int) -> None:
     """Fault injection: die hard, as a lost rank or node would (no cleanup at all). A lost node takes
-    its shared memory with it: its memory-tier directory is deleted first."""
+    its shared memory with it: its memory-tier directory is deleted first. It dies between steps,
+    after the memory checkpoint in flight (so the steps lost are exactly defined; kills inside a
+    memory checkpoint are the kill harness's, tests/tier/kill_harness.py)."""
     rec: dict[str, Any] = {"event": "fail", "step": step, "rank": ctx.rank}
     if cfg.fail_node is not None:
         rec["node"] = node
@@ -242,7 +261,7 @@ def _manager(cfg: TrainConfig) -> CheckpointManager | None:
     return CheckpointManager(cfg.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_save,
                              max_staging_bytes=cfg.max_staging_bytes, memory_every=cfg.memory_every,
                              replicas=cfg.replicas, memory_keep=cfg.memory_keep, shm_dir=cfg.shm_dir,
-                             run_id=cfg.run_id, nodes=cfg.nodes)
+                             run_id=cfg.run_id, nodes=cfg.nodes, memory_busy=cfg.memory_busy)
 
 
 def _barrier(ctx: ParallelContext) -> None:
@@ -325,9 +344,11 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     pending: SaveHandle | None = None  # the async save whose "checkpoint" record is not written yet
     t_start = time.perf_counter()
     first_step = found is not None  # the recovery record is written once the first step is done
+    mem: MemoryHandle | None = None  # the memory checkpoint running in the background
     while step < cfg.last_step:
         if cfg.fail_at_step == step and restart_count() == 0 and (
                 node == cfg.fail_node if cfg.fail_node is not None else ctx.rank == cfg.fail_rank):
+            mem = _log_memory(log, mem, rank0, wait=True)
             _lose(cfg, ctx, mgr, step, node)
         t0 = time.perf_counter()
         ids = rank_batch(source, sample_index, cfg.global_batch, ctx.data_rank, ctx.data_world).to(ctx.device)
@@ -375,17 +396,18 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
                                       save_s=t_end - t_save))
         if mgr is not None and mgr.memory_due(step) and step < cfg.last_step:
             t = time.perf_counter()
-            mc = mgr.save_memory(step, state or training_state(pm, opt, step, sample_index, schedule),
-                                 user_metadata=metadata, layout=layout.to_dict())
+            new = mgr.save_memory(step, state or training_state(pm, opt, step, sample_index, schedule),
+                                  user_metadata=metadata, layout=layout.to_dict())
+            if not new.busy:  # it started: the previous one (one in flight) is over
+                _log_memory(log, mem, rank0, wait=True)
+                mem = new
             stall += time.perf_counter() - t
-            log.write(mc.to_record())
-            if mc.skipped and rank0:
-                print(f"[rank 0] warning: {mc.warning}", file=sys.stderr)
         dt = time.perf_counter() - t0
         log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": round(cfg.global_batch * cfg.seq_len / dt, 1),
                    "ckpt_stall_ms": round(stall * 1e3, 3), "step_ms": round(dt * 1e3, 3)})
         pending = _log_finished(log, pending, ctx.rank)  # only if it already committed: no waiting
+        mem = _log_memory(log, mem, rank0)
         if first_step and found is not None:
             first_step = False
             log.write(_recovery_record(found, prior, resume_wall, dt, restored_bytes))
@@ -395,6 +417,7 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
         finally:
             pending = _log_finished(log, pending, ctx.rank)
         if memory is not None:
+            mem = _log_memory(log, mem, rank0, wait=True)
             memory.clear()  # the last step is persistent now: give the shared memory back
     result.final_step = step
     log.write({"event": "end", "step": step, "wall_s": round(time.perf_counter() - t_start, 3)})

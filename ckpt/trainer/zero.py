@@ -31,7 +31,7 @@ from torch import Tensor
 from ckpt.resharders.rules import optim_region
 from ckpt.shards import Flat
 from ckpt.trainer.parallel import Group, all_gather_flat, all_reduce_, reduce_scatter_flat
-from ckpt.trainer.parallelize import RULES, ParallelModel, ParamSpec
+from ckpt.trainer.parallelize import ParallelModel, ParamSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ class ZeroAdamW:
         self.groups: dict[str, Group] = {"dense": ctx.groups["dense"], "expert": ctx.groups["expert"]}
         self.slots: dict[str, list[_Slot]] = {"dense": [], "expert": []}
         for spec in pm.specs:
-            region = optim_region(spec.name, spec.global_shape, ctx.layout, ctx.coord, RULES)
+            region = optim_region(spec.name, spec.global_shape, ctx.layout, ctx.coord, pm.rules)
             kind = "expert" if spec.expert else "dense"
             n = spec.box.numel
             start, stop = (region.start, region.stop) if isinstance(region, Flat) else (0, n)

@@ -238,6 +238,25 @@ def test_num_layers_inferred_without_config():
     assert p.num_layers == 4 and [r.layers for r in p.ranks] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
+def test_recorded_builtin_rules_need_no_file():
+    """An ``import-hf`` checkpoint (or the trainer's hybrid family) records ``rules = "hf-decoder"``:
+    resharding it picks that table by name, no ``--rules FILE``."""
+    from ckpt.hf.adapters import HF_RULES
+
+    shapes = {"model.model.embed_tokens.weight": (10, 4), "model.model.layers.0.self_attn.q_proj.weight": (8, 4),
+              "model.model.layers.0.self_attn.o_proj.weight": (4, 8),
+              "model.model.layers.0.self_attn.qkv_proj.weight": (12, 4), "model.lm_head.weight": (10, 4)}
+    decls = [RankDecl([PieceDecl(k, "float32", s, Box((0,) * len(s), s)) for k, s in shapes.items()])]
+    src = plan_save(decls, save_id="s", user_metadata={"rules": HF_RULES.name}).manifest
+    assert rules_for(src) is HF_RULES
+    p = plan(src, Layout.parse("tp=2"), rules_for(src))
+    assert p.rules == HF_RULES.name
+    assert p.ranks[1].holds["model.model.layers.0.self_attn.q_proj.weight"] == Box((4, 0), (4, 4))
+    assert p.ranks[1].holds["model.model.layers.0.self_attn.o_proj.weight"] == Box((0, 4), (4, 4))
+    assert p.ranks[1].holds["model.model.layers.0.self_attn.qkv_proj.weight"] == Box((6, 0), (6, 4))
+    assert rules_for(plan_save(decls, save_id="s").manifest) is MOE_RULES  # none recorded: the embedded MoE's
+
+
 def test_custom_rules_file(tmp_path):
     f = tmp_path / "enc.toml"
     f.write_text('name = "enc"\n[keys]\nparam_prefix = "net."\n'

@@ -2,13 +2,16 @@
 memory checkpoints, then restore on fresh ranks and check that what comes back is never torn.
 
 One *trial*: fork 4 gloo ranks in 2 simulated nodes; each saves memory checkpoints of steps 1, 2, 3,
-... forever (values: a deterministic function of rank and step; tensors and objects), appending
-``<rank> <step>`` to a progress file after each step agreed complete. The parent kills:
+... forever (values: a deterministic function of rank and step; tensors and objects), as a trainer
+does: ``save_async`` (the host snapshot on the calling thread, the write, copy, agreement and free on
+the tier's background thread), then the caller scribbles over its tensors and objects at once and
+prepares the next step while the background work runs; it appends ``<rank> <step>`` to a progress
+file once a step is known agreed complete. The parent kills:
 
 - ``random`` trials: a random victim after a random delay (uniform in ``[0, 0.6]`` s after every
   rank started saving);
-- ``targeted`` trials: the victim kills itself the n-th time it reaches a kill point of the write,
-  the copy, the agreement or the freeing (:data:`KILL_POINTS`).
+- ``targeted`` trials: the victim kills itself the n-th time it reaches a kill point of the snapshot,
+  the write, the copy, the agreement or the freeing (:data:`KILL_POINTS`).
 
 The victim is one rank (its node's shared memory survives: a process crash) or, in ``node`` trials,
 all ranks of its node, whose directory is then deleted (a lost node). Every other rank is killed
@@ -48,8 +51,9 @@ from ckpt.tier import MemoryTier, TierConfig
 from tests.dist_utils import run_ranks
 
 WORLD, NODES = 4, 2
-PHASES = ["-", "startup", "write", "replicate", "agree", "free", "between"]
+PHASES = ["-", "startup", "snapshot", "write", "replicate", "agree", "free", "between"]
 KILL_POINTS = {
+    "snapshot": "the host snapshot taken on the calling thread, the background write not started",
     "write": "writing the data file of its own memory checkpoint",
     "own-commit": "own data written, its manifest about to be committed",
     "replicate": "entering the copy to its peer (sends posted next)",
@@ -92,6 +96,7 @@ def _set_phase(buf: mmap.mmap, rank: int, phase: str) -> None:
 def _instrument(buf: mmap.mmap, rank: int, point: str | None, nth: int) -> None:
     """Record phases (and, for the victim of a targeted trial, die at the n-th arrival at ``point``)."""
     import ckpt.comm
+    import ckpt.tier.snapshot as snapshot_mod
     import ckpt.tier.tier as tier_mod
     import ckpt.tier.transfer as transfer_mod
     from ckpt.storage.local import LocalStorage, LocalWriter
@@ -107,6 +112,17 @@ def _instrument(buf: mmap.mmap, rank: int, point: str | None, nth: int) -> None:
     save, exchange, commit_replica = save_mod.save, tier_mod.exchange, transfer_mod._commit
     comm_exchange, remove, write, commit = ckpt.comm.Comm.exchange, tier_mod.remove_step, LocalWriter.write, \
         LocalStorage.commit
+    take, background = snapshot_mod.HostSnapshots.take, tier_mod.MemoryTier._background
+
+    def take_(self: Any, flat: Any) -> Any:
+        _set_phase(buf, rank, "snapshot")
+        out = take(self, flat)
+        at("snapshot")
+        return out
+
+    def background_(self: Any, *a: Any) -> None:
+        background(self, *a)
+        _set_phase(buf, rank, "between")
 
     def save_(*a: Any, **k: Any) -> Any:
         _set_phase(buf, rank, "write")
@@ -147,6 +163,8 @@ def _instrument(buf: mmap.mmap, rank: int, point: str | None, nth: int) -> None:
         remove(path)
 
     save_mod.save = save_
+    snapshot_mod.HostSnapshots.take = take_  # type: ignore[method-assign]
+    tier_mod.MemoryTier._background = background_  # type: ignore[method-assign]
     tier_mod.exchange = exchange_
     transfer_mod._commit = commit_replica_
     ckpt.comm.Comm.exchange = comm_exchange_  # type: ignore[method-assign]
@@ -163,16 +181,25 @@ def _saver(rank: int, init: str, shm: str, run_id: str, progress: str, buf: mmap
     tier = MemoryTier(TierConfig("/kill-harness", run_id=run_id, shm_dir=shm, nodes=NODES, timeout=30))
     tier.reset(None)
     _instrument(buf, rank, point if rank == victim else None, nth)
-    step = 0
+    step, handle = 0, None
     while True:
         step += 1
+        state = state_of(rank, step)  # "training": runs while the previous step's background work does
+        if handle is not None and handle.result().complete:  # over now: one in flight, as in the trainer
+            with open(progress, "a") as f:
+                f.write(f"{rank} {step - 1}\n")
         with open(progress + ".started", "a") as f:
             f.write(f"{rank} {step}\n")
-        r = tier.save(step, state_of(rank, step))
-        _set_phase(buf, rank, "between")
-        if r.complete:
-            with open(progress, "a") as f:
-                f.write(f"{rank} {step}\n")
+        handle = tier.save_async(step, state)
+        _scribble(state)  # the caller changes its state as soon as the snapshot is taken
+
+
+def _scribble(state: dict[str, Any]) -> None:
+    """What an optimizer step does to a state just snapshotted: change it in place."""
+    state["model"]["w"].local.fill_(float("nan"))
+    state["optim"]["m"].local.add_(1.0)
+    state["train"]["sched"]["last"] = -1
+    state["train"]["step"] = -1
 
 
 def _restorer(rank: int, world: int, shm: str, run_id: str, out: str) -> None:

@@ -1,5 +1,6 @@
-"""SIGKILL during memory-tier writes, copies, agreements and frees never restores a torn state (see
-tests/tier/kill_harness.py; ``python -m tests.tier.kill_harness --trials 60`` runs more)."""
+"""SIGKILL during memory-tier snapshots and the background writes, copies, agreements and frees never
+restores a torn state (see tests/tier/kill_harness.py; ``python -m tests.tier.kill_harness --trials 60``
+runs more)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,6 @@ def test_kill_9_during_the_memory_tier_never_restores_a_torn_state(shm: str) -> 
     s = summarize(trials)
     assert s["ok"] == s["trials"] == 14 + len(KILL_POINTS), s["failures"]
     assert s["node_loss"] >= 8  # half of them lose a whole node, not just a process
-    # the targeted kills land where they aim: the write, the copy, the agreement, the free
-    assert {"write", "replicate", "agree", "free"} <= set(s["phases"]), s["phases"]
+    # the targeted kills land where they aim: the snapshot, the write, the copy, the agreement, the free
+    assert {"snapshot", "write", "replicate", "agree", "free"} <= set(s["phases"]), s["phases"]
     assert sum(t.restored is not None and t.complete_before > 0 for t in trials) >= 10  # real restores

@@ -125,7 +125,7 @@ def _manager(rank: int, world: int, shm: str, root: str, phase: str, out: str) -
             if step == 1 and phase == "save":
                 mgr.save(step, state_of(rank, step))
             assert mgr.memory_due(step)
-            assert mgr.save_memory(step, state_of(rank, step)).complete
+            assert mgr.save_memory(step, state_of(rank, step)).result().complete
         return
     target = state_of(rank, 0)
     step = mgr.restore(target)
@@ -274,3 +274,78 @@ def _bad_state(rank: int, world: int, shm: str) -> None:
 
 def test_a_state_one_rank_cannot_save_raises_on_every_rank(shm: str) -> None:
     run_ranks(4, _bad_state, shm)
+
+
+def test_save_async_returns_after_the_snapshot_and_the_caller_may_change_its_state(shm: str) -> None:
+    from tests.tier.kill_harness import _scribble
+
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
+    tier.reset(None)
+    handles = []
+    for step in (1, 2, 3):
+        state = state_of(0, step)
+        handles.append(tier.save_async(step, state))  # waits for the previous one, then snapshots
+        _scribble(state)  # what the optimizer does next: the memory checkpoint must not see it
+    assert [h.result().complete for h in handles] == [True, True, True]
+    assert tier._snapshots.allocations == 1  # the host buffers are reused step after step
+    target = state_of(0, 0)
+    got = tier.restore(target)
+    assert got is not None and got.step == 3
+    ref = state_of(0, 3)
+    assert torch.equal(target["model"]["w"].local, ref["model"]["w"].local)
+    assert torch.equal(target["optim"]["m"].local, ref["optim"]["m"].local)
+    assert got.value["train"] == ref["train"]
+    rec = handles[-1].result().to_record()
+    assert rec["snapshot_ms"] > 0 and rec["wait_ms"] >= 0
+    tier.clear()
+
+
+def _busy_skip(rank: int, world: int, shm: str, out: str) -> None:
+    import time
+
+    import ckpt.tier.tier as tier_mod
+
+    tier = _tier(shm, busy="skip")
+    tier.reset(None)
+    exchange = tier_mod.exchange
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(0.01 * (rank + 1))  # the background work outlasts a step, longer on some ranks
+        return exchange(*a, **k)
+
+    tier_mod.exchange = slow  # type: ignore[assignment]
+    from ckpt.comm import Comm
+
+    agree = Comm.exchange
+
+    def late_verdict(self: Any, obj: Any, reply: Any, **k: Any) -> Any:
+        out = agree(self, obj, reply, **k)
+        if rank == 3 and str(k.get("what", "")).startswith("memory tier agreement"):
+            time.sleep(0.08)  # rank 3 hears the verdict late: its training thread runs on meanwhile
+        return out
+
+    Comm.exchange = late_verdict  # type: ignore[method-assign]
+    seen = []
+    import torch.distributed as dist
+
+    for step in range(1, 25):
+        dist.barrier()  # training's collectives keep the ranks within a step of each other
+        time.sleep(0.002 * ((step * (rank + 3)) % 4))  # but they reach each step at different times
+        h = tier.save_async(step, state_of(rank, step))
+        seen.append([step, h.busy])
+    last = tier.drain()
+    assert last is not None and last.result().complete
+    with open(out, "a") as f:
+        f.write(json.dumps({"rank": rank, "seen": seen, "last": last.step,
+                            "busy_skipped": last.result().busy_skipped}) + "\n")
+
+
+def test_busy_skip_never_waits_and_every_rank_skips_the_same_steps(shm: str, tmp_path: Path) -> None:
+    out = tmp_path / "busy.jsonl"
+    run_ranks(4, _busy_skip, shm, str(out))
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(g["seen"] == got[0]["seen"] for g in got)  # the same steps started (or skipped) on every rank
+    started = [s for s, busy in got[0]["seen"] if not busy]
+    assert 1 in started and 3 <= len(started) < 24  # some due steps were skipped: the previous one still ran
+    assert {g["last"] for g in got} == {started[-1]}
+    assert {r["step"] for r in _restored(shm, tmp_path).values()} == {started[-1]}  # bitwise (see _restore)

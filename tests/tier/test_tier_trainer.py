@@ -95,7 +95,11 @@ def test_losing_a_node_resumes_from_the_memory_tier_bitwise(base: str, full: dic
     (resume,) = _events(cfg, "resume")
     assert resume["tier"] == "memory-peer" and resume["bytes_verified"] > 0  # every piece's checksum checked
     mem = _events(cfg, "memory_checkpoint")
-    assert [r["step"] for r in mem] == [*range(1, at + 1), *range(at + 1, STEPS)]
+    # step `at`'s record may be missing from the first attempt: its background work ended while rank 0
+    # (which writes the metrics) was already stuck in step at+1 with the lost node (start == at says
+    # it was complete everywhere)
+    assert [r["step"] for r in mem if r["step"] != at] == [*range(1, at), *range(at + 1, STEPS)]
+    assert all(0 <= r["snapshot_ms"] < r["write_ms"] + r["replicate_ms"] + r["agree_ms"] for r in mem), mem
     assert all(r["complete"] and r["replica_bytes"] > 0 for r in mem)
     assert len(_events(cfg, "fail")) == 2  # both ranks of node 1
 
@@ -118,8 +122,10 @@ def test_a_damaged_copy_falls_back_and_still_ends_bitwise(base: str, full: dict[
     _lose_node(cfg, 7)
     copy = _node(cfg, 0) / "replicas" / "rank-3" / step_name(7)
     m = ckpt.inspect(str(copy))
-    s = max((s for t in m.tensors.values() for s in t.shards), key=lambda s: s.length)
-    with open(copy / s.file, "r+b") as f:  # flipped bytes in the middle of the biggest piece
+    # the biggest piece only rank 3 holds (its ZeRO-1 optimizer slice): a replicated piece would be
+    # read from another rank's copy by the resharding restore (the fallback after the own-copy one)
+    s = max((s for k, t in m.tensors.items() if k.startswith("optim.") for s in t.shards), key=lambda s: s.length)
+    with open(copy / s.file, "r+b") as f:  # flipped bytes in the middle of it
         f.seek(s.offset + s.length // 2)
         b = f.read(2)
         f.seek(s.offset + s.length // 2)
@@ -127,9 +133,10 @@ def test_a_damaged_copy_falls_back_and_still_ends_bitwise(base: str, full: dict[
     resumed = run_training(cfg, LAYOUT)
     assert resumed["start"] == SAVE_EVERY  # keep=1: no older memory step, so storage's
     _same_end(full, cfg)
-    (failed,) = _events(cfg, "restore_failed")
+    failed, resharded = _events(cfg, "restore_failed")
     assert failed["tier"] == "memory" and failed["rank"] == 3 and failed["source"] == "peer" and failed["step"] == 7
     assert "checksum" in failed["error"].lower() or "IntegrityError" in failed["error"]
+    assert resharded["tier"] == "memory-reshard" and "checksum" in resharded["error"].lower()
     assert _events(cfg, "recovery")[0]["tier"] == "storage"
     assert [c.step for c in list_checkpoints(cfg.ckpt_dir or "") if c.committed][-1] == STEPS
 
@@ -156,3 +163,32 @@ def test_full_shared_memory_skips_memory_checkpoints_and_training_goes_on(base: 
     assert mem[3]["skipped"] and "No space left on device" in mem[3]["warning"] and "rank 1" in mem[3]["errors"][0]
     assert all(mem[s]["complete"] for s in mem if s != 3) and sorted(mem) == list(range(1, STEPS))
     assert [r["step"] for r in _events(cfg, "checkpoint")] == [SAVE_EVERY, STEPS]  # persistent saves unaffected
+
+
+def test_a_layout_change_resumes_from_the_memory_tier(base: str, full: dict[str, Any]) -> None:
+    cfg = _cfg(base, "lose-node-then-reshard")
+    _lose_node(cfg, 7)
+    # the job comes back on 2 ranks (one per node) under another layout: pipeline-parallel
+    resumed = run_training(cfg, Layout(pp=2, zero=1))
+    assert resumed["start"] == 7  # the memory step, read through the resharding load: no step lost
+    (rec,) = _events(cfg, "recovery")
+    assert rec["tier"] == "memory-reshard" and rec["steps_lost"] == 0
+    (resume,) = _events(cfg, "resume")
+    assert resume["resharded"] and resume["bytes_verified"] > 0  # every piece's checksum checked
+    # the same trajectory up to float reassociation across layouts
+    for k, v in resumed["losses"].items():
+        assert abs(v - full["losses"][k]) < 1e-3 * abs(full["losses"][k]), (k, v, full["losses"][k])
+
+
+def test_memory_busy_skip_skips_the_same_steps_everywhere_and_training_is_unchanged(base: str,
+                                                                                    full: dict[str, Any]) -> None:
+    cfg = dataclasses.replace(_cfg(base, "busy-skip"), memory_busy="skip")
+    run_training(cfg, LAYOUT)
+    _same_end(full, cfg)  # memory checkpoints never change training
+    mem = _events(cfg, "memory_checkpoint")
+    assert mem and all(r["complete"] for r in mem) and mem[0]["step"] == 1
+    steps = [r["step"] for r in mem]
+    assert steps == sorted(set(steps))
+    # each record counts the due steps skipped since the previous one (the same on every rank: the
+    # background agreement would otherwise have mixed steps and failed)
+    assert all(r["busy_skipped"] == r["step"] - p - 1 for p, r in zip([0, *steps], mem, strict=False))

@@ -24,7 +24,7 @@ from ckpt.trainer.pp import ForwardBackward
 from ckpt.trainer.train import build, train
 from ckpt.trainer.zero import LRSchedule
 from tests.dist_utils import run_ranks
-from tests.trainer.trainer_utils import losses_close, run_training
+from tests.trainer.trainer_utils import assert_slots_match, losses_close, run_training
 
 CFG = TrainConfig(steps=10)
 PADDED = dataclasses.replace(CFG, model=dataclasses.replace(CONFIGS["tiny"], vocab_size=255))  # 128 + 127 rows
@@ -43,17 +43,7 @@ def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None
     ids = src.batch(0, cfg.global_batch)
     ref(ids, labels=ids)[1].backward()  # type: ignore[index]
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    seen = set()
-    for kind, slots in opt.slots.items():
-        for s, got in zip(slots, grads[kind], strict=True):
-            box = s.spec.box
-            g = ref_grads[s.spec.name]
-            assert g is not None
-            block = g[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
-            # this rank's ZeRO range of its block (the whole block without ZeRO)
-            want = block.reshape(-1)[s.start: s.stop]
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m, n=s.spec.name: f"{n}: {m}")
-            seen.add(s.spec.name)
+    seen = assert_slots_match(opt, grads, ref_grads)
     # the rank holds exactly its pipeline stage's parameters
     per_stage = {n for n in ref_grads if _stage(n, cfg, layout) == ctx.coord.pp}
     assert seen == per_stage

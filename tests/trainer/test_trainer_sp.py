@@ -4,11 +4,14 @@
   over ``dp x ep x sp``) equals the same range of the unsplit model's gradient on the whole batch,
   within fp32 tolerance (LASP-2H's masked attention and the split loss sum in another order, so not
   bitwise);
+- the same with X-MoE's sequence-sharded MoE blocks under sp=2, tp=2;
 - over 10 optimizer steps the losses equal the single-process run's within ``LOSS_TOL``;
 - LASP-2H attention alone: equal to the rows of unsplit causal attention, gradients too.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -23,10 +26,9 @@ from ckpt.trainer.pp import ForwardBackward
 from ckpt.trainer.sp import lasp2h_attention, split_batch, zigzag_merge, zigzag_positions_all, zigzag_split
 from ckpt.trainer.train import build
 from tests.dist_utils import run_ranks
-from tests.trainer.trainer_utils import losses_close, run_training
+from tests.trainer.trainer_utils import assert_slots_match, losses_close, run_training
 
 CFG = TrainConfig(steps=10)
-GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}  # what the TP / EP / PP gradient checks allow
 
 
 def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None:
@@ -42,16 +44,7 @@ def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None
     full = src.batch(0, cfg.global_batch)
     ref(full, labels=full)[1].backward()  # type: ignore[index]
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    seen = set()
-    for kind, slots in opt.slots.items():
-        for s, got in zip(slots, grads[kind], strict=True):
-            box = s.spec.box
-            g = ref_grads[s.spec.name]
-            assert g is not None
-            block = g[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
-            want = block.reshape(-1)[s.start: s.stop]
-            torch.testing.assert_close(got, want, **GRAD_TOL, msg=lambda m, n=s.spec.name: f"{n}: {m}")
-            seen.add(s.spec.name)
+    seen = assert_slots_match(opt, grads, ref_grads)
     from ckpt.resharders.rules import MOE_RULES
 
     assert seen == {n for n in ref_grads
@@ -66,6 +59,13 @@ def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None
 def test_gradients_equal_single_process_blocks(layout: str) -> None:
     lay = Layout.parse(layout)
     run_ranks(lay.world_size, _grad_check, CFG, lay)
+
+
+def test_sp_with_sequence_sharded_moe_under_tp() -> None:
+    """The sp and X-MoE branches together: under sp=2, tp=2 each TP rank routes and dispatches 1/tp of
+    its sp slice's tokens (``moe_sequence_shard``); the reduced gradients still equal one process's."""
+    cfg = dataclasses.replace(CFG, moe_sequence_shard=True)
+    run_ranks(4, _grad_check, cfg, Layout(sp=2, tp=2, zero=1))
 
 
 @pytest.fixture(scope="module")

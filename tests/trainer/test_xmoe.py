@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt.errors import LayoutError
-from ckpt.resharders.layout import Layout
+from ckpt.layout import Layout
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.ep import DISPATCH_MODES, ParallelMoEBlock, plan_dispatch, shard_sizes
 from ckpt.trainer.model import CONFIGS, Experts, MoEBlock, Router, route

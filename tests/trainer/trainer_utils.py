@@ -60,3 +60,23 @@ def losses_close(got: dict[int, float], want: dict[int, float]) -> None:
     assert sorted(got) == sorted(want)
     torch.testing.assert_close(torch.tensor([got[k] for k in sorted(got)], dtype=torch.float64),
                                torch.tensor([want[k] for k in sorted(want)], dtype=torch.float64), **LOSS_TOL)
+
+
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}  # layout gradient checks: fp32, other summation orders
+
+
+def assert_slots_match(opt: Any, grads: dict[str, list[torch.Tensor]], ref_grads: dict[str, torch.Tensor | None],
+                       tol: dict[str, float] | None = None) -> set[str]:
+    """Each optimizer slot's reduced gradient equals its block (and ZeRO range) of the one-process
+    gradient ``ref_grads[name]``; returns the names seen (the caller checks they are this stage's)."""
+    seen = set()
+    for kind, slots in opt.slots.items():
+        for s, got in zip(slots, grads[kind], strict=True):
+            box = s.spec.box
+            g = ref_grads[s.spec.name]
+            assert g is not None, s.spec.name
+            block = g[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
+            want = block.reshape(-1)[s.start: s.stop]  # this rank's ZeRO range (the whole block without ZeRO)
+            torch.testing.assert_close(got, want, **(tol or GRAD_TOL), msg=lambda m, n=s.spec.name: f"{n}: {m}")
+            seen.add(s.spec.name)
+    return seen

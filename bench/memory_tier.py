@@ -1,0 +1,384 @@
+"""The memory tier (issue 18): restore speed, recovery after a kill, peer fetch, training slowdown.
+
+Four measurements, each with its peer or physical limit measured in the same run:
+
+1. **peer fetch** (2 forked gloo ranks, CPU): one rank's memory checkpoint of ``--size-gb`` sent to
+   a rank of another (simulated) node by the tier's transfer (``ckpt.tier.transfer.exchange``:
+   mapped files, 64 MiB messages, the receiver writing into shared memory and committing the
+   manifest last), vs a raw gloo send/recv of the same bytes between two host buffers.
+2. **recovery** (``ckpt train`` through the launcher, 2 ranks in 2 simulated nodes, CPU unless
+   ``--device cuda`` finds 2 GPUs): node 1 is lost (its ranks SIGKILLed, its shared memory deleted)
+   at ``--fail-at``; the same run with and without the memory tier, side by side, from the
+   ``recovery`` records (detect, restart, restore, first step) plus the steps lost, redone at the
+   median step time. Steps before the failure give the **step slowdown** with the tier on
+   (``--memory-every 1``) vs off, and the training thread's stall per memory checkpoint.
+3. **restore** (one process, ``--device``): the newest memory checkpoint (own copy in shared memory,
+   every checksum checked) vs ``ckpt.load`` of the same state from disk, warm and cold, into the
+   same preallocated tensors; the limit is host-to-device bandwidth (pinned and pageable) on a GPU,
+   a memcpy into touched memory on CPU.
+4. **snapshot** (one process, ``--device``): a synthetic training step (matmuls for about
+   ``--step-ms``) with ``save_async`` of the ``--size-gb`` state every step vs without; the
+   training thread's stall (waiting for the previous one + the host snapshot) and the background
+   time per memory checkpoint.
+
+    python -m bench memory-tier [--size-gb 0.25] [--device cpu|cuda] [--repeats 3] [--json FILE]
+        [--only peer,recovery,restore,snapshot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from bench.common import GB, fmt, gbps, machine_info, median, print_table
+
+PARTS = ("peer", "recovery", "restore", "snapshot")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size-gb", type=float, default=0.25, help="state size in GiB (default 0.25; 8 on an H100)")
+    p.add_argument("--tensors", type=int, default=64, help="tensors in the state (default 64)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per contender (default 3)")
+    p.add_argument("--steps", type=int, default=24, help="training steps of each recovery run (default 24)")
+    p.add_argument("--fail-at", type=int, default=17, help="step at which node 1 is lost (default 17)")
+    p.add_argument("--save-every", type=int, default=10, help="persistent save interval (default 10)")
+    p.add_argument("--step-ms", type=float, default=300.0, help="synthetic step length for 'snapshot' (ms)")
+    p.add_argument("--dir", default=None, help="disk directory for persistent checkpoints (default: $TMPDIR)")
+    p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no GPU here; measuring on CPU")
+        name = "cpu"
+    return torch.device(name)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _shm_base() -> str:
+    return tempfile.mkdtemp(prefix="ckpt-bench-tier-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
+# --- 1. peer fetch -------------------------------------------------------------------------------
+
+def _peer_rank(rank: int, init: str, shm: str, nbytes: int, n_tensors: int, repeats: int, out: str) -> None:
+    import torch.distributed as dist
+
+    import ckpt
+    from bench.save_load import make_state
+    from ckpt.tier.transfer import exchange, package
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    src = os.path.join(shm, "node-0", "rank-0", "step-1")
+    if rank == 0:
+        ckpt.save(make_state(nbytes, n_tensors), src, group=dist.new_group([0], use_local_synchronization=True))
+    else:
+        dist.new_group([0], use_local_synchronization=True)
+    dist.barrier()
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs) if rank == 0 else 0
+    raw = torch.ones(max(nbytes, 1), dtype=torch.uint8)  # touched: the limit is the transport, not page faults
+    tier_s, raw_s = [], []
+    for r in range(repeats):
+        dest = os.path.join(shm, "node-1", "replicas", "rank-0", f"step-{r}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        got = exchange(dist.group.WORLD, {1: package(src, "bench")} if rank == 0 else {},
+                       {0: dest} if rank == 1 else {}, rank=rank, timeout=600, what="bench peer fetch")
+        dist.barrier()
+        tier_s.append(time.perf_counter() - t0)
+        if rank == 1:
+            assert got[0].ok, got[0].err
+            if r == 0:
+                assert ckpt.verify(dest, deep=True).ok, "the fetched copy does not verify"
+            shutil.rmtree(dest)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(raw, dst=1)
+        else:
+            dist.recv(raw, src=0)
+        dist.barrier()
+        raw_s.append(time.perf_counter() - t0)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"bytes": size, "tier_s": tier_s, "raw_s": raw_s, "raw_bytes": nbytes}, f)
+    dist.destroy_process_group()
+
+
+def run_peer(size_gb: float, n_tensors: int, repeats: int) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    base = _shm_base()
+    try:
+        out = os.path.join(base, "peer.json")
+        init = f"file://{os.path.join(base, 'pg')}"
+        mp.start_processes(_peer_rank, args=(init, base, int(size_gb * (1 << 30)), n_tensors, repeats, out),
+                           nprocs=2, start_method="fork")
+        with open(out) as f:
+            res: dict[str, Any] = json.load(f)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    res["tier_gbps"] = gbps(res["bytes"], median(res["tier_s"]))
+    res["raw_gbps"] = gbps(res["raw_bytes"], median(res["raw_s"]))
+    res["ratio"] = res["tier_gbps"] / res["raw_gbps"]
+    print_table(f"peer fetch over gloo, {res['bytes'] / GB:.2f} GB (median of {repeats})",
+                ["path", "s", "GB/s", "vs raw gloo"],
+                [["tier copy (files -> peer's /dev/shm)", fmt(median(res["tier_s"]), 3), fmt(res["tier_gbps"]),
+                  fmt(res["ratio"]) + "x"],
+                 ["raw gloo send/recv (limit)", fmt(median(res["raw_s"]), 3), fmt(res["raw_gbps"]), "1.00x"]])
+    return res
+
+
+# --- 2. recovery and step slowdown ---------------------------------------------------------------
+
+def _train_run(base: str, name: str, args: argparse.Namespace, device: str, busy: str | None) -> dict[str, Any]:
+    from ckpt.layout import Layout
+    from ckpt.trainer.config import TrainConfig
+    from ckpt.trainer.launch import launch
+    from ckpt.trainer.metrics import read_metrics
+
+    cfg = TrainConfig(steps=args.steps, save_every=args.save_every, ckpt_dir=os.path.join(base, name),
+                      fail_at_step=args.fail_at, fail_node=1, nodes=2, memory_every=1 if busy else None,
+                      memory_busy=busy or "wait",
+                      shm_dir=os.path.join(base, "shm"), run_id=f"bench-{name}", device=device)
+    t0 = time.perf_counter()
+    restarts = launch(cfg, Layout(dp=2), max_restarts=1, log=os.path.join(base, f"{name}.log"))
+    wall = time.perf_counter() - t0
+    recs = read_metrics(cfg.metrics_file or "")
+    rec = next(r for r in recs if r.get("event") == "recovery")
+    # steps of the first attempt before the failure, without a persistent save and past warm-up
+    first: list[dict[str, Any]] = []
+    for r in recs:
+        if r.get("event") == "attempt_end":
+            break
+        if "loss" in r and "event" not in r and r["step"] > 2 and r["step"] % args.save_every:
+            first.append(r)
+    step_ms = median([r["step_ms"] for r in first])
+    mem = [r for r in recs if r.get("event") == "memory_checkpoint"]
+    before = [r for r in mem if r["step"] < args.fail_at]
+    return {"memory_checkpoints_before_failure": len(before), "restarts": restarts, "wall_s": wall,
+            "recovery": rec, "step_ms": step_ms,
+            "steps": [r["step_ms"] for r in first], "stall_ms": median([r["ckpt_stall_ms"] for r in first]),
+            "memory": {k: median([r[k] for r in mem]) for k in ("wait_ms", "snapshot_ms", "write_ms",
+                                                                "replicate_ms", "agree_ms")} if mem else {},
+            "redo_ms": rec.get("steps_lost", 0) * step_ms}
+
+
+def run_recovery(args: argparse.Namespace) -> dict[str, Any]:
+    dev = "cuda" if args.device == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+    base = tempfile.mkdtemp(prefix="ckpt-bench-recovery-", dir=args.dir)
+    try:
+        runs = {"storage only": _train_run(base, "off", args, dev, None),
+                "memory tier, busy=wait": _train_run(base, "wait", args, dev, "wait"),
+                "memory tier, busy=skip": _train_run(base, "skip", args, dev, "skip")}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    rows = []
+    for name, r in runs.items():
+        rec = r["recovery"]
+        back = rec.get("total_ms", 0) + r["redo_ms"]
+        r["back_to_failure_ms"] = back
+        rows.append([name, rec["tier"], str(rec["step"]), str(rec.get("steps_lost", "-")),
+                     fmt(rec.get("detect_ms", 0), 0), fmt(rec.get("restart_ms", 0), 0), fmt(rec["restore_ms"], 1),
+                     fmt(rec["first_step_ms"], 1),
+                     fmt(rec.get("total_ms", 0), 0), fmt(r["redo_ms"], 0), fmt(back, 0)])
+    print_table(f"recovery after losing node 1 at step {args.fail_at} (2 ranks, 2 simulated nodes, {dev}; ms)",
+                ["run", "restored from", "step", "lost", "detect", "restart", "restore", "1st step", "total",
+                 "redo lost", "back at failure"], rows)
+    off = runs["storage only"]
+    slow: dict[str, Any] = {"step_ms_off": off["step_ms"]}
+    rows = [["no memory tier", fmt(off["step_ms"], 1), fmt(off["stall_ms"], 2), "1.00x", "-", "-", "-"]]
+    for name in ("memory tier, busy=wait", "memory tier, busy=skip"):
+        on = runs[name]
+        m = on["memory"]
+        slow[name] = {"step_ms": on["step_ms"], "ratio": on["step_ms"] / off["step_ms"], "stall_ms": on["stall_ms"],
+                      "memory_checkpoints": on["memory_checkpoints_before_failure"], "background": m}
+        bg = m.get("write_ms", 0) + m.get("replicate_ms", 0) + m.get("agree_ms", 0)
+        rows.append([name.replace("memory tier, ", "memory-every 1, "), fmt(on["step_ms"], 1), fmt(on["stall_ms"], 2),
+                     fmt(on["step_ms"] / off["step_ms"], 3) + "x", str(on["memory_checkpoints_before_failure"]),
+                     fmt(m.get("snapshot_ms", 0), 2), fmt(bg, 1)])
+    print_table(f"training step, memory checkpoint due every step vs no tier (steps 3-{args.fail_at - 1} of the "
+                "first attempt, persistent-save steps left out; medians)",
+                ["run", "step ms", "stall ms", "vs off", f"memory ckpts of {args.fail_at - 1} steps", "snapshot ms",
+                 "background ms"], rows)
+    return {"device": dev, "runs": runs, "slowdown": slow}
+
+
+# --- 3. restore ----------------------------------------------------------------------------------
+
+def _limit(nbytes: int, dev: torch.device) -> dict[str, float]:
+    if dev.type == "cuda":
+        from bench.gpu_io import h2d_gbps
+
+        return {"h2d_pinned_gbps": h2d_gbps(nbytes, True), "h2d_pageable_gbps": h2d_gbps(nbytes, False)}
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return {"memcpy_gbps": gbps(nbytes, median(times))}
+
+
+def run_restore(size_gb: float, n_tensors: int, repeats: int, dev: torch.device, disk: str | None) -> dict[str, Any]:
+    import ckpt
+    from bench.gpu_io import evict
+    from bench.save_load import make_state, state_bytes
+    from ckpt.tier import MemoryTier, TierConfig
+
+    state = {k: v.to(dev) for k, v in make_state(int(size_gb * (1 << 30)), n_tensors).items()}
+    nbytes = state_bytes(state)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    shm, tmp = _shm_base(), tempfile.mkdtemp(prefix="ckpt-bench-restore-", dir=disk)
+    url = os.path.join(tmp, "persistent")
+    # the tier checks every piece's CRC on restore: ckpt.load is measured with and without that check
+    times: dict[str, list[float]] = {"memory tier (local, CRC checked)": [], "ckpt.load warm, CRC checked": [],
+                                     "ckpt.load warm": [], "ckpt.load cold, CRC checked": []}
+    try:
+        tier = MemoryTier(TierConfig(tmp, run_id="bench-restore", shm_dir=shm, replicas=0))
+        tier.reset(None)
+        assert tier.save(1, state).complete
+        ckpt.save(state, url)
+        limit = _limit(nbytes, dev)
+        for r in range(-1, repeats):  # r = -1: one untimed warm-up of each (thread pools, first-call costs)
+            order = list(times) if r % 2 == 0 else list(times)[::-1]
+            for name in order:
+                for v in target.values():
+                    v.zero_()
+                if "cold" in name:
+                    evict(url)
+                _sync(dev)
+                t0 = time.perf_counter()
+                if name.startswith("memory"):
+                    got = tier.restore(target)
+                    assert got is not None and got.step == 1
+                else:
+                    ckpt.load(target, url, verify="CRC" in name)
+                _sync(dev)
+                if r >= 0:
+                    times[name].append(time.perf_counter() - t0)
+                if r == 0:
+                    assert all(torch.equal(target[k], state[k]) for k in state), f"{name}: not bitwise equal"
+        tier.clear()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    lim = limit.get("h2d_pinned_gbps", limit.get("memcpy_gbps", float("nan")))
+    res: dict[str, Any] = {"bytes": nbytes, "device": str(dev), "limit": limit, "times": times,
+                           "median_s": {k: median(v) for k, v in times.items()}}
+    res["gbps"] = {k: gbps(nbytes, s) for k, s in res["median_s"].items()}
+    res["vs_limit"] = {k: g / lim for k, g in res["gbps"].items()}
+    lname = "pinned H2D" if dev.type == "cuda" else "memcpy"
+    rows = [[k, fmt(res["median_s"][k], 3), fmt(res["gbps"][k]), fmt(res["vs_limit"][k]) + "x"] for k in times]
+    rows.append([f"{lname} (limit)", fmt(nbytes / GB / lim, 3), fmt(lim), "1.00x"])
+    print_table(f"restore of {nbytes / GB:.2f} GB into {dev} tensors (median of {repeats})",
+                ["source", "s", "GB/s", f"vs {lname}"], rows)
+    return res
+
+
+# --- 4. snapshot: the training thread's stall ----------------------------------------------------
+
+def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device, step_ms: float) -> dict[str, Any]:
+    from bench.save_load import make_state, state_bytes
+    from ckpt.tier import MemoryTier, TierConfig
+
+    state = {k: v.to(dev) for k, v in make_state(int(size_gb * (1 << 30)), n_tensors).items()}
+    a = torch.randn(512, 512, device=dev)
+
+    def work(n: int) -> None:
+        x = a
+        for _ in range(n):
+            x = torch.tanh(x @ a)
+        _sync(dev)
+
+    work(4)
+    t0 = time.perf_counter()
+    work(20)
+    per = (time.perf_counter() - t0) / 20
+    n = max(1, round(step_ms / 1e3 / per))
+    shm = _shm_base()
+    steps: dict[str, list[float]] = {"off": [], "on": []}
+    stalls: list[float] = []
+    records: list[dict[str, Any]] = []
+    try:
+        tier = MemoryTier(TierConfig(shm, run_id="bench-snapshot", shm_dir=shm, replicas=0))
+        tier.reset(None)
+        step = 0
+        per_block = 5
+        for r in range(repeats):
+            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                for _ in range(per_block):
+                    t0 = time.perf_counter()
+                    work(n)
+                    for v in state.values():  # the optimizer's in-place update
+                        v.add_(1)
+                    if mode == "on":
+                        step += 1
+                        t1 = time.perf_counter()
+                        h = tier.save_async(step, state)
+                        stalls.append(time.perf_counter() - t1)
+                    _sync(dev)
+                    steps[mode].append(time.perf_counter() - t0)
+                if mode == "on":
+                    records.append(h.result().to_record())  # between blocks: none in flight while "off" runs
+        tier.clear()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    nbytes = state_bytes(state)
+    off, on = median(steps["off"]), median(steps["on"])
+    bg = median([r["write_ms"] + r["agree_ms"] for r in records])
+    res = {"bytes": nbytes, "device": str(dev), "matmuls_per_step": n, "step_s": steps, "median_off_s": off,
+           "median_on_s": on, "ratio": on / off, "stall_s": stalls, "median_stall_s": median(stalls),
+           "background_ms": bg, "records": records}
+    print_table(f"synthetic step (~{step_ms:.0f} ms on {dev}) with save_async of {nbytes / GB:.2f} GB every step "
+                f"(median of {len(steps['on'])})", ["run", "step ms", "stall ms", "vs off"],
+                [["no memory checkpoint", fmt(off * 1e3, 1), "-", "1.00x"],
+                 ["save_async every step", fmt(on * 1e3, 1), fmt(median(stalls) * 1e3, 2), fmt(on / off, 3) + "x"]])
+    print(f"background write + agreement per memory checkpoint: median {bg:.1f} ms; "
+          f"stdev of the off steps {statistics.pstdev(steps['off']) * 1e3:.1f} ms")
+    return res
+
+
+def main(args: argparse.Namespace) -> int:
+    parts = [p for p in args.only.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        print(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
+        return 2
+    out: dict[str, Any] = {"size_gb": args.size_gb, "tensors": args.tensors, "repeats": args.repeats,
+                           "machine": machine_info(args.dir or tempfile.gettempdir())}
+    t0 = time.perf_counter()
+    # the forked and launched parts first: the parent stays CUDA-free until then
+    if "peer" in parts:
+        out["peer"] = run_peer(args.size_gb, args.tensors, args.repeats)
+    if "recovery" in parts:
+        out["recovery"] = run_recovery(args)
+    dev = _device(args.device)
+    out["device"] = str(dev)
+    if "restore" in parts:
+        out["restore"] = run_restore(args.size_gb, args.tensors, args.repeats, dev, args.dir)
+    if "snapshot" in parts:
+        out["snapshot"] = run_snapshot(args.size_gb, args.tensors, args.repeats, dev, args.step_ms)
+    out["wall_s"] = time.perf_counter() - t0
+    print(f"done in {out['wall_s']:.0f} s")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return 0

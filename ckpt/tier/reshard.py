@@ -1,0 +1,218 @@
+"""Restore from the memory tier under another layout (another world size, TP/EP/PP/DP split) through
+the ordinary resharding load.
+
+Each memory checkpoint holds one rank's local pieces, and its tier metadata says what each piece is
+a piece *of* (``pieces``: global key, dtype, global shape, region; see
+:func:`ckpt.tier.store.localize_pieces`). When every old rank's copy of one step is reachable from
+a new rank's file system (its own node's shared memory; on one host, every simulated node's),
+that rank assembles a *view*: an ordinary checkpoint directory whose data files are hard links to
+the copies' files (no bytes copied) and whose manifest lists every piece as a shard of its global
+tensor, with the copies' own byte offsets and CRCs. ``ckpt.load`` then reads exactly the byte
+ranges the new layout needs, every checksum checked, as from any persistent checkpoint. The ranks
+agree on the step (the newest one every rank can reach, of one attempt of the old job); any failure
+on any rank falls back to storage on every rank. Pieces on other hosts are not fetched (a
+multi-host layout change restores from storage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ckpt.comm import describe
+from ckpt.errors import CheckpointError, CollectiveError, ManifestError
+from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
+from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
+from ckpt.shards import Box, Flat, Region
+from ckpt.storage.local import LocalStorage
+from ckpt.tier.nodes import NODE_DIR, RANK_DIR, STEP_DIR, tier_dir
+from ckpt.tier.restore import TierRestore
+from ckpt.tier.store import META_KEY, REPLICAS, _listdir
+
+if TYPE_CHECKING:
+    from ckpt.tier.tier import MemoryTier
+
+VIEW_PREFIX = "view-"  # <tier>/view-<rank>-<random>/: a rank's resharding view (hard links), removed after use
+
+
+def _copies(tier: MemoryTier) -> dict[tuple[int, str, int], dict[int, str]]:
+    """Every usable copy reachable from here, by ``(step, epoch, old world)`` then owner: committed,
+    of this run and lineage, describing its pieces, found where its owner's copy belongs."""
+    run = tier_dir(tier.base, tier.run_id)
+    out: dict[tuple[int, str, int], dict[int, str]] = {}
+    for node in sorted(_listdir(run)):
+        if NODE_DIR.match(node) is None:
+            continue
+        ndir = os.path.join(run, node)
+        places = [(m, os.path.join(ndir, d)) for d in _listdir(ndir) if (m := RANK_DIR.match(d))]
+        places += [(m, os.path.join(ndir, REPLICAS, d)) for d in _listdir(os.path.join(ndir, REPLICAS))
+                   if (m := RANK_DIR.match(d))]
+        for m, where in places:
+            owner = int(m.group(1))
+            for name in sorted(_listdir(where)):
+                sm = STEP_DIR.match(name)
+                if sm is None:
+                    continue
+                meta = _meta(os.path.join(where, name))
+                if (meta is None or meta.get("run_id") != tier.run_id or meta.get("owner") != owner
+                        or (tier.config.lineage is not None and meta.get("lineage") != tier.config.lineage)
+                        or not isinstance(meta.get("pieces"), dict) or not isinstance(meta.get("world"), int)):
+                    continue
+                key = (int(sm.group(1)), str(meta.get("epoch", "")), int(meta["world"]))
+                out.setdefault(key, {}).setdefault(owner, os.path.join(where, name))
+    return out
+
+
+def _meta(path: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+            m = decode_manifest(f.read(), url=path)
+    except (OSError, CheckpointError):
+        return None
+    meta = (m.user_metadata or {}).get(META_KEY)
+    return meta if isinstance(meta, dict) and m.step is not None else None
+
+
+def _region(where: list[Any], local: Region) -> Region:
+    """The global region of a stored shard: ``local`` is its region within the rank's local piece,
+    ``where`` the piece's place in the global tensor (as recorded in ``pieces``)."""
+    if where[0] == "box":
+        offsets = tuple(int(x) for x in where[1])
+        if not isinstance(local, Box) or len(local.offsets) != len(offsets):
+            raise ManifestError(f"a box piece stored as {local}: cannot place it in its global tensor")
+        return Box(tuple(o + lo for o, lo in zip(offsets, local.offsets, strict=True)), local.lengths)
+    start, box = int(where[1]), where[3]
+    gbox = Box(tuple(int(x) for x in box[0]), tuple(int(x) for x in box[1])) if box else None
+    if isinstance(local, Box) and len(local.offsets) == 1:
+        return Flat(start + local.offsets[0], start + local.offsets[0] + local.lengths[0], gbox)
+    if isinstance(local, Flat) and local.box is None:
+        return Flat(start + local.start, start + local.stop, gbox)
+    raise ManifestError(f"a flat piece stored as {local}: cannot place it in its global tensor")
+
+
+def build_view(copies: dict[int, str], dest: str) -> Manifest:
+    """Write at ``dest`` an ordinary checkpoint made of the copies (``owner -> step directory``):
+    hard links to their data files and a manifest of every piece as a shard of its global tensor.
+    Per-rank objects keep their owner's rank; global objects come from the lowest owner.
+
+    Raises ManifestError (a copy without piece descriptions, disagreeing global shapes) and
+    OSError (no hard links here: another file system)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(os.path.join(dest, "data"))
+    merged = Manifest()
+    seen: set[tuple[str, Region]] = set()
+    shards: dict[str, list[ShardEntry]] = {}
+    for owner in sorted(copies):
+        path = copies[owner]
+        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+            m = decode_manifest(f.read(), url=path)
+        pieces = m.user_metadata[META_KEY]["pieces"]
+        names = {}
+        for rel, size in m.files.items():
+            names[rel] = f"data/o{owner}-{os.path.basename(rel)}"
+            os.link(os.path.join(path, rel), os.path.join(dest, names[rel]))
+            merged.files[names[rel]] = size
+        for key, entry in m.tensors.items():
+            if key not in pieces:
+                raise ManifestError(f"{path}: tensor {key!r} has no piece description; not resharded")
+            gkey, dtype, gshape, where = pieces[key]
+            t = merged.tensors.setdefault(gkey, TensorEntry(dtype, tuple(int(x) for x in gshape), []))
+            if t.dtype != dtype or list(t.shape) != [int(x) for x in gshape]:
+                raise ManifestError(f"{path}: tensor {gkey!r} is {dtype} {gshape} here but {t.dtype} "
+                                    f"{list(t.shape)} in another rank's copy")
+            for s in entry.shards:
+                region = _region(where, s.region)
+                if (gkey, region) in seen:
+                    continue  # a replica (DP, EP over dense weights): the lowest owner's copy serves
+                seen.add((gkey, region))
+                shards.setdefault(gkey, []).append(ShardEntry(region, names[s.file], s.offset, s.length, s.checksum))
+        for key, obj in m.objects.items():
+            if obj.per_rank is not None:
+                values = list(obj.per_rank.values())  # saved through a group of one: rank 0's value
+                mine = merged.objects.setdefault(key, ObjectEntry(per_rank={}))
+                if len(values) != 1 or mine.per_rank is None:
+                    raise ManifestError(f"{path}: object {key!r} is per-rank here but not in another copy")
+                mine.per_rank[owner] = values[0]
+            else:
+                merged.objects.setdefault(key, obj)
+        if owner == min(copies):
+            meta = dict(m.user_metadata)
+            meta.pop(META_KEY, None)
+            merged.user_metadata, merged.layout, merged.step = meta, m.layout, m.step
+            merged.hash_algorithm = m.hash_algorithm
+    for gkey, found in shards.items():
+        merged.tensors[gkey].shards = found
+    merged.world_size = len(copies)
+    storage = LocalStorage(dest)
+    try:
+        storage.commit(MANIFEST_NAME, encode_manifest(merged))
+    finally:
+        storage.close()
+    return merged
+
+
+def run(tier: MemoryTier, fn: Callable[[str], Any], *, min_step: int | None = None,
+        on_failure: Callable[[dict[str, Any]], None] | None = None) -> TierRestore | None:
+    """Restore the newest memory step every rank can reach whole, under this job's layout, through
+    ``fn(view_url)`` (collective over the tier's group; ``fn`` a resharding load of this rank's
+    state, not collective); None when there is none or it failed on any rank (``restore_failed``
+    records, tier ``memory-reshard``). Raises CollectiveError when a rank is lost."""
+    tier.drain()
+    found = _copies(tier)
+    mine = sorted([s, e, w] for (s, e, w), owners in found.items() if set(owners) == set(range(w))
+                  and (min_step is None or s >= min_step))
+
+    def decide(got: list[Any]) -> list[Any]:
+        common = set(map(tuple, got[0]))
+        for g in got[1:]:
+            common &= set(map(tuple, g))
+        best = max(common) if common else None
+        return [best] * len(got)
+
+    best = tier.comm.exchange(mine, decide, timeout=tier.timeout, what="memory tier resharding restore planning")
+    if best is None:
+        return None
+    step, epoch, world = int(best[0]), str(best[1]), int(best[2])
+    view = os.path.join(tier_dir(tier.base, tier.run_id), f"{VIEW_PREFIX}{tier.rank}-{uuid.uuid4().hex[:8]}")
+    t0 = time.perf_counter()
+    err: str | None = None
+    value: Any = None
+    nbytes = 0
+    try:
+        manifest = build_view(found[(step, epoch, world)], view)
+        nbytes = sum(manifest.files.values())
+        value = fn(view)
+    except CollectiveError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure: every rank falls back to storage
+        err = f"rank {tier.rank}: {describe(e)}"
+    finally:
+        shutil.rmtree(view, ignore_errors=True)  # links only: the copies stay
+    t1 = time.perf_counter()
+
+    def agree(got: list[Any]) -> list[Any]:
+        return [[g for g in got if g is not None]] * len(got)
+
+    errors = tier.comm.exchange(err, agree, timeout=tier.timeout, what="memory tier resharding restore (agreement)")
+    if errors:
+        if on_failure is not None:
+            on_failure({"event": "restore_failed", "tier": "memory-reshard", "step": step, "error": errors[0],
+                        "errors": errors[:8]})
+        return None
+    return TierRestore(step=step, value=value, url=f"{tier_dir(tier.base, tier.run_id)} (step {step} of {world} "
+                       "ranks, resharded)", source="reshard", holder=-1, tier="memory-reshard", peer_ranks=[],
+                       bytes=nbytes, fetched_bytes=0, rank_fetch_s=0.0, rank_load_s=t1 - t0)
+
+
+def clear_views(tier: MemoryTier) -> None:
+    """Remove views a killed restore of this rank left behind (hard links only)."""
+    run = tier_dir(tier.base, tier.run_id)
+    for name in _listdir(run):
+        if name.startswith(f"{VIEW_PREFIX}{tier.rank}-"):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(os.path.join(run, name))

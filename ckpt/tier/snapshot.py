@@ -1,0 +1,106 @@
+"""The training thread's part of a memory checkpoint: copy this rank's pieces into host buffers that
+are allocated once and reused, so that the write to shared memory and the copy to a peer can run on a
+background thread while training changes its tensors.
+
+Why not :class:`ckpt.staging.Stager`: it stages byte *segments* into power-of-two slabs for a writer
+that streams them into files, filling them on its own thread while the caller waits for
+``staged()``. The tier's background writer is ``ckpt.save`` of whole tensors (one ordinary
+checkpoint per rank), so the natural buffer here is one host tensor per piece, shaped like it,
+kept across steps while the pieces keep their keys, dtypes and shapes (the usual case: the same
+model every step). First touch of fresh memory is what makes copies slow on a CPU host (0.15-2.9
+GB/s versus 4-9 GB/s into touched memory): reuse is the point.
+
+GPU pieces are copied into pinned buffers on a side stream that starts after the work queued so far
+on the current stream; the current stream then waits for the copies (so later in-place updates,
+e.g. ``optimizer.step()``, cannot overtake them) and the background thread synchronizes on their
+event before writing. The training thread itself never blocks on the GPU copy.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckpt.shards import PerRank
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One memory checkpoint's host copy: ``flat`` as :func:`ckpt.tier.store.localize` made it, with
+    every tensor replaced by its host buffer and every object by a deep copy. ``events``: CUDA events
+    to synchronize on before reading the buffers (empty on CPU)."""
+
+    flat: dict[str, Any]
+    nbytes: int = 0
+    events: list[Any] = field(default_factory=list)
+
+    def ready(self) -> None:
+        """Block until the device-to-host copies have landed (call on the background thread)."""
+        for ev in self.events:
+            ev.synchronize()
+
+
+class HostSnapshots:
+    """Reused host buffers of one rank's memory checkpoints (one per piece; pinned for GPU pieces)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._streams: dict[int, Any] = {}
+        self.allocations = 0  # how many times buffers were (re)allocated: tests check the steady state
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held now."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def take(self, flat: dict[str, Any]) -> Snapshot:
+        """Copy ``flat``'s tensors into the host buffers (reallocated only when the keys, dtypes or
+        shapes changed) and deep-copy its objects. The buffers are reused by the next ``take``: the
+        caller must be done with the previous snapshot (the tier keeps one in flight)."""
+        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        key = tuple((k, v.dtype, tuple(v.shape), v.device.type == "cuda") for k, v in tensors.items())
+        if key != self._key:
+            self._bufs = {}  # the old buffers go before the new ones are allocated
+            self._bufs = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=v.device.type == "cuda")
+                          for k, v in tensors.items()}
+            self._key = key
+            self.allocations += 1
+        out: dict[str, Any] = {}
+        starts: dict[int, Any] = {}
+        for k, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                buf = self._bufs[k]
+                if v.device.type == "cuda":
+                    self._copy_cuda(buf, v.detach(), starts)
+                else:
+                    buf.copy_(v.detach())
+                out[k] = buf
+            elif isinstance(v, PerRank):
+                out[k] = PerRank(copy.deepcopy(v.value))  # training may change its objects in place too
+            else:
+                out[k] = copy.deepcopy(v)
+        events = []
+        for dev in starts:
+            ev = torch.cuda.Event()
+            ev.record(self._streams[dev])
+            torch.cuda.current_stream(dev).wait_event(ev)  # later in-place updates wait for the copies
+            events.append(ev)
+        return Snapshot(out, sum(b.numel() * b.element_size() for b in self._bufs.values()), events)
+
+    def _copy_cuda(self, buf: torch.Tensor, src: torch.Tensor, starts: dict[int, Any]) -> None:
+        dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(dev)
+        if stream is None:
+            stream = self._streams[dev] = torch.cuda.Stream(device=src.device)
+        if dev not in starts:  # the copies start after everything queued so far on the current stream
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(src.device))
+            stream.wait_event(ev)
+            starts[dev] = ev
+        with torch.cuda.stream(stream):
+            buf.copy_(src, non_blocking=True)
+            src.record_stream(stream)  # the caller may free src meanwhile: keep its memory until copied

@@ -1,0 +1,138 @@
+"""The memory tier's plain types: its settings, what one memory checkpoint did, and the handle of one
+running in the background."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt.errors import StateError
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """Settings of a memory tier; the same on every rank.
+
+    Args:
+        root: the persistent checkpoint root of the run (names the run when ``run_id`` is None and
+            is recorded for ``ckpt ls``).
+        run_id: the run's identity (default ``$CKPT_RUN_ID``, else a hash of ``root``); a tier is
+            only restored by a job with the same run id, world size and layout.
+        shm_dir: base directory (default ``$CKPT_SHM_DIR``, else ``/dev/shm``).
+        node / nodes: this rank's node, or the number of simulated nodes (see
+            :func:`ckpt.tier.nodes.node_identity`; default ``$CKPT_NODE`` or torchrun's grouping).
+        keep: complete memory checkpoints kept per rank (plus the one being written).
+        replicas: copies of each rank's pieces on other nodes (0: none).
+        timeout: seconds any wait of the tier may take (a lost peer is named after it).
+        lineage: a token of the persistent root's life (``CheckpointManager`` keeps one in
+            ``<root>/.ckpt-lineage``): copies written under another token are never restored (a
+            new run in an emptied or replaced root). None: not checked.
+        busy: what a memory checkpoint due while the previous one still runs does: ``wait`` (the
+            training thread waits for it: every due step is checkpointed) or ``skip`` (no wait: the
+            step is skipped, and the next memory checkpoint starts at the first due step after the
+            previous one finished, agreed by every rank; see :meth:`MemoryTier.save_async`).
+    """
+
+    root: str
+    run_id: str | None = None
+    shm_dir: str | None = None
+    node: int | None = None
+    nodes: int | None = None
+    keep: int = 1
+    replicas: int = 1
+    timeout: float = 120.0
+    lineage: str | None = None
+    busy: str = "wait"
+
+    def __post_init__(self) -> None:
+        if self.busy not in ("wait", "skip"):
+            raise StateError(f"memory tier busy={self.busy!r}: use 'wait' (every due step) or 'skip' (never wait "
+                             "for the previous memory checkpoint)")
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise StateError(f"memory tier keep={self.keep!r}: keep at least 1 complete memory checkpoint")
+        if not isinstance(self.replicas, int) or self.replicas < 0:
+            raise StateError(f"memory tier replicas={self.replicas!r}: use 0 (no peer copies) or more")
+        if not self.timeout > 0:
+            raise StateError(f"memory tier timeout={self.timeout!r}: use a positive number of seconds")
+
+
+@dataclass(slots=True)
+class MemoryCheckpoint:
+    """What one memory checkpoint did. ``complete``: on every rank, copies included; otherwise it
+    was skipped (``warning`` says why, ``errors`` per rank). Sizes over all ranks; ``rank_*``
+    durations (s) are this rank's, ``max_*`` the slowest rank's."""
+
+    step: int
+    complete: bool
+    warning: str = ""
+    errors: list[str] = field(default_factory=list)
+    bytes: int = 0
+    replica_bytes: int = 0
+    rank_bytes: int = 0
+    rank_write_s: float = 0.0
+    rank_replicate_s: float = 0.0
+    rank_agree_s: float = 0.0
+    max_write_s: float = 0.0
+    max_replicate_s: float = 0.0
+    freed: list[int] = field(default_factory=list)
+    busy: bool = False  # skipped because the previous one was still running (busy="skip"): no work done
+    busy_skipped: int = 0  # due steps skipped that way since the previous memory checkpoint
+    rank_wait_s: float = 0.0  # the training thread waiting for the previous memory checkpoint
+    rank_snapshot_s: float = 0.0  # the training thread copying its pieces into host buffers
+    snapshot_bytes: int = 0
+
+    @property
+    def skipped(self) -> bool:
+        return not self.complete
+
+    def to_record(self) -> dict[str, Any]:
+        """The ``memory_checkpoint`` metrics record (durations in ms)."""
+        ms = lambda s: round(s * 1e3, 3)  # noqa: E731
+        rec: dict[str, Any] = {"event": "memory_checkpoint", "step": self.step, "complete": self.complete,
+                               "skipped": self.skipped, "bytes": self.bytes, "replica_bytes": self.replica_bytes,
+                               "write_ms": ms(self.rank_write_s), "replicate_ms": ms(self.rank_replicate_s),
+                               "agree_ms": ms(self.rank_agree_s), "max_write_ms": ms(self.max_write_s),
+                               "max_replicate_ms": ms(self.max_replicate_s), "wait_ms": ms(self.rank_wait_s),
+                               "snapshot_ms": ms(self.rank_snapshot_s), "busy_skipped": self.busy_skipped}
+        if self.skipped:
+            rec["warning"] = self.warning
+            rec["errors"] = self.errors[:8]
+        return rec
+
+
+class MemoryHandle:
+    """A memory checkpoint started by :meth:`MemoryTier.save_async`. ``wait_s`` / ``snapshot_s``: how
+    long the training thread waited for the previous one and copied its pieces (its whole stall)."""
+
+    def __init__(self, step: int, *, wait_s: float = 0.0, snapshot_s: float = 0.0):
+        self.step, self.wait_s, self.snapshot_s = step, wait_s, snapshot_s
+        self.error: BaseException | None = None
+        self._result: MemoryCheckpoint | None = None
+        self._done = threading.Event()
+        self._error_seen = False
+        self.reported: int | None = None  # the training step this rank reported in the agreement
+        self.busy = False
+
+    @classmethod
+    def skipped_busy(cls, step: int) -> MemoryHandle:
+        """A handle for a due step skipped because the previous memory checkpoint still runs."""
+        h = cls(step)
+        h.busy = True
+        h._result = MemoryCheckpoint(step, False, busy=True, warning="the previous memory checkpoint is still running")
+        h._done.set()
+        return h
+
+    @property
+    def done(self) -> bool:
+        """Whether the background work has finished (completed, skipped or failed)."""
+        return self._done.is_set()
+
+    def result(self) -> MemoryCheckpoint:
+        """Wait for the background work; its :class:`MemoryCheckpoint`, or raise its error."""
+        self._done.wait()
+        if self.error is not None:
+            self._error_seen = True
+            raise self.error
+        assert self._result is not None
+        return self._result
