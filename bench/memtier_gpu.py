@@ -12,15 +12,20 @@ SIGKILLed), then restarted:
 - **storage**: no memory tier; the restart restores the newest persistent checkpoint. Between the
   attempts the checkpoint files are evicted from the page cache (``drop_caches`` as root, else
   ``posix_fadvise(DONTNEED)`` per file after an fsync), so the restore reads the disk;
-- **memory**: ``--memory-every 1`` with 1 peer copy; the restart restores the newest memory
-  checkpoint, node 1's ranks fetching their pieces from node 0's copies (``tier: memory-peer``).
+- **memory**: ``--memory-every 1`` with 1 peer copy, ``--memory-busy wait`` (the trainer's default:
+  a memory checkpoint due while the previous one still runs waits for it); the restart restores the
+  newest memory checkpoint, node 1's ranks fetching their pieces from node 0's copies (``tier:
+  memory-peer``). ``--memory-busy wait,skip`` adds a run with ``skip`` (a checkpoint due while the
+  previous one runs is skipped: no waiting, fewer memory checkpoints, more steps lost).
 
 Figures (from the trainer's metrics file: ``step_ms`` per step, ``memory_checkpoint`` and
 ``recovery`` records):
 
 - **step time**: median ``step_ms`` of attempt 0's steps, the first step and those with a persistent
-  save left out; the memory run's steps include the synchronous memory checkpoint (write to
-  ``/dev/shm``, copy to the peer node, agreement). Slowdown = memory / storage.
+  save left out. The memory tier copies each rank's pieces into host buffers on the training thread
+  (``snapshot_ms``) and writes them to ``/dev/shm``, copies them to the peer node and agrees in the
+  background (``write_ms``, ``replicate_ms``); the step pays the snapshot plus, with ``busy=wait``,
+  the wait for the previous checkpoint (``ckpt_stall_ms``). Slowdown = memory / storage.
 - **recovery**: ``restart_ms`` (the restart loop seeing the attempt end -> the restore starting:
   process start, imports, process group, model build), ``restore_ms``, ``first_step_ms``;
   restart-to-next-step = their sum (``total_ms - detect_ms``); ``steps_lost``; restore bandwidth =
