@@ -39,6 +39,7 @@ Figures (from the trainer's metrics file: ``step_ms`` per step, ``memory_checkpo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -105,6 +106,63 @@ def evict(root: str) -> dict[str, Any]:
                 finally:
                     os.close(fd)
     return {"how": how, "seconds": round(time.perf_counter() - t, 3), "drop_caches_refused": why}
+
+
+def meminfo_bytes(field: str) -> int:
+    """A /proc/meminfo field in bytes (0 when absent)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def own_tmpfs(size: int) -> str | None:
+    """A private tmpfs of ``size`` bytes mounted under the temporary directory (root only), for a host
+    whose /dev/shm is smaller than the memory tier needs (sized at boot from a small MemTotal, as on
+    VMs whose memory grows as it is used); None when it cannot be mounted."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None
+    d = tempfile.mkdtemp(prefix="ckpt-bench-memtier-tmpfs-")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "ckpt-bench", d], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        os.rmdir(d)
+        print(f"  could not mount a tmpfs: {done.stderr.strip()}", flush=True)
+        return None
+    return d
+
+
+def pretouch(d: str, nbytes: int, threads: int = 8) -> float:
+    """Write ``nbytes`` of zeros into files under ``d`` (a tmpfs) and delete them: on a VM whose memory
+    grows as it is first used (a few GB/s), that growth is paid here and not inside the timed steps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunk = 64 << 20
+    zeros = bytes(chunk)
+    each = nbytes // threads // chunk
+
+    def fill(i: int) -> None:
+        path = os.path.join(d, f"pretouch-{i}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            for _ in range(each):
+                os.write(fd, zeros)
+        except OSError:
+            pass  # full: what was written was touched
+        finally:
+            os.close(fd)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fill, range(threads)))
+    for i in range(threads):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(d, f"pretouch-{i}"))
+    return time.perf_counter() - t
 
 
 def attempts(cfg: Any, layout: Any, launcher: str, device: str, log: str, between: Any = None) -> list[int]:
@@ -191,16 +249,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_rank = (8 * p + 8 * p // opt_share) if layout.tp == layout.pp == layout.ep == 1 else None
     work = args.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-memtier-")
     os.makedirs(work, exist_ok=True)
-    shm = tempfile.mkdtemp(prefix="ckpt-bench-memtier-shm-", dir=args.shm_dir or
-                           ("/dev/shm" if os.path.isdir("/dev/shm") else None))
+    need = 4 * args.ranks * 12 * p  # own + peer copy, old + new, of every rank's weights and AdamW moments
+    base = args.shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    mounted = None
+    if per_rank and args.shm_dir is None and shutil.disk_usage(base).free < need * 1.05:
+        mounted = own_tmpfs(int(need * 1.1))
+        if mounted:
+            print(f"{base} has {shutil.disk_usage(base).free / 1e9:.0f} GB free, the memory tier needs up to "
+                  f"{need / 1e9:.0f} GB: using a tmpfs of our own at {mounted} (unmounted at the end)", flush=True)
+            base = mounted
+    shm = tempfile.mkdtemp(prefix="ckpt-bench-memtier-shm-", dir=base)
     res: dict[str, Any] = {"device": args.device, "ranks": args.ranks, "nodes": 2, "layout": str(layout),
                            "model": name, "parameters": p, "state_bytes_per_rank": per_rank,
                            "seq": args.seq, "global_batch": args.global_batch or 2 * layout.dp * layout.ep,
                            "steps": args.steps, "save_every": args.save_every, "fail_at": args.fail_at,
                            "launcher": args.launcher, "work_dir": work, "shm_dir": shm,
                            "shm_free_bytes": shutil.disk_usage(shm).free,
-                           "disk_free_bytes": shutil.disk_usage(work).free}
-    need = 4 * args.ranks * 12 * p  # own + peer copy, old + new, of every rank's weights and AdamW moments
+                           "disk_free_bytes": shutil.disk_usage(work).free, "own_tmpfs": mounted,
+                           "mem_total_bytes": meminfo_bytes("MemTotal")}
     if per_rank and need > res["shm_free_bytes"]:
         print(f"WARNING: {shm} has {res['shm_free_bytes'] / 1e9:.0f} GB free, the memory tier may need up to "
               f"{need / 1e9:.0f} GB: memory checkpoints that do not fit are skipped (pass --shm-dir)", flush=True)
@@ -209,6 +275,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"and AdamW state per rank; shm free {res['shm_free_bytes'] / 1e9:.0f} GB", flush=True)
     t_all = time.perf_counter()
     try:
+        # host memory the runs touch: the tier's shared memory at its peak, every rank's pinned snapshot
+        # buffers and its CPU model skeleton
+        host_need = need + args.ranks * 16 * p
+        if per_rank and (args.pretouch == "on" or args.pretouch == "auto" and res["mem_total_bytes"] < host_need):
+            size = min(host_need, int(shutil.disk_usage(shm).free * 0.95))
+            why = ("--pretouch on" if args.pretouch == "on" else f"MemTotal {res['mem_total_bytes'] / 2**30:.0f} GiB "
+                   f"< the {host_need / 2**30:.0f} GiB the runs touch: a VM that grows its memory on first use")
+            print(f"touching {size / 2**30:.1f} GiB of host memory first ({why})", flush=True)
+            res["pretouch"] = {"bytes": size, "seconds": round(pretouch(shm, size), 1),
+                               "mem_total_after": meminfo_bytes("MemTotal")}
+            print(f"  touched in {res['pretouch']['seconds']} s; MemTotal now "
+                  f"{res['pretouch']['mem_total_after'] / 2**30:.0f} GiB", flush=True)
         res["work_fs"] = machine_info(work)
         res["shm_fs"] = machine_info(shm)
         print(f"persistent checkpoints in {work} ({res['work_fs'].get('fs_type', '?')}, "
@@ -270,6 +348,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _write(args.json, res)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+        if mounted:
+            subprocess.run(["umount", mounted], check=False)
+            with contextlib.suppress(OSError):
+                os.rmdir(mounted)
         if not args.work_dir and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     res["wall_s"] = round(time.perf_counter() - t_all, 1)
@@ -358,6 +440,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-busy", default="wait",
                    help="memory runs: wait (a checkpoint due while the previous runs waits for it), skip, or "
                         "wait,skip for both (one more run, ~1 min on GPUs)")
+    p.add_argument("--pretouch", default="auto", choices=("auto", "on", "off"),
+                   help="touch the host memory the runs need first (auto: when MemTotal is below it)")
     p.add_argument("--h2d-gib", type=float, default=1.0, help="size of the bandwidth probe")
     p.add_argument("--shm-dir", default=None, help="memory tier base (default /dev/shm)")
     p.add_argument("--work-dir", default=None, help="persistent checkpoints, metrics, logs (default: a temp dir)")
