@@ -475,11 +475,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def param_count(m: Any) -> int:
-    """Parameters of a :class:`~ckpt.trainer.model.ModelConfig` (embeddings, head, attention, router,
-    experts, norms), from its shapes."""
-    attn = m.hidden_size * m.head_dim * (2 * m.num_attention_heads + 2 * m.num_key_value_heads) + 2 * m.head_dim
-    layer = attn + m.num_experts * m.hidden_size * (1 + 3 * m.moe_intermediate_size) + 2 * m.hidden_size
-    return 2 * m.vocab_size * m.hidden_size + m.num_hidden_layers * layer + m.hidden_size
+    """Parameters of a model config (``ModelConfig.num_parameters``)."""
+    return int(m.num_parameters())
 
 
 def _doubling(start: int, stop: int) -> list[int]:
