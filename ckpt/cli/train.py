@@ -22,7 +22,7 @@ def _error(text: str) -> None:
 @handle_errors
 def train_cmd(
     config: str = typer.Option("tiny", "--config",
-                               help="model config: tiny, 100m (the MoE model) or hybrid-tiny (the hybrid MiniMax "
+                               help="model config: tiny, 100m, 800m (the MoE model) or hybrid-tiny (the hybrid MiniMax "
                                     "family: lightning and softmax attention layers)"),
     tp: int = typer.Option(1, "--tp", min=1, help="tensor-parallel degree"),
     ep: int = typer.Option(1, "--ep", min=1, help="expert-parallel degree"),
