@@ -123,25 +123,36 @@ def all_gather_seq(x: Tensor, group: Group) -> Tensor:
     return _AllGatherSeq.apply(x, group)
 
 
+Mask = Any  # an additive (run x keys) tensor, or a lower-right CausalBias that no kernel materializes
+
+
 def lasp2h_masks(positions: Tensor, index: int, dtype: torch.dtype,
-                 device: torch.device | None = None) -> list[tuple[int, int, int, Tensor]]:
+                 device: torch.device | None = None) -> list[tuple[int, int, int, Mask]]:
     """Member ``index``'s query runs and their causal masks: ``(start, stop, keys, mask)`` for each run
     of consecutive positions among its tokens (zigzag: two runs), ``keys`` the number of keys (in
-    global order) up to the run's last position, ``mask`` additive (stop - start, keys): 0 where the
-    key's position is not after the query's, ``-inf`` elsewhere.
+    global order) up to the run's last position.
 
     A run attends only the keys it may see, so each zigzag member computes the same number of
-    scores, half of a full (local seq x seq) product. Build the masks once and pass them to every
-    layer's :func:`lasp2h_attention`: attention saves its mask for backward, and shared masks cost
-    ``sum(run x keys)`` elements once instead of per layer.
+    scores, half of a full (local seq x seq) product. When the keys up to a run are exactly the
+    positions ``0 .. last`` (every layout this trainer makes), the run is the last rows of a causal
+    square: ``mask`` is a lower-right :func:`~torch.nn.attention.bias.causal_lower_right` bias, which
+    flash / memory-efficient kernels apply without building it (no ``run x keys`` table per layer,
+    no quadratic memory). Otherwise ``mask`` is additive (stop - start, keys): 0 where the key's
+    position is not after the query's, ``-inf`` elsewhere.
     """
+    from torch.nn.attention.bias import causal_lower_right
+
     mine = positions[index].to(device)
     key_pos = positions.reshape(-1).sort().values.to(device)
     breaks = [0, *((torch.nonzero(mine[1:] - mine[:-1] != 1).flatten() + 1).tolist()), mine.numel()]
-    out = []
+    out: list[tuple[int, int, int, Mask]] = []
     for start, stop in zip(breaks, breaks[1:], strict=False):
         run = mine[start:stop]
         keys = int((key_pos <= run.max()).sum())
+        dense = bool(torch.equal(key_pos[:keys], torch.arange(keys, device=key_pos.device)))
+        if dense and int(run[0]) == keys - (stop - start):
+            out.append((start, stop, keys, causal_lower_right(stop - start, keys)))
+            continue
         allowed = run[:, None] >= key_pos[None, :keys]
         out.append((start, stop, keys,
                     torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))))
@@ -149,7 +160,7 @@ def lasp2h_masks(positions: Tensor, index: int, dtype: torch.dtype,
 
 
 def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: Group,
-                     masks: list[tuple[int, int, int, Tensor]] | None = None) -> Tensor:
+                     masks: list[tuple[int, int, int, Mask]] | None = None) -> Tensor:
     """LASP-2H softmax attention over a sequence split across ``group``: one all-gather of K/V.
 
     Args:
@@ -172,10 +183,18 @@ def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: 
     kv = kv.index_select(3, torch.argsort(positions.reshape(-1)).to(q.device))
     if masks is None:
         masks = lasp2h_masks(positions, group.index, q.dtype, q.device)
-    # enable_gqa: the key/value heads are not repeated (no full-sequence copy per query group).
-    outs = [F.scaled_dot_product_attention(q[:, :, start:stop], kv[0, :, :, :keys], kv[1, :, :, :keys],
-                                           attn_mask=mask, enable_gqa=True)
-            for start, stop, keys, mask in masks]
+    groups = q.shape[1] // h
+    outs = []
+    for start, stop, keys, mask in masks:
+        key, value = kv[0, :, :, :keys], kv[1, :, :, :keys]
+        if isinstance(mask, Tensor):
+            # enable_gqa: the key/value heads are not repeated (no full-sequence copy per query group)
+            outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], key, value, attn_mask=mask,
+                                                       enable_gqa=True))
+            continue
+        if groups > 1:  # CausalBias's flash / efficient kernels take as many key heads as query heads
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], key, value, attn_mask=mask))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -190,7 +209,7 @@ def shard_sequence(model: MoEForCausalLM | HybridForCausalLM, group: Group) -> N
     def positions(local: int, device: torch.device) -> Tensor:
         return zigzag_positions(local * size, size, index, device).unsqueeze(0)
 
-    cache: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, list[tuple[int, int, int, Tensor]]]] = {}
+    cache: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, list[tuple[int, int, int, Mask]]]] = {}
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         key = (q.shape[2], q.dtype, q.device)
