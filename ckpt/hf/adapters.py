@@ -77,11 +77,13 @@ class Adapter:
         for alias, name in self.aliases.items():
             if name not in cfg and alias in cfg:
                 cfg[name] = cfg[alias]
-        defaults = transformers_defaults(self.model_types[0], tuple(self.defaults)) or self.defaults
-        for k, v in defaults.items():
-            if k not in cfg:
-                cfg[k] = v
-        if cfg.get("mlp_only_layers") is None and "mlp_only_layers" in defaults:
+        # transformers is consulted only for fields the config leaves out: importing its config classes
+        # costs ~1.5 s, more than exporting a GB, and a complete config.json (save_pretrained's) needs none
+        missing = tuple(k for k in self.defaults if k not in cfg)
+        if missing:
+            found = transformers_defaults(self.model_types[0], missing) or {k: self.defaults[k] for k in missing}
+            cfg.update(found)
+        if cfg.get("mlp_only_layers") is None and "mlp_only_layers" in self.defaults:
             cfg["mlp_only_layers"] = []
         for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(cfg.get(k), int):
