@@ -79,8 +79,10 @@ def make_source(path: str, size_gb: float) -> None:
         wmap |= {n: fn for n in group}
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": wmap}, f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    import transformers
+
+    with open(os.path.join(path, "config.json"), "w") as f:  # every field, as save_pretrained writes it
+        json.dump(transformers.LlamaConfig(**cfg).to_dict(), f)
 
 
 

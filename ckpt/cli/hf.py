@@ -9,7 +9,7 @@ from ckpt.cli.common import byte_bar, console, handle_errors, human_bytes, parse
 from ckpt.formats.hf import export_hf, import_hf
 
 StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
-BudgetOpt = typer.Option("1GiB", "--memory-budget",
+BudgetOpt = typer.Option("512MiB", "--memory-budget",
                          help="bytes of data buffers, e.g. 1GiB (peak memory: this + the largest tensor)")
 WorkersOpt = typer.Option(4, "--workers", min=1, help="parallel readers")
 
