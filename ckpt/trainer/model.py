@@ -631,15 +631,3 @@ def initial_value(name: str, shape: tuple[int, ...], std: float, seed: int = 0) 
 def _param_seed(seed: int, name: str) -> int:
     # crc32 (not hash()) because Python's str hash is salted per process.
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
-
-
-# The Hugging Face functions moved to ckpt.hf.embedded; these names stay importable from here.
-_MOVED = ("to_hf_state_dict", "from_hf_state_dict", "HF_DEFAULTS", "hf_default")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from ckpt.hf import embedded
-
-        return getattr(embedded, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
