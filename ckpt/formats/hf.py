@@ -439,8 +439,14 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
     """Write ``source`` as a single-layout checkpoint at ``dst_url``; return its manifest and buffer peak."""
     vman = source.manifest
     out_dtypes = {k: dtype or dtype_from_name(t.dtype) for k, t in vman.tensors.items()}
-    decl = RankDecl(pieces=[PieceDecl(k, dtype_name(out_dtypes[k]), t.shape, full_box(t.shape))
-                            for k, t in vman.tensors.items()])
+    # in the order the tensors lie in the source files: a cold read then streams each file front to
+    # back (read-ahead works) instead of seeking across it in the index's name order
+    def where(key: str) -> tuple[str, int]:
+        shards = vman.tensors[key].shards
+        return (shards[0].file, shards[0].offset) if shards else ("", 0)
+
+    decl = RankDecl(pieces=[PieceDecl(k, dtype_name(out_dtypes[k]), vman.tensors[k].shape,
+                                      full_box(vman.tensors[k].shape)) for k in sorted(vman.tensors, key=where)])
     layout = Layout()
     meta = ({"model_config": source.config.to_dict(), "rules": RULES_NAME} if source.meta is None
             else dict(source.meta))
