@@ -5,6 +5,7 @@ Units: sizes in bytes, times in seconds, throughput in GB/s with GB = 1e9 bytes 
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -232,3 +233,28 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str
              "|" + "|".join("---:" if a else ":---" for a in align) + "|"]
     lines += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def write_json_atomic(path: str, result: dict[str, Any]) -> None:
+    """Write ``result`` to ``path`` through a temporary file (a reader never sees half a JSON)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def activation_bytes(fn: Any, params: set[int]) -> tuple[Any, int]:
+    """Run ``fn``; return (its result, bytes of the unique non-parameter storages autograd saved)."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())

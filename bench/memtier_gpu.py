@@ -48,7 +48,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import drop_caches, fmt, machine_info, markdown_table, median, print_table
+from bench.common import drop_caches, fmt, machine_info, markdown_table, median, print_table, write_json_atomic
 from bench.ranks import fork_ranks, in_child, nccl_version
 
 
@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(ckpt_dir, ignore_errors=True)  # disk: the next run needs the room
             res["wall_s"] = round(time.perf_counter() - t_all, 1)
             if args.json:
-                _write(args.json, res)
+                write_json_atomic(args.json, res)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         if mounted:
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["wall_s"] = round(time.perf_counter() - t_all, 1)
     derive(res)
     if args.json:
-        _write(args.json, res)
+        write_json_atomic(args.json, res)
     return res
 
 
@@ -379,13 +379,6 @@ def derive(res: dict[str, Any]) -> None:
             run["restore_gbps_per_rank"] = per_rank
             if limit:
                 run["restore_vs_limit"] = per_rank / limit
-
-
-def _write(path: str, res: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:

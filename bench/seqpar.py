@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.common import fmt, markdown_table, median, print_table
+from bench.common import activation_bytes, fmt, markdown_table, median, print_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,21 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed steps per point (default 3)")
     p.add_argument("--budget-mib", type=float, default=4.0, help="per-rank activation budget in MiB (default 4)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
-
-
-def _activation_bytes(fn: Any, params: set[int]) -> tuple[Any, int]:
-    """Run ``fn`` and return (its result, bytes of the unique non-parameter storages autograd saved)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
 
 
 def _rank(rank: int, world: int, seqs: list[int], batch: int, repeats: int, out: str) -> None:
@@ -86,7 +71,7 @@ def _rank(rank: int, world: int, seqs: list[int], batch: int, repeats: int, out:
         fb = ForwardBackward(pm, 1)
         ids = SampleSource(seq, 0).batch(0, batch)
         inputs = sp_mod.split_batch(ids, ctx.sp) if world > 1 else (ids, ids)
-        _, act = _activation_bytes(lambda pm=pm, inputs=inputs: pm.loss_fn(pm.module(inputs[0]), inputs[1]), params)
+        _, act = activation_bytes(lambda pm=pm, inputs=inputs: pm.loss_fn(pm.module(inputs[0]), inputs[1]), params)
         opt.zero_grad()
         times = []
         for r in range(repeats + 1):

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from bench.common import fmt, markdown_table, median, print_table
+from bench.common import activation_bytes, fmt, markdown_table, median, print_table, write_json_atomic
 from bench.ranks import OOM_EXIT, cuda_sync, fork_ranks, in_child, nccl_version, scratch_dir
 
 CASES = ("sp=1", "sp=2", "sp=4", "ep=4 dedup", "ep=4 per-expert")
@@ -126,20 +126,6 @@ class _Comm:
             return (sum(a.elapsed_time(b) for a, b in self.events) / 1e3,
                     sum(a.elapsed_time(b) for a, b in self.sp_events) / 1e3)
         return self.a2a_s, self.sp_s
-
-
-def _activation_bytes(fn: Any, params: set[int]) -> int:
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -230,7 +216,7 @@ def _case_worker(rank: int, world: int, device: torch.device, spec: dict[str, An
     def activations(src: SampleSource) -> int:
         ids = rank_batch(src, 0, gb, ctx.data_rank, ctx.data_world).to(device)
         inputs = split_batch(ids, ctx.sp) if layout.sp > 1 else (ids, ids)
-        return _activation_bytes(lambda: pm.loss_fn(pm.module(inputs[0]), inputs[1]), params)
+        return activation_bytes(lambda: pm.loss_fn(pm.module(inputs[0]), inputs[1]), params)[1]
 
     def measure(seq: int, warmup: int, steps: int, kind: str) -> dict[str, Any]:
         src = SampleSource(seq, cfg.seed)
@@ -470,7 +456,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["cases"].append(entry)
         result["wall_s"] = time.perf_counter() - t_all
         if args.json:
-            _write(args.json, result)
+            write_json_atomic(args.json, result)
     return result
 
 
@@ -485,13 +471,6 @@ def _doubling(start: int, stop: int) -> list[int]:
         out.append(s)
         s *= 2
     return out
-
-
-def _write(path: str, result: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
