@@ -88,6 +88,9 @@ def scratch_dir(prefix: str, need_bytes: int, prefer_shm: bool = True) -> str:
 def _child(fn: Callable[..., Any], args: tuple[Any, ...], out: str) -> None:
     import json
 
+    # a forked child must not enter the OpenMP pool its parent may have started (it would wait for
+    # threads that were not forked: the CI suite hung here in a plain tensor copy)
+    torch.set_num_threads(1)
     with open(out, "w") as f:
         json.dump(fn(*args), f)
 
