@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ckpt.trainer.model import Attention, ModelConfig, MoEBlock, RMSNorm, RotaryEmbedding, causal_lm_loss, initial_value
+from ckpt.trainer.model import Attention, CausalLM, ModelConfig, MoEBlock, RMSNorm, RotaryEmbedding
 
 __all__ = ["HYBRID_CONFIGS", "LAYER_TYPES", "FullAttention", "HybridConfig", "HybridDecoderLayer",
            "HybridForCausalLM", "HybridModel", "LightningAttention", "decay_tables", "lightning_attention",
@@ -386,32 +386,12 @@ class HybridModel(nn.Module):
         return self.norm(h) if self.norm is not None else h
 
 
-class HybridForCausalLM(nn.Module):
+class HybridForCausalLM(CausalLM):
     """:class:`HybridModel` plus an untied ``lm_head``; parameters start uninitialized
-    (:meth:`init_weights`). Same call convention as :class:`~ckpt.trainer.model.MoEForCausalLM`."""
+    (:meth:`init_weights`, shared with :class:`~ckpt.trainer.model.MoEForCausalLM`)."""
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = HybridModel(config)
-        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """Logits (batch, seq, vocab), or ``(logits, loss)`` with unshifted ``labels``."""
-        h = self.model(input_ids)
-        logits = self.lm_head(h) if self.lm_head is not None else h
-        if labels is None:
-            return logits
-        return logits, causal_lm_loss(logits, labels)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Norm weights one, every matrix ~ N(0, initializer_range) from a generator seeded by
-        ``seed`` and the parameter's name (:func:`~ckpt.trainer.model.initial_value`)."""
-        std = self.config.initializer_range
-        for name, param in self.named_parameters():
-            owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
-            if isinstance(owner, RMSNorm):
-                param.fill_(1.0)
-            else:
-                param.copy_(initial_value(name, tuple(param.shape), std, seed))
+        self.model: HybridModel = HybridModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -565,25 +565,15 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_IN
     return F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=ignore_index)
 
 
-class MoEForCausalLM(nn.Module):
-    """Causal language model: :class:`MoEModel` plus an untied ``lm_head``.
+class CausalLM(nn.Module):
+    """What every model family's causal LM shares: ``self.model`` (a decoder returning hidden states,
+    set by the subclass with ``self.config`` and an untied ``self.lm_head``), the forward with an
+    optional loss, and the deterministic init. A pipeline stage may set ``lm_head`` to ``None`` to
+    return hidden states."""
 
-    Parameters are created uninitialized (``torch.empty``); call :meth:`init_weights` (also after
-    building on the meta device and ``to_empty``). A pipeline stage may set ``lm_head`` to ``None``
-    to return hidden states.
-
-    Example::
-
-        model = MoEForCausalLM(CONFIGS["tiny"])
-        model.init_weights(seed=0)
-        logits, loss = model(ids, labels=ids)
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = MoEModel(config)
-        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    config: Any
+    model: nn.Module
+    lm_head: nn.Linear | None
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Return logits (batch, seq, vocab), or ``(logits, loss)`` when ``labels`` is given.
@@ -613,6 +603,27 @@ class MoEForCausalLM(nn.Module):
                     continue
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 param.copy_(initial_value(name, tuple(param.shape), std, seed))
+
+
+class MoEForCausalLM(CausalLM):
+    """Causal language model: :class:`MoEModel` plus an untied ``lm_head``.
+
+    Parameters are created uninitialized (``torch.empty``); call :meth:`init_weights` (also after
+    building on the meta device and ``to_empty``). A pipeline stage may set ``lm_head`` to ``None``
+    to return hidden states.
+
+    Example::
+
+        model = MoEForCausalLM(CONFIGS["tiny"])
+        model.init_weights(seed=0)
+        logits, loss = model(ids, labels=ids)
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model: MoEModel = MoEModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
 def initial_value(name: str, shape: tuple[int, ...], std: float, seed: int = 0) -> Tensor:
