@@ -258,3 +258,25 @@ def activation_bytes(fn: Any, params: set[int]) -> tuple[Any, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(seen.values())
+
+
+def print_tables(tables: Sequence[tuple[str, Sequence[str], Sequence[Sequence[str]]]]) -> None:
+    """Each ``(title, columns, rows)`` as a console table, then all of them again as markdown (for
+    docs/BENCHMARKS.md)."""
+    for title, cols, rows in tables:
+        print_table(title, cols, rows)
+    print()
+    for title, cols, rows in tables:
+        print(f"**{title}**\n\n{markdown_table(cols, rows)}\n")
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    """Whether two tensors hold the same bytes (dtype and shape too): bitwise, NaN payloads
+    included, where ``torch.equal`` would call NaN != NaN."""
+    import torch
+
+    def raw(t: Any) -> Any:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape and torch.equal(raw(a), raw(b)))

@@ -38,6 +38,7 @@ from bench.common import (
     median,
     print_table,
     run_dd,
+    same_bytes,
     timed_collective,
 )
 
@@ -52,13 +53,6 @@ class _Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.relu(self.up(x)))
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN payloads included), not value equality."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(ints[a.element_size()]),
-                                                                     b.view(ints[b.element_size()]))
 
 
 def _initial(layers: int, hidden: int, device: str, dtype: torch.dtype) -> torch.nn.Sequential:
@@ -183,7 +177,7 @@ def _rank_main(rank: int, world: int, port: int, layers: int, hidden: int, root:
                     times["dcp load"].append(_timed_on(sub, lambda d=d: dcp.load(dst, checkpoint_id=d,
                                                                                 process_group=sub)))
                 for k, v in dst["model"].items():
-                    if not _same_bits(v.full_tensor().cpu(), want[k]):
+                    if not same_bytes(v.full_tensor().cpu(), want[k]):
                         mismatches.append(f"{name} {k}")
                 for t in dst["model"].values():  # the next load must write every byte again
                     t.to_local().zero_()

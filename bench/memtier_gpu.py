@@ -48,7 +48,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import drop_caches, fmt, machine_info, markdown_table, median, print_table, write_json_atomic
+from bench.common import drop_caches, fmt, machine_info, median, print_tables, write_json_atomic
 from bench.ranks import fork_ranks, in_child, nccl_version
 
 
@@ -446,11 +446,7 @@ def main(args: argparse.Namespace) -> int:
     if args.quick and args.h2d_gib == 1.0:
         args.h2d_gib = 0.25
     res = run(args)
-    for title, cols, rows in tables(res):
-        print_table(title, cols, rows)
-    print()
-    for title, cols, rows in tables(res):
-        print(f"**{title}**\n\n{markdown_table(cols, rows)}\n")
+    print_tables(tables(res))
     print(f"total wall time {res.get('wall_s', 0):.0f} s", flush=True)
     runs = res.get("runs", [])
     ok = bool(runs) and all(res.get(k, {}).get("exit_codes", [1])[-1] == 0 for k in runs)

@@ -50,6 +50,7 @@ from bench.common import (
     remove,
     run_dd,
     run_dd_read,
+    same_bytes,
     timed,
 )
 
@@ -90,17 +91,11 @@ def state_bytes(state: State) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 def bitwise_mismatches(expected: State, got: dict[str, Any]) -> list[str]:
     """Keys whose tensor in ``got`` differs from ``expected`` in dtype, shape or any byte."""
     bad = []
     for k, a in expected.items():
-        b = got.get(k)
-        same = isinstance(b, torch.Tensor) and b.dtype == a.dtype and b.shape == a.shape
-        if not (same and torch.equal(_bytes(a), _bytes(b))):
+        if not same_bytes(a, got.get(k)):
             bad.append(k)
     if set(got) - set(expected):
         bad.extend(sorted(set(got) - set(expected)))

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from bench.common import activation_bytes, fmt, markdown_table, median, print_table, write_json_atomic
+from bench.common import activation_bytes, fmt, median, print_tables, write_json_atomic
 from bench.ranks import OOM_EXIT, cuda_sync, fork_ranks, in_child, nccl_version, scratch_dir
 
 CASES = ("sp=1", "sp=2", "sp=4", "ep=4 dedup", "ep=4 per-expert")
@@ -556,11 +556,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     res = run(args)
-    for title, cols, rows in tables(res):
-        print_table(title, cols, rows)
-    print()
-    for title, cols, rows in tables(res):
-        print(f"**{title}**\n\n{markdown_table(cols, rows)}\n")
+    print_tables(tables(res))
     print(f"total wall time {res.get('wall_s', 0):.0f} s", flush=True)
     ok = all(c.get("throughput") and math.isfinite(c["throughput"]["step_s"]) for c in res["cases"])
     return 0 if ok and all(c["resume"].get("bitwise") for c in res["cases"] if "resume" in c) else 1
