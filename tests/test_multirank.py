@@ -214,3 +214,20 @@ def test_saves_on_a_subgroup_need_no_call_from_other_ranks(tmp_path):
         dst = {"w": torch.zeros(4, 8), "b": torch.zeros(8)}
         ckpt.load(dst, str(tmp_path / name))
         assert torch.equal(dst["w"], torch.arange(32.0).view(4, 8)) and torch.equal(dst["b"], torch.arange(8.0))
+
+
+def _side_group_alone(rank: int, world: int) -> None:
+    import time
+
+    from ckpt.comm import side_group
+
+    if rank == 0:  # rank 1 never joins: a typed error naming the ranks, within the timeout
+        t = time.monotonic()
+        with pytest.raises(ckpt.CollectiveError, match=r"rank 0: could not create ckpt's probe \(gloo\) group of "
+                                                       r"ranks \[0, 1\]"):
+            side_group([0, 1], "probe", timeout=2)
+        assert time.monotonic() - t < 30
+
+
+def test_a_side_group_whose_member_never_arrives_is_a_typed_error_in_time():
+    run_ranks(2, _side_group_alone)
