@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt import transaction
 from ckpt.async_save import AsyncSaver, SaveHandle
 from ckpt.comm import Comm
-from ckpt.errors import CheckpointError, CheckpointExistsError, StorageError
+from ckpt.errors import CheckpointError, CheckpointExistsError, IntegrityError, StorageError
 from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.load import load
 from ckpt.manifest import MANIFEST_NAME, Manifest
@@ -486,14 +486,15 @@ class CheckpointManager:
         return self.memory is not None and self.memory_every is not None and step % self.memory_every == 0
 
     def save_memory(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
-                    layout: dict[str, Any] | None = None) -> MemoryHandle:
+                    layout: dict[str, Any] | None = None, deferred: bool = False) -> MemoryHandle:
         """Start the memory checkpoint of ``step`` (collective; see
         :meth:`ckpt.tier.MemoryTier.save_async`): returns once this rank's pieces are copied into
         host buffers (after the previous memory checkpoint, if still running, has finished); the
         write to shared memory and the copy to a peer node run in the background. ``result()`` on
         the handle waits and returns the :class:`ckpt.tier.MemoryCheckpoint`; a full shared memory
         skips it on every rank with a warning (``result().skipped``); persistent saves are not
-        affected.
+        affected. ``deferred=True``: GPU copies overlap later work; call ``handle.staged()`` before
+        changing ``state``'s tensors in place (e.g. before ``optimizer.step()``).
 
         Raises StateError when the manager has no memory tier (``memory_every`` None), and the
         previous memory checkpoint's error (a lost peer, a state ``ckpt.save`` refuses) if nothing
@@ -503,7 +504,7 @@ class CheckpointManager:
             from ckpt.errors import StateError
 
             raise StateError(f"{self.root}: this CheckpointManager has no memory tier; pass memory_every=N")
-        return self.memory.save_async(step, state, user_metadata=user_metadata, layout=layout)
+        return self.memory.save_async(step, state, user_metadata=user_metadata, layout=layout, deferred=deferred)
 
     def restore(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest checkpoint into ``state`` (collective); return its step or None.
@@ -531,6 +532,10 @@ class CheckpointManager:
                 self.last_restore = got
                 return got.step
         if url is None:
+            if self.memory is not None and self.memory.restore_clobbered:
+                from ckpt.tier.restore import clobbered_message
+
+                raise IntegrityError(clobbered_message(self.root))
             return None
         out = load(state, url, group=self.group, strict=strict, storage_options=self.storage_options)
         _update_in_place(state, out)

@@ -271,8 +271,7 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
     writes into a file that a committed checkpoint may reference (overwrite stays crash-safe).
     """
     a = prep.assignment
-    base = {"phase": "commit", "fp": prep.fingerprint, "objects": prep.decl.per_rank_objects,
-            "globals": prep.decl.objects, "stats": prep.stats}
+    base = persisted(prep, None)["ok"]
     try:
         if a.file is None:
             prep.stats["bytes"] = 0  # nothing of this rank's is stored (replicas written by others)
@@ -286,13 +285,30 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
             by_shard = {(e.key, e.shard): c for e, c in zip(todo, chunks, strict=True)}
             return {"ok": {**base, "file": None,
                            "chunks": [list(by_shard.get((e.key, e.shard), ("", 0, 0))) for e in a.entries]}}
-        name = f"{a.file.rsplit('.', 1)[0].rsplit('-', 1)[0]}-{uuid.uuid4().hex[:12]}.safetensors"
+        name = fresh_file_name(a)
         size, sums = write_assignment(storage, WriteAssignment(name, a.header, a.entries), sources,
                                       wait_piece=wait_piece, segments=segments)
-        prep.stats["bytes"] = size  # this rank's data bytes (file size, header included)
-        return {"ok": {**base, "file": name, "size": size, "sums": sums}}
+        return persisted(prep, name, size, sums)
     except Exception as e:  # noqa: BLE001 - reported to every rank by the commit exchange
         return error_payload(e, who)
+
+
+def fresh_file_name(a: WriteAssignment) -> str:
+    """A new name for this rank's data file (``data/<rank>-<random>.safetensors``): a save never
+    writes into a file that a committed checkpoint may reference."""
+    assert a.file is not None
+    return f"{a.file.rsplit('.', 1)[0].rsplit('-', 1)[0]}-{uuid.uuid4().hex[:12]}.safetensors"
+
+
+def persisted(prep: Prepared, name: str | None, size: int = 0, sums: list[int] | None = None) -> dict[str, Any]:
+    """Phase 3's result payload for the commit: this rank wrote data file ``name`` (None: none) of
+    ``size`` bytes with checksums ``sums`` in entry order."""
+    base = {"phase": "commit", "fp": prep.fingerprint, "objects": prep.decl.per_rank_objects,
+            "globals": prep.decl.objects, "stats": prep.stats}
+    if name is None:
+        return {"ok": base}
+    prep.stats["bytes"] = size  # this rank's data bytes (file size, header included)
+    return {"ok": {**base, "file": name, "size": size, "sums": list(sums or [])}}
 
 
 SYNC_RING = 256 << 20  # pinned bytes a synchronous save of GPU tensors stages through (4 slabs)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ckpt.tier.nodes import NODE_DIR, RANK_DIR, shm_base
 from ckpt.tier.reshard import VIEW_PREFIX
+from ckpt.tier.slots import SLOTS_DIR
 from ckpt.tier.store import REPLICAS, _listdir, _steps, read_entry
 
 MAX_TIER_JSON = 1 << 20  # tier.json is a few hundred bytes: anything larger is not ours
@@ -198,6 +199,12 @@ def gc_memory(root: str | None = None, shm_dir: str | None = None, *, min_age: f
                         remove(run_id, path, f"stale: {gone}")
                     elif e.problem and (e.committed or e.problem.startswith("incomplete")):
                         remove(run_id, path, e.problem)  # an unreadable manifest is reported by ls, left alone
+                gone_now = {r.path for r in out}
+                if (kind == "local" and os.path.isdir(os.path.join(where, SLOTS_DIR))
+                        and all(p in gone_now for _s, p in _steps(where))):
+                    # the files memory checkpoints are written into (ckpt.tier.slots), of a rank with none left
+                    remove(run_id, os.path.join(where, SLOTS_DIR),
+                           "spare memory-checkpoint slots of a rank with no memory checkpoint left")
                 for d in (where, os.path.dirname(where) if kind == "replica" else ""):
                     if d and not dry_run:
                         with contextlib.suppress(OSError):

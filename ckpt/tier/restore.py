@@ -101,6 +101,14 @@ class TierRestore:
     notes: list[str] = field(default_factory=list)
 
 
+def clobbered_message(root: str) -> str:
+    """The error when every memory copy failed after loading began and storage has no checkpoint."""
+    return (f"{root}: every memory-tier copy of the newest step failed (see the restore_failed records) after "
+            "loading had begun, and there is no persistent checkpoint to restore instead: the state now holds "
+            "parts of that step, not a fresh start. Restart the job: the failed copies are gone, so it starts "
+            "fresh (or from storage)")
+
+
 def report(tier: MemoryTier, digest: str) -> dict[str, Any]:
     """This rank's view: its own usable copies and the copies its node keeps for others."""
     own = tier.store.scan_own()
@@ -127,7 +135,13 @@ def run(tier: MemoryTier, fn: Callable[[str], Any], *, digest: str, min_step: in
     passed to ``on_failure`` as a ``restore_failed`` record (the same on every rank) and the next
     source, then the next older step, is tried; copies left out (stale, incomplete) are passed once as
     a ``memory_tier_ignored`` record. Raises CollectiveError when a rank is lost.
+
+    When every attempt failed (None after at least one failure) ``tier.restore_clobbered`` is set
+    on every rank: the ranks whose part loaded, and a rank whose copy failed its checksums after
+    part of it was copied (:mod:`ckpt.tier.fastload`), hold pieces of an abandoned step, so the
+    state is no longer the caller's: it must be restored from storage or the job restarted.
     """
+    tier.restore_clobbered = False
     mine = report(tier, digest)
 
     def decide(got: list[Any]) -> list[Any]:
@@ -159,6 +173,7 @@ def run(tier: MemoryTier, fn: Callable[[str], Any], *, digest: str, min_step: in
                 if on_failure is not None:
                     on_failure({"event": "restore_failed", "tier": "memory", "step": cand.step, "rank": o,
                                 "source": "local" if o == src else "peer", "holder": src, "error": err})
+    tier.restore_clobbered = bool(failures)
     return None
 
 

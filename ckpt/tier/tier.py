@@ -3,17 +3,22 @@ peer on another node, restored newest-complete-first with every checksum checked
 
 One memory checkpoint of step N, on every rank (collective over the tier's own gloo group)::
 
-    snapshot copy this rank's pieces into reused host buffers                training thread: its only stall
+    snapshot copy this rank's pieces into a reused slot (a shared-memory file)  training thread: its only stall
     ----- the rest on a background thread, over the tier's own gloo group (never the training group) -----
-    write    ckpt.save(this rank's local pieces, <node>/rank-<r>/step-N)   single-rank: no collective
+    write    commit the slot as <node>/rank-<r>/step-N (checksums, link, manifest last; single-rank)
     copy     send those files to the holders on other nodes; keep the copies sent to this rank
     agree    one gather + verdict: complete iff every rank wrote and every copy arrived
     free     complete: drop all but the newest `keep` complete steps; else drop step N's files
 
+The snapshot's copies land in the data file itself: a slot (:mod:`ckpt.tier.slots`), a shared-memory
+file reused from step to step (pinned for GPU pieces), so the write is only checksums, a hard link and
+the manifest (:mod:`ckpt.tier.inplace`); where no slot fits, host buffers and an ordinary ``ckpt.save``.
+
 Memory is bounded by ``keep`` complete checkpoints per rank (and per copy kept for a peer), plus
-the one being written; an older step is freed only once a newer one is complete on every rank. A
-rank that cannot write (shared memory full, ENOSPC) or keep a copy makes the step incomplete on every
-rank: it is skipped with a warning, training goes on, the previous complete step stays.
+the one being written (``keep + 1`` slots, the spare one kept between steps); an older step is
+freed only once a newer one is complete on every rank. A rank that cannot write (shared memory
+full, ENOSPC) or keep a copy makes the step incomplete on every rank: it is skipped with a
+warning, training goes on, the previous complete step stays.
 
 Why a separate group and a background thread rather than an agreement at the next call: the tier's
 group carries only the tier's messages, in the same order on every rank (one memory checkpoint in
@@ -38,9 +43,12 @@ from typing import Any
 
 from ckpt.comm import Comm, describe, error_payload, raise_payload
 from ckpt.errors import CollectiveError, StateError
+from ckpt.save import PlanCache
 from ckpt.tier import reshard as _reshard
 from ckpt.tier import restore as _restore
+from ckpt.tier.inplace import save_linked
 from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to, shm_base, tier_dir
+from ckpt.tier.slots import Slot, SlotPool
 from ckpt.tier.snapshot import HostSnapshots, Snapshot
 from ckpt.tier.store import (
     META_KEY,
@@ -123,7 +131,12 @@ class MemoryTier:
         self.store = NodeStore(self.base, self.run_id, node, self.rank, self.world, config.lineage)
         self._complete: list[int] = []
         self.warnings: list[str] = []
-        self._snapshots = HostSnapshots()  # host buffers reused by every memory checkpoint of this rank
+        self._snapshots = HostSnapshots()  # host buffers, where no slot serves
+        self._slots = SlotPool(self.store.own_root(), config.keep + 1)
+        self._plan_cache = PlanCache()  # the one-rank plan of this rank's memory checkpoints
+        # the last restore tried copies and every one failed: the state may hold parts of them (see
+        # ckpt.tier.restore.run); the same on every rank
+        self.restore_clobbered = False
         self._inflight: MemoryHandle | None = None  # the memory checkpoint on the background thread
         # busy="skip": the newest step save_async was called with, reported in each agreement (under
         # the lock: see save_async); the agreed first step of the next memory checkpoint; skips since
@@ -181,7 +194,7 @@ class MemoryTier:
         return self.save_async(step, state, user_metadata=user_metadata, layout=layout).result()
 
     def save_async(self, step: int, state: dict[str, Any], *, user_metadata: dict[str, Any] | None = None,
-                   layout: dict[str, Any] | None = None) -> MemoryHandle:
+                   layout: dict[str, Any] | None = None, deferred: bool = False) -> MemoryHandle:
         """Start the memory checkpoint of ``step`` (collective, in the same order on every rank).
 
         On the calling thread: wait for the previous memory checkpoint if it is still running (one
@@ -190,6 +203,11 @@ class MemoryTier:
         returns. On a background thread, over the tier's own gloo group (never the training
         group, so no collective of training can interleave with these): write the copy to shared
         memory, send it to its holders, agree, free the older step (see the module docstring).
+
+        ``deferred``: GPU pieces' device-to-host copies are not waited for by the current stream at once;
+        the caller must call the handle's ``staged()`` before changing ``state``'s tensors in place
+        (e.g. right before ``optimizer.step()``), so that the copies overlap the next forward and
+        backward (see :mod:`ckpt.tier.snapshot`). Without it (default) ``state`` may change at once.
 
         The handle's ``result()`` is the :class:`MemoryCheckpoint`. A full or failing shared memory
         never raises: the step is skipped on every rank with a warning. ``result()`` (or the next
@@ -213,15 +231,30 @@ class MemoryTier:
             flat, _objects, digest, pieces = localize_pieces(state)
             meta = self._meta(digest, user_metadata)
             meta[META_KEY]["pieces"] = pieces
-            snap = self._snapshots.take(flat)
+            snap = self._snapshots.take(flat, slot=self._slot_for(flat), deferred=deferred)
         except Exception as e:  # noqa: BLE001 - reported through the agreement: every rank skips or raises
             problem = e
         handle = MemoryHandle(step, wait_s=t1 - t0, snapshot_s=time.perf_counter() - t1)
+        handle._snapshot = snap
         self._inflight = handle
         busy, self._busy_skips = self._busy_skips, 0
         threading.Thread(target=self._background, args=(handle, snap, problem, meta, layout, busy), daemon=True,
                          name=f"ckpt-memory-tier-step-{step}").start()
         return handle
+
+    def _slot_for(self, flat: dict[str, Any]) -> Slot | None:
+        """A slot no committed step links, shaped for ``flat`` (None: none is free, or ``flat`` has no
+        tensors; host buffers then). Raises OSError when shared memory cannot hold it."""
+        import torch
+
+        tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]
+        if not tensors:
+            return None
+        try:
+            layout = self._slots.layout(flat)
+        except (ValueError, StateError):  # the save itself will say what is wrong with the state
+            return None
+        return self._slots.acquire(layout, pin=any(t.device.type == "cuda" for t in tensors))
 
     def _skip(self, step: int) -> bool:
         """busy="skip": whether ``step`` is provably before the next agreed memory checkpoint while the
@@ -288,8 +321,12 @@ class MemoryTier:
             assert snap is not None
             remove_step(own)  # leftovers of a write cut short: never a complete step (see reset)
             snap.ready()
-            save(snap.flat, own, group=self._single, step=step, user_metadata=meta, layout=layout,
-                 timeout=self.timeout)
+            linked = snap.slot is not None and save_linked(
+                snap.flat, own, snap.slot, group=self._single, step=step, user_metadata=meta, layout=layout,
+                timeout=self.timeout, cache=self._plan_cache) is not None
+            if not linked:
+                save(snap.flat, own, group=self._single, step=step, user_metadata=meta, layout=layout,
+                     timeout=self.timeout)
             nbytes = data_bytes(own)
         except CollectiveError:
             raise
@@ -417,6 +454,7 @@ class MemoryTier:
         """Remove every memory checkpoint this rank owns or keeps (e.g. after the run's last persistent
         save); the directories go when empty. Not collective."""
         self.reset(None)
+        self._slots.close(remove=True)
         empty = [self.store.own_root()] + [self.store.replica_root(o) for o in self.senders[self.rank]]
         for d in [*empty, os.path.dirname(self.store.replica_root(0)), self.store.dir]:
             with contextlib.suppress(OSError):

@@ -113,6 +113,14 @@ class MemoryHandle:
         self._error_seen = False
         self.reported: int | None = None  # the training step this rank reported in the agreement
         self.busy = False
+        self._snapshot: Any = None  # the ckpt.tier.snapshot.Snapshot being written
+
+    def staged(self) -> None:
+        """For ``save_async(..., deferred=True)``: make the current CUDA stream wait for this memory
+        checkpoint's device-to-host copies. Call it on the training thread before changing the saved
+        tensors in place (e.g. before ``optimizer.step()``); it never blocks the host. Idempotent."""
+        if self._snapshot is not None:
+            self._snapshot.staged()
 
     @classmethod
     def skipped_busy(cls, step: int) -> MemoryHandle:

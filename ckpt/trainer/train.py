@@ -42,6 +42,7 @@ from ckpt.manager import CheckpointManager
 from ckpt.manifest import Manifest
 from ckpt.tier import MemoryHandle
 from ckpt.tier.nodes import node_identity
+from ckpt.tier.restore import clobbered_message
 from ckpt.tier.store import pieces_digest
 from ckpt.trainer.checkpoint import (
     Resume,
@@ -180,6 +181,8 @@ def _resume(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, 
         raise CheckpointError(f"{cfg.ckpt_dir}: none of the {len(urls)} committed checkpoint(s) could be restored "
                               "(see the restore_failed records and the errors above); run `ckpt verify --deep` on "
                               "them, or pass verify_restore=False / --no-verify-restore to load them as they are")
+    if mgr.memory is not None and mgr.memory.restore_clobbered:
+        raise IntegrityError(clobbered_message(mgr.root))
     return None
 
 
@@ -360,6 +363,8 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
             handle.staged()  # the optimizer is about to change what the save is copying
             stall += time.perf_counter() - t
             handle = None
+        if mem is not None:
+            mem.staged()  # ... and what the memory checkpoint copies (a stream wait: the host goes on)
         lr = schedule.lr(step)
         grad_norm = opt.step(lr)
         step += 1
@@ -396,8 +401,9 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
                                       save_s=t_end - t_save))
         if mgr is not None and mgr.memory_due(step) and step < cfg.last_step:
             t = time.perf_counter()
+            # deferred: its device-to-host copies overlap the next forward and backward (mem.staged() above)
             new = mgr.save_memory(step, state or training_state(pm, opt, step, sample_index, schedule),
-                                  user_metadata=metadata, layout=layout.to_dict())
+                                  user_metadata=metadata, layout=layout.to_dict(), deferred=True)
             if not new.busy:  # it started: the previous one (one in flight) is over
                 _log_memory(log, mem, rank0, wait=True)
                 mem = new

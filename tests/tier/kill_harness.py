@@ -54,7 +54,8 @@ WORLD, NODES = 4, 2
 PHASES = ["-", "startup", "snapshot", "write", "replicate", "agree", "free", "between"]
 KILL_POINTS = {
     "snapshot": "the host snapshot taken on the calling thread, the background write not started",
-    "write": "writing the data file of its own memory checkpoint",
+    "write": "writing its own memory checkpoint: the snapshot in its slot, checksums and the link next "
+             "(or, without a slot, the data file being written)",
     "own-commit": "own data written, its manifest about to be committed",
     "replicate": "entering the copy to its peer (sends posted next)",
     "replica-commit": "a received copy's data written, its manifest not yet committed",
@@ -113,12 +114,18 @@ def _instrument(buf: mmap.mmap, rank: int, point: str | None, nth: int) -> None:
     comm_exchange, remove, write, commit = ckpt.comm.Comm.exchange, tier_mod.remove_step, LocalWriter.write, \
         LocalStorage.commit
     take, background = snapshot_mod.HostSnapshots.take, tier_mod.MemoryTier._background
+    save_linked = tier_mod.save_linked
 
-    def take_(self: Any, flat: Any) -> Any:
+    def take_(self: Any, flat: Any, **kw: Any) -> Any:
         _set_phase(buf, rank, "snapshot")
-        out = take(self, flat)
+        out = take(self, flat, **kw)
         at("snapshot")
         return out
+
+    def save_linked_(*a: Any, **k: Any) -> Any:
+        _set_phase(buf, rank, "write")
+        at("write")
+        return save_linked(*a, **k)
 
     def background_(self: Any, *a: Any) -> None:
         background(self, *a)
@@ -130,7 +137,7 @@ def _instrument(buf: mmap.mmap, rank: int, point: str | None, nth: int) -> None:
 
     def write_(self: Any, data: Any) -> None:
         if PHASES[buf[rank]] == "write":
-            at("write")
+            at("write")  # (a slot's step writes no data: its kill point is save_linked_)
         write(self, data)
 
     def commit_(self: Any, path: str, data: bytes, **k: Any) -> None:
@@ -163,6 +170,7 @@ def _instrument(buf: mmap.mmap, rank: int, point: str | None, nth: int) -> None:
         remove(path)
 
     save_mod.save = save_
+    tier_mod.save_linked = save_linked_
     snapshot_mod.HostSnapshots.take = take_  # type: ignore[method-assign]
     tier_mod.MemoryTier._background = background_  # type: ignore[method-assign]
     tier_mod.exchange = exchange_

@@ -4,6 +4,7 @@ from peers after a node loss, fallback on lost or damaged copies, stale tiers, s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -196,18 +197,23 @@ def _shm_full(rank: int, world: int, shm: str, out: str) -> None:
 
     tier = _tier(shm)
     tier.reset(None)
-    write = LocalWriter.write
+    write, fallocate = LocalWriter.write, os.posix_fallocate
     state = {"step": 0}
 
     def full(self: LocalWriter, data: Any) -> None:
-        # step 2: rank 1's own write; step 3: rank 0 keeping rank 2's copy (the peer's memory is full)
-        own = state["step"] == 2 and rank == 1 and "/rank-1/" in self.full and "replicas" not in self.full
-        copy = state["step"] == 3 and rank == 0 and "/replicas/rank-2/" in self.full
-        if own or copy:
+        # step 3: rank 0 keeping rank 2's copy (the peer's memory is full)
+        if state["step"] == 3 and rank == 0 and "/replicas/rank-2/" in self.full:
             raise StorageError(f"{self.full}: write failed after 0 bytes (No space left on device)")
         write(self, data)
 
+    def no_room(fd: int, offset: int, length: int) -> None:
+        # step 2: rank 1's own memory checkpoint finds no room for its slot (the one step 1 used is linked)
+        if state["step"] == 2 and rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, length)
+
     LocalWriter.write = full  # type: ignore[method-assign]
+    os.posix_fallocate = no_room
     records = []
     for step in (1, 2, 3, 4):
         state["step"] = step
@@ -287,7 +293,10 @@ def test_save_async_returns_after_the_snapshot_and_the_caller_may_change_its_sta
         handles.append(tier.save_async(step, state))  # waits for the previous one, then snapshots
         _scribble(state)  # what the optimizer does next: the memory checkpoint must not see it
     assert [h.result().complete for h in handles] == [True, True, True]
-    assert tier._snapshots.allocations == 1  # the host buffers are reused step after step
+    # the snapshots landed in two slots (keep + 1), reused: step 3 went where step 1 was, once freed
+    assert tier._slots.allocations == 2 and tier._snapshots.allocations == 0
+    data = [p for p in Path(tier.store.own(3), "data").iterdir()]
+    assert len(data) == 1 and data[0].stat().st_nlink == 2  # the step's data file is a slot, linked
     target = state_of(0, 0)
     got = tier.restore(target)
     assert got is not None and got.step == 3

@@ -21,7 +21,6 @@ import torch
 from torch.multiprocessing import ProcessExitedException
 
 import ckpt
-from ckpt.errors import StorageError
 from ckpt.layout import Layout
 from ckpt.manager import list_checkpoints, step_dir
 from ckpt.tier.nodes import run_id_for, step_name
@@ -142,16 +141,20 @@ def test_a_damaged_copy_falls_back_and_still_ends_bitwise(base: str, full: dict[
 
 
 def _full_shm_worker(rank: int, world: int, cfg: TrainConfig) -> None:
-    from ckpt.storage.local import LocalWriter
+    import errno
 
-    write = LocalWriter.write
+    from ckpt.tier.tier import MemoryTier
 
-    def full(self: LocalWriter, data: Any) -> None:
-        if rank == 1 and "/rank-1/step-0000000003/" in self.full:
-            raise StorageError(f"{self.full}: write failed after 0 bytes (No space left on device)")
-        write(self, data)
+    slot_for, calls = MemoryTier._slot_for, [0]
 
-    LocalWriter.write = full  # type: ignore[method-assign]
+    def full(self: MemoryTier, flat: dict[str, Any]) -> Any:
+        # rank 1's memory checkpoint of step 3 finds no room in shared memory for its slot
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return slot_for(self, flat)
+
+    MemoryTier._slot_for = full  # type: ignore[method-assign]
     train(cfg, LAYOUT)
 
 
