@@ -17,9 +17,11 @@ Four measurements, each with its peer or physical limit measured in the same run
    same preallocated tensors; the limit is host-to-device bandwidth (pinned and pageable) on a GPU,
    a memcpy into touched memory on CPU.
 4. **snapshot** (one process, ``--device``): a synthetic training step (matmuls for about
-   ``--step-ms``) with ``save_async`` of the ``--size-gb`` state every step vs without; the
-   training thread's stall (waiting for the previous one + the host snapshot) and the background
-   time per memory checkpoint.
+   ``--step-ms``, then an in-place update of the whole state, then a sync of the training stream as
+   ``loss.item()`` does) with ``save_async(..., deferred=True)`` of the ``--size-gb`` state every
+   step vs without (``handle.staged()`` before the update, as the trainer does); the training
+   thread's stall (waiting for the previous one + the snapshot) and the background time per memory
+   checkpoint. The first two memory checkpoints (they allocate and pin the slots) are not timed.
 
     python -m bench memory-tier [--size-gb 0.25] [--device cpu|cuda] [--repeats 3] [--json FILE]
         [--only peer,recovery,restore,snapshot]
@@ -52,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-at", type=int, default=17, help="step at which node 1 is lost (default 17)")
     p.add_argument("--save-every", type=int, default=10, help="persistent save interval (default 10)")
     p.add_argument("--step-ms", type=float, default=300.0, help="synthetic step length for 'snapshot' (ms)")
+    p.add_argument("--matmul", type=int, default=512, help="matrix size of the synthetic step's matmuls (default 512: "
+                   "many small kernels, launch-bound on a GPU; 4096: a few large ones, GPU-bound as LLM steps are)")
     p.add_argument("--dir", default=None, help="disk directory for persistent checkpoints (default: $TMPDIR)")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
@@ -295,18 +299,21 @@ def run_restore(size_gb: float, n_tensors: int, repeats: int, dev: torch.device,
 
 # --- 4. snapshot: the training thread's stall ----------------------------------------------------
 
-def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device, step_ms: float) -> dict[str, Any]:
+def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device, step_ms: float,
+                 matmul: int = 512) -> dict[str, Any]:
     from bench.save_load import make_state, state_bytes
     from ckpt.tier import MemoryTier, TierConfig
 
     state = {k: v.to(dev) for k, v in make_state(int(size_gb * (1 << 30)), n_tensors).items()}
-    a = torch.randn(512, 512, device=dev)
+    a = torch.randn(matmul, matmul, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    a /= matmul ** 0.5  # keeps x @ a bounded step after step
 
     def work(n: int) -> None:
         x = a
         for _ in range(n):
             x = torch.tanh(x @ a)
-        _sync(dev)
+        if dev.type == "cuda":  # what loss.item() does: the training stream, not the tier's copy stream
+            torch.cuda.current_stream(dev).synchronize()
 
     work(4)
     t0 = time.perf_counter()
@@ -322,21 +329,28 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
         tier.reset(None)
         step = 0
         per_block = 5
+        for _ in range(2):  # untimed: the first two memory checkpoints allocate (and pin) the slots
+            step += 1
+            tier.save(step, state)
         for r in range(repeats):
             for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                h = None
                 for _ in range(per_block):
                     t0 = time.perf_counter()
-                    work(n)
+                    work(n)  # forward and backward: reads the state
+                    if h is not None:
+                        h.staged()  # the update below waits for the previous snapshot's copies (GPU side)
                     for v in state.values():  # the optimizer's in-place update
                         v.add_(1)
                     if mode == "on":
                         step += 1
                         t1 = time.perf_counter()
-                        h = tier.save_async(step, state)
+                        h = tier.save_async(step, state, deferred=True)  # its copies overlap the next work
                         stalls.append(time.perf_counter() - t1)
-                    _sync(dev)
+                    if dev.type == "cuda":
+                        torch.cuda.current_stream(dev).synchronize()
                     steps[mode].append(time.perf_counter() - t0)
-                if mode == "on":
+                if h is not None:
                     records.append(h.result().to_record())  # between blocks: none in flight while "off" runs
         tier.clear()
     finally:
@@ -344,10 +358,12 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
     nbytes = state_bytes(state)
     off, on = median(steps["off"]), median(steps["on"])
     bg = median([r["write_ms"] + r["agree_ms"] for r in records])
-    res = {"bytes": nbytes, "device": str(dev), "matmuls_per_step": n, "step_s": steps, "median_off_s": off,
+    res = {"bytes": nbytes, "device": str(dev), "matmul": matmul, "matmuls_per_step": n, "step_s": steps,
+           "median_off_s": off,
            "median_on_s": on, "ratio": on / off, "stall_s": stalls, "median_stall_s": median(stalls),
            "background_ms": bg, "records": records}
-    print_table(f"synthetic step (~{step_ms:.0f} ms on {dev}) with save_async of {nbytes / GB:.2f} GB every step "
+    print_table(f"synthetic step (~{step_ms:.0f} ms of {n} {matmul}x{matmul} matmuls on {dev}) with save_async of "
+                f"{nbytes / GB:.2f} GB every step "
                 f"(median of {len(steps['on'])})", ["run", "step ms", "stall ms", "vs off"],
                 [["no memory checkpoint", fmt(off * 1e3, 1), "-", "1.00x"],
                  ["save_async every step", fmt(on * 1e3, 1), fmt(median(stalls) * 1e3, 2), fmt(on / off, 3) + "x"]])
@@ -375,7 +391,7 @@ def main(args: argparse.Namespace) -> int:
     if "restore" in parts:
         out["restore"] = run_restore(args.size_gb, args.tensors, args.repeats, dev, args.dir)
     if "snapshot" in parts:
-        out["snapshot"] = run_snapshot(args.size_gb, args.tensors, args.repeats, dev, args.step_ms)
+        out["snapshot"] = run_snapshot(args.size_gb, args.tensors, args.repeats, dev, args.step_ms, args.matmul)
     out["wall_s"] = time.perf_counter() - t0
     print(f"done in {out['wall_s']:.0f} s")
     if args.json_out:

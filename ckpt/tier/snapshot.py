@@ -27,6 +27,7 @@ shared-memory data file itself, and nothing is written again.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,11 +47,19 @@ class Snapshot:
     events: list[Any] = field(default_factory=list)
     slot: Any = None  # the ckpt.tier.slots.Slot the buffers live in, if any
     fences: list[tuple[Any, Any]] = field(default_factory=list)  # (device, event) the current stream still owes
+    landed: dict[str, Any] = field(default_factory=dict)  # key -> the event after its copy (GPU pieces)
 
     def ready(self) -> None:
         """Block until the device-to-host copies have landed (call on the background thread)."""
         for ev in self.events:
-            ev.synchronize()
+            _wait(ev)
+
+    def wait_piece(self, key: str) -> None:
+        """Block until ``key``'s device-to-host copy has landed (the checksums of the pieces copied
+        first start while the later ones are still copying)."""
+        ev = self.landed.get(key)
+        if ev is not None:
+            _wait(ev)
 
     def staged(self) -> None:
         """Make the current stream wait for the device-to-host copies (deferred snapshots: call on the
@@ -58,6 +67,19 @@ class Snapshot:
         fences, self.fences = self.fences, []
         for dev, ev in fences:
             torch.cuda.current_stream(dev).wait_event(ev)
+
+
+LANDED_EVERY = 64 << 20  # GPU bytes copied between two "landed" events (see Snapshot.wait_piece)
+
+
+def _wait(ev: Any) -> None:
+    """Wait for a CUDA event by polling with short sleeps: ``Event.synchronize`` spins a core per
+    waiting thread under CUDA's default schedule, and up to 8 checksum threads wait at once."""
+    while not ev.query():
+        time.sleep(POLL_S)
+
+
+POLL_S = 0.0005
 
 
 class HostSnapshots:
@@ -94,11 +116,19 @@ class HostSnapshots:
             bufs = self._bufs
         out: dict[str, Any] = {}
         starts: dict[int, Any] = {}
+        landed: dict[str, Any] = {}
+        since: dict[int, tuple[list[str], list[int]]] = {}  # per device: pieces copied since its last event
         for k, v in flat.items():
             if isinstance(v, torch.Tensor):
                 buf = bufs[k]
                 if v.device.type == "cuda":
-                    self._copy_cuda(buf, v.detach(), starts)
+                    dev = self._copy_cuda(buf, v.detach(), starts)
+                    keys, size = since.setdefault(dev, ([], [0]))
+                    keys.append(k)
+                    size[0] += buf.numel() * buf.element_size()
+                    if size[0] >= LANDED_EVERY:
+                        self._mark(dev, keys, landed)
+                        size[0] = 0
                 else:
                     buf.copy_(v.detach())
                 out[k] = buf
@@ -106,6 +136,9 @@ class HostSnapshots:
                 out[k] = PerRank(copy.deepcopy(v.value))  # training may change its objects in place too
             else:
                 out[k] = copy.deepcopy(v)
+        for dev, (keys, _size) in since.items():
+            if keys:
+                self._mark(dev, keys, landed)
         events = []
         fences = []
         for dev in starts:
@@ -114,12 +147,21 @@ class HostSnapshots:
             events.append(ev)
             fences.append((dev, ev))
         nbytes = sum(out[k].numel() * out[k].element_size() for k in tensors)
-        snap = Snapshot(out, nbytes, events, slot=slot, fences=fences)
+        snap = Snapshot(out, nbytes, events, slot=slot, fences=fences, landed=landed)
         if not deferred:
             snap.staged()  # later in-place updates wait for the copies
         return snap
 
-    def _copy_cuda(self, buf: torch.Tensor, src: torch.Tensor, starts: dict[int, Any]) -> None:
+    def _mark(self, dev: int, keys: list[str], landed: dict[str, Any]) -> None:
+        """One event on device ``dev``'s copy stream after the copies of ``keys`` (and clear ``keys``)."""
+        ev = torch.cuda.Event()
+        ev.record(self._streams[dev])
+        for k in keys:
+            landed[k] = ev
+        keys.clear()
+
+    def _copy_cuda(self, buf: torch.Tensor, src: torch.Tensor, starts: dict[int, Any]) -> int:
+        """Queue ``src``'s copy into ``buf`` on its device's copy stream; returns the device index."""
         dev = src.device.index if src.device.index is not None else torch.cuda.current_device()
         stream = self._streams.get(dev)
         if stream is None:
@@ -132,3 +174,4 @@ class HostSnapshots:
         with torch.cuda.stream(stream):
             buf.copy_(src, non_blocking=True)
             src.record_stream(stream)  # the caller may free src meanwhile: keep its memory until copied
+        return dev

@@ -320,10 +320,11 @@ class MemoryTier:
                 raise problem
             assert snap is not None
             remove_step(own)  # leftovers of a write cut short: never a complete step (see reset)
-            snap.ready()
+            # a slot's pieces are checksummed as their copies land (the first while the last still copy)
             linked = snap.slot is not None and save_linked(
                 snap.flat, own, snap.slot, group=self._single, step=step, user_metadata=meta, layout=layout,
-                timeout=self.timeout, cache=self._plan_cache) is not None
+                timeout=self.timeout, cache=self._plan_cache, wait_piece=snap.wait_piece) is not None
+            snap.ready()
             if not linked:
                 save(snap.flat, own, group=self._single, step=step, user_metadata=meta, layout=layout,
                      timeout=self.timeout)
