@@ -1,0 +1,200 @@
+"""The memory tier's in-place write (slots committed by hard link) and its one-pass verified restore:
+checksums equal zlib's, a corrupt piece is named and falls back, a state the fast path cannot serve
+goes through ``ckpt.load``, a full shared memory is an ENOSPC before anything is mapped, and a
+restore whose every copy failed after loading began never passes for a fresh start."""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckpt
+from ckpt.checksum import crc32_parallel
+from ckpt.errors import IntegrityError, MismatchError
+from ckpt.tier import MemoryTier, TierConfig, fastload
+from ckpt.tier.slots import Slot, plan_layout
+
+ROOT = "/tier-tests/slots"
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"big": torch.randn(3 << 19, generator=g),  # 6 MiB: several restore chunks
+                      "h": torch.randn(64, 33, generator=g).to(torch.bfloat16),
+                      "ids": torch.randint(0, 1 << 40, (17,), generator=g),
+                      "empty": torch.zeros(0)},
+            "train": {"step": step, "name": f"s{step}"}}
+
+
+def _zeros() -> dict[str, Any]:
+    s = _state(1)
+    return {"model": {k: torch.zeros_like(v) for k, v in s["model"].items()}, "train": {"step": 0, "name": ""}}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+
+
+def _data_file(url: str) -> Path:
+    files = list(Path(url, "data").iterdir())
+    assert len(files) == 1
+    return files[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.binary(max_size=5000), max_size=6), st.integers(1, 4), st.sampled_from([1, 7, 64, 4096]))
+def test_parallel_checksums_equal_zlib(bufs: list[bytes], workers: int, chunk: int) -> None:
+    seen: list[int] = []
+    got = crc32_parallel(bufs, workers, chunk=chunk, nice=5, before=seen.append)
+    assert got == [zlib.crc32(b) for b in bufs]
+    assert {i for i, b in enumerate(bufs) if b} <= set(seen) <= set(range(len(bufs)))  # each one announced
+
+
+def test_a_memory_checkpoint_is_its_slot_linked_and_restores_bitwise(shm: str) -> None:
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
+    tier.reset(None)
+    for step in (1, 2, 3):
+        assert tier.save(step, _state(step)).complete
+    data = _data_file(tier.store.own(3))
+    assert data.stat().st_nlink == 2  # the slot and the step: no byte was written twice
+    assert data.stat().st_ino in {p.stat().st_ino for p in Path(tier.store.own_root(), ".slots").iterdir()}
+    assert ckpt.verify(tier.store.own(3), deep=True).ok  # an ordinary, checksummed checkpoint
+    target = _zeros()
+    stats: dict[str, Any] = {}
+    tier.load_local(target, tier.store.own(3), stats=stats)
+    assert _same(target, _state(3)) and stats["bytes_read"] == stats["bytes_verified"] > 6 << 20
+    tier.clear()
+
+
+def test_a_corrupt_piece_is_named_and_marked_partial(shm: str) -> None:
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
+    tier.reset(None)
+    assert tier.save(1, _state(1)).complete
+    url = tier.store.own(1)
+    m = ckpt.inspect(url)
+    s = m.tensors["model.big"].shards[0]
+    with open(_data_file(url), "r+b") as f:  # one flipped byte in the last chunk of the 6 MiB piece
+        f.seek(s.offset + s.length - 5)
+        b = f.read(1)
+        f.seek(s.offset + s.length - 5)
+        f.write(bytes([b[0] ^ 0x5A]))
+    planned = fastload.plan_pieces({"model.big": torch.zeros(3 << 19)}, url)
+    assert planned is not None
+    with pytest.raises(IntegrityError, match="model.big") as e:
+        fastload.load_pieces(planned[1], workers=3)
+    assert getattr(e.value, "partial", False)
+    target = _zeros()
+    with pytest.raises(IntegrityError, match="model.big"):
+        tier.load_local(target, url)
+    tier.clear()
+
+
+def test_a_target_the_fast_path_cannot_serve_goes_through_ckpt_load(shm: str) -> None:
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
+    tier.reset(None)
+    assert tier.save(1, _state(1)).complete
+    url = tier.store.own(1)
+    wrong = _zeros()
+    wrong["model"]["h"] = torch.zeros(64, 33)  # float32 target, bfloat16 stored: not a whole-piece copy
+    assert fastload.plan_pieces({"model.h": wrong["model"]["h"]}, url) is None
+    with pytest.raises(MismatchError, match="model.h"):
+        tier.load_local(wrong, url)
+    strided = _zeros()
+    strided["model"]["h"] = torch.zeros(33, 64, dtype=torch.bfloat16).t()  # not contiguous: ckpt.load fills it
+    tier.load_local(strided, url)
+    assert _same(strided, _state(1))
+    tier.clear()
+
+
+def test_a_plan_that_does_not_match_the_slot_writes_an_ordinary_file(shm: str, monkeypatch: Any) -> None:
+    import ckpt.tier.inplace as inplace
+
+    monkeypatch.setattr(inplace, "matches", lambda prep, slot: False)
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
+    tier.reset(None)
+    assert tier.save(1, _state(1)).complete
+    assert _data_file(tier.store.own(1)).stat().st_nlink == 1  # a file of its own, written by ckpt.save
+    target = _zeros()
+    assert tier.restore(target) is not None and _same(target, _state(1))
+    tier.clear()
+
+
+def test_matches_refuses_tensors_that_are_not_the_slots_bytes(shm: str) -> None:
+    from ckpt.comm import Comm
+    from ckpt.save import prepare
+    from ckpt.storage import get_storage
+    from ckpt.tier.inplace import matches
+
+    flat = {"a": torch.arange(10.0), "b": torch.ones(3, 4, dtype=torch.bfloat16)}
+    slot = Slot(os.path.join(shm, "slot-0"))
+    slot.shape_for(plan_layout(flat), pin=False)
+    views = {k: slot.views[k] for k in flat}
+    storage = get_storage(os.path.join(shm, "ck"))
+    assert matches(prepare(Comm(None), storage, views), slot)
+    assert not matches(prepare(Comm(None), storage, flat), slot)  # the caller's tensors, not the slot's
+    swapped = {"a": views["a"], "b": slot.views["b"].clone()}
+    assert not matches(prepare(Comm(None), storage, swapped), slot)
+    slot.close()
+
+
+def test_shared_memory_full_is_an_enospc_before_anything_is_mapped(shm: str, monkeypatch: Any) -> None:
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    slot = Slot(os.path.join(shm, "slot-0"))
+    with pytest.raises(OSError, match="No space left"):
+        slot.shape_for(plan_layout({"a": torch.ones(1000)}), pin=False)
+    assert not os.path.exists(slot.path) and slot.base is None  # its bytes given back, nothing mapped
+
+
+def test_every_copy_failing_after_loading_began_is_not_a_fresh_start(shm: str, tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, replicas=0, memory_timeout=30)
+    assert mgr.memory is not None
+    mgr.save_memory(1, _state(1)).result()
+    url = mgr.memory.store.own(1)
+    s = ckpt.inspect(url).tensors["model.big"].shards[0]
+    with open(_data_file(url), "r+b") as f:
+        f.seek(s.offset + s.length // 2)
+        f.write(b"\xff\xff")
+    target = _zeros()
+    with pytest.raises(IntegrityError, match="no persistent checkpoint"):
+        mgr.restore(target)  # the memory copy failed its checksum after part of it was copied
+    assert mgr.memory.restore_clobbered
+    # the failed copy is gone: the restarted job starts fresh, as it should
+    again = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, replicas=0)
+    assert again.restore(_zeros()) is None
+    # with a persistent checkpoint to fall back on, the same failure restores it, bitwise
+    again.save(1, _state(1))
+    assert again.memory is not None
+    again.save_memory(2, _state(2)).result()
+    with open(_data_file(again.memory.store.own(2)), "r+b") as f:
+        f.seek(s.offset + s.length // 2)
+        f.write(b"\xff\xff")
+    target = _zeros()
+    assert again.restore(target) == 1 and _same(target, _state(1))
+    again.close()
+
+
+def test_staged_is_idempotent_and_harmless_without_gpu_copies(shm: str) -> None:
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
+    tier.reset(None)
+    state = _state(1)
+    h = tier.save_async(1, state, deferred=True)
+    h.staged()
+    h.staged()
+    for v in state["model"].values():
+        v.zero_()
+    assert h.result().complete
+    target = _zeros()
+    assert tier.restore(target) is not None and _same(target, _state(1))
+    tier.clear()
