@@ -71,6 +71,7 @@ def plan_pieces(flat: dict[str, Any], url: str) -> tuple[Manifest, list[_Piece]]
     except (OSError, CheckpointError):
         return None
     pieces: list[_Piece] = []
+    root = os.path.realpath(url)
     for key, t in flat.items():
         if not isinstance(t, torch.Tensor):
             continue
@@ -86,9 +87,10 @@ def plan_pieces(flat: dict[str, Any], url: str) -> tuple[Manifest, list[_Piece]]
         whole = isinstance(s.region, Box) and list(s.region.lengths) == list(t.shape) and not any(s.region.offsets)
         if not whole or s.length != n or s.checksum is None or not t.is_contiguous():
             return None
-        if t.device.type not in ("cpu", "cuda"):
-            return None
-        pieces.append(_Piece(key, t, os.path.join(url, s.file), s.offset, n, s.checksum))
+        path = os.path.join(url, s.file)
+        if t.device.type not in ("cpu", "cuda") or not os.path.realpath(path).startswith(root + os.sep):
+            return None  # (a file outside the copy: ckpt.load refuses it by name)
+        pieces.append(_Piece(key, t, path, s.offset, n, s.checksum))
     return m, pieces
 
 

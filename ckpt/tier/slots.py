@@ -25,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 SLOTS_DIR = ".slots"
+SLOT_NAME = re.compile(r"^slot-(\d+)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +181,7 @@ class SlotPool:
         then writes a new file). Prefers one already of this layout (nothing to allocate).
         Raises OSError when shared memory cannot hold it."""
         os.makedirs(self.dir, exist_ok=True)
+        self.trim()
         free = []
         for i in range(self.count):
             s = self._slots.get(i) or Slot(os.path.join(self.dir, f"slot-{i}"))
@@ -194,6 +197,18 @@ class SlotPool:
         slot = ready[0]
         slot.shape_for(layout, pin)
         return slot
+
+    def trim(self) -> None:
+        """Remove slot files beyond ``count`` that nothing links any more (a job that kept more copies
+        left them, or their step was just freed): memory stays within ``count`` slots."""
+        for name in _listdir(self.dir):
+            m = SLOT_NAME.match(name)
+            if m is not None and int(m.group(1)) < self.count:
+                continue
+            path = os.path.join(self.dir, name)
+            with contextlib.suppress(OSError):
+                if os.path.isfile(path) and os.stat(path).st_nlink == 1:
+                    os.unlink(path)
 
     def close(self, *, remove: bool = False) -> None:
         """Unmap every slot; ``remove``: delete the files too (a linked one stays with its step)."""

@@ -383,6 +383,8 @@ class MemoryTier:
             for s, p in self.store.replica_steps(owner):
                 if doomed(s):
                     remove_step(p)
+        if freed:
+            self._slots.trim()  # a freed step's slot beyond keep + 1 goes now, not at the next write
         return sorted(freed)
 
     # --- restore -----------------------------------------------------------------------------

@@ -198,3 +198,44 @@ def test_staged_is_idempotent_and_harmless_without_gpu_copies(shm: str) -> None:
     target = _zeros()
     assert tier.restore(target) is not None and _same(target, _state(1))
     tier.clear()
+
+
+def test_a_job_keeping_fewer_copies_gives_back_the_extra_slots(shm: str) -> None:
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0, keep=2))
+    tier.reset(None)
+    for step in (1, 2, 3):
+        assert tier.save(step, _state(step)).complete
+    slots = Path(tier.store.own_root(), ".slots")
+    assert sorted(p.name for p in slots.iterdir()) == ["slot-0", "slot-1", "slot-2"]
+    again = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0, keep=1))  # the restarted job keeps 1
+    got = again.restore(_zeros())
+    assert got is not None and got.step == 3
+    again.reset(3)
+    assert again.save(4, _state(4)).complete
+    # at most keep + 1 slots: step 3's (linked until step 4 was complete) and step 4's
+    assert len(list(slots.iterdir())) <= 2
+    target = _zeros()
+    assert again.restore(target) is not None and _same(target, _state(4))
+    again.clear()
+
+
+def test_a_manifest_naming_a_file_outside_the_copy_is_not_read_by_the_fast_path(shm: str) -> None:
+    from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
+
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
+    tier.reset(None)
+    assert tier.save(1, _state(1)).complete
+    url = tier.store.own(1)
+    path = Path(url, "manifest.msgpack")
+    m = decode_manifest(path.read_bytes())
+    outside = "../../outside.safetensors"
+    (size,) = m.files.values()  # one data file: this rank's
+    m.files = {outside: size}
+    for t in m.tensors.values():
+        for s in t.shards:
+            s.file = outside
+    path.write_bytes(encode_manifest(m))
+    assert fastload.plan_pieces({"model.big": torch.zeros(3 << 19)}, url) is None
+    with pytest.raises(ckpt.CheckpointError):
+        tier.load_local(_zeros(), url)
+    tier.clear()
