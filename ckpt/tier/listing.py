@@ -200,11 +200,11 @@ def gc_memory(root: str | None = None, shm_dir: str | None = None, *, min_age: f
                     elif e.problem and (e.committed or e.problem.startswith("incomplete")):
                         remove(run_id, path, e.problem)  # an unreadable manifest is reported by ls, left alone
                 gone_now = {r.path for r in out}
-                if (kind == "local" and os.path.isdir(os.path.join(where, SLOTS_DIR))
-                        and all(p in gone_now for _s, p in _steps(where))):
-                    # the files memory checkpoints are written into (ckpt.tier.slots), of a rank with none left
+                if os.path.isdir(os.path.join(where, SLOTS_DIR)) and all(p in gone_now for _s, p in _steps(where)):
+                    # the files memory checkpoints (own or kept copies) are written into (ckpt.tier.slots),
+                    # where none is left
                     remove(run_id, os.path.join(where, SLOTS_DIR),
-                           "spare memory-checkpoint slots of a rank with no memory checkpoint left")
+                           "spare memory-checkpoint slots, with no copy left beside them")
                 for d in (where, os.path.dirname(where) if kind == "replica" else ""):
                     if d and not dry_run:
                         with contextlib.suppress(OSError):

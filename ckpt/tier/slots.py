@@ -45,6 +45,11 @@ class SlotLayout:
     offsets: dict[str, int]  # flat key -> byte offset of its data
 
 
+def raw_layout(size: int) -> SlotLayout:
+    """A slot of ``size`` bytes with no header or views (a received copy of a peer's data file)."""
+    return SlotLayout((), b"", size, {})
+
+
 def structure_key(flat: dict[str, Any]) -> tuple[Any, ...]:
     """The tensors' keys, dtypes and shapes, in order: equal keys get the same layout."""
     return tuple((k, v.dtype, tuple(v.shape)) for k, v in flat.items() if isinstance(v, torch.Tensor))
@@ -125,7 +130,8 @@ class Slot:
             self.base = (torch.frombuffer(self._mm, dtype=torch.uint8) if self._mm is not None
                          else torch.empty(0, dtype=torch.uint8))
         assert self.base is not None
-        self.base[: len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+        if layout.header:
+            self.base[: len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
         self.views = {}
         for key, dtype, shape in layout.key:
             off = layout.offsets[key]

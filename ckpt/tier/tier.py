@@ -48,7 +48,7 @@ from ckpt.tier import reshard as _reshard
 from ckpt.tier import restore as _restore
 from ckpt.tier.inplace import save_linked
 from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to, shm_base, tier_dir
-from ckpt.tier.slots import Slot, SlotPool
+from ckpt.tier.slots import Slot, SlotPool, raw_layout
 from ckpt.tier.snapshot import HostSnapshots, Snapshot
 from ckpt.tier.store import (
     META_KEY,
@@ -133,6 +133,7 @@ class MemoryTier:
         self.warnings: list[str] = []
         self._snapshots = HostSnapshots()  # host buffers, where no slot serves
         self._slots = SlotPool(self.store.own_root(), config.keep + 1)
+        self._replica_slots: dict[int, SlotPool] = {}  # by owner: the files its copies are received into
         self._plan_cache = PlanCache()  # the one-rank plan of this rank's memory checkpoints
         # the last restore tried copies and every one failed: the state may hold parts of them (see
         # ckpt.tier.restore.run); the same on every rank
@@ -256,6 +257,14 @@ class MemoryTier:
             return None
         return self._slots.acquire(layout, pin=any(t.device.type == "cuda" for t in tensors))
 
+    def _replica_slot(self, owner: int, size: int) -> Slot | None:
+        """A slot of ``size`` bytes for a copy of ``owner``'s data file that no kept copy links
+        (``keep + 1`` per owner; see :func:`ckpt.tier.transfer.exchange`)."""
+        pool = self._replica_slots.get(owner)
+        if pool is None:
+            pool = self._replica_slots[owner] = SlotPool(self.store.replica_root(owner), self.config.keep + 1)
+        return pool.acquire(raw_layout(size), pin=False)
+
     def _skip(self, step: int) -> bool:
         """busy="skip": whether ``step`` is provably before the next agreed memory checkpoint while the
         previous one still runs (else the caller waits for its verdict, in transit, and decides then).
@@ -342,7 +351,7 @@ class MemoryTier:
                  for h in self.holders[self.rank]}
         recvs = {s: self.store.replica(s, step) for s in self.senders[self.rank]}
         arrived = exchange(self.pg, sends, recvs, rank=self.rank, timeout=self.timeout,
-                           what=f"memory tier copy of step {step}")
+                           what=f"memory tier copy of step {step}", slots=self._replica_slot)
         copy_errs = [r.err for r in arrived.values() if not r.ok]
         t2 = time.perf_counter()
         mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),
@@ -385,6 +394,8 @@ class MemoryTier:
                     remove_step(p)
         if freed:
             self._slots.trim()  # a freed step's slot beyond keep + 1 goes now, not at the next write
+        for pool in self._replica_slots.values():
+            pool.trim()
         return sorted(freed)
 
     # --- restore -----------------------------------------------------------------------------
@@ -458,6 +469,9 @@ class MemoryTier:
         save); the directories go when empty. Not collective."""
         self.reset(None)
         self._slots.close(remove=True)
+        for pool in self._replica_slots.values():
+            pool.close(remove=True)
+        self._replica_slots = {}
         empty = [self.store.own_root()] + [self.store.replica_root(o) for o in self.senders[self.rank]]
         for d in [*empty, os.path.dirname(self.store.replica_root(0)), self.store.dir]:
             with contextlib.suppress(OSError):

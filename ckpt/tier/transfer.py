@@ -20,6 +20,7 @@ import datetime
 import mmap
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,9 +111,14 @@ def _buffers(need: int) -> list[torch.Tensor]:
 
 
 def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank: int, timeout: float,
-             what: str) -> dict[int, Received]:
+             what: str, slots: Callable[[int, int], Any] | None = None) -> dict[int, Received]:
     """Send each ``sends[peer]`` to its peer and receive one package from each ``recvs`` peer into
     the directory ``recvs[peer]`` (replaced if it exists); collective among the ranks involved.
+
+    ``slots(sender, size)``, when given, returns a :class:`ckpt.tier.slots.Slot` of ``size`` bytes
+    that no step links (or None): each data file is then received straight into it (no copy, no
+    fresh tmpfs pages) and hard-linked into the directory, as the owner's own memory checkpoints
+    are; an OSError from it (shared memory full) fails that copy like a failed write.
 
     ``pg``: the gloo group (None: not distributed, then both maps must be empty); peers are ranks
     of that group. Returns what arrived, by sender. Local write failures are reported in the
@@ -147,8 +153,8 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
             posted += [(dst, dist.isend(t, dst=glob(dst), group=pg, tag=TAG)) for t in out_t]
         except Exception as e:  # noqa: BLE001 - gloo: the group was closed by an earlier failure
             raise _lost(what, rank, "send to", dst, e, timeout) from e
-    out = {src: _receive(dist, pg, glob(src), src, dest, deadline, rank=rank, timeout=timeout, what=what)
-           for src, dest in sorted(recvs.items())}
+    out = {src: _receive(dist, pg, glob(src), src, dest, deadline, rank=rank, timeout=timeout, what=what,
+                         slots=slots) for src, dest in sorted(recvs.items())}
     for dst, work in posted:
         try:
             _wait(work, deadline)
@@ -167,7 +173,7 @@ def _recv(dist: Any, pg: Any, src: int, t: torch.Tensor, deadline: float) -> Non
 
 
 def _receive(dist: Any, pg: Any, gsrc: int, src: int, dest: str, deadline: float, *, rank: int, timeout: float,
-             what: str) -> Received:
+             what: str, slots: Callable[[int, int], Any] | None = None) -> Received:
     try:
         n = torch.zeros(1, dtype=torch.int64)
         _recv(dist, pg, gsrc, n, deadline)
@@ -186,20 +192,40 @@ def _receive(dist: Any, pg: Any, gsrc: int, src: int, dest: str, deadline: float
         chunks = [(i, o, min(CHUNK, size - o)) for i, (_rel, size) in enumerate(files) for o in range(0, size, CHUNK)]
         bufs = _buffers(max((c[2] for c in chunks), default=1))
         writers: dict[int, LocalWriter] = {}
-        for rel, size in files:
+        into: dict[int, Any] = {}  # file index -> the slot it is received into
+        for i, (rel, size) in enumerate(files):
             if size == 0:
                 error = error or _touch(storage, rel)
-        work = dist.irecv(bufs[0][:chunks[0][2]], src=gsrc, group=pg, tag=TAG) if chunks else None
+            elif slots is not None and error is None:
+                try:
+                    slot = slots(src, size)
+                except OSError as e:  # shared memory full: drained, reported
+                    error = StorageError(f"{dest}: no room for {rel} ({e.strerror})")
+                    continue
+                if slot is not None:
+                    into[i] = slot
+
+        def target(k: int) -> torch.Tensor:
+            i, o, length = chunks[k]
+            if error is None and i in into:
+                return into[i].base[o : o + length]  # straight into the slot
+            return bufs[k % 2][:length]
+
+        work = dist.irecv(target(0), src=gsrc, group=pg, tag=TAG) if chunks else None
         for k, (i, o, length) in enumerate(chunks):
             try:
                 _wait(work, deadline)
             except Exception as e:  # noqa: BLE001
                 raise _lost(what, rank, "receive from", src, e, timeout) from e
             if k + 1 < len(chunks):  # the next chunk arrives while this one is written
-                work = dist.irecv(bufs[(k + 1) % 2][:chunks[k + 1][2]], src=gsrc, group=pg, tag=TAG)
+                work = dist.irecv(target(k + 1), src=gsrc, group=pg, tag=TAG)
             if error is not None:
                 continue  # drain: the sender must not wait for a receiver that gave up
             try:
+                if i in into:
+                    if o + length == files[i][1]:
+                        _link(into[i].path, os.path.join(dest, files[i][0]))
+                    continue
                 if o == 0:
                     writers[i] = storage.open_writer(files[i][0])
                 writers[i].write(memoryview(bufs[k % 2][:length].numpy()))  # type: ignore[arg-type]
@@ -218,6 +244,15 @@ def _receive(dist: Any, pg: Any, gsrc: int, src: int, dest: str, deadline: float
         remove_step(dest)
         return Received(False, f"{what}: rank {rank} could not keep rank {src}'s copy: {describe(error)}")
     return Received(True, bytes=sum(size for _rel, size in files))
+
+
+def _link(slot: str, path: str) -> None:
+    """Hard-link a received slot as ``path`` (exclusive: never replaces a file)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.link(slot, path)
+    except OSError as e:
+        raise StorageError(f"{path}: cannot link the received copy ({e.strerror})") from e
 
 
 def _touch(storage: LocalStorage, rel: str) -> BaseException | None:

@@ -66,12 +66,14 @@ def test_gc_memory_removes_only_what_no_job_can_restore(shm: str, tmp_path: Path
     Path(root, ".ckpt-lineage").write_text("a-new-run")
     _age(tier, 3600)
     dry = gc_memory(root, shm, min_age=300, dry_run=True)
-    # the 8 copies, then each rank's spare slots (the files its memory checkpoints are written into)
+    # the 8 copies, then the spare slots (the files memory checkpoints are written and received into):
+    # each rank's own, and those of the copy it keeps for its peer
     steps = [m for m in dry if "lineage" in m.reason]
     slots = [m for m in dry if m.reason.startswith("spare memory-checkpoint slots")]
-    assert len(steps) == 8 and len(slots) == 4 and len(dry) == 12 and tier.exists()
+    assert len(steps) == 8 and len(slots) == 8 and len(dry) == 16 and tier.exists()
     assert all(Path(m.path).name == ".slots" and m.bytes > 0 for m in slots)
-    assert len(gc_memory(root, shm, min_age=300)) == 12
+    assert sum("/replicas/" in m.path for m in slots) == 4
+    assert len(gc_memory(root, shm, min_age=300)) == 16
     assert not tier.exists()  # nothing left of the run: its directory and tier.json are gone too
 
 

@@ -16,7 +16,6 @@ import torch
 from typer.testing import CliRunner
 
 import ckpt
-from ckpt.errors import StorageError
 from ckpt.tier import MemoryTier, TierConfig, list_memory
 from ckpt.tier.nodes import step_name
 from tests.dist_utils import run_ranks
@@ -43,6 +42,11 @@ def _save_steps(rank: int, world: int, shm: str, steps: list[int], keep: int, ou
     own = [s for s, _ in tier.store.own_steps()]
     held = [s for o in tier.senders[rank] for s, _ in tier.store.replica_steps(o)]
     assert own == steps[-keep:] and held == steps[-keep:], (own, held)  # bounded: keep complete steps
+    # own copies were written, and kept copies received, straight into slots (the slot + the step's link)
+    for _s, path in tier.store.own_steps() + [x for o in tier.senders[rank] for x in tier.store.replica_steps(o)]:
+        assert [f.stat().st_nlink for f in Path(path, "data").iterdir()] == [2], path
+    for root in [tier.store.own_root()] + [tier.store.replica_root(o) for o in tier.senders[rank]]:
+        assert len(list(Path(root, ".slots").iterdir())) <= keep + 1  # bounded too
     if out and rank == 0:
         Path(out).write_text(json.dumps(records))
 
@@ -193,18 +197,17 @@ def _restore_other_layout(rank: int, world: int, shm: str) -> None:
 
 
 def _shm_full(rank: int, world: int, shm: str, out: str) -> None:
-    from ckpt.storage.local import LocalWriter
-
     tier = _tier(shm)
     tier.reset(None)
-    write, fallocate = LocalWriter.write, os.posix_fallocate
+    fallocate = os.posix_fallocate
     state = {"step": 0}
+    replica_slot = tier._replica_slot
 
-    def full(self: LocalWriter, data: Any) -> None:
+    def full(owner: int, size: int) -> Any:
         # step 3: rank 0 keeping rank 2's copy (the peer's memory is full)
-        if state["step"] == 3 and rank == 0 and "/replicas/rank-2/" in self.full:
-            raise StorageError(f"{self.full}: write failed after 0 bytes (No space left on device)")
-        write(self, data)
+        if state["step"] == 3 and rank == 0 and owner == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return replica_slot(owner, size)
 
     def no_room(fd: int, offset: int, length: int) -> None:
         # step 2: rank 1's own memory checkpoint finds no room for its slot (the one step 1 used is linked)
@@ -212,7 +215,7 @@ def _shm_full(rank: int, world: int, shm: str, out: str) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         fallocate(fd, offset, length)
 
-    LocalWriter.write = full  # type: ignore[method-assign]
+    tier._replica_slot = full  # type: ignore[method-assign]
     os.posix_fallocate = no_room
     records = []
     for step in (1, 2, 3, 4):
