@@ -50,7 +50,6 @@ from ckpt.hf.directory import (
     read_entries,
     read_json,
     split_files,
-    split_files_approx,
 )
 from ckpt.hf.embedded import PREFIX, RULES_NAME, config_from_hf, model_config_of, param_shapes
 from ckpt.hf.engine import embedded_export, embedded_import, export_items, import_manifest, source_adapter
@@ -133,7 +132,7 @@ def plan_export(manifest: Manifest, *, dtype: torch.dtype | None = None,
         adapter, full = found
         names = source_names or manifest.user_metadata.get("names") or "ckpt"
         tensors, out_dtype, config_json = export_items(manifest, adapter, full, names, dtype, url=url)
-        files = split_files_approx(tensors, out_dtype, max_shard_size)
+        files = split_files(tensors, out_dtype, max_shard_size)
         extra = add_computed_file(files, adapter.derived(full), out_dtype)
         computed = {extra[0]: extra[2]} if extra is not None else {}
         return ExportPlan(full, out_dtype, files, index_of(files, extra[:2] if extra else None), config_json, computed)

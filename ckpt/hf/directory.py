@@ -198,7 +198,8 @@ def _files(groups: list[Tensors], st: str, dtype: torch.dtype) -> list[OutFile]:
 
 def split_files(tensors: Tensors, dtype: torch.dtype, limit: int) -> list[OutFile]:
     """Fill files in order up to ``limit`` bytes, header included (each header entry counted at its
-    longest); a larger tensor gets a file of its own. The embedded MoE's exports."""
+    longest); a larger tensor gets a file of its own. Every export (the embedded MoE's and the
+    adapter families')."""
     st = safetensors_dtype(dtype)
     assert st is not None
     digits = len(str(sum(math.prod(shape) for _, shape, _ in tensors) * dtype.itemsize))
@@ -221,24 +222,6 @@ def split_files(tensors: Tensors, dtype: torch.dtype, limit: int) -> list[OutFil
         size += add
     if cur:
         groups.append(cur)
-    return _files(groups, st, dtype)
-
-
-def split_files_approx(tensors: Tensors, dtype: torch.dtype, limit: int) -> list[OutFile]:
-    """Fill files in order up to about ``limit`` bytes (a header entry counted as ~128 bytes plus the
-    name); a larger tensor gets a file of its own. The adapter families' exports."""
-    st = safetensors_dtype(dtype)
-    assert st is not None
-    groups: list[Tensors] = []
-    size = 0
-    for t in tensors:
-        n = math.prod(t[1]) * dtype.itemsize + 128 + len(t[0])
-        if groups and groups[-1] and size + n <= limit:
-            groups[-1].append(t)
-            size += n
-        else:
-            groups.append([t])
-            size = n
     return _files(groups, st, dtype)
 
 

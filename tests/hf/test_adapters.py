@@ -235,3 +235,24 @@ def test_cli_export_with_config_and_source_names(tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["check"]["max_abs_logits_diff"] == 0.0
     assert torch.equal(_logits(tmp_path / "out"), _logits(model))
+
+
+@pytest.mark.parametrize("family", ["llama", "minimax"])
+def test_an_adapter_export_splits_files_at_max_shard_size_exactly(family, tmp_path):
+    """Adapter families split files by the same rule as the embedded model: each file at most
+    ``max_shard_size`` bytes, header included, unless one tensor alone is larger (and the index lists
+    every tensor in the file that holds it)."""
+    hf = tmp_path / "hf"
+    ref = _logits(_model(family, hf))
+    import_hf(str(hf), str(tmp_path / "ck"))
+    limit = 20_000
+    out = tmp_path / "out"
+    export_hf(str(tmp_path / "ck"), str(out), max_shard_size=limit)
+    files = sorted(out.glob("model-*.safetensors"))
+    assert len(files) > 3
+    for p in files:
+        if p.stat().st_size > limit:
+            assert len(load_file(str(p))) == 1, (p.name, p.stat().st_size)  # a tensor larger than the limit
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert {k: f for p in files for k in load_file(str(p)) for f in [p.name]}.items() <= index["weight_map"].items()
+    assert torch.equal(_logits(out), ref)
