@@ -196,7 +196,7 @@ def _receive(dist: Any, pg: Any, gsrc: int, src: int, dest: str, deadline: float
         for i, (rel, size) in enumerate(files):
             if size == 0:
                 error = error or _touch(storage, rel)
-            elif slots is not None and error is None:
+            elif slots is not None and error is None and not into:  # one slot per copy: its data file
                 try:
                     slot = slots(src, size)
                 except OSError as e:  # shared memory full: drained, reported
@@ -224,7 +224,7 @@ def _receive(dist: Any, pg: Any, gsrc: int, src: int, dest: str, deadline: float
             try:
                 if i in into:
                     if o + length == files[i][1]:
-                        _link(into[i].path, os.path.join(dest, files[i][0]))
+                        _link(into[i].path, storage._full(files[i][0]))  # (inside dest, or ManifestError)
                     continue
                 if o == 0:
                     writers[i] = storage.open_writer(files[i][0])
