@@ -72,7 +72,10 @@ def plan_layout(flat: dict[str, Any]) -> SlotLayout:
     for e in a.entries:
         if e.count is not None:  # a piece split in parts: never on one rank, but then no slot
             raise ValueError(f"{e.key}: planned in parts")
-        offsets[decl.pieces[e.piece].key] = e.offset
+        key = decl.pieces[e.piece].key
+        if e.offset % tensors[key].element_size():  # a view of the mapping there could not be typed
+            raise ValueError(f"{key}: offset {e.offset} is not aligned for {tensors[key].dtype}")
+        offsets[key] = e.offset
         size = max(size, e.offset + e.length)
     return SlotLayout(structure_key(flat), a.header, size, offsets)
 

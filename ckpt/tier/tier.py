@@ -255,7 +255,12 @@ class MemoryTier:
             layout = self._slots.layout(flat)
         except Exception:  # noqa: BLE001 - no slot then: the ordinary save says what is wrong, if anything
             return None
-        return self._slots.acquire(layout, pin=any(t.device.type == "cuda" for t in tensors))
+        try:
+            return self._slots.acquire(layout, pin=any(t.device.type == "cuda" for t in tensors))
+        except OSError:
+            raise  # shared memory full: this memory checkpoint is skipped (on every rank)
+        except Exception:  # noqa: BLE001 - anything else about the slot: the ordinary write instead
+            return None
 
     def _replica_slot(self, owner: int, size: int) -> Slot | None:
         """A slot of ``size`` bytes for a copy of ``owner``'s data file that no kept copy links
