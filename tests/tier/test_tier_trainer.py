@@ -98,7 +98,10 @@ def test_losing_a_node_resumes_from_the_memory_tier_bitwise(base: str, full: dic
     # (which writes the metrics) was already stuck in step at+1 with the lost node (start == at says
     # it was complete everywhere)
     assert [r["step"] for r in mem if r["step"] != at] == [*range(1, at), *range(at + 1, STEPS)]
-    assert all(0 <= r["snapshot_ms"] < r["write_ms"] + r["replicate_ms"] + r["agree_ms"] for r in mem), mem
+    # each record times the training thread's snapshot and the background's write, copy and agreement
+    # (which is longer is the benchmark's business: with slots the write is a checksum and a link)
+    assert all(r["snapshot_ms"] > 0 and r["write_ms"] > 0 and r["replicate_ms"] > 0 and r["agree_ms"] >= 0
+               for r in mem), mem
     assert all(r["complete"] and r["replica_bytes"] > 0 for r in mem)
     assert len(_events(cfg, "fail")) == 2  # both ranks of node 1
 
