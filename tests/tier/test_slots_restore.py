@@ -49,6 +49,26 @@ def _data_file(url: str) -> Path:
     return files[0]
 
 
+def _saved(shm: str, steps: tuple[int, ...] = (1,), **kw: Any) -> tuple[MemoryTier, str]:
+    """A one-process tier (no peer copies) with ``steps`` saved; the newest one's directory."""
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0, **kw))
+    tier.reset(None)
+    for step in steps:
+        assert tier.save(step, _state(step)).complete
+    return tier, tier.store.own(steps[-1])
+
+
+def _flip(url: str, key: str, at: int) -> None:
+    """Flip the byte ``at`` bytes into ``key``'s stored piece (negative: from its end)."""
+    s = ckpt.inspect(url).tensors[key].shards[0]
+    pos = s.offset + (at if at >= 0 else s.length + at)
+    with open(_data_file(url), "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.binary(max_size=5000), max_size=6), st.integers(1, 4), st.sampled_from([1, 7, 64, 4096]))
 def test_parallel_checksums_equal_zlib(bufs: list[bytes], workers: int, chunk: int) -> None:
@@ -59,11 +79,8 @@ def test_parallel_checksums_equal_zlib(bufs: list[bytes], workers: int, chunk: i
 
 
 def test_a_memory_checkpoint_is_its_slot_linked_and_restores_bitwise(shm: str) -> None:
-    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
-    tier.reset(None)
-    for step in (1, 2, 3):
-        assert tier.save(step, _state(step)).complete
-    data = _data_file(tier.store.own(3))
+    tier, url = _saved(shm, (1, 2, 3))
+    data = _data_file(url)
     assert data.stat().st_nlink == 2  # the slot and the step: no byte was written twice
     assert data.stat().st_ino in {p.stat().st_ino for p in Path(tier.store.own_root(), ".slots").iterdir()}
     assert ckpt.verify(tier.store.own(3), deep=True).ok  # an ordinary, checksummed checkpoint
@@ -75,17 +92,8 @@ def test_a_memory_checkpoint_is_its_slot_linked_and_restores_bitwise(shm: str) -
 
 
 def test_a_corrupt_piece_is_named_and_marked_partial(shm: str) -> None:
-    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
-    tier.reset(None)
-    assert tier.save(1, _state(1)).complete
-    url = tier.store.own(1)
-    m = ckpt.inspect(url)
-    s = m.tensors["model.big"].shards[0]
-    with open(_data_file(url), "r+b") as f:  # one flipped byte in the last chunk of the 6 MiB piece
-        f.seek(s.offset + s.length - 5)
-        b = f.read(1)
-        f.seek(s.offset + s.length - 5)
-        f.write(bytes([b[0] ^ 0x5A]))
+    tier, url = _saved(shm)
+    _flip(url, "model.big", -5)  # one flipped byte in the last chunk of the 6 MiB piece
     planned = fastload.plan_pieces({"model.big": torch.zeros(3 << 19)}, url)
     assert planned is not None
     with pytest.raises(IntegrityError, match="model.big") as e:
@@ -98,10 +106,7 @@ def test_a_corrupt_piece_is_named_and_marked_partial(shm: str) -> None:
 
 
 def test_a_target_the_fast_path_cannot_serve_goes_through_ckpt_load(shm: str) -> None:
-    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
-    tier.reset(None)
-    assert tier.save(1, _state(1)).complete
-    url = tier.store.own(1)
+    tier, url = _saved(shm)
     wrong = _zeros()
     wrong["model"]["h"] = torch.zeros(64, 33)  # float32 target, bfloat16 stored: not a whole-piece copy
     assert fastload.plan_pieces({"model.h": wrong["model"]["h"]}, url) is None
@@ -118,10 +123,8 @@ def test_a_plan_that_does_not_match_the_slot_writes_an_ordinary_file(shm: str, m
     import ckpt.tier.inplace as inplace
 
     monkeypatch.setattr(inplace, "matches", lambda prep, slot: False)
-    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
-    tier.reset(None)
-    assert tier.save(1, _state(1)).complete
-    assert _data_file(tier.store.own(1)).stat().st_nlink == 1  # a file of its own, written by ckpt.save
+    tier, url = _saved(shm)
+    assert _data_file(url).stat().st_nlink == 1  # a file of its own, written by ckpt.save
     target = _zeros()
     assert tier.restore(target) is not None and _same(target, _state(1))
     tier.clear()
@@ -161,11 +164,7 @@ def test_every_copy_failing_after_loading_began_is_not_a_fresh_start(shm: str, t
     mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, replicas=0, memory_timeout=30)
     assert mgr.memory is not None
     mgr.save_memory(1, _state(1)).result()
-    url = mgr.memory.store.own(1)
-    s = ckpt.inspect(url).tensors["model.big"].shards[0]
-    with open(_data_file(url), "r+b") as f:
-        f.seek(s.offset + s.length // 2)
-        f.write(b"\xff\xff")
+    _flip(mgr.memory.store.own(1), "model.big", 3 << 20)
     target = _zeros()
     with pytest.raises(IntegrityError, match="no persistent checkpoint"):
         mgr.restore(target)  # the memory copy failed its checksum after part of it was copied
@@ -177,9 +176,7 @@ def test_every_copy_failing_after_loading_began_is_not_a_fresh_start(shm: str, t
     again.save(1, _state(1))
     assert again.memory is not None
     again.save_memory(2, _state(2)).result()
-    with open(_data_file(again.memory.store.own(2)), "r+b") as f:
-        f.seek(s.offset + s.length // 2)
-        f.write(b"\xff\xff")
+    _flip(again.memory.store.own(2), "model.big", 3 << 20)
     target = _zeros()
     assert again.restore(target) == 1 and _same(target, _state(1))
     again.close()
@@ -201,10 +198,7 @@ def test_staged_is_idempotent_and_harmless_without_gpu_copies(shm: str) -> None:
 
 
 def test_a_job_keeping_fewer_copies_gives_back_the_extra_slots(shm: str) -> None:
-    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0, keep=2))
-    tier.reset(None)
-    for step in (1, 2, 3):
-        assert tier.save(step, _state(step)).complete
+    tier, _url = _saved(shm, (1, 2, 3), keep=2)
     slots = Path(tier.store.own_root(), ".slots")
     assert sorted(p.name for p in slots.iterdir()) == ["slot-0", "slot-1", "slot-2"]
     again = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0, keep=1))  # the restarted job keeps 1
@@ -222,10 +216,7 @@ def test_a_job_keeping_fewer_copies_gives_back_the_extra_slots(shm: str) -> None
 def test_a_manifest_naming_a_file_outside_the_copy_is_not_read_by_the_fast_path(shm: str) -> None:
     from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
 
-    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
-    tier.reset(None)
-    assert tier.save(1, _state(1)).complete
-    url = tier.store.own(1)
+    tier, url = _saved(shm)
     path = Path(url, "manifest.msgpack")
     m = decode_manifest(path.read_bytes())
     outside = "../../outside.safetensors"
