@@ -36,8 +36,9 @@ _LOST = -1  # the rank field of a gather entry that reports lost ranks instead o
 _GLOO_GROUPS: dict[Any, Any] = {}
 
 
-def side_group(ranks: list[int], purpose: str, *, timeout: float | None = None) -> Any:
-    """ckpt's own gloo group over ``ranks`` (global ranks) for ``purpose``, created once and cached.
+def side_group(ranks: list[int], purpose: str, *, timeout: float | None = None, fresh: bool = False) -> Any:
+    """ckpt's own gloo group over ``ranks`` (global ranks) for ``purpose``, created once and cached
+    (``fresh``: created anew, e.g. for an object that owns its group; every member must ask alike).
 
     The one place ckpt creates process groups. ``new_group`` cannot be used lazily: by default it is
     collective over the whole world (a save on a subgroup would wait for ranks that never call it),
@@ -55,6 +56,8 @@ def side_group(ranks: list[int], purpose: str, *, timeout: float | None = None) 
 
     ranks = [int(r) for r in ranks]
     key = (purpose, tuple(ranks), id(dist.group.WORLD))
+    if fresh:
+        _GLOO_GROUPS.pop(key, None)
     if key not in _GLOO_GROUPS:
         me = dist.get_rank()
         td = datetime.timedelta(seconds=timeout if timeout is not None else 1800.0)

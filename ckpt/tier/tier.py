@@ -31,7 +31,6 @@ refuses) reaches the training thread at the handle's ``result()`` or the next ``
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import threading
@@ -41,7 +40,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ckpt.comm import Comm, describe, error_payload, raise_payload
+from ckpt.comm import Comm, describe, error_payload, raise_payload, side_group
 from ckpt.errors import CollectiveError, StateError
 from ckpt.save import PlanCache
 from ckpt.tier import reshard as _reshard
@@ -63,24 +62,14 @@ from ckpt.tier.store import (
 from ckpt.tier.transfer import exchange, failed, package
 from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
-_SELF_GROUPS: dict[tuple[int, int], Any] = {}
 BACKGROUND_NICE = 10  # the background thread's niceness with busy="skip" (see MemoryTier._background)
 
 
-def _self_group(rank: int) -> Any:
-    """A single-rank gloo group: ``ckpt.save``/``ckpt.load`` through it are not collective."""
-    import torch.distributed as dist
-
-    key = (id(dist.group.WORLD), rank)
-    if key not in _SELF_GROUPS:
-        _SELF_GROUPS[key] = dist.new_group(ranks=[rank], backend="gloo", use_local_synchronization=True)
-    return _SELF_GROUPS[key]
-
-
 class MemoryTier:
-    """Memory checkpoints of one job, on this rank. Create it on every rank, in the same order
-    (it creates a gloo group: collective), after ``torch.distributed`` is initialized (or in a
-    single process).
+    """Memory checkpoints of one job, on this rank. Create it on every rank of ``group`` (default:
+    the world), in the same order (it creates ckpt's own gloo group of those ranks, see
+    :func:`ckpt.comm.side_group`: collective over them only), after ``torch.distributed`` is
+    initialized (or in a single process).
 
     Example::
 
@@ -102,14 +91,13 @@ class MemoryTier:
         self._single: Any = None
         if dist.is_available() and dist.is_initialized():
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            try:
-                self.pg = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
-            except Exception as e:  # noqa: BLE001 - a rank that never arrives: typed, named
-                raise CollectiveError(f"rank {dist.get_rank()}: could not create the memory tier's gloo group of "
-                                      f"ranks {ranks} ({type(e).__name__}: {e}); restart the job") from e
+            # the tier's own group: its members alone create it (never new_group, which is collective over
+            # the world and names groups from per-process counters), fresh for each tier (a lost peer
+            # leaves a group unusable; the next tier, after a restart or a new manager, gets a new one)
+            self.pg = side_group(ranks, f"memory-tier/{self.run_id}", timeout=self.timeout, fresh=True)
             # ckpt.save / ckpt.load of one rank's copy go through a single-rank group: not collective
-            # (and, in a world of one, never on the training group, which another thread may be using)
-            self._single = _self_group(dist.get_rank()) if len(ranks) > 1 else self.pg
+            # (and never on the training group, which another thread may be using)
+            self._single = side_group([dist.get_rank()], "memory-tier-self", timeout=self.timeout)
         self.comm = Comm(self.pg, timeout=self.timeout)
         self.rank, self.world = self.comm.rank, self.comm.world
         bad: dict[str, Any] | None = None

@@ -120,18 +120,16 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
     fresh tmpfs pages) and hard-linked into the directory, as the owner's own memory checkpoints
     are; an OSError from it (shared memory full) fails that copy like a failed write.
 
-    ``pg``: the gloo group (None: not distributed, then both maps must be empty); peers are ranks
-    of that group. Returns what arrived, by sender. Local write failures are reported in the
-    result, never raised.
+    ``pg``: the gloo group (None: not distributed, then both maps must be empty), registered with
+    torch or one of ckpt's own (:func:`ckpt.comm.side_group`); peers are ranks of that group, and
+    the bytes go through its own ``send`` / ``recv``. Returns what arrived, by sender. Local write
+    failures are reported in the result, never raised.
 
     Raises CollectiveError when a peer does not send or take its bytes within ``timeout`` seconds.
     """
     if not sends and not recvs:
         return {}
-    import torch.distributed as dist
-
     deadline = time.monotonic() + timeout
-    glob = (lambda r: r) if pg is None or pg is dist.group.WORLD else (lambda r: dist.get_global_rank(pg, r))
     maps: list[mmap.mmap] = []
     tensors: list[torch.Tensor] = []
     posted: list[tuple[int, Any]] = []
@@ -150,11 +148,11 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
                 out_t += [item[1][o:o + CHUNK] for o in range(0, item[1].numel(), CHUNK)]
         tensors += out_t
         try:
-            posted += [(dst, dist.isend(t, dst=glob(dst), group=pg, tag=TAG)) for t in out_t]
+            posted += [(dst, pg.send([t], dst, TAG)) for t in out_t]
         except Exception as e:  # noqa: BLE001 - gloo: the group was closed by an earlier failure
             raise _lost(what, rank, "send to", dst, e, timeout) from e
-    out = {src: _receive(dist, pg, glob(src), src, dest, deadline, rank=rank, timeout=timeout, what=what,
-                         slots=slots) for src, dest in sorted(recvs.items())}
+    out = {src: _receive(pg, src, dest, deadline, rank=rank, timeout=timeout, what=what, slots=slots)
+           for src, dest in sorted(recvs.items())}
     for dst, work in posted:
         try:
             _wait(work, deadline)
@@ -168,17 +166,17 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
     return out
 
 
-def _recv(dist: Any, pg: Any, src: int, t: torch.Tensor, deadline: float) -> None:
-    _wait(dist.irecv(t, src=src, group=pg, tag=TAG), deadline)
+def _recv(pg: Any, src: int, t: torch.Tensor, deadline: float) -> None:
+    _wait(pg.recv([t], src, TAG), deadline)
 
 
-def _receive(dist: Any, pg: Any, gsrc: int, src: int, dest: str, deadline: float, *, rank: int, timeout: float,
+def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeout: float,
              what: str, slots: Callable[[int, int], Any] | None = None) -> Received:
     try:
         n = torch.zeros(1, dtype=torch.int64)
-        _recv(dist, pg, gsrc, n, deadline)
+        _recv(pg, src, n, deadline)
         head = torch.empty(int(n.item()), dtype=torch.uint8)
-        _recv(dist, pg, gsrc, head, deadline)
+        _recv(pg, src, head, deadline)
     except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone
         raise _lost(what, rank, "receive from", src, e, timeout) from e
     header = msgpack.unpackb(head.numpy().tobytes(), raw=False)
@@ -211,14 +209,14 @@ def _receive(dist: Any, pg: Any, gsrc: int, src: int, dest: str, deadline: float
                 return into[i].base[o : o + length]  # straight into the slot
             return bufs[k % 2][:length]
 
-        work = dist.irecv(target(0), src=gsrc, group=pg, tag=TAG) if chunks else None
+        work = pg.recv([target(0)], src, TAG) if chunks else None
         for k, (i, o, length) in enumerate(chunks):
             try:
                 _wait(work, deadline)
             except Exception as e:  # noqa: BLE001
                 raise _lost(what, rank, "receive from", src, e, timeout) from e
             if k + 1 < len(chunks):  # the next chunk arrives while this one is written
-                work = dist.irecv(target(k + 1), src=gsrc, group=pg, tag=TAG)
+                work = pg.recv([target(k + 1)], src, TAG)
             if error is not None:
                 continue  # drain: the sender must not wait for a receiver that gave up
             try:

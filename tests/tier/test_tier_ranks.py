@@ -239,6 +239,42 @@ def test_shared_memory_full_skips_the_memory_checkpoint_with_a_warning(shm: str,
     assert {r["step"] for r in _restored(shm, tmp_path).values()} == {4}
 
 
+def _subgroup_tier(rank: int, world: int, shm: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    sub = dist.new_group([0, 1])  # torch's own groups: created by every rank
+    if rank < 2:  # ranks 2 and 3 never touch the memory tier (and never wait for it)
+        _tier_on(rank, shm, sub)
+    # a group every rank creates afterwards still matches on every rank (new_group inside the tier
+    # would have moved ranks 0 and 1's group counters ahead of 2 and 3's: a hang here)
+    every = dist.new_group([0, 1, 2, 3], timeout=datetime.timedelta(seconds=20))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=every)
+    assert t.item() == 4
+
+
+def _tier_on(rank: int, shm: str, sub: Any) -> None:
+    tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, nodes=2, timeout=30, run_id="subgroup"), group=sub)
+    assert (tier.rank, tier.world, tier.nodes) == (rank, 2, [0, 1])
+    tier.reset(None)
+    for step in (1, 2):
+        assert tier.save(step, state_of(rank, step)).complete
+    target = state_of(rank, 0)
+    got = tier.restore(target)
+    assert got is not None and got.step == 2
+    assert torch.equal(target["model"]["w"].local, state_of(rank, 2)["model"]["w"].local)
+    assert tier.store.replica_steps(1 - rank) == [(2, tier.store.replica(1 - rank, 2))]  # each keeps the other's
+    tier.clear()
+
+
+def test_a_tier_on_a_subgroup_needs_no_call_from_the_other_ranks(shm: str) -> None:
+    # the tier makes its group from its members alone (ckpt.comm.side_group); new_group would have
+    # waited for ranks 2 and 3, which never create a tier
+    run_ranks(4, _subgroup_tier, shm)
+
+
 def test_single_process(shm: str) -> None:
     with pytest.warns(RuntimeWarning, match="no peer copies"):
         tier = MemoryTier(TierConfig(ROOT, shm_dir=shm))
