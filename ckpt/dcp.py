@@ -111,9 +111,11 @@ def _group(process_group: Any, no_dist: bool) -> Any:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        # A group of this process alone: new_group is collective, so every rank must call it too.
-        raise StateError("ckpt.dcp: no_dist=True inside an initialized process group is not supported; "
-                         "call ckpt.save/ckpt.load without a group from a process that is not distributed")
+        # a group of this process alone, made by it alone (ckpt.comm.side_group; new_group would need
+        # every rank to call it): no collective, as DCP's no_dist promises
+        from ckpt.comm import side_group
+
+        return side_group([dist.get_rank()], "dcp-no-dist")
     return None
 
 

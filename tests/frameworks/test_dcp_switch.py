@@ -120,3 +120,23 @@ def test_ckpt_save_and_load_take_stateful_values(tmp_path):
     model2, sched = torch.nn.Linear(3, 2), Sched(0)
     ckpt.load({"model": model2, "sched": sched}, str(tmp_path / "c"))
     assert sched.last == 5 and torch.equal(model2.weight, model.weight)
+
+
+def _no_dist(rank: int, world: int, out: str) -> None:
+    import ckpt.dcp as dcp
+
+    if rank == 1:
+        return  # never calls ckpt: no_dist=True must not wait for it
+    w = torch.arange(12.0).reshape(3, 4) + rank
+    dcp.save({"w": w, "step": 7}, checkpoint_id=out, no_dist=True)
+    got: dict[str, Any] = {"w": torch.zeros(3, 4), "step": 0}
+    dcp.load(got, checkpoint_id=out, no_dist=True)
+    assert torch.equal(got["w"], w) and got["step"] == 7
+    from ckpt.formats.msgpack_codec import decode_manifest
+
+    with open(os.path.join(out, "manifest.msgpack"), "rb") as f:  # (ckpt.inspect is collective here)
+        assert decode_manifest(f.read()).world_size == 1  # this process's state alone
+
+
+def test_no_dist_inside_a_process_group_saves_this_process_alone(tmp_path):
+    run_ranks(2, _no_dist, str(tmp_path / "rank0-only"))
