@@ -199,12 +199,11 @@ def gc_memory(root: str | None = None, shm_dir: str | None = None, *, min_age: f
                         remove(run_id, path, f"stale: {gone}")
                     elif e.problem and (e.committed or e.problem.startswith("incomplete")):
                         remove(run_id, path, e.problem)  # an unreadable manifest is reported by ls, left alone
-                gone_now = {r.path for r in out}
-                if os.path.isdir(os.path.join(where, SLOTS_DIR)) and all(p in gone_now for _s, p in _steps(where)):
-                    # the files memory checkpoints (own or kept copies) are written into (ckpt.tier.slots),
-                    # where none is left
-                    remove(run_id, os.path.join(where, SLOTS_DIR),
-                           "spare memory-checkpoint slots, with no copy left beside them")
+                slots = os.path.join(where, SLOTS_DIR)
+                if not dry_run and not _steps(where) and os.path.isdir(slots) and now - _tree(slots)[1] >= min_age:
+                    # the files this rank's copies were written into (ckpt.tier.slots): with no copy left they
+                    # go with the directory, as its empty subdirectories do (not a copy: not listed)
+                    shutil.rmtree(slots, ignore_errors=True)
                 for d in (where, os.path.dirname(where) if kind == "replica" else ""):
                     if d and not dry_run:
                         with contextlib.suppress(OSError):
