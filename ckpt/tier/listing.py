@@ -102,11 +102,7 @@ def list_memory(root: str | None = None, shm_dir: str | None = None) -> list[Mem
                 continue
             node = int(nm.group(1))
             ndir = os.path.join(run, node_name)
-            places = [(int(m.group(1)), os.path.join(ndir, d), "local") for d in _listdir(ndir)
-                      if (m := RANK_DIR.match(d))]
-            places += [(int(m.group(1)), os.path.join(ndir, REPLICAS, d), "replica")
-                       for d in _listdir(os.path.join(ndir, REPLICAS)) if (m := RANK_DIR.match(d))]
-            for owner, where, kind in places:
+            for owner, where, kind in _places(ndir):
                 for step, path in _steps(where):
                     e = read_entry(path, owner, step, kind, run_id, world)
                     status = "committed" if e.usable else ("unusable" if e.committed else "incomplete")
@@ -152,6 +148,14 @@ def _lineage(root: str) -> tuple[str | None, str]:
     return (data.decode("ascii", "replace").strip() if data is not None else None), ""
 
 
+def _places(ndir: str) -> list[tuple[int, str, str]]:
+    """``(owner, directory, kind)`` of every rank directory of a node: its own ranks' (``local``) and
+    the copies it keeps for others (``replica``)."""
+    out = [(int(m.group(1)), os.path.join(ndir, d), "local") for d in _listdir(ndir) if (m := RANK_DIR.match(d))]
+    return out + [(int(m.group(1)), os.path.join(ndir, REPLICAS, d), "replica")
+                  for d in _listdir(os.path.join(ndir, REPLICAS)) if (m := RANK_DIR.match(d))]
+
+
 def gc_memory(root: str | None = None, shm_dir: str | None = None, *, min_age: float = 300.0,
               dry_run: bool = False) -> list[MemoryRemoval]:
     """Remove what no job can restore from the memory tiers on this host (of the runs saving to
@@ -188,11 +192,7 @@ def gc_memory(root: str | None = None, shm_dir: str | None = None, *, min_age: f
             ndir = os.path.join(run, node_name)
             if NODE_DIR.match(node_name) is None or os.path.islink(ndir):
                 continue
-            places = [(int(m.group(1)), os.path.join(ndir, d), "local") for d in _listdir(ndir)
-                      if (m := RANK_DIR.match(d))]
-            places += [(int(m.group(1)), os.path.join(ndir, REPLICAS, d), "replica")
-                       for d in _listdir(os.path.join(ndir, REPLICAS)) if (m := RANK_DIR.match(d))]
-            for owner, where, kind in places:
+            for owner, where, kind in _places(ndir):
                 for step, path in _steps(where):
                     e = read_entry(path, owner, step, kind, run_id, world, token)
                     if gone:
