@@ -197,13 +197,19 @@ def default_workers(storage: Storage, world: int) -> int:
     """
     if _mapper(storage) is None:
         return 4
+    return max(1, min(4, cpus_per_rank(world)))
+
+
+def cpus_per_rank(world: int = 1) -> int:
+    """The CPUs this process may run on divided among the ranks on this host (``LOCAL_WORLD_SIZE``
+    as torchrun sets it, else ``world``); at least 1."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
     env = os.environ.get("LOCAL_WORLD_SIZE", "")
     local = int(env) if env.isdigit() and int(env) > 0 else max(1, world)
-    return max(1, min(4, cpus // local))
+    return max(1, cpus // local)
 
 
 def _copy_out(buf: torch.Tensor, op: ReadOp, targets: list[torch.Tensor], isz: list[int]) -> None:

@@ -30,7 +30,7 @@ from ckpt.checksum import crc32, crc32_combine
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import CheckpointError, IntegrityError
 from ckpt.formats.msgpack_codec import decode_manifest
-from ckpt.io import byte_view
+from ckpt.io import byte_view, cpus_per_rank
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.shards import Box
 
@@ -52,13 +52,7 @@ def workers_for_restore() -> int:
     """Threads for one rank's restore: this process's CPUs shared among the ranks of the host
     (``LOCAL_WORLD_SIZE``), at most 16 (on the H200 host 12-16 threads reach 27 GB/s and more do
     not help)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    env = os.environ.get("LOCAL_WORLD_SIZE", "")
-    local = int(env) if env.isdigit() and int(env) > 0 else 1
-    return max(1, min(16, cpus // local))
+    return min(16, cpus_per_rank())
 
 
 def plan_pieces(flat: dict[str, Any], url: str) -> tuple[Manifest, list[_Piece]] | None:
