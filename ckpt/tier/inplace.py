@@ -79,9 +79,7 @@ def save_linked(flat: dict[str, Any], url: str, slot: Slot, *, group: Any, step:
             for j, crc in zip(order, got, strict=True):
                 sums[j] = crc
             name = fresh_file_name(a)
-            full = os.path.join(url, name)
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            os.link(slot.path, full)  # exclusive: fails if the name exists
+            slot.link_as(os.path.join(url, name))
             result = persisted(prep, name, slot.size, sums)
         except Exception as e:  # noqa: BLE001 - through the commit: typed, and the files it lists go
             result = error_payload(e, comm.who)

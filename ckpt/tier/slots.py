@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ckpt.tier.store import _listdir
+
 SLOTS_DIR = ".slots"
 SLOT_NAME = re.compile(r"^slot-(\d+)$")
 
@@ -92,6 +94,12 @@ class Slot:
         self.base: torch.Tensor | None = None
         self.registered = False
         self._mm: mmap.mmap | None = None
+
+    def link_as(self, path: str) -> None:
+        """Hard-link this slot as ``path`` (a checkpoint's data file), making its directory; exclusive:
+        never replaces a file. Raises OSError."""
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.link(self.path, path)
 
     def linked(self) -> bool:
         """Whether a step directory (or any other holder) links this file: then it is not written."""
@@ -237,10 +245,3 @@ def _file_size(path: str) -> int:
         return os.stat(path).st_size
     except OSError:
         return -1
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []

@@ -222,7 +222,7 @@ def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeou
             try:
                 if i in into:
                     if o + length == files[i][1]:
-                        _link(into[i].path, storage._full(files[i][0]))  # (inside dest, or ManifestError)
+                        _link(into[i], storage._full(files[i][0]))  # (inside dest, or ManifestError)
                     continue
                 if o == 0:
                     writers[i] = storage.open_writer(files[i][0])
@@ -244,11 +244,10 @@ def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeou
     return Received(True, bytes=sum(size for _rel, size in files))
 
 
-def _link(slot: str, path: str) -> None:
+def _link(slot: Any, path: str) -> None:
     """Hard-link a received slot as ``path`` (exclusive: never replaces a file)."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.link(slot, path)
+        slot.link_as(path)
     except OSError as e:
         raise StorageError(f"{path}: cannot link the received copy ({e.strerror})") from e
 
