@@ -102,11 +102,11 @@ class HostSnapshots:
         by the next ``take``: the caller must be done with the previous snapshot (the tier keeps one
         in flight). ``deferred``: see the module docstring."""
         tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        key = tuple((k, v.dtype, tuple(v.shape), v.device.type == "cuda") for k, v in tensors.items())
         if slot is not None:
             bufs: dict[str, torch.Tensor] = slot.views
             self._bufs, self._key = {}, None  # the slot replaces them: no second copy of the state kept
         else:
+            key = tuple((k, v.dtype, tuple(v.shape), v.device.type == "cuda") for k, v in tensors.items())
             if key != self._key:
                 self._bufs = {}  # the old buffers go before the new ones are allocated
                 self._bufs = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=v.device.type == "cuda")
