@@ -18,10 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,14 +35,18 @@ from ckpt.trainer.config import TrainConfig, model_config
 from ckpt.trainer.data import SampleSource, rank_batch
 from ckpt.trainer.hybrid import HYBRID_CONFIGS, HybridForCausalLM
 from ckpt.trainer.launch import launch
-from ckpt.trainer.metrics import read_metrics
 from ckpt.trainer.pp import ForwardBackward
 from ckpt.trainer.sp import split_batch
 from ckpt.trainer.train import build
 from tests.dist_utils import run_ranks
-from tests.trainer.trainer_utils import assert_slots_match, checkpoint_tensors, losses_close, run_training
+from tests.trainer.trainer_utils import (
+    assert_killed_cli_run_resumes_bitwise,
+    assert_slots_match,
+    checkpoint_tensors,
+    losses_close,
+    run_training,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = HYBRID_CONFIGS["hybrid-tiny"]
 # 128 tokens: 8 lightning blocks of 16, so sp=4 gets zigzag chunks of one block and sp=2 of two. A
 # larger init than the default 0.02 makes every sub-layer (the linear layers too) move the loss.
@@ -171,23 +172,9 @@ def test_export_hf_reproduces_the_trainers_logits(runs: Path, tmp_path: Path) ->
 
 
 def test_killed_sp_rank_restarts_and_resumes_bitwise(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    cmd = [os.path.join(os.path.dirname(sys.executable), "ckpt"), "train", "--config", "hybrid-tiny", "--sp", "2",
-           "--seq-len", "64", "--steps", "6", "--save-every", "2", "--ckpt-dir", str(run_dir), "--fail-at-step",
-           "4", "--fail-rank", "1", "--max-restarts", "1", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = read_metrics(str(run_dir / "metrics.jsonl"))
-    assert ("fail", 4) in [(r["event"], r.get("step")) for r in records if "event" in r]
-    assert next(r["step"] for r in records if r.get("event") == "resume") in (2, 4)
-    clean = tmp_path / "clean"
-    run_training(TrainConfig(model=TINY, seq_len=64, steps=6, save_every=2, ckpt_dir=str(clean), device="cpu"),
-                 Layout(sp=2, zero=1))
-    a, b = checkpoint_tensors(str(run_dir / step_dir(6))), checkpoint_tensors(str(clean / step_dir(6)))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_killed_cli_run_resumes_bitwise(
+        tmp_path, ["--config", "hybrid-tiny", "--sp", "2", "--seq-len", "64"],
+        TrainConfig(model=TINY, seq_len=64, steps=6, save_every=2, device="cpu"), Layout(sp=2, zero=1), fail_at=4)
 
 
 def test_trainer_and_lasp2_cut_the_sequence_the_same_way() -> None:

@@ -5,10 +5,7 @@ changes; the layout is rejected before any process starts when sp does not cut t
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +20,12 @@ from ckpt.manager import step_dir
 from ckpt.trainer.checkpoint import load_full_model
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.launch import launch
-from ckpt.trainer.metrics import read_metrics
-from tests.trainer.trainer_utils import checkpoint_tensors, losses_close, run_training
+from tests.trainer.trainer_utils import (
+    assert_killed_cli_run_resumes_bitwise,
+    losses_close,
+    run_training,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 CFG = TrainConfig(steps=10, save_every=3)
 CUT = 6
 SP = Layout(sp=2, zero=1)
@@ -71,22 +70,9 @@ def test_resume_across_sp(runs: dict[str, object], tmp_path: Path, source: str, 
 
 
 def test_killed_sp_rank_restarts_and_resumes_bitwise(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    cmd = [os.path.join(os.path.dirname(sys.executable), "ckpt"), "train", "--config", "tiny", "--sp", "2",
-           "--steps", "8", "--save-every", "3", "--ckpt-dir", str(run_dir), "--fail-at-step", "6",
-           "--fail-rank", "1", "--max-restarts", "1", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = read_metrics(str(run_dir / "metrics.jsonl"))
-    assert ("fail", 6) in [(r["event"], r.get("step")) for r in records if "event" in r]
-    assert next(r["step"] for r in records if r.get("event") == "resume") in (3, 6)
-    clean = tmp_path / "clean"
-    run_training(TrainConfig(steps=8, save_every=3, ckpt_dir=str(clean), device="cpu"), Layout(sp=2, zero=1))
-    a, b = checkpoint_tensors(str(run_dir / step_dir(8))), checkpoint_tensors(str(clean / step_dir(8)))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_killed_cli_run_resumes_bitwise(tmp_path, ["--config", "tiny", "--sp", "2"],
+                                          TrainConfig(steps=8, save_every=3, device="cpu"), Layout(sp=2, zero=1),
+                                          fail_at=6)
 
 
 def test_sp_not_cutting_the_sequence_is_rejected_before_processes_start(tmp_path: Path) -> None:

@@ -3,9 +3,13 @@ rank 0's per-step losses back; read a checkpoint's tensors whole."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,9 +17,13 @@ import torch
 import ckpt
 from ckpt.dtypes import dtype_from_name
 from ckpt.layout import Layout
+from ckpt.manager import step_dir
 from ckpt.trainer.config import TrainConfig
+from ckpt.trainer.metrics import read_metrics
 from ckpt.trainer.train import train
 from tests.dist_utils import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Loss parity with the single-process run. Forward and gradients agree to ~1e-7 relative (see
 # test_parallel_grads); AdamW divides each element by its own gradient's magnitude, so an element
@@ -80,3 +88,27 @@ def assert_slots_match(opt: Any, grads: dict[str, list[torch.Tensor]], ref_grads
             torch.testing.assert_close(got, want, **(tol or GRAD_TOL), msg=lambda m, n=s.spec.name: f"{n}: {m}")
             seen.add(s.spec.name)
     return seen
+
+
+def assert_killed_cli_run_resumes_bitwise(tmp_path: Path, config_args: list[str], clean: TrainConfig, layout: Layout,
+                                          *, fail_at: int) -> None:
+    """``ckpt train CONFIG_ARGS`` (torchrun, CPU) with rank 1 killed at step ``fail_at`` restarts once,
+    resumes from the persistent save at or just before the failure, and ends with its last checkpoint
+    bitwise equal to an uninterrupted in-process run of ``clean`` under ``layout``."""
+    run_dir = tmp_path / "run"
+    steps, every = clean.steps, clean.save_every
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ckpt"), "train", *config_args, "--steps", str(steps),
+           "--save-every", str(every), "--ckpt-dir", str(run_dir), "--fail-at-step", str(fail_at),
+           "--fail-rank", "1", "--max-restarts", "1", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = read_metrics(str(run_dir / "metrics.jsonl"))
+    assert ("fail", fail_at) in [(r["event"], r.get("step")) for r in records if "event" in r]
+    assert next(r["step"] for r in records if r.get("event") == "resume") in (fail_at - every, fail_at)
+    clean_dir = tmp_path / "clean"
+    run_training(dataclasses.replace(clean, ckpt_dir=str(clean_dir)), layout)
+    a, b = checkpoint_tensors(str(run_dir / step_dir(steps))), checkpoint_tensors(str(clean_dir / step_dir(steps)))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
