@@ -80,7 +80,8 @@ def pieces_digest(state: dict[str, Any]) -> str:
 
 
 def load_local(state: dict[str, Any], url: str, *, strict: bool = True, stats: dict[str, Any] | None = None,
-               verify: bool = True, group: Any = None) -> dict[str, Any]:
+               verify: bool = True, group: Any = None, mapped: dict[tuple[int, int], Any] | None = None
+               ) -> dict[str, Any]:
     """Fill ``state`` (same structure as saved) from this rank's memory checkpoint at ``url``.
 
     Every piece's checksum is checked (``verify`` is always on: the tier exists to restore fast
@@ -90,7 +91,8 @@ def load_local(state: dict[str, Any], url: str, *, strict: bool = True, stats: d
     the tier's restore overwrites everything from the next copy). Otherwise ``ckpt.load`` with
     ``verify=True`` (checks first, then writes). Returns the state's structure with the loaded
     objects in place, as ``ckpt.load`` does; ``group``: a single-rank group when
-    torch.distributed is initialized (the load is not collective).
+    torch.distributed is initialized (the load is not collective); ``mapped``: files already mapped
+    (see :func:`ckpt.tier.fastload.load_pieces`).
 
     Raises IntegrityError (a checksum mismatch), MismatchError, ManifestError, StorageError.
     """
@@ -107,11 +109,13 @@ def load_local(state: dict[str, Any], url: str, *, strict: bool = True, stats: d
         out = load(flat, url, group=group, strict=strict, verify=True, stats=stats)
     else:
         t0 = time.perf_counter()
-        nbytes = fastload.load_pieces(planned[1])
+        fast: dict[str, Any] = {}
+        nbytes = fastload.load_pieces(planned[1], mapped=mapped, stats=fast)
         t1 = time.perf_counter()
-        out = load({k: flat[k] for k in objects}, url, group=group, strict=strict, verify=True, stats=stats)
+        out = (load({k: flat[k] for k in objects}, url, group=group, strict=strict, verify=True, stats=stats)
+               if objects else {})  # (nothing but tensors: no second read of the manifest)
         if stats is not None:  # one fused pass: read, checked and copied
-            stats.update(read=t1 - t0, bytes_read=nbytes, bytes_verified=nbytes, ops=len(planned[1]))
+            stats.update(read=t1 - t0, bytes_read=nbytes, bytes_verified=nbytes, ops=len(planned[1]), **fast)
     values = {k: out[k] for k in objects if k in out}
     result = rebuild_state(expanded, values)
     stateful.restore(state, result)
@@ -153,8 +157,7 @@ def read_entry(path: str, owner: int, step: int, kind: str, run_id: str, world: 
     if not os.path.isfile(mpath):
         return Entry(owner, step, path, kind, False, size, problem="incomplete (no manifest): a write was cut short")
     try:
-        with open(mpath, "rb") as f:
-            m = decode_manifest(f.read(), url=mpath)
+        m = read_manifest(mpath)
     except (OSError, CheckpointError) as e:
         return Entry(owner, step, path, kind, False, size, problem=f"unreadable manifest: {e}")
     meta = (m.user_metadata or {}).get(META_KEY)
@@ -279,12 +282,31 @@ def manifest_bytes(path: str) -> bytes:
         raise ManifestError(f"{path}: no readable manifest ({e.strerror}); the memory checkpoint is incomplete") from e
 
 
+_DECODED: dict[tuple[str, int, int, int, int], Manifest] = {}
+
+
+def read_manifest(mpath: str) -> Manifest:
+    """The decoded manifest file ``mpath``, decoded once per file version (path, inode, mtime, size):
+    a restore reads the same one to scan, plan and size the step (4 ms each for 64 tensors). Not
+    to be changed by the caller. Raises OSError, CheckpointError."""
+    with open(mpath, "rb") as f:
+        st = os.fstat(f.fileno())
+        key = (mpath, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        got = _DECODED.get(key)
+        if got is None:
+            got = decode_manifest(f.read(), url=mpath)
+            if len(_DECODED) >= 16:
+                _DECODED.clear()
+            _DECODED[key] = got
+    return got
+
+
 def data_bytes(path: str) -> int:
     """Bytes of a committed step directory's files (data files + manifest); 0 when unreadable."""
+    mpath = os.path.join(path, MANIFEST_NAME)
     try:
-        data = manifest_bytes(path)
-        return sum(decode_manifest(data).files.values()) + len(data)
-    except CheckpointError:
+        return sum(read_manifest(mpath).files.values()) + os.path.getsize(mpath)
+    except (OSError, CheckpointError):
         return 0
 
 

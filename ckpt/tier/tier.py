@@ -47,6 +47,7 @@ from ckpt.tier import reshard as _reshard
 from ckpt.tier import restore as _restore
 from ckpt.tier.inplace import save_linked
 from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to, shm_base, tier_dir
+from ckpt.tier.pinahead import PinAhead
 from ckpt.tier.slots import Slot, SlotPool, raw_layout
 from ckpt.tier.snapshot import HostSnapshots, Snapshot
 from ckpt.tier.store import (
@@ -122,6 +123,8 @@ class MemoryTier:
         self._snapshots = HostSnapshots()  # host buffers, where no slot serves
         self._slots = SlotPool(self.store.own_root(), config.keep + 1)
         self._replica_slots: dict[int, SlotPool] = {}  # by owner: the files its copies are received into
+        self._pin: PinAhead | None = None  # mapping the newest step's slot ahead of a restore (pin_ahead)
+        self.pin_stats: dict[str, Any] = {}
         self._plan_cache = PlanCache()  # the one-rank plan of this rank's memory checkpoints
         # the last restore tried copies and every one failed: the state may hold parts of them (see
         # ckpt.tier.restore.run); the same on every rank
@@ -278,6 +281,7 @@ class MemoryTier:
     def drain(self, *, raise_error: bool = False) -> MemoryHandle | None:
         """Wait for the memory checkpoint in flight, if any, and return its handle (None: none was
         started). ``raise_error``: raise its error unless its ``result()`` already did."""
+        self._pin_wait()
         h = self._inflight
         if h is None:
             return None
@@ -393,11 +397,27 @@ class MemoryTier:
 
     # --- restore -----------------------------------------------------------------------------
 
+    def pin_ahead(self, device: Any = None) -> None:
+        """Start mapping this rank's newest committed memory checkpoint (pinned when ``device`` is a
+        CUDA device: the job's) on a background thread and return at once; call it as early as the
+        job can, before building the model, so that a restore reads it straight from the pinned
+        mapping (see :mod:`ckpt.tier.pinahead`). The next restore or memory checkpoint waits for it;
+        ``pin_stats`` then says what it mapped and how long the wait was. Not collective."""
+        self.drain()
+        self._pin = PinAhead(self._slots, self.store.own_steps(), device)
+
+    def _pin_wait(self) -> None:
+        if self._pin is not None:  # the slot pool is this thread's again once the mapping is done
+            self.pin_stats = self._pin.wait()
+            self._pin = None
+
     def load_local(self, state: dict[str, Any], url: str, *, strict: bool = True,
                    stats: dict[str, Any] | None = None, verify: bool = True) -> dict[str, Any]:
         """``ckpt.load``-like: fill ``state`` from this rank's memory checkpoint at ``url`` (not
         collective; every checksum checked). See :func:`ckpt.tier.store.load_local`."""
-        return load_local(state, url, strict=strict, stats=stats, verify=verify, group=self._single)
+        self._pin_wait()
+        return load_local(state, url, strict=strict, stats=stats, verify=verify, group=self._single,
+                          mapped=self._slots.mapped())
 
     def restore_with(self, fn: Callable[[str], Any], *, digest: str, min_step: int | None = None,
                      on_failure: Callable[[dict[str, Any]], None] | None = None) -> _restore.TierRestore | None:
@@ -456,6 +476,14 @@ class MemoryTier:
         here = [r for r, n in enumerate(self.nodes) if n == self.node]
         if self.rank == min(here):
             self.store.prune(here, sorted({o for h in here for o in self.senders[h]}))
+
+    def close(self) -> None:
+        """Unmap (and unpin) this rank's slots, keeping every memory checkpoint; the tier is not used
+        after this (e.g. a process handing the node to its restarted self). Not collective."""
+        self.drain()
+        self._slots.close()
+        for pool in self._replica_slots.values():
+            pool.close()
 
     def clear(self) -> None:
         """Remove every memory checkpoint this rank owns or keeps (e.g. after the run's last persistent

@@ -87,12 +87,17 @@ def build(cfg: TrainConfig, layout: Layout, device: torch.device | None = None
     """Groups, this rank's model piece, its optimizer and the LR schedule (collective)."""
     cfg.check_layout(layout)
     ctx = ParallelContext.create(layout, device or pick_device(cfg.device))
+    return (ctx, *build_model(cfg, ctx))
+
+
+def build_model(cfg: TrainConfig, ctx: ParallelContext) -> tuple[ParallelModel, ZeroAdamW, LRSchedule]:
+    """This rank's model piece, its optimizer and the LR schedule under ``ctx`` (collective)."""
     torch.manual_seed(cfg.seed)  # nothing random after init, but a defined RNG state for checkpoints
     pm = parallelize(cfg.model, ctx, seed=cfg.seed, moe_dispatch=cfg.moe_dispatch,
                      moe_sequence_shard=cfg.moe_sequence_shard)
     opt = ZeroAdamW(pm, AdamWConfig(cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.eps, cfg.grad_clip))
     schedule = LRSchedule(cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
-    return ctx, pm, opt, schedule
+    return pm, opt, schedule
 
 
 def _committed(mgr: CheckpointManager) -> list[tuple[int, str]]:
@@ -140,8 +145,11 @@ def _resume_memory(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule
     tier.reset(got.step if got is not None and got.tier != "memory-reshard" else None)
     if got is None:
         return None
+    pin = tier.pin_stats  # this rank's mapping ahead of the restore: how long, and how much of it waited
     detail = {"peer_ranks": got.peer_ranks, "fetched_bytes": got.fetched_bytes, "memory_bytes": got.bytes,
-              "failures": got.failures[:8]}
+              "failures": got.failures[:8], "pin_ahead_bytes": pin.get("bytes", 0),
+              "pin_ahead_pinned": bool(pin.get("pinned")), "pin_ahead_ms": pin.get("ms", 0.0),
+              "pin_ahead_wait_ms": pin.get("wait_ms", 0.0)}
     return Found(got.url, got.value, time.perf_counter() - t, -1, got.tier, detail)
 
 
@@ -307,14 +315,20 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     saved under another layout), else starts from ``cfg.init_from``'s weights, else from init.
     Raises LayoutError when ``layout`` cannot run the config or the world size differs.
     """
-    ctx, pm, opt, schedule = build(cfg, layout, device)
+    cfg.check_layout(layout)
+    ctx = ParallelContext.create(layout, device or pick_device(cfg.device))
+    # the manager first: its memory tier maps (and pins, on a GPU) this rank's newest memory
+    # checkpoint while the model is built, so that a restore reads it in place
+    mgr = _manager(cfg)
+    memory = mgr.memory if mgr is not None else None
+    if memory is not None:
+        memory.pin_ahead(ctx.device)
+    pm, opt, schedule = build_model(cfg, ctx)
     rank0 = ctx.rank == 0
     prior = _prior(cfg.metrics_file) if rank0 else {}
     log = MetricsLog(cfg.metrics_file, enabled=rank0)
     log.write({"event": "start", "layout": layout.to_dict(), "layout_text": str(layout), "world": layout.world_size,
                "restart": restart_count(), "device": str(ctx.device)})
-    mgr = _manager(cfg)
-    memory = mgr.memory if mgr is not None else None
     node = (memory.node if memory is not None else
             node_identity(ctx.rank, layout.world_size, nodes=cfg.nodes) if cfg.fail_node is not None else 0)
     result = TrainResult(pm=pm, opt=opt)

@@ -91,6 +91,8 @@ def test_losing_a_node_resumes_from_the_memory_tier_bitwise(base: str, full: dic
     assert rec["tier"] == "memory-peer" and rec["step"] == at and rec["steps_lost"] == 0
     assert rec["peer_ranks"] == [2, 3] and rec["fetched_bytes"] > 0 and rec["bytes"] > 0
     assert {"restore_ms", "first_step_ms", "restart_ms", "total_ms"} <= rec.keys()
+    # rank 0 (node 0 kept its copies) mapped its newest step while the model was built (not pinned: CPU)
+    assert rec["pin_ahead_bytes"] > 0 and rec["pin_ahead_pinned"] is False and rec["pin_ahead_ms"] > 0
     (resume,) = _events(cfg, "resume")
     assert resume["tier"] == "memory-peer" and resume["bytes_verified"] > 0  # every piece's checksum checked
     mem = _events(cfg, "memory_checkpoint")

@@ -1,0 +1,72 @@
+"""Map and pin this rank's newest memory checkpoint while the job starts, before its restore.
+
+Why: on the H200 host a restore that copies from a pinned mapping of the slot runs at 52-54 GB/s
+(DMA and CRC reading the same pages), one that cannot (``pread`` into pinned slabs, then DMA) at 26-31
+GB/s: host memory bandwidth is shared by the extra copy. Pinning the 8 GiB slot takes 0.41 s
+(``MAP_POPULATE`` 0.19 s, ``cudaHostRegister`` 0.22 s; it does not go faster on more threads), more
+than the copy itself, so it is worth doing only where it is hidden: a restarted job knows which files
+its restore will most likely read (its own newest committed step) long before the restore's
+agreement, and has seconds of process-group setup and model building to overlap it with. The pinned
+slot then stays with the tier's slot pool, so the snapshots that later reuse it pay nothing more.
+
+Best effort: a failure (no CUDA, a step without a slot, a file gone) leaves the restore on its
+``pread`` path. Not collective.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from ckpt.manifest import MANIFEST_NAME
+from ckpt.tier.slots import SlotPool
+
+
+class PinAhead:
+    """One background mapping of the newest committed step's data files into ``pool``'s slots."""
+
+    def __init__(self, pool: SlotPool, steps: list[tuple[int, str]], device: Any = None):
+        import torch
+
+        dev = torch.device(device) if device is not None else None
+        self.pin = dev is not None and dev.type == "cuda" and torch.cuda.is_available()
+        if self.pin and dev is not None and dev.index is None:  # "cuda": the caller's current device
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.stats: dict[str, Any] = {"step": None, "bytes": 0, "pinned": self.pin, "ms": 0.0, "wait_ms": 0.0}
+        committed = [(s, p) for s, p in steps if os.path.isfile(os.path.join(p, MANIFEST_NAME))]
+        self._files: list[str] = []
+        if committed:
+            step, path = committed[-1]
+            self.stats["step"] = step
+            self._files = [os.path.join(d, n) for d, _dirs, names in os.walk(path) for n in names
+                           if n != MANIFEST_NAME]
+        self._pool = pool
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-memory-tier-pin-ahead")
+        self._thread.start()
+
+    def _run(self) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        try:
+            if self.pin and self.device is not None:
+                torch.cuda.set_device(self.device)  # the registration's context is the job's device's
+            for f in self._files:
+                slot = self._pool.map_linked(f, pin=self.pin)
+                if slot is not None:
+                    self.stats["bytes"] += slot.size
+                    self.stats["pinned"] = self.stats["pinned"] and slot.registered
+        except Exception as e:  # noqa: BLE001 - best effort: the restore reads through pread then
+            self.stats["error"] = f"{type(e).__name__}: {e}"
+        self.stats["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+
+    def wait(self) -> dict[str, Any]:
+        """Wait for the mapping to finish (the slot pool is the caller's again); its figures, with
+        ``wait_ms``: how long this call waited (the part not hidden)."""
+        t0 = time.perf_counter()
+        self._thread.join()
+        self.stats["wait_ms"] = round(self.stats["wait_ms"] + (time.perf_counter() - t0) * 1e3, 3)
+        return self.stats
