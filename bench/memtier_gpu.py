@@ -28,7 +28,9 @@ Figures (from the trainer's metrics file: ``step_ms`` per step, ``memory_checkpo
   the wait for the previous checkpoint (``ckpt_stall_ms``). Slowdown = memory / storage.
 - **recovery**: ``restart_ms`` (the restart loop seeing the attempt end -> the restore starting:
   process start, imports, process group, model build), ``restore_ms``, ``first_step_ms``;
-  restart-to-next-step = their sum (``total_ms - detect_ms``); ``steps_lost``; restore bandwidth =
+  restart-to-next-step = their sum (``total_ms - detect_ms``); ``steps_lost``; rank 0's
+  ``pin_ahead_ms`` (mapping and pinning its newest memory step while the model is built) and the part
+  of it the restore waited for (``pin_ahead_wait_ms``, inside ``restore_ms``); restore bandwidth =
   the bytes all ranks restored / ``restore_ms`` / ranks, against the pinned host-to-device copy
   bandwidth of one GPU measured in the same run (``--h2d-gib``; on CPU a memcpy of the same size).
 
@@ -402,7 +404,8 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                        *((f"memory tier, busy={'skip' if k == 'memory-skip' else 'wait'}", m) for k, m in mems)):
         r = run.get("recovery") or {}
         rec_rows.append([label, str(r.get("tier", "-")), str(r.get("step", "-")), str(r.get("steps_lost", "-")),
-                         fmt(r.get("restart_ms", nan), 0), fmt(r.get("restore_ms", nan), 0),
+                         fmt(r.get("restart_ms", nan), 0), fmt(r.get("pin_ahead_ms", nan), 0),
+                         fmt(r.get("pin_ahead_wait_ms", nan), 0), fmt(r.get("restore_ms", nan), 0),
                          fmt(r.get("first_step_ms", nan), 0), fmt(run.get("restart_to_step_ms", nan), 0),
                          fmt(r.get("bytes", nan) / 1e9, 3), fmt(run.get("restore_gbps_per_rank", nan), 3),
                          fmt(run.get("restore_vs_limit", nan), 3)])
@@ -412,7 +415,8 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
           "replicate ms", "slowdown"], step_rows),
         (f"node 1 lost after step {res['fail_at']}: restart to the next step ({limit_name} {fmt(limit, 1)} GB/s"
          + (" per GPU)" if limit_name == "H2D" else ")"),
-         ["restore from", "tier", "step", "steps lost", "restart ms", "restore ms", "first step ms",
+         ["restore from", "tier", "step", "steps lost", "restart ms", "pin ahead ms", "of it waited ms",
+          "restore ms", "first step ms",
           "restart-to-step ms", "GB restored", "GB/s per rank", f"vs {limit_name}"], rec_rows),
     ]
 
