@@ -212,6 +212,8 @@ def _scribble(state: dict[str, Any]) -> None:
 
 def _restorer(rank: int, world: int, shm: str, run_id: str, out: str) -> None:
     tier = MemoryTier(TierConfig("/kill-harness", run_id=run_id, shm_dir=shm, nodes=NODES, timeout=30))
+    if rank % 2 == 0:  # one rank per node reads its copy through the slot mapped ahead, as the trainer does
+        tier.pin_ahead("cpu")
     target = state_of(rank, 0)
     got = tier.restore(target)
     step = got.step if got is not None else None
