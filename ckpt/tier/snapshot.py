@@ -54,6 +54,17 @@ class Snapshot:
         for ev in self.events:
             _wait(ev)
 
+    def first_landed(self) -> None:
+        """Block until the first GPU copies have landed (nothing on CPU); the background thread calls
+        it before its Python work. Why: it starts while the training thread is still in
+        ``save_async``, and a thread running Python keeps the GIL for up to the switch interval (5 ms):
+        the training thread then waited to return and to launch the next step's first kernels, with
+        the GPU idle after the step's sync. The first landed copy (64 MiB, ~1 ms) lets it launch a
+        queue of work first."""
+        for ev in self.landed.values():  # the first piece's event: the first to land
+            _wait(ev)
+            return
+
     def wait_piece(self, key: str) -> None:
         """Block until ``key``'s device-to-host copy has landed (the checksums of the pieces copied
         first start while the later ones are still copying)."""

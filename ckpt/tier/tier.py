@@ -301,6 +301,8 @@ class MemoryTier:
             with contextlib.suppress(OSError, AttributeError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         try:
+            if snap is not None:
+                snap.first_landed()  # the training thread goes first (see Snapshot.first_landed)
             result = self._write_and_agree(handle, snap, problem, meta, layout)
             result.rank_wait_s, result.rank_snapshot_s, result.busy_skipped = handle.wait_s, handle.snapshot_s, busy
             result.snapshot_bytes = snap.nbytes if snap is not None else 0

@@ -230,3 +230,21 @@ def test_a_manifest_naming_a_file_outside_the_copy_is_not_read_by_the_fast_path(
     with pytest.raises(ckpt.CheckpointError):
         tier.load_local(_zeros(), url)
     tier.clear()
+
+
+def test_the_background_waits_for_the_first_copy_to_land_and_no_more() -> None:
+    from ckpt.tier.snapshot import Snapshot
+
+    class Ev:  # a CUDA event's query(): done after `after` polls (None: never)
+        def __init__(self, after: int | None):
+            self.after, self.polls = after, 0
+
+        def query(self) -> bool:
+            self.polls += 1
+            return self.after is not None and self.polls > self.after
+
+    first, later = Ev(3), Ev(None)
+    snap = Snapshot({}, landed={"a": first, "b": first, "c": later})
+    snap.first_landed()  # returns although "c" never lands
+    assert first.polls == 4 and later.polls == 0
+    Snapshot({}).first_landed()  # CPU pieces: no events, nothing to wait for
