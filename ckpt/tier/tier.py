@@ -301,8 +301,6 @@ class MemoryTier:
             with contextlib.suppress(OSError, AttributeError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         try:
-            if snap is not None:
-                snap.first_landed()  # the training thread goes first (see Snapshot.first_landed)
             result = self._write_and_agree(handle, snap, problem, meta, layout)
             result.rank_wait_s, result.rank_snapshot_s, result.busy_skipped = handle.wait_s, handle.snapshot_s, busy
             result.snapshot_bytes = snap.nbytes if snap is not None else 0
@@ -327,6 +325,9 @@ class MemoryTier:
             if problem is not None:
                 raise problem
             assert snap is not None
+            # the training thread goes first (see Snapshot.first_landed); inside the try: a failing
+            # CUDA query is this rank's error in the agreement, like any other, never a missing rank
+            snap.first_landed()
             remove_step(own)  # leftovers of a write cut short: never a complete step (see reset)
             # a slot's pieces are checksummed as their copies land (the first while the last still copy)
             linked = snap.slot is not None and save_linked(

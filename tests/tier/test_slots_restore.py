@@ -248,3 +248,22 @@ def test_the_background_waits_for_the_first_copy_to_land_and_no_more() -> None:
     snap.first_landed()  # returns although "c" never lands
     assert first.polls == 4 and later.polls == 0
     Snapshot({}).first_landed()  # CPU pieces: no events, nothing to wait for
+
+
+def test_a_copy_that_never_lands_skips_the_step_and_keeps_the_last(shm: str, monkeypatch: Any) -> None:
+    from ckpt.tier.snapshot import Snapshot
+
+    tier, _url = _saved(shm, (1,))
+
+    def broken(self: Snapshot) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(Snapshot, "first_landed", broken)
+    with pytest.warns(RuntimeWarning, match="skipped on every rank"):
+        got = tier.save(2, _state(2))
+    assert not got.complete and "illegal memory access" in (got.warning or "")
+    monkeypatch.undo()
+    target = _zeros()
+    restored = tier.restore(target)
+    assert restored is not None and restored.step == 1 and _same(target, _state(1))
+    tier.clear()
