@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,30 +18,10 @@ from hypothesis import strategies as st
 import ckpt
 from ckpt.errors import IntegrityError
 from ckpt.tier import MemoryTier, TierConfig, fastload
+from tests.tier.slot_states import data_file, flip, same, state_of, zeros
 
 ROOT = "/tier-tests/pin-ahead"
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8]
-
-
-def _state(step: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
-    return {"model": {"big": torch.randn(3 << 18, generator=g),
-                      "h": torch.randn(64, 33, generator=g).to(torch.bfloat16)},
-            "train": {"step": step}}
-
-
-def _zeros() -> dict[str, Any]:
-    s = _state(1)
-    return {"model": {k: torch.zeros_like(v) for k, v in s["model"].items()}, "train": {"step": 0}}
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
-
-
-def _data_file(url: str) -> Path:
-    (f,) = Path(url, "data").iterdir()
-    return f
 
 
 def _tier(shm: str, **kw: Any) -> MemoryTier:
@@ -53,7 +32,7 @@ def _saved(shm: str, steps: tuple[int, ...], **kw: Any) -> MemoryTier:
     tier = _tier(shm, **kw)
     tier.reset(None)
     for step in steps:
-        assert tier.save(step, _state(step)).complete
+        assert tier.save(step, state_of(step)).complete
     tier.close()  # as a killed process leaves it: files in shared memory, nothing mapped
     return tier
 
@@ -64,14 +43,14 @@ def test_pin_ahead_maps_the_newest_committed_step_and_the_restore_reads_it_there
     os.unlink(os.path.join(again.store.own(3), "manifest.msgpack"))  # step 3 never committed
     again.pin_ahead("cpu")
     again.drain()
-    data = _data_file(again.store.own(2))
+    data = data_file(again.store.own(2))
     assert again.pin_stats["step"] == 2 and again.pin_stats["bytes"] == data.stat().st_size
     assert again.pin_stats["pinned"] is False  # nothing to pin for a CPU job
-    target, stats = _zeros(), {}
+    target, stats = zeros(), {}
     again.load_local(target, again.store.own(2), stats=stats)
-    assert _same(target, _state(2))
+    assert same(target, state_of(2))
     assert stats["bytes_mapped"] == stats["bytes_read"] == sum(t.numel() * t.element_size()
-                                                               for t in _state(2)["model"].values())
+                                                               for t in state_of(2)["model"].values())
     again.clear()
 
 
@@ -79,7 +58,7 @@ def test_pin_ahead_with_nothing_to_map_leaves_restore_as_it_was(shm: str) -> Non
     tier = _tier(shm)
     tier.reset(None)
     tier.pin_ahead("cpu")
-    assert tier.restore(_zeros()) is None
+    assert tier.restore(zeros()) is None
     assert tier.pin_stats["step"] is None and tier.pin_stats["bytes"] == 0
     tier.clear()
 
@@ -90,7 +69,7 @@ def test_a_slot_file_replaced_under_its_mapping_is_not_read_through_it(shm: str)
     again.pin_ahead("cpu")
     again.drain()
     url = again.store.own(1)
-    data = _data_file(url)
+    data = data_file(url)
     slot_bytes = again._slots.mapped()  # the mapping of the slot that step 1 links
     assert len(slot_bytes) == 1
     copy = data.with_suffix(".tmp")
@@ -98,9 +77,9 @@ def test_a_slot_file_replaced_under_its_mapping_is_not_read_through_it(shm: str)
     os.replace(copy, data)  # the step's data file is another inode now, with the same bytes
     (mapping,) = slot_bytes.values()
     mapping[mapping.numel() // 2 :] = 0  # the old inode's bytes: wrong for the step now
-    target, stats = _zeros(), {}
+    target, stats = zeros(), {}
     again.load_local(target, url, stats=stats)
-    assert _same(target, _state(1)) and stats["bytes_mapped"] == 0  # read from the file, through pread
+    assert same(target, state_of(1)) and stats["bytes_mapped"] == 0  # read from the file, through pread
     again.clear()
 
 
@@ -111,15 +90,15 @@ def test_the_snapshots_after_the_restore_reuse_the_slot_mapped_ahead(shm: str) -
     again.drain()
     (slot,) = [s for s in again._slots._slots.values() if s.base is not None]
     ptr = slot.base_ptr
-    got = again.restore(_zeros())
+    got = again.restore(zeros())
     assert got is not None and got.step == 2
     again.reset(2)
     for step in (3, 4):  # step 3's slot is the free one; step 4 gets step 2's once 3 is complete
-        assert again.save(step, _state(step)).complete
+        assert again.save(step, state_of(step)).complete
     assert slot.base is not None and slot.base_ptr == ptr  # the same mapping: nothing mapped again
-    assert _data_file(again.store.own(4)).stat().st_ino == os.stat(slot.path).st_ino
-    target = _zeros()
-    assert again.restore(target) is not None and _same(target, _state(4))
+    assert data_file(again.store.own(4)).stat().st_ino == os.stat(slot.path).st_ino
+    target = zeros()
+    assert again.restore(target) is not None and same(target, state_of(4))
     again.clear()
 
 
@@ -151,13 +130,8 @@ def test_mapped_and_pread_paths_load_the_same_bytes_and_catch_the_same_flip(
         sized = [k for k, v in state.items() if v.numel()]
         if sized:  # one flipped byte anywhere in a piece: named on both paths
             key = data.draw(st.sampled_from(sized))
-            s = ckpt.inspect(url).tensors[key].shards[0]
-            pos = s.offset + data.draw(st.integers(0, s.length - 1))
-            with open(_data_file(url), "r+b") as f:
-                f.seek(pos)
-                b = f.read(1)
-                f.seek(pos)
-                f.write(bytes([b[0] ^ 0x21]))
+            length = ckpt.inspect(url).tensors[key].shards[0].length
+            flip(url, key, data.draw(st.integers(0, length - 1)), mask=0x21)
             for m in (mapped, None):
                 target = {k: torch.zeros_like(v) for k, v in state.items()}
                 planned = fastload.plan_pieces(target, url)

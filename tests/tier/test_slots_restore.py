@@ -21,32 +21,9 @@ from ckpt.checksum import crc32_parallel
 from ckpt.errors import IntegrityError, MismatchError
 from ckpt.tier import MemoryTier, TierConfig, fastload
 from ckpt.tier.slots import Slot, plan_layout
+from tests.tier.slot_states import data_file, flip, same, state_of, zeros
 
 ROOT = "/tier-tests/slots"
-
-
-def _state(step: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
-    return {"model": {"big": torch.randn(3 << 19, generator=g),  # 6 MiB: several restore chunks
-                      "h": torch.randn(64, 33, generator=g).to(torch.bfloat16),
-                      "ids": torch.randint(0, 1 << 40, (17,), generator=g),
-                      "empty": torch.zeros(0)},
-            "train": {"step": step, "name": f"s{step}"}}
-
-
-def _zeros() -> dict[str, Any]:
-    s = _state(1)
-    return {"model": {k: torch.zeros_like(v) for k, v in s["model"].items()}, "train": {"step": 0, "name": ""}}
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
-
-
-def _data_file(url: str) -> Path:
-    files = list(Path(url, "data").iterdir())
-    assert len(files) == 1
-    return files[0]
 
 
 def _saved(shm: str, steps: tuple[int, ...] = (1,), **kw: Any) -> tuple[MemoryTier, str]:
@@ -54,19 +31,8 @@ def _saved(shm: str, steps: tuple[int, ...] = (1,), **kw: Any) -> tuple[MemoryTi
     tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0, **kw))
     tier.reset(None)
     for step in steps:
-        assert tier.save(step, _state(step)).complete
+        assert tier.save(step, state_of(step)).complete
     return tier, tier.store.own(steps[-1])
-
-
-def _flip(url: str, key: str, at: int) -> None:
-    """Flip the byte ``at`` bytes into ``key``'s stored piece (negative: from its end)."""
-    s = ckpt.inspect(url).tensors[key].shards[0]
-    pos = s.offset + (at if at >= 0 else s.length + at)
-    with open(_data_file(url), "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x5A]))
 
 
 @settings(max_examples=40, deadline=None)
@@ -80,26 +46,26 @@ def test_parallel_checksums_equal_zlib(bufs: list[bytes], workers: int, chunk: i
 
 def test_a_memory_checkpoint_is_its_slot_linked_and_restores_bitwise(shm: str) -> None:
     tier, url = _saved(shm, (1, 2, 3))
-    data = _data_file(url)
+    data = data_file(url)
     assert data.stat().st_nlink == 2  # the slot and the step: no byte was written twice
     assert data.stat().st_ino in {p.stat().st_ino for p in Path(tier.store.own_root(), ".slots").iterdir()}
     assert ckpt.verify(tier.store.own(3), deep=True).ok  # an ordinary, checksummed checkpoint
-    target = _zeros()
+    target = zeros()
     stats: dict[str, Any] = {}
     tier.load_local(target, tier.store.own(3), stats=stats)
-    assert _same(target, _state(3)) and stats["bytes_read"] == stats["bytes_verified"] > 6 << 20
+    assert same(target, state_of(3)) and stats["bytes_read"] == stats["bytes_verified"] > 6 << 20
     tier.clear()
 
 
 def test_a_corrupt_piece_is_named_and_marked_partial(shm: str) -> None:
     tier, url = _saved(shm)
-    _flip(url, "model.big", -5)  # one flipped byte in the last chunk of the 6 MiB piece
+    flip(url, "model.big", -5)  # one flipped byte in the last chunk of the 6 MiB piece
     planned = fastload.plan_pieces({"model.big": torch.zeros(3 << 19)}, url)
     assert planned is not None
     with pytest.raises(IntegrityError, match="model.big") as e:
         fastload.load_pieces(planned[1], workers=3)
     assert getattr(e.value, "partial", False)
-    target = _zeros()
+    target = zeros()
     with pytest.raises(IntegrityError, match="model.big"):
         tier.load_local(target, url)
     tier.clear()
@@ -107,15 +73,15 @@ def test_a_corrupt_piece_is_named_and_marked_partial(shm: str) -> None:
 
 def test_a_target_the_fast_path_cannot_serve_goes_through_ckpt_load(shm: str) -> None:
     tier, url = _saved(shm)
-    wrong = _zeros()
+    wrong = zeros()
     wrong["model"]["h"] = torch.zeros(64, 33)  # float32 target, bfloat16 stored: not a whole-piece copy
     assert fastload.plan_pieces({"model.h": wrong["model"]["h"]}, url) is None
     with pytest.raises(MismatchError, match="model.h"):
         tier.load_local(wrong, url)
-    strided = _zeros()
+    strided = zeros()
     strided["model"]["h"] = torch.zeros(33, 64, dtype=torch.bfloat16).t()  # not contiguous: ckpt.load fills it
     tier.load_local(strided, url)
-    assert _same(strided, _state(1))
+    assert same(strided, state_of(1))
     tier.clear()
 
 
@@ -124,9 +90,9 @@ def test_a_plan_that_does_not_match_the_slot_writes_an_ordinary_file(shm: str, m
 
     monkeypatch.setattr(inplace, "matches", lambda prep, slot: False)
     tier, url = _saved(shm)
-    assert _data_file(url).stat().st_nlink == 1  # a file of its own, written by ckpt.save
-    target = _zeros()
-    assert tier.restore(target) is not None and _same(target, _state(1))
+    assert data_file(url).stat().st_nlink == 1  # a file of its own, written by ckpt.save
+    target = zeros()
+    assert tier.restore(target) is not None and same(target, state_of(1))
     tier.clear()
 
 
@@ -163,37 +129,37 @@ def test_every_copy_failing_after_loading_began_is_not_a_fresh_start(shm: str, t
     root = str(tmp_path / "run")
     mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, replicas=0, memory_timeout=30)
     assert mgr.memory is not None
-    mgr.save_memory(1, _state(1)).result()
-    _flip(mgr.memory.store.own(1), "model.big", 3 << 20)
-    target = _zeros()
+    mgr.save_memory(1, state_of(1)).result()
+    flip(mgr.memory.store.own(1), "model.big", 3 << 20)
+    target = zeros()
     with pytest.raises(IntegrityError, match="no persistent checkpoint"):
         mgr.restore(target)  # the memory copy failed its checksum after part of it was copied
     assert mgr.memory.restore_clobbered
     # the failed copy is gone: the restarted job starts fresh, as it should
     again = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, replicas=0)
-    assert again.restore(_zeros()) is None
+    assert again.restore(zeros()) is None
     # with a persistent checkpoint to fall back on, the same failure restores it, bitwise
-    again.save(1, _state(1))
+    again.save(1, state_of(1))
     assert again.memory is not None
-    again.save_memory(2, _state(2)).result()
-    _flip(again.memory.store.own(2), "model.big", 3 << 20)
-    target = _zeros()
-    assert again.restore(target) == 1 and _same(target, _state(1))
+    again.save_memory(2, state_of(2)).result()
+    flip(again.memory.store.own(2), "model.big", 3 << 20)
+    target = zeros()
+    assert again.restore(target) == 1 and same(target, state_of(1))
     again.close()
 
 
 def test_staged_is_idempotent_and_harmless_without_gpu_copies(shm: str) -> None:
     tier = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0))
     tier.reset(None)
-    state = _state(1)
+    state = state_of(1)
     h = tier.save_async(1, state, deferred=True)
     h.staged()
     h.staged()
     for v in state["model"].values():
         v.zero_()
     assert h.result().complete
-    target = _zeros()
-    assert tier.restore(target) is not None and _same(target, _state(1))
+    target = zeros()
+    assert tier.restore(target) is not None and same(target, state_of(1))
     tier.clear()
 
 
@@ -202,14 +168,14 @@ def test_a_job_keeping_fewer_copies_gives_back_the_extra_slots(shm: str) -> None
     slots = Path(tier.store.own_root(), ".slots")
     assert sorted(p.name for p in slots.iterdir()) == ["slot-0", "slot-1", "slot-2"]
     again = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0, keep=1))  # the restarted job keeps 1
-    got = again.restore(_zeros())
+    got = again.restore(zeros())
     assert got is not None and got.step == 3
     again.reset(3)
-    assert again.save(4, _state(4)).complete
+    assert again.save(4, state_of(4)).complete
     # at most keep + 1 slots: step 3's (linked until step 4 was complete) and step 4's
     assert len(list(slots.iterdir())) <= 2
-    target = _zeros()
-    assert again.restore(target) is not None and _same(target, _state(4))
+    target = zeros()
+    assert again.restore(target) is not None and same(target, state_of(4))
     again.clear()
 
 
@@ -228,7 +194,7 @@ def test_a_manifest_naming_a_file_outside_the_copy_is_not_read_by_the_fast_path(
     path.write_bytes(encode_manifest(m))
     assert fastload.plan_pieces({"model.big": torch.zeros(3 << 19)}, url) is None
     with pytest.raises(ckpt.CheckpointError):
-        tier.load_local(_zeros(), url)
+        tier.load_local(zeros(), url)
     tier.clear()
 
 
@@ -260,10 +226,10 @@ def test_a_copy_that_never_lands_skips_the_step_and_keeps_the_last(shm: str, mon
 
     monkeypatch.setattr(Snapshot, "first_landed", broken)
     with pytest.warns(RuntimeWarning, match="skipped on every rank"):
-        got = tier.save(2, _state(2))
+        got = tier.save(2, state_of(2))
     assert not got.complete and "illegal memory access" in (got.warning or "")
     monkeypatch.undo()
-    target = _zeros()
+    target = zeros()
     restored = tier.restore(target)
-    assert restored is not None and restored.step == 1 and _same(target, _state(1))
+    assert restored is not None and restored.step == 1 and same(target, state_of(1))
     tier.clear()
