@@ -162,10 +162,7 @@ def load_pieces(pieces: list[_Piece], *, workers: int | None = None,
                 events[j].synchronize()  # the slab's previous copy has left it
             mv = byte_view(slabs[j])[:n]
             crcs[(i, start)] = _read_crc(fd, mv, p.offset + start, p.file)
-            dev = p.target.device.index if p.target.device.index is not None else torch.cuda.current_device()
-            s = streams.get(dev)
-            if s is None:
-                s = streams[dev] = torch.cuda.Stream(device=dev)
+            s = _stream_for(p.target, streams)
             with torch.cuda.stream(s):
                 p.target.view(-1).view(torch.uint8)[start : start + n].copy_(slabs[j][:n], non_blocking=True)
                 ev = torch.cuda.Event()
@@ -206,6 +203,15 @@ def load_pieces(pieces: list[_Piece], *, workers: int | None = None,
     return total
 
 
+def _stream_for(target: torch.Tensor, streams: dict[int, Any]) -> Any:
+    """This worker's copy stream for ``target``'s GPU (made on first use)."""
+    dev = target.device.index if target.device.index is not None else torch.cuda.current_device()
+    s = streams.get(dev)
+    if s is None:
+        s = streams[dev] = torch.cuda.Stream(device=dev)
+    return s
+
+
 def _copy_mapped(m: torch.Tensor, p: _Piece, start: int, n: int, streams: dict[int, Any]) -> int:
     """Copy ``n`` bytes of ``p`` from the mapping ``m`` of its file into its target at ``start``;
     their CRC32: of the target for a CPU one (what was loaded, while in cache), of the mapping for
@@ -218,11 +224,7 @@ def _copy_mapped(m: torch.Tensor, p: _Piece, start: int, n: int, streams: dict[i
             dst[q : q + CHUNK].copy_(src[q : q + CHUNK])
             crc = crc32(byte_view(dst[q : q + CHUNK]), crc)
         return crc
-    dev = p.target.device.index if p.target.device.index is not None else torch.cuda.current_device()
-    s = streams.get(dev)
-    if s is None:
-        s = streams[dev] = torch.cuda.Stream(device=dev)
-    with torch.cuda.stream(s):
+    with torch.cuda.stream(_stream_for(p.target, streams)):
         dst.copy_(src, non_blocking=True)  # DMA when the mapping is pinned, else a staged copy
     return crc32(byte_view(src))  # one call: the bytes come from memory either way, not from cache
 

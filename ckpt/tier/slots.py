@@ -118,12 +118,12 @@ class Slot:
         """Make the file ``layout.size`` bytes, allocated, mapped, with its header written, and the
         views of ``layout``; pinned (registered with CUDA) when ``pin``. Raises OSError (ENOSPC:
         shared memory full; the slot file is then removed)."""
-        if (self.layout is not None and self.layout.key == layout.key and self.size == layout.size
-                and self.identity() == self.ident):
+        same_file = self.identity() == self.ident  # (not: a file replaced under us, to be mapped anew)
+        if self.layout is not None and self.layout.key == layout.key and self.size == layout.size and same_file:
             if pin and not self.registered:
                 self._register()
             return
-        if self.size != layout.size or self.identity() != self.ident:  # (a file replaced under us: remap)
+        if self.size != layout.size or not same_file:
             self.close()
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -268,9 +268,10 @@ class SlotPool:
             if s.identity() != (st.st_dev, st.st_ino):
                 continue
             self._slots[i] = s
-            if (s.base is None or s.ident != (st.st_dev, st.st_ino)) and not s.map_existing(pin):
-                return None
-            if pin and not s.registered:
+            if s.base is None or s.ident != (st.st_dev, st.st_ino):
+                if not s.map_existing(pin):
+                    return None
+            elif pin and not s.registered:  # mapped by a snapshot of this process, not pinned yet
                 s._register()
             return s
         return None

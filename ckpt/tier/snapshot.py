@@ -83,16 +83,12 @@ class Snapshot:
 LANDED_EVERY = 64 << 20  # GPU bytes copied between two "landed" events (see Snapshot.wait_piece)
 
 
-def _event() -> Any:
-    """A CUDA event for the copies. Not ``blocking=True`` (``cudaEventBlockingSync``, a sleeping
-    ``synchronize``): measured on the H200 host it tripled the training thread's part of each memory
-    checkpoint (15-16 ms against 4.4 ms) and did not make launch-bound steps faster."""
-    return torch.cuda.Event()
-
-
 def _wait(ev: Any) -> None:
     """Wait for a CUDA event by polling with short sleeps: ``Event.synchronize`` spins a core per
-    waiting thread under CUDA's default schedule, and up to 8 checksum threads wait at once."""
+    waiting thread under CUDA's default schedule, and up to 8 checksum threads wait at once. (Events
+    made with ``blocking=True`` sleep in ``synchronize`` instead; measured on the H200 host they
+    tripled the training thread's part of each memory checkpoint, 15-16 ms against 4.4 ms, and did
+    not make launch-bound steps faster.)"""
     while not ev.query():
         time.sleep(POLL_S)
 
@@ -156,7 +152,7 @@ class HostSnapshots:
         events = []
         fences = []
         for dev in starts:
-            ev = _event()
+            ev = torch.cuda.Event()
             ev.record(self._streams[dev])
             events.append(ev)
             fences.append((dev, ev))
@@ -196,7 +192,7 @@ class HostSnapshots:
     @staticmethod
     def _mark(stream: Any, keys: list[str], landed: dict[str, Any]) -> None:
         """One event on ``stream`` after the copies of ``keys`` (and clear ``keys``)."""
-        ev = _event()
+        ev = torch.cuda.Event()
         ev.record(stream)
         for k in keys:
             landed[k] = ev

@@ -85,9 +85,15 @@ def restart_count() -> int:
 def build(cfg: TrainConfig, layout: Layout, device: torch.device | None = None
           ) -> tuple[ParallelContext, ParallelModel, ZeroAdamW, LRSchedule]:
     """Groups, this rank's model piece, its optimizer and the LR schedule (collective)."""
-    cfg.check_layout(layout)
-    ctx = ParallelContext.create(layout, device or pick_device(cfg.device))
+    ctx = build_context(cfg, layout, device)
     return (ctx, *build_model(cfg, ctx))
+
+
+def build_context(cfg: TrainConfig, layout: Layout, device: torch.device | None = None) -> ParallelContext:
+    """This rank's groups under ``layout`` (collective). Raises LayoutError for a layout the config
+    cannot run."""
+    cfg.check_layout(layout)
+    return ParallelContext.create(layout, device or pick_device(cfg.device))
 
 
 def build_model(cfg: TrainConfig, ctx: ParallelContext) -> tuple[ParallelModel, ZeroAdamW, LRSchedule]:
@@ -315,8 +321,7 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     saved under another layout), else starts from ``cfg.init_from``'s weights, else from init.
     Raises LayoutError when ``layout`` cannot run the config or the world size differs.
     """
-    cfg.check_layout(layout)
-    ctx = ParallelContext.create(layout, device or pick_device(cfg.device))
+    ctx = build_context(cfg, layout, device)
     # the manager first: its memory tier maps (and pins, on a GPU) this rank's newest memory
     # checkpoint while the model is built, so that a restore reads it in place
     mgr = _manager(cfg)
