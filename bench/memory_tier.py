@@ -327,18 +327,25 @@ def run_restore(size_gb: float, n_tensors: int, repeats: int, dev: torch.device,
 
 def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device, step_ms: float,
                  matmul: int = 512) -> dict[str, Any]:
+    """Three contenders in alternating blocks of 5 steps, ``repeats`` blocks each: no memory
+    checkpoint ("off"); the same device-to-host copies of the state with no ckpt code ("copies":
+    into preallocated pinned buffers on a side stream, fenced before the update as the tier's are;
+    the physical cost of moving the bytes every step); ``save_async`` ("on"). Besides the medians
+    of all steps, each block is compared with the "off" block of its own repeat (paired ratios):
+    the GPU's clocks drift by more than the effect over a run, and neighbouring blocks share it."""
     from bench.save_load import make_state, state_bytes
     from ckpt.tier import MemoryTier, TierConfig
 
     state = {k: v.to(dev) for k, v in make_state(int(size_gb * (1 << 30)), n_tensors).items()}
     a = torch.randn(matmul, matmul, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     a /= matmul ** 0.5  # keeps x @ a bounded step after step
+    cuda = dev.type == "cuda"
 
     def work(n: int) -> None:
         x = a
         for _ in range(n):
             x = torch.tanh(x @ a)
-        if dev.type == "cuda":  # what loss.item() does: the training stream, not the tier's copy stream
+        if cuda:  # what loss.item() does: the training stream, not the tier's copy stream
             torch.cuda.current_stream(dev).synchronize()
 
     work(4)
@@ -346,8 +353,28 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
     work(20)
     per = (time.perf_counter() - t0) / 20
     n = max(1, round(step_ms / 1e3 / per))
+    bufs = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in state.items()}
+    stream = torch.cuda.Stream(dev) if cuda else None
+
+    def raw_copies() -> Any:
+        """The copies alone: what any memory checkpoint of this state must move (GPU: returns the event
+        the next update waits for; CPU: copies at once, as the tier's snapshot does)."""
+        if stream is None:
+            for k, v in state.items():
+                bufs[k].copy_(v)
+            return None
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for k, v in state.items():
+                bufs[k].copy_(v, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return ev
+
+    modes = ("off", "copies", "on")
     shm = _shm_base()
-    steps: dict[str, list[float]] = {"off": [], "on": []}
+    steps: dict[str, list[float]] = {m: [] for m in modes}
+    blocks: list[dict[str, float]] = []
     stalls: list[float] = []
     records: list[dict[str, Any]] = []
     try:
@@ -358,14 +385,21 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
         for _ in range(2):  # untimed: the first two memory checkpoints allocate (and pin) the slots
             step += 1
             tier.save(step, state)
+        raw_copies()
+        _sync(dev)
         for r in range(repeats):
-            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            block: dict[str, float] = {}
+            for mode in (modes if r % 2 == 0 else modes[::-1]):
                 h = None
+                fence = None
+                times = []
                 for _ in range(per_block):
                     t0 = time.perf_counter()
                     work(n)  # forward and backward: reads the state
                     if h is not None:
                         h.staged()  # the update below waits for the previous snapshot's copies (GPU side)
+                    if fence is not None:
+                        torch.cuda.current_stream(dev).wait_event(fence)
                     for v in state.values():  # the optimizer's in-place update
                         v.add_(1)
                     if mode == "on":
@@ -373,26 +407,43 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
                         t1 = time.perf_counter()
                         h = tier.save_async(step, state, deferred=True)  # its copies overlap the next work
                         stalls.append(time.perf_counter() - t1)
-                    if dev.type == "cuda":
+                    elif mode == "copies":
+                        fence = raw_copies()
+                    if cuda:
                         torch.cuda.current_stream(dev).synchronize()
-                    steps[mode].append(time.perf_counter() - t0)
+                    times.append(time.perf_counter() - t0)
                 if h is not None:
                     records.append(h.result().to_record())  # between blocks: none in flight while "off" runs
+                _sync(dev)
+                steps[mode] += times
+                block[mode] = median(times)
+            blocks.append(block)
         tier.clear()
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     nbytes = state_bytes(state)
-    off, on = median(steps["off"]), median(steps["on"])
+    med = {m: median(steps[m]) for m in modes}
+    paired = {m: sorted(b[m] / b["off"] for b in blocks) for m in ("copies", "on")}
     bg = median([r["write_ms"] + r["agree_ms"] for r in records])
     res = {"bytes": nbytes, "device": str(dev), "matmul": matmul, "matmuls_per_step": n, "step_s": steps,
-           "median_off_s": off,
-           "median_on_s": on, "ratio": on / off, "stall_s": stalls, "median_stall_s": median(stalls),
-           "background_ms": bg, "records": records}
+           "blocks": blocks, "paired_ratio": {m: median(v) for m, v in paired.items()},
+           "median_off_s": med["off"], "median_copies_s": med["copies"], "median_on_s": med["on"],
+           "ratio": med["on"] / med["off"], "ratio_copies": med["copies"] / med["off"], "stall_s": stalls,
+           "median_stall_s": median(stalls), "background_ms": bg, "records": records}
+
+    def row(name: str, m: str, stall: str) -> list[str]:
+        got = paired.get(m, [1.0])
+        lo, hi, ratio = got[0], got[-1], median(got)
+        return [name, fmt(med[m] * 1e3, 1), stall, fmt(med[m] / med["off"], 3) + "x",
+                f"{ratio:.3f}x ({lo:.3f}-{hi:.3f})"]
+
     print_table(f"synthetic step (~{step_ms:.0f} ms of {n} {matmul}x{matmul} matmuls on {dev}) with save_async of "
                 f"{nbytes / GB:.2f} GB every step "
-                f"(median of {len(steps['on'])})", ["run", "step ms", "stall ms", "vs off"],
-                [["no memory checkpoint", fmt(off * 1e3, 1), "-", "1.00x"],
-                 ["save_async every step", fmt(on * 1e3, 1), fmt(median(stalls) * 1e3, 2), fmt(on / off, 3) + "x"]])
+                f"(median of {len(steps['on'])} steps; paired: median of {repeats} blocks' ratios to the "
+                f"'off' block beside them, range)", ["run", "step ms", "stall ms", "vs off", "paired vs off"],
+                [row("no memory checkpoint", "off", "-"),
+                 row("the copies alone (no ckpt code: the limit)", "copies", "-"),
+                 row("save_async every step", "on", fmt(median(stalls) * 1e3, 2))])
     print(f"background write + agreement per memory checkpoint: median {bg:.1f} ms; "
           f"stdev of the off steps {statistics.pstdev(steps['off']) * 1e3:.1f} ms")
     return res

@@ -305,9 +305,15 @@ def data_bytes(path: str) -> int:
     """Bytes of a committed step directory's files (data files + manifest); 0 when unreadable."""
     mpath = os.path.join(path, MANIFEST_NAME)
     try:
-        return sum(read_manifest(mpath).files.values()) + os.path.getsize(mpath)
+        return committed_bytes(path, read_manifest(mpath))
     except (OSError, CheckpointError):
         return 0
+
+
+def committed_bytes(path: str, manifest: Manifest) -> int:
+    """:func:`data_bytes` of step directory ``path`` whose committed manifest is ``manifest`` (the
+    save's return value: the memory checkpoint's background thread then decodes nothing again)."""
+    return sum(manifest.files.values()) + os.path.getsize(os.path.join(path, MANIFEST_NAME))
 
 
 def local_tensor_bytes(state: dict[str, Any]) -> int:

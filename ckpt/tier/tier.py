@@ -54,7 +54,7 @@ from ckpt.tier.store import (
     META_KEY,
     TIER_VERSION,
     NodeStore,
-    data_bytes,
+    committed_bytes,
     load_local,
     localize,
     localize_pieces,
@@ -330,14 +330,14 @@ class MemoryTier:
             snap.first_landed()
             remove_step(own)  # leftovers of a write cut short: never a complete step (see reset)
             # a slot's pieces are checksummed as their copies land (the first while the last still copy)
-            linked = snap.slot is not None and save_linked(
+            manifest = None if snap.slot is None else save_linked(
                 snap.flat, own, snap.slot, group=self._single, step=step, user_metadata=meta, layout=layout,
-                timeout=self.timeout, cache=self._plan_cache, wait_piece=snap.wait_piece) is not None
+                timeout=self.timeout, cache=self._plan_cache, wait_piece=snap.wait_piece)
             snap.ready()
-            if not linked:
-                save(snap.flat, own, group=self._single, step=step, user_metadata=meta, layout=layout,
-                     timeout=self.timeout)
-            nbytes = data_bytes(own)
+            if manifest is None:
+                manifest = save(snap.flat, own, group=self._single, step=step, user_metadata=meta, layout=layout,
+                                timeout=self.timeout)
+            nbytes = committed_bytes(own, manifest)  # from the commit's own decode: no second one
         except CollectiveError:
             raise
         except Exception as e:  # noqa: BLE001 - shared memory full, or anything else: the step is skipped
