@@ -37,6 +37,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -327,14 +328,20 @@ def run_restore(size_gb: float, n_tensors: int, repeats: int, dev: torch.device,
 
 def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device, step_ms: float,
                  matmul: int = 512) -> dict[str, Any]:
-    """Three contenders in alternating blocks of 5 steps, ``repeats`` blocks each: no memory
+    """Four contenders in alternating blocks of 5 steps, ``repeats`` blocks each: no memory
     checkpoint ("off"); the same device-to-host copies of the state with no ckpt code ("copies":
     into preallocated pinned buffers on a side stream, fenced before the update as the tier's are;
-    the physical cost of moving the bytes every step); ``save_async`` ("on"). Besides the medians
-    of all steps, each block is compared with the "off" block of its own repeat (paired ratios):
-    the GPU's clocks drift by more than the effect over a run, and neighbouring blocks share it."""
+    the physical cost of moving the bytes every step); the copies, then their CRC32 on the tier's
+    thread count ("copies+crc": what verifying them costs, with no ckpt code); ``save_async`` ("on").
+    Besides the medians of all steps, each block is compared with the "off" block of its own repeat
+    (paired ratios): the GPU's clocks drift by more than the effect over a run, and neighbouring
+    blocks share it."""
     from bench.save_load import make_state, state_bytes
+    from ckpt.checksum import crc32_parallel
+    from ckpt.io import byte_view
     from ckpt.tier import MemoryTier, TierConfig
+    from ckpt.tier.fastload import workers_for_restore
+    from ckpt.tier.inplace import CRC_NICE
 
     state = {k: v.to(dev) for k, v in make_state(int(size_gb * (1 << 30)), n_tensors).items()}
     a = torch.randn(matmul, matmul, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -371,7 +378,22 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
             ev.record(stream)
         return ev
 
-    modes = ("off", "copies", "on")
+    crc_threads = max(1, workers_for_restore() // 2)  # as the tier's background uses
+    checksums: list[Any] = []
+
+    def raw_checksums(ev: Any) -> None:
+        """The checksums alone: once the copies landed, a thread CRCs the buffers on the tier's thread
+        count (niced, as the tier's are); the next step's copies wait for it."""
+        def run() -> None:
+            if ev is not None:
+                ev.synchronize()
+            crc32_parallel([byte_view(b) for b in bufs.values()], crc_threads, nice=CRC_NICE)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        checksums.append(t)
+
+    modes = ("off", "copies", "copies+crc", "on")
     shm = _shm_base()
     steps: dict[str, list[float]] = {m: [] for m in modes}
     blocks: list[dict[str, float]] = []
@@ -407,13 +429,21 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
                         t1 = time.perf_counter()
                         h = tier.save_async(step, state, deferred=True)  # its copies overlap the next work
                         stalls.append(time.perf_counter() - t1)
-                    elif mode == "copies":
+                    elif mode.startswith("copies"):
+                        for t in checksums:
+                            t.join()
+                        checksums.clear()
                         fence = raw_copies()
+                        if mode == "copies+crc":
+                            raw_checksums(fence)
                     if cuda:
                         torch.cuda.current_stream(dev).synchronize()
                     times.append(time.perf_counter() - t0)
                 if h is not None:
                     records.append(h.result().to_record())  # between blocks: none in flight while "off" runs
+                for t in checksums:
+                    t.join()
+                checksums.clear()
                 _sync(dev)
                 steps[mode] += times
                 block[mode] = median(times)
@@ -423,13 +453,15 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
         shutil.rmtree(shm, ignore_errors=True)
     nbytes = state_bytes(state)
     med = {m: median(steps[m]) for m in modes}
-    paired = {m: sorted(b[m] / b["off"] for b in blocks) for m in ("copies", "on")}
+    paired = {m: sorted(b[m] / b["off"] for b in blocks) for m in modes[1:]}
     bg = median([r["write_ms"] + r["agree_ms"] for r in records])
     res = {"bytes": nbytes, "device": str(dev), "matmul": matmul, "matmuls_per_step": n, "step_s": steps,
            "blocks": blocks, "paired_ratio": {m: median(v) for m, v in paired.items()},
-           "median_off_s": med["off"], "median_copies_s": med["copies"], "median_on_s": med["on"],
-           "ratio": med["on"] / med["off"], "ratio_copies": med["copies"] / med["off"], "stall_s": stalls,
+           "median_s": med, "median_off_s": med["off"], "median_on_s": med["on"],
+           "ratio": med["on"] / med["off"], "stall_s": stalls,
            "median_stall_s": median(stalls), "background_ms": bg, "records": records}
+
+    threads = f"{crc_threads} thread" + ("s" if crc_threads > 1 else "")
 
     def row(name: str, m: str, stall: str) -> list[str]:
         got = paired.get(m, [1.0])
@@ -443,6 +475,7 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
                 f"'off' block beside them, range)", ["run", "step ms", "stall ms", "vs off", "paired vs off"],
                 [row("no memory checkpoint", "off", "-"),
                  row("the copies alone (no ckpt code: the limit)", "copies", "-"),
+                 row(f"the copies, then their CRC32 on {threads} (no ckpt code)", "copies+crc", "-"),
                  row("save_async every step", "on", fmt(median(stalls) * 1e3, 2))])
     print(f"background write + agreement per memory checkpoint: median {bg:.1f} ms; "
           f"stdev of the off steps {statistics.pstdev(steps['off']) * 1e3:.1f} ms")

@@ -27,6 +27,7 @@ shared-memory data file itself, and nothing is written again.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ class Snapshot:
     slot: Any = None  # the ckpt.tier.slots.Slot the buffers live in, if any
     fences: list[tuple[Any, Any]] = field(default_factory=list)  # (device, event) the current stream still owes
     landed: dict[str, Any] = field(default_factory=dict)  # key -> the event after its copy (GPU pieces)
+    _waiter: Landing | None = None  # started by the first wait on ``landed``
 
     def ready(self) -> None:
         """Block until the device-to-host copies have landed (call on the background thread)."""
@@ -61,16 +63,21 @@ class Snapshot:
         the training thread then waited to return and to launch the next step's first kernels, with
         the GPU idle after the step's sync. The first landed copy (64 MiB, ~1 ms) lets it launch a
         queue of work first."""
-        for ev in self.landed.values():  # the first piece's event: the first to land
-            _wait(ev)
-            return
+        if self.landed:
+            self._landing().wait(0)
 
     def wait_piece(self, key: str) -> None:
         """Block until ``key``'s device-to-host copy has landed (the checksums of the pieces copied
-        first start while the later ones are still copying)."""
+        first start while the later ones are still copying). Raises what the CUDA wait raised."""
         ev = self.landed.get(key)
         if ev is not None:
-            _wait(ev)
+            landing = self._landing()
+            landing.wait(landing.index[id(ev)])
+
+    def _landing(self) -> Landing:
+        if self._waiter is None:
+            self._waiter = Landing(list(self.landed.values()))
+        return self._waiter
 
     def staged(self) -> None:
         """Make the current stream wait for the device-to-host copies (deferred snapshots: call on the
@@ -84,16 +91,54 @@ LANDED_EVERY = 64 << 20  # GPU bytes copied between two "landed" events (see Sna
 
 
 def _wait(ev: Any) -> None:
-    """Wait for a CUDA event by polling with short sleeps: ``Event.synchronize`` spins a core per
-    waiting thread under CUDA's default schedule, and up to 8 checksum threads wait at once. (Events
-    made with ``blocking=True`` sleep in ``synchronize`` instead; measured on the H200 host they
-    tripled the training thread's part of each memory checkpoint, 15-16 ms against 4.4 ms, and did
-    not make launch-bound steps faster.)"""
+    """Wait for a CUDA event by polling with short sleeps (:meth:`Snapshot.ready`, once per memory
+    checkpoint, after the copies it waits for have landed: one poll)."""
     while not ev.query():
         time.sleep(POLL_S)
 
 
 POLL_S = 0.0005
+
+
+class Landing:
+    """One thread that waits for a snapshot's "landed" events in order, in ``Event.synchronize()``,
+    which holds no GIL, and wakes the waiters of each as it lands.
+
+    Why: the checksum threads used to poll the events themselves every 0.5 ms. A poll needs the GIL;
+    while the training thread runs Python without pause (a launch-bound step) each poll waited out
+    the switch interval and then forced the training thread to hand the GIL over. On the H100 host,
+    a launch-bound step with 8 checksum threads slowed 1.05x when they started after all the copies
+    and 1.12x when each polled for its piece (docs/BENCHMARKS.md, "Memory tier, third pass"). Here the
+    GIL is taken once per event (an event every 64 MiB) by this thread and once per piece by its
+    checksum thread. ``synchronize`` spins one core (CUDA's default schedule) for the ~155 ms the
+    copies of 8 GB take."""
+
+    def __init__(self, events: list[Any]):
+        self.events = list({id(ev): ev for ev in events}.values())  # distinct, in order
+        self.index = {id(ev): i for i, ev in enumerate(self.events)}
+        self._flags = [threading.Event() for _ in self.events]
+        self._error: BaseException | None = None
+        self._failed_at = len(self.events)  # the first event whose wait raised
+        threading.Thread(target=self._run, daemon=True, name="ckpt-memory-tier-landing").start()
+
+    def _run(self) -> None:
+        for i, (ev, flag) in enumerate(zip(self.events, self._flags, strict=True)):
+            try:
+                ev.synchronize()
+            except BaseException as e:  # noqa: BLE001 - a CUDA error: the waiters of it and of later ones raise it
+                self._error, self._failed_at = e, i
+                for f in self._flags[i:]:
+                    f.set()
+                return
+            flag.set()
+
+    def wait(self, i: int) -> None:
+        """Block until event ``i`` (in landing order) has landed; raise the CUDA wait's error if that
+        event's wait, or an earlier one's, failed."""
+        self._flags[i].wait()
+        if i >= self._failed_at:
+            assert self._error is not None
+            raise self._error
 
 
 class HostSnapshots:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -198,33 +199,75 @@ def test_a_manifest_naming_a_file_outside_the_copy_is_not_read_by_the_fast_path(
     tier.clear()
 
 
+class _Ev:
+    """A CUDA event's ``synchronize()`` for :class:`ckpt.tier.snapshot.Landing`: returns once ``go``
+    is set, or raises ``fail``; counts its waits."""
+
+    def __init__(self, fail: BaseException | None = None, go: bool = True):
+        self.fail, self.waits, self.go = fail, 0, threading.Event()
+        if go:
+            self.go.set()
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.go.wait()
+        if self.fail is not None:
+            raise self.fail
+
+
 def test_the_background_waits_for_the_first_copy_to_land_and_no_more() -> None:
     from ckpt.tier.snapshot import Snapshot
 
-    class Ev:  # a CUDA event's query(): done after `after` polls (None: never)
-        def __init__(self, after: int | None):
-            self.after, self.polls = after, 0
-
-        def query(self) -> bool:
-            self.polls += 1
-            return self.after is not None and self.polls > self.after
-
-    first, later = Ev(3), Ev(None)
+    first, later = _Ev(), _Ev(go=False)
     snap = Snapshot({}, landed={"a": first, "b": first, "c": later})
-    snap.first_landed()  # returns although "c" never lands
-    assert first.polls == 4 and later.polls == 0
+    snap.first_landed()  # returns although "c" has not landed
+    snap.wait_piece("b")
+    assert first.waits == 1  # one wait per event, however many pieces it covers
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (snap.wait_piece("c"), done.set()), daemon=True)
+    t.start()
+    assert not done.wait(0.05)  # "c" waits for its own event
+    later.go.set()
+    assert done.wait(5) and later.waits == 1
     Snapshot({}).first_landed()  # CPU pieces: no events, nothing to wait for
+    Snapshot({}).wait_piece("x")
 
 
-def test_a_copy_that_never_lands_skips_the_step_and_keeps_the_last(shm: str, monkeypatch: Any) -> None:
+def test_a_failing_copy_wait_raises_for_its_pieces_and_the_later_ones_only() -> None:
     from ckpt.tier.snapshot import Snapshot
 
+    boom = RuntimeError("CUDA error: an illegal memory access was encountered")
+    evs = [_Ev(), _Ev(fail=boom), _Ev()]
+    snap = Snapshot({}, landed={"a": evs[0], "b": evs[1], "c": evs[2]})
+    snap.wait_piece("a")  # landed before the failure
+    for key in ("b", "c"):
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            snap.wait_piece(key)
+    assert evs[2].waits == 0  # nothing waited for after the failure
+    snap.first_landed()
+
+
+@pytest.mark.parametrize("where", ["first copy", "a later copy, while the first ones are checksummed"])
+def test_a_copy_that_never_lands_skips_the_step_and_keeps_the_last(shm: str, monkeypatch: Any, where: str) -> None:
+    from ckpt.tier.snapshot import HostSnapshots, Snapshot
+
     tier, _url = _saved(shm, (1,))
+    boom = RuntimeError("CUDA error: an illegal memory access was encountered")
+    if where == "first copy":
+        def broken(self: Snapshot) -> None:
+            raise boom
 
-    def broken(self: Snapshot) -> None:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        monkeypatch.setattr(Snapshot, "first_landed", broken)
+    else:  # CPU pieces have no copy events: give them some, the second one failing
+        take = HostSnapshots.take
 
-    monkeypatch.setattr(Snapshot, "first_landed", broken)
+        def with_events(self: HostSnapshots, flat: dict[str, Any], **kw: Any) -> Snapshot:
+            snap = take(self, flat, **kw)
+            keys = [k for k, v in snap.flat.items() if isinstance(v, torch.Tensor)]
+            snap.landed = {k: _Ev(fail=boom if i == 1 else None) for i, k in enumerate(keys)}
+            return snap
+
+        monkeypatch.setattr(HostSnapshots, "take", with_events)
     with pytest.warns(RuntimeWarning, match="skipped on every rank"):
         got = tier.save(2, state_of(2))
     assert not got.complete and "illegal memory access" in (got.warning or "")
