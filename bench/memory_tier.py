@@ -25,7 +25,7 @@ Four measurements, each with its peer or physical limit measured in the same run
    thread's stall (waiting for the previous one + the snapshot) and the background time per memory
    checkpoint. The first two memory checkpoints (they allocate and pin the slots) are not timed.
 
-    python -m bench memory-tier [--size-gb 0.25] [--device cpu|cuda] [--repeats 3] [--json FILE]
+    python -m bench memory-tier [--size-gb 0.25] [--device cpu|cuda] [--dtype mixed|bf16] [--repeats 3] [--json FILE]
         [--only peer,recovery,restore,snapshot]
 """
 
@@ -51,6 +51,9 @@ PARTS = ("peer", "recovery", "restore", "snapshot")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-gb", type=float, default=0.25, help="state size in GiB (default 0.25; 8 on an H100)")
     p.add_argument("--tensors", type=int, default=64, help="tensors in the state (default 64)")
+    p.add_argument("--dtype", choices=("mixed", "bf16"), default="mixed",
+                   help="the state's tensors for 'restore' and 'snapshot': fp32 and bf16 alternating (default), or "
+                        "all bf16 (the same shapes in bytes)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
     p.add_argument("--repeats", type=int, default=3, help="repeats per contender (default 3)")
     p.add_argument("--steps", type=int, default=24, help="training steps of each recovery run (default 24)")
@@ -76,6 +79,20 @@ def _device(name: str) -> torch.device:
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def _state(size_gb: float, n_tensors: int, dtype: str, dev: torch.device) -> dict[str, torch.Tensor]:
+    """``bench.save_load.make_state`` on ``dev``; with ``dtype="bf16"`` its fp32 tensors become bf16
+    ones of the same bytes (twice the columns), so both kinds of state have the same sizes."""
+    from bench.save_load import make_state
+
+    state = make_state(int(size_gb * (1 << 30)), n_tensors)
+    if dtype == "bf16":
+        g = torch.Generator().manual_seed(1)
+        state = {k: (v if v.dtype == torch.bfloat16 else
+                     torch.randn(*v.shape[:-1], 2 * v.shape[-1], generator=g, dtype=torch.bfloat16))
+                 for k, v in state.items()}
+    return {k: v.to(dev) for k, v in state.items()}
 
 
 def _shm_base() -> str:
@@ -248,13 +265,14 @@ def _limit(nbytes: int, dev: torch.device) -> dict[str, float]:
     return {"memcpy_gbps": gbps(nbytes, median(times))}
 
 
-def run_restore(size_gb: float, n_tensors: int, repeats: int, dev: torch.device, disk: str | None) -> dict[str, Any]:
+def run_restore(size_gb: float, n_tensors: int, repeats: int, dev: torch.device, disk: str | None,
+                dtype: str = "mixed") -> dict[str, Any]:
     import ckpt
     from bench.gpu_io import evict
-    from bench.save_load import make_state, state_bytes
+    from bench.save_load import state_bytes
     from ckpt.tier import MemoryTier, TierConfig
 
-    state = {k: v.to(dev) for k, v in make_state(int(size_gb * (1 << 30)), n_tensors).items()}
+    state = _state(size_gb, n_tensors, dtype, dev)
     nbytes = state_bytes(state)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     shm, tmp = _shm_base(), tempfile.mkdtemp(prefix="ckpt-bench-restore-", dir=disk)
@@ -327,7 +345,7 @@ def run_restore(size_gb: float, n_tensors: int, repeats: int, dev: torch.device,
 # --- 4. snapshot: the training thread's stall ----------------------------------------------------
 
 def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device, step_ms: float,
-                 matmul: int = 512) -> dict[str, Any]:
+                 matmul: int = 512, dtype: str = "mixed") -> dict[str, Any]:
     """Four contenders in alternating blocks of 5 steps, ``repeats`` blocks each: no memory
     checkpoint ("off"); the same device-to-host copies of the state with no ckpt code ("copies":
     into preallocated pinned buffers on a side stream, fenced before the update as the tier's are;
@@ -336,14 +354,14 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
     Besides the medians of all steps, each block is compared with the "off" block of its own repeat
     (paired ratios): the GPU's clocks drift by more than the effect over a run, and neighbouring
     blocks share it."""
-    from bench.save_load import make_state, state_bytes
+    from bench.save_load import state_bytes
     from ckpt.checksum import crc32_parallel
     from ckpt.io import byte_view
     from ckpt.tier import MemoryTier, TierConfig
     from ckpt.tier.fastload import workers_for_restore
     from ckpt.tier.inplace import CRC_NICE
 
-    state = {k: v.to(dev) for k, v in make_state(int(size_gb * (1 << 30)), n_tensors).items()}
+    state = _state(size_gb, n_tensors, dtype, dev)
     a = torch.randn(matmul, matmul, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     a /= matmul ** 0.5  # keeps x @ a bounded step after step
     cuda = dev.type == "cuda"
@@ -489,7 +507,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
         return 2
     out: dict[str, Any] = {"size_gb": args.size_gb, "tensors": args.tensors, "repeats": args.repeats,
-                           "machine": machine_info(args.dir or tempfile.gettempdir())}
+                           "dtype": args.dtype, "machine": machine_info(args.dir or tempfile.gettempdir())}
     t0 = time.perf_counter()
     # the forked and launched parts first: the parent stays CUDA-free until then
     if "peer" in parts:
@@ -499,9 +517,10 @@ def main(args: argparse.Namespace) -> int:
     dev = _device(args.device)
     out["device"] = str(dev)
     if "restore" in parts:
-        out["restore"] = run_restore(args.size_gb, args.tensors, args.repeats, dev, args.dir)
+        out["restore"] = run_restore(args.size_gb, args.tensors, args.repeats, dev, args.dir, args.dtype)
     if "snapshot" in parts:
-        out["snapshot"] = run_snapshot(args.size_gb, args.tensors, args.repeats, dev, args.step_ms, args.matmul)
+        out["snapshot"] = run_snapshot(args.size_gb, args.tensors, args.repeats, dev, args.step_ms, args.matmul,
+                                       args.dtype)
     out["wall_s"] = time.perf_counter() - t0
     print(f"done in {out['wall_s']:.0f} s")
     if args.json_out:

@@ -25,3 +25,18 @@ def test_snapshot_bench_on_cpu(tmp_path: Path) -> None:
         assert got["paired_ratio"][m] == statistics.median(ratios)
     assert len(got["records"]) == 3 and all(r["complete"] for r in got["records"])
     assert len(got["stall_s"]) == 15 and got["bytes"] > 0.004 * 2**30 * 0.9
+
+
+def test_bf16_state_has_the_mixed_states_bytes_in_bf16_only() -> None:
+    import torch
+
+    from bench.memory_tier import _state
+
+    mixed = _state(0.002, 6, "mixed", torch.device("cpu"))
+    bf16 = _state(0.002, 6, "bf16", torch.device("cpu"))
+    assert {v.dtype for v in mixed.values()} == {torch.float32, torch.bfloat16}
+    assert {v.dtype for v in bf16.values()} == {torch.bfloat16} and list(bf16) == list(mixed)
+    def sizes(state: dict[str, torch.Tensor]) -> list[int]:
+        return [v.numel() * v.element_size() for v in state.values()]
+
+    assert sizes(bf16) == sizes(mixed)
