@@ -122,8 +122,15 @@ class Landing:
         threading.Thread(target=self._run, daemon=True, name="ckpt-memory-tier-landing").start()
 
     def _run(self) -> None:
+        current = None
         for i, (ev, flag) in enumerate(zip(self.events, self._flags, strict=True)):
             try:
+                dev = getattr(ev, "device", None)
+                if isinstance(dev, torch.device) and dev.type == "cuda" and dev != current:
+                    # a new thread's current device is 0: without this, a rank on another GPU
+                    # would make a CUDA context on GPU 0 for the wait
+                    torch.cuda.set_device(dev)
+                    current = dev
                 ev.synchronize()
             except BaseException as e:  # noqa: BLE001 - a CUDA error: the waiters of it and of later ones raise it
                 self._error, self._failed_at = e, i
