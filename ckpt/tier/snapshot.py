@@ -75,9 +75,10 @@ class Snapshot:
             landing.wait(landing.index[id(ev)])
 
     def _landing(self) -> Landing:
-        if self._waiter is None:
-            self._waiter = Landing(list(self.landed.values()))
-        return self._waiter
+        with _LANDING_LOCK:  # checksum threads may ask first, at once: one waiter thread all the same
+            if self._waiter is None:
+                self._waiter = Landing(list(self.landed.values()))
+            return self._waiter
 
     def staged(self) -> None:
         """Make the current stream wait for the device-to-host copies (deferred snapshots: call on the
@@ -87,6 +88,7 @@ class Snapshot:
             torch.cuda.current_stream(dev).wait_event(ev)
 
 
+_LANDING_LOCK = threading.Lock()
 LANDED_EVERY = 64 << 20  # GPU bytes copied between two "landed" events (see Snapshot.wait_piece)
 
 

@@ -233,6 +233,22 @@ def test_the_background_waits_for_the_first_copy_to_land_and_no_more() -> None:
     Snapshot({}).wait_piece("x")
 
 
+def test_pieces_waited_for_at_once_share_one_waiting_thread() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt.tier.snapshot import Snapshot
+
+    evs = [_Ev(go=False) for _ in range(4)]
+    snap = Snapshot({}, landed={f"k{i}": ev for i, ev in enumerate(evs)})
+    with ThreadPoolExecutor(8) as ex:
+        waits = [ex.submit(snap.wait_piece, f"k{i % 4}") for i in range(16)]
+        for ev in evs:
+            ev.go.set()
+        for w in waits:
+            w.result(timeout=5)
+    assert [ev.waits for ev in evs] == [1, 1, 1, 1]  # one Landing: each event waited for once
+
+
 def test_a_failing_copy_wait_raises_for_its_pieces_and_the_later_ones_only() -> None:
     from ckpt.tier.snapshot import Snapshot
 
