@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,21 +39,22 @@ from ckpt.shards import PerRank
 @dataclass(slots=True)
 class Snapshot:
     """One memory checkpoint's host copy: ``flat`` as :func:`ckpt.tier.store.localize` made it, with
-    every tensor replaced by its host buffer and every object by a deep copy. ``events``: CUDA events
-    to synchronize on before reading the buffers (empty on CPU)."""
+    every tensor replaced by its host buffer and every object by a deep copy. ``landed``: the CUDA
+    events to wait for before reading the buffers (empty on CPU)."""
 
     flat: dict[str, Any]
     nbytes: int = 0
-    events: list[Any] = field(default_factory=list)
     slot: Any = None  # the ckpt.tier.slots.Slot the buffers live in, if any
     fences: list[tuple[Any, Any]] = field(default_factory=list)  # (device, event) the current stream still owes
     landed: dict[str, Any] = field(default_factory=dict)  # key -> the event after its copy (GPU pieces)
     _waiter: Landing | None = None  # started by the first wait on ``landed``
 
     def ready(self) -> None:
-        """Block until the device-to-host copies have landed (call on the background thread)."""
-        for ev in self.events:
-            _wait(ev)
+        """Block until every device-to-host copy has landed (call on the background thread). Raises
+        what the CUDA wait raised."""
+        if self.landed:
+            landing = self._landing()
+            landing.wait(len(landing.events) - 1)  # waited in order: the last one landed, all did
 
     def first_landed(self) -> None:
         """Block until the first GPU copies have landed (nothing on CPU); the background thread calls
@@ -90,16 +90,6 @@ class Snapshot:
 
 _LANDING_LOCK = threading.Lock()
 LANDED_EVERY = 64 << 20  # GPU bytes copied between two "landed" events (see Snapshot.wait_piece)
-
-
-def _wait(ev: Any) -> None:
-    """Wait for a CUDA event by polling with short sleeps (:meth:`Snapshot.ready`, once per memory
-    checkpoint, after the copies it waits for have landed: one poll)."""
-    while not ev.query():
-        time.sleep(POLL_S)
-
-
-POLL_S = 0.0005
 
 
 class Landing:
@@ -203,15 +193,13 @@ class HostSnapshots:
             self._copy_cuda(dev, [(k, bufs[k], flat[k].detach()) for k in keys], starts, landed)
         for k in on_cpu:
             bufs[k].copy_(flat[k].detach())
-        events = []
         fences = []
         for dev in starts:
             ev = torch.cuda.Event()
             ev.record(self._streams[dev])
-            events.append(ev)
             fences.append((dev, ev))
         nbytes = sum(out[k].numel() * out[k].element_size() for k in tensors)
-        snap = Snapshot(out, nbytes, events, slot=slot, fences=fences, landed=landed)
+        snap = Snapshot(out, nbytes, slot=slot, fences=fences, landed=landed)
         if not deferred:
             snap.staged()  # later in-place updates wait for the copies
         return snap

@@ -149,12 +149,14 @@ def step(mode, carry):
 # paced variant: copies gated by events inside next step's work; implement by hooking
 from ckpt.tier import snapshot as SN
 _new = (SN.Snapshot.first_landed, SN.Snapshot.wait_piece)
+def _poll(ev):
+    while not ev.query(): time.sleep(0.0005)
 def _old_first(self):
     for ev in self.landed.values():
-        SN._wait(ev); return
+        _poll(ev); return
 def _old_piece(self, key):
     ev = self.landed.get(key)
-    if ev is not None: SN._wait(ev)
+    if ev is not None: _poll(ev)
 
 def run_block(mode):
     if mode == "tierpoll":

@@ -227,10 +227,14 @@ def test_the_background_waits_for_the_first_copy_to_land_and_no_more() -> None:
     t = threading.Thread(target=lambda: (snap.wait_piece("c"), done.set()), daemon=True)
     t.start()
     assert not done.wait(0.05)  # "c" waits for its own event
+    ready = threading.Event()
+    threading.Thread(target=lambda: (snap.ready(), ready.set()), daemon=True).start()
+    assert not ready.wait(0.05)  # ready(): every copy, "c" too
     later.go.set()
-    assert done.wait(5) and later.waits == 1
+    assert done.wait(5) and ready.wait(5) and later.waits == 1
     Snapshot({}).first_landed()  # CPU pieces: no events, nothing to wait for
     Snapshot({}).wait_piece("x")
+    Snapshot({}).ready()
 
 
 def test_pieces_waited_for_at_once_share_one_waiting_thread() -> None:
@@ -261,6 +265,8 @@ def test_a_failing_copy_wait_raises_for_its_pieces_and_the_later_ones_only() -> 
             snap.wait_piece(key)
     assert evs[2].waits == 0  # nothing waited for after the failure
     snap.first_landed()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        snap.ready()
 
 
 @pytest.mark.parametrize("where", ["first copy", "a later copy, while the first ones are checksummed"])
