@@ -159,16 +159,12 @@ MAP_GAP = 1 << 20
 
 
 def _mapper(storage: Storage) -> Callable[[str, int, int], tuple[mmap.mmap, int] | None] | None:
-    """``storage.map_range`` where its class defines one, else None.
+    """``storage.map_range`` where the storage maps files (``maps_files``), else None.
 
-    Looked up on the class, not the instance: a wrapper that forwards unknown attributes to the
-    storage it wraps (``VerifyingReads`` sees every byte read, through ``read_into``/``readv``) must
-    not be bypassed by a map of the files underneath it.
+    A wrapper that must see every byte read (``VerifyingReads``, through ``read_into``/``readv``)
+    keeps the base class's ``maps_files = False``, so a map of the files underneath never bypasses it.
     """
-    if getattr(type(storage), "map_range", None) is None:
-        return None
-    fn: Callable[[str, int, int], tuple[mmap.mmap, int] | None] = storage.map_range  # type: ignore[attr-defined]
-    return fn
+    return storage.map_range if storage.maps_files else None
 
 
 def read_gap(storage: Storage) -> int:
@@ -177,11 +173,11 @@ def read_gap(storage: Storage) -> int:
     Where ``run_read_plan`` maps the files (local storage), unneeded bytes between two runs cost
     nothing until touched: planning with a wide gap gives one range per op instead of one per run
     (a column block of row-major shards is one short run per row: ~0.2 M ranges per GB to build).
-    Elsewhere the storage's ``coalesce_gap`` (4096 if it has none).
+    Elsewhere the storage's ``coalesce_gap``.
     """
-    if _mapper(storage) is not None:
+    if storage.maps_files:
         return MAP_GAP
-    return int(getattr(storage, "coalesce_gap", 4096))
+    return int(storage.coalesce_gap)
 
 
 def default_workers(storage: Storage, world: int) -> int:
@@ -269,12 +265,8 @@ def run_read_plan(storage: Storage, plan: ReadPlan, targets: list[torch.Tensor],
             local.buf = torch.empty(max(op.length, 1 << 20), dtype=torch.uint8)
         buf = local.buf[: op.length]
         mv = byte_view(buf)
-        if len(op.ranges) > 1 and hasattr(storage, "readv"):
+        if len(op.ranges) > 1:  # preadv locally; parallel ranged GETs on object stores
             storage.readv(op.file, op.ranges, mv, op.start)
-        elif len(op.ranges) > 1 and hasattr(storage, "read_ranges"):
-            # Object stores: the ranges of one op go out as parallel ranged GETs.
-            for (fo, n), data in zip(op.ranges, storage.read_ranges(op.file, op.ranges), strict=True):
-                mv[fo - op.start : fo - op.start + n] = data
         else:
             for fo, n in op.ranges:
                 storage.read_into(op.file, fo, mv[fo - op.start : fo - op.start + n])

@@ -225,8 +225,8 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
 
     def plan_reads(reqs: list[LoadRequest], contiguous: list[bool] | None = None) -> ReadPlan:
         return plan_load(manifest, reqs, contiguous_targets=contiguous or [True] * len(reqs), max_read=max_read,
-                         max_gap=max_gap, max_waste=getattr(storage, "coalesce_waste", None),
-                         merge_direct=bool(getattr(storage, "merge_direct", False)))
+                         max_gap=max_gap, max_waste=storage.coalesce_waste,
+                         merge_direct=storage.merge_direct)
 
     plan = plan_reads(requests, direct)
     t1 = time.perf_counter()

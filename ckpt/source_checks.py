@@ -10,8 +10,9 @@ is handed to the checks.
 from __future__ import annotations
 
 import bisect
+import builtins
 import threading
-from typing import Any
+from collections.abc import Sequence
 
 from ckpt.checksum import crc32, crc32_combine
 from ckpt.errors import IntegrityError
@@ -171,35 +172,39 @@ class SourceChecks:
             c.finish(storage, buf, self.url)
 
 
-class VerifyingReads:
-    """``storage`` for the read planner, handing every byte range it reads to ``checks.saw``."""
+class VerifyingReads(Storage):
+    """``storage`` for the read planner, handing every byte range it reads to ``checks.saw``.
+
+    A :class:`Storage` of its own, so that capabilities it does not pass on keep the base class's
+    defaults: it never maps files (``maps_files`` False), since a map would bypass the checks."""
 
     def __init__(self, storage: Storage, checks: SourceChecks):
         self.inner, self.checks, self.url = storage, checks, storage.url
-        # The optional methods and attributes only where the backend has them: run_read_plan picks
-        # its strategy (readv, parallel read_ranges, coalescing) by their presence.
-        if hasattr(storage, "coalesce_gap"):
-            self.coalesce_gap = storage.coalesce_gap
-        if hasattr(storage, "readv"):
-            self.readv = self._readv
-        if hasattr(storage, "read_ranges"):
-            self.read_ranges = self._read_ranges
+        self.coalesce_gap, self.coalesce_waste = storage.coalesce_gap, storage.coalesce_waste
+        self.merge_direct = storage.merge_direct
+
+    def read_file(self, path: str) -> bytes:
+        return self.inner.read_file(path)
+
+    def size(self, path: str) -> int | None:
+        return self.inner.size(path)
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        return self.inner.list(prefix)
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         self.inner.read_into(path, offset, buf)
         self.checks.saw(path, offset, memoryview(buf).cast("B"))
 
-    def _readv(self, path: str, ranges: list[tuple[int, int]], buf: memoryview, base: int) -> None:
-        self.inner.readv(path, ranges, buf, base)  # type: ignore[attr-defined]
+    def readv(self, path: str, ranges: Sequence[tuple[int, int]], buf: memoryview, base: int) -> None:
+        self.inner.readv(path, ranges, buf, base)
         mv = memoryview(buf).cast("B")
         for off, n in ranges:
             self.checks.saw(path, off, mv[off - base : off - base + n])
 
-    def _read_ranges(self, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        out = list(self.inner.read_ranges(path, ranges))  # type: ignore[attr-defined]
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> builtins.list[bytes]:
+        out = builtins.list(self.inner.read_ranges(path, ranges))
         for (off, _), data in zip(ranges, out, strict=True):
             self.checks.saw(path, off, memoryview(data).cast("B"))
         return out
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

@@ -19,6 +19,7 @@ from ckpt.manifest import entry_name
 from ckpt.planner import LoadRequest, PieceDecl, RankDecl, plan_load, plan_save
 from ckpt.regions import check_tiling, sub_region
 from ckpt.shards import Box, Flat, Region
+from ckpt.storage.base import Storage
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -62,7 +63,7 @@ def case(draw):
     return shape, src, dst, dtype, ranks, replicas
 
 
-class MemStorage:
+class MemStorage(Storage):
     """Just enough of the Storage protocol to execute plans in memory."""
 
     url = "mem"

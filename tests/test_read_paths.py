@@ -31,6 +31,7 @@ from ckpt.load import fetch_manifest
 from ckpt.planner import LoadRequest, PieceDecl, RankDecl, ReadPlan, plan_load, plan_save
 from ckpt.shards import Box, Flat, Region
 from ckpt.source_checks import SourceChecks, VerifyingReads
+from ckpt.storage.base import Storage
 from ckpt.storage.local import LocalStorage
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -43,7 +44,7 @@ class ReadOnlyLocal(LocalStorage):
         return None
 
 
-class PlainReads:
+class PlainReads(Storage):
     """A storage with ``read_into`` only (no map, no readv): one read per planned range."""
 
     def __init__(self, inner: LocalStorage):

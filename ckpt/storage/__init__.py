@@ -21,8 +21,8 @@ def get_storage(url: str, **storage_options: Any) -> Storage:
     """Return the backend for ``url``: a local path / ``file://``, ``s3://bucket/prefix``, or any fsspec URL.
 
     ``storage_options`` go to the backend (for S3 see :mod:`ckpt.storage.s3`; for other fsspec
-    URLs, to the fsspec filesystem). Backends may expose ``coalesce_gap`` (bytes of unneeded data
-    worth reading to merge two ranges; 0 on S3) and ``read_ranges(path, [(offset, length), ...])``.
+    URLs, to the fsspec filesystem). Every backend is a :class:`Storage` (its capabilities are
+    attributes and methods with working defaults there).
 
     Raises ImportError with an install hint when the backend's extra is missing, StorageError for
     a protocol nobody knows.
@@ -50,14 +50,6 @@ def get_storage(url: str, **storage_options: Any) -> Storage:
 
 
 def read_ranges(storage: Storage, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-    """Bytes of each ``(offset, length)`` range of ``path``: the backend's parallel ``read_ranges``
-    when it has one (S3, fsspec), else one ``read_into`` per range. StorageError if any is short."""
-    fn = getattr(storage, "read_ranges", None)
-    if fn is not None:
-        return list(fn(path, ranges))
-    out: list[bytes] = []
-    for offset, length in ranges:
-        buf = bytearray(length)
-        storage.read_into(path, offset, memoryview(buf))
-        out.append(bytes(buf))
-    return out
+    """Bytes of each ``(offset, length)`` range of ``path`` (``storage.read_ranges``: parallel ranged
+    reads on object stores, one ``read_into`` per range elsewhere). StorageError if any is short."""
+    return list(storage.read_ranges(path, ranges))

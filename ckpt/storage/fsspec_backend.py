@@ -1,15 +1,24 @@
-"""Generic backend for any fsspec URL (``memory://`` in tests, and others fsspec reaches)."""
+"""Generic backend for any fsspec URL (``memory://`` in tests, and others fsspec reaches).
+
+Every request goes through the same :class:`~ckpt.storage.retry.RetryPolicy` as S3's (storage options
+``retries``, ``retry_base_delay``, ``retry_max_delay``): throttling, 5xx and dropped connections are
+retried with backoff, a missing file or a denied request fails at once. Streaming writes are not
+retried (their bytes are gone once handed over); whole-object commits are.
+"""
 
 from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from ckpt.errors import CheckpointExistsError, StorageError
+from ckpt.storage.base import Storage
+from ckpt.storage.retry import RetryPolicy
 
 _COMMIT_LOCK = threading.RLock()
+T = TypeVar("T")
 
 
 class FsspecWriter:
@@ -51,7 +60,13 @@ class FsspecWriter:
             pass
 
 
-class FsspecStorage:
+def _missing(url: str, path: str) -> Callable[[BaseException], Any]:
+    def fail(e: BaseException) -> Any:
+        raise StorageError(f"{url}/{path}: file is missing; the checkpoint is incomplete (run `ckpt verify`)") from None
+    return fail
+
+
+class FsspecStorage(Storage):
     """A checkpoint prefix on an fsspec filesystem."""
 
     coalesce_gap = 4096  # bytes of unneeded data worth reading to merge two ranges into one request
@@ -59,9 +74,15 @@ class FsspecStorage:
     def __init__(self, url: str, **storage_options: Any):
         import fsspec
 
+        opts = dict(storage_options)
+        self.retry = RetryPolicy.from_options(opts)
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **opts)
         self.root = self.root.rstrip("/")
+
+    def _call(self, path: str, op: str, fn: Callable[[], T],
+              not_found: Callable[[BaseException], T] | None = None) -> T:
+        return self.retry.call(fn, what=f"{self.url}/{path}", op=op, not_found=not_found)
 
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
@@ -71,12 +92,8 @@ class FsspecStorage:
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         mv = memoryview(buf).cast("B")
-        try:
-            data = self.fs.cat_file(self._full(path), start=offset, end=offset + len(mv))
-        except FileNotFoundError:
-            raise StorageError(f"{self.url}/{path}: file is missing; the checkpoint is incomplete") from None
-        except Exception as e:
-            raise StorageError(f"{self.url}/{path}: ranged read at {offset} failed ({e})") from e
+        data = self._call(path, f"ranged read at {offset}", lambda: self.fs.cat_file(
+            self._full(path), start=offset, end=offset + len(mv)), not_found=_missing(self.url, path))
         if len(data) != len(mv):
             raise StorageError(f"{self.url}/{path}: file ends before byte {offset + len(mv)}; it is truncated")
         mv[:] = data
@@ -86,11 +103,8 @@ class FsspecStorage:
         if not ranges:
             return []
         full = self._full(path)
-        try:
-            got = self.fs.cat_ranges([full] * len(ranges), [o for o, _ in ranges], [o + n for o, n in ranges],
-                                     on_error="return")
-        except Exception as e:
-            raise StorageError(f"{self.url}/{path}: ranged reads failed ({e})") from e
+        got = self._call(path, "ranged reads", lambda: self.fs.cat_ranges(
+            [full] * len(ranges), [o for o, _ in ranges], [o + n for o, n in ranges], on_error="return"))
         out: list[bytes] = []
         for (offset, length), data in zip(ranges, got, strict=True):
             if isinstance(data, FileNotFoundError):
@@ -103,37 +117,25 @@ class FsspecStorage:
         return out
 
     def read_file(self, path: str) -> bytes:
-        try:
-            return bytes(self.fs.cat_file(self._full(path)))
-        except FileNotFoundError:
-            raise StorageError(f"{self.url}/{path}: file not found") from None
-        except Exception as e:
-            raise StorageError(f"{self.url}/{path}: read failed ({e})") from e
+        return bytes(self._call(path, "read", lambda: self.fs.cat_file(self._full(path)),
+                                not_found=_missing(self.url, path)))
 
     def size(self, path: str) -> int | None:
-        try:
-            return int(self.fs.info(self._full(path))["size"])
-        except FileNotFoundError:
-            return None
+        info = self._call(path, "stat", lambda: self.fs.info(self._full(path)), not_found=lambda e: None)
+        return None if info is None else int(info["size"])
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(self._full(path)))
+        return bool(self._call(path, "exists", lambda: self.fs.exists(self._full(path))))
 
     def list(self, prefix: str = "") -> list[str]:
         base = self._full(prefix)
-        try:
-            found = self.fs.find(base)
-        except FileNotFoundError:
-            return []
+        found = self._call(prefix, "list", lambda: self.fs.find(base), not_found=lambda e: [])
         n = len(self.root) + 1
         return sorted(p[n:] if p.startswith(self.root + "/") else p for p in found
                       if (p if p.startswith("/") else "/" + p).startswith("/" + self.root.lstrip("/")))
 
     def delete(self, path: str) -> None:
-        try:
-            self.fs.rm_file(self._full(path))
-        except FileNotFoundError:
-            pass
+        self._call(path, "delete", lambda: self.fs.rm_file(self._full(path)), not_found=lambda e: None)
 
     def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         """One whole-object write (atomic for readers on object stores: they have no rename).
@@ -144,16 +146,19 @@ class FsspecStorage:
         """
         if exclusive:
             with _COMMIT_LOCK:
-                if self.fs.exists(self._full(path)):
+                if self.exists(path):
                     raise CheckpointExistsError(f"{self.url}/{path}: already exists; nothing of this save was "
                                                 "committed (pass overwrite=True to replace it)")
                 self.commit(path, data)
             return
-        try:
+        def put() -> None:
             with self.fs.open(self._full(path), "wb") as f:
                 f.write(io.BytesIO(data).getbuffer())
-        except Exception as e:
-            raise StorageError(f"{self.url}/{path}: commit failed ({e}); the checkpoint is not committed") from e
+
+        try:
+            self._call(path, "commit", put)
+        except StorageError as e:
+            raise StorageError(f"{e}; the checkpoint is not committed") from e.__cause__
 
     def close(self) -> None:
         pass

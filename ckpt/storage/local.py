@@ -7,8 +7,10 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Sequence
 
 from ckpt.errors import CheckpointExistsError, ManifestError, StorageError
+from ckpt.storage.base import Storage
 
 
 def _fsync_dir(path: str) -> None:
@@ -114,14 +116,16 @@ class LocalWriter:
             pass
 
 
-class LocalStorage:
+class LocalStorage(Storage):
     """A checkpoint directory on a local (or network-mounted POSIX) filesystem."""
 
     coalesce_gap = 4096  # merge ranges a page apart: with many ranks, copied bytes cost more than syscalls
+    maps_files = True
 
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self.url = self.root
+        self.local_dir = self.root
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -173,7 +177,7 @@ class LocalStorage:
         except OSError as e:
             raise StorageError(f"{os.path.join(self.root, path)}: read failed at {offset} ({e.strerror})") from e
 
-    def readv(self, path: str, ranges: list[tuple[int, int]], buf: memoryview, base: int) -> None:
+    def readv(self, path: str, ranges: Sequence[tuple[int, int]], buf: memoryview, base: int) -> None:
         """Fill ``buf[off - base : off - base + n]`` for each ``(off, n)`` of ``path``: one
         ``preadv`` per range with no per-call overhead beyond it (many small runs of a reshard)."""
         fd = self._fd(path)

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 from ckpt.checksum import crc32
 from ckpt.errors import CheckpointExistsError, StorageError
+from ckpt.storage.base import Storage
 from ckpt.storage.retry import RetryPolicy, describe, http_error, is_not_found, is_retryable
 
 T = TypeVar("T")
@@ -215,7 +216,7 @@ class S3Writer:
             self.pool = None
 
 
-class S3Storage:
+class S3Storage(Storage):
     """A checkpoint prefix in an S3 bucket (AWS or any S3-compatible endpoint)."""
 
     # Unneeded bytes worth reading to merge two ranges into one GET. A GET costs a round trip

@@ -28,6 +28,7 @@ from ckpt.layout import Layout
 from ckpt.manifest import Manifest, ShardEntry, TensorEntry
 from ckpt.resharders.reshard import reshard
 from ckpt.shards import full_box
+from ckpt.storage.base import Storage
 from ckpt.storage.local import LocalStorage
 from tests.resharders.moe_states import TINY, metadata, save_single
 
@@ -224,7 +225,7 @@ def test_crc32_combine() -> None:
         assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == want
 
 
-class _Bytes:
+class _Bytes(Storage):
     """A storage of one in-memory file, counting the bytes read from it."""
 
     url = "mem"
