@@ -14,6 +14,11 @@ checkpoint replaces it (as DCP does) through ckpt's atomic commit; ``load`` rais
 ``MismatchError`` naming a requested key the checkpoint lacks (DCP raises too). Stateful values
 (``state_dict()`` / ``load_state_dict()``) are saved and restored as DCP does; rank-specific keys
 (torchtitan's ``dataloader.dp_rank_<r>``) are saved as the union of all ranks' keys.
+
+Objects come back of the same type and value as DCP gives them (``torch.dtype``, ``torch.Size``,
+``torch.device``, tuples, complex, big ints, numpy values, datetimes, ...), or are refused with a
+``StateError`` naming the key: :mod:`ckpt.formats.objects` holds the one table of what is stored
+how (every ckpt load decodes through it; checkpoints DCP wrote are read through it too).
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from typing import Any
 from ckpt.async_save import SaveHandle
 from ckpt.async_save import async_save as _async_save
 from ckpt.errors import StateError
+from ckpt.formats.objects import encode_value
 from ckpt.load import load as _load
 from ckpt.manifest import Manifest
 from ckpt.save import save as _save
-from ckpt.stateful import update_in_place
+from ckpt.shards import PerRank
+from ckpt.state import ObjectItem, flatten_state, rebuild_state
+from ckpt.stateful import expand, update_in_place
 
 
 def _url(checkpoint_id: str | os.PathLike[str] | None, **unsupported: Any) -> str:
@@ -51,7 +59,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     state alone (no collective). Raises ckpt's typed errors (``CheckpointError`` subclasses).
     """
     url = _url(checkpoint_id, storage_writer=storage_writer, planner=planner)
-    return _save(state_dict, url, group=_group(process_group, no_dist), overwrite=True)
+    return _save(_encoded(state_dict), url, group=_group(process_group, no_dist), overwrite=True)
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
@@ -100,9 +108,22 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     returns earlier, after planning, and leaves ``h.staged()`` to the caller.)
     """
     url = _url(checkpoint_id, storage_writer=storage_writer, planner=planner, async_stager=async_stager)
-    h = _async_save(state_dict, url, group=_group(process_group, no_dist), overwrite=True)
+    h = _async_save(_encoded(state_dict), url, group=_group(process_group, no_dist), overwrite=True)
     h.staged()
     return _Future(h)
+
+
+def _encoded(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (Stateful values expanded) with every object leaf in its stored form
+    (:func:`~ckpt.formats.objects.encode_value`): what DCP would torch.save and give back as is,
+    ckpt stores exactly or refuses here, before anything is written (StateError naming the key)."""
+    state = expand(state_dict)
+    values: dict[str, Any] = {}
+    for it in flatten_state(state):
+        if isinstance(it, ObjectItem):
+            stored = encode_value(it.value, key=it.key)
+            values[it.key] = PerRank(stored) if it.per_rank else stored
+    return rebuild_state(state, values) if values else state
 
 
 def _group(process_group: Any, no_dist: bool) -> Any:

@@ -45,3 +45,22 @@ class StorageError(CheckpointError):
 
 class CollectiveError(CheckpointError):
     """Another rank failed during a collective save/load; the message names that rank."""
+
+
+class ForeignFormatError(IntegrityError):
+    """Bytes another tool wrote (a pickle, DCP / DeepSpeed / Megatron metadata, a torch.save record)
+    exceed ckpt's decoding budgets or contradict themselves; the message names the file and field."""
+
+
+class UnsafePathError(StorageError, OSError):
+    """A memory-tier path is a link, not a regular file or directory, owned by another user, or
+    writable by group or others (shared memory is writable by every local user); never followed."""
+
+
+class RunInUseError(CheckpointError):
+    """Another job holds this run id's memory tier on this host: one run id, one job at a time."""
+
+
+class ConfigError(ManifestError):
+    """A JSON file from outside (a Hugging Face config.json or index, a names file) is over budget
+    (size, nesting, item count), not valid JSON, or one of its fields has the wrong type or range."""

@@ -14,6 +14,7 @@ from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.device_load import load_into_device
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest
+from ckpt.formats.objects import decode_value
 from ckpt.formats.sources import LOOKED_FOR, foreign_manifest
 from ckpt.io import default_workers, read_gap, run_read_plan, verify_shards
 from ckpt.manifest import MANIFEST_NAME, Manifest
@@ -204,10 +205,11 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
         assert isinstance(it, TensorItem)
         if it.key not in manifest.tensors:
             if it.key in manifest.objects:
+                _object_value(manifest, it.key, rank, strict)  # a foreign tensor ckpt refused raises its own error
                 raise MismatchError(f"key {it.key!r}: the checkpoint holds an object, the target is a tensor")
             continue
         dst = it.local
-        if any(st == 0 and n > 1 for st, n in zip(dst.stride(), dst.shape, strict=True)):
+        if dst.numel() and any(st == 0 and n > 1 for st, n in zip(dst.stride(), dst.shape, strict=True)):
             raise StateError(f"tensor {it.key!r}: the target is expanded (stride 0: several elements share one "
                              "memory location) and cannot hold the loaded values; pass a real tensor (e.g. .clone())")
         req = LoadRequest(it.key, it.dtype, it.global_shape, it.region)
@@ -284,9 +286,11 @@ def _object_value(manifest: Manifest, key: str, rank: int, strict: bool, verify:
             if strict:
                 raise MismatchError(f"object {key!r}: no value was saved for rank {rank}; pass strict=False to skip")
             return None
-        return decode_object(o.per_rank[rank], key=key)
+        return decode_value(decode_object(o.per_rank[rank], key=key), key=key)
     assert o.data is not None
-    return decode_object(o.data, key=key)
+    # the one object mapping (ckpt.formats.objects): tagged values come back as their own type, a
+    # foreign value ckpt refused raises its typed error here, for this key only
+    return decode_value(decode_object(o.data, key=key), key=key)
 
 
 def _nest(prefix: str, flat: dict[str, Any]) -> dict[str, Any]:

@@ -13,15 +13,25 @@ shards point at those ranges. The load planner then reads only the bytes each ra
 into any layout, exactly as for a ckpt checkpoint. DCP records no checksums: such a source is
 checked for structure and sizes only (``Manifest.source_format`` says where it came from).
 
-Non-tensor values (DCP's bytes items) are ``torch.save`` blobs too; they come back as objects when
-the restricted unpickler accepts them and msgpack can hold them, else as the blob's raw bytes
-(listed in ``user_metadata["source"]["raw_objects"]``).
+Non-tensor values (DCP's bytes items) are ``torch.save`` blobs too, read with the restricted
+unpickler and stored through ckpt's one object mapping (:mod:`ckpt.formats.objects`), so they come
+back of the type DCP gives (``torch.dtype``, numpy values, datetimes, ...). A value ckpt cannot read
+or represent exactly is kept as a refusal: loading that key raises a typed error naming it, the
+other keys load (such keys are listed in ``user_metadata["source"]["refused_objects"]``).
+
+A chunk torch.save wrote with strides (DCP saves a transposed or channels_last tensor as it is in
+memory) becomes several shards, one per contiguous run of its elements. A chunk ckpt cannot locate
+for a reason of its own (a dtype written through ``torch._utils._rebuild_tensor_v3`` (float8,
+uint16/32/64, complex32) while :mod:`~ckpt.formats.torch_pickle` does not read it; a layout of more
+than :data:`MAX_PIECES` runs) is refused for its key alone, the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +44,7 @@ from ckpt.dtypes import dtype_name, itemsize, safetensors_dtype
 from ckpt.errors import CheckpointError, IntegrityError, ManifestError
 from ckpt.formats import torch_pickle as safe_pickle
 from ckpt.formats.msgpack_codec import encode_object
+from ckpt.formats.objects import PICKLE_EXTRA, PICKLE_STUBS, encode_value, from_torch_save, refusal
 from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, HeaderEntry, parse_header
 from ckpt.manifest import Manifest, ObjectEntry, ShardEntry, TensorEntry, check_relpath
 from ckpt.shards import Box
@@ -87,27 +98,87 @@ def _storage_index(md: Any, what: str) -> dict[tuple[str, tuple[int, ...] | None
     return out
 
 
+# dtypes torch.save writes with a legacy typed storage (torch._utils._rebuild_tensor_v2); the others
+# (float8, uint16/32/64, complex32, ...) go through _rebuild_tensor_v3 over an untyped storage
+_V2_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+MAX_PIECES = 1 << 16  # contiguous runs one strided chunk may become (shards in memory); more: that key is refused
+
+
+class _Refused(CheckpointError):
+    """A chunk ckpt cannot serve for a reason of its own (not damage): its key alone is refused."""
+
+    def __init__(self, error: CheckpointError):
+        super().__init__(str(error))
+        self.error = error
+
+
 def _locate(read: Callable[[int, int], bytes], info: Any, key: str, dtype: torch.dtype, box: Box,
-            file_size: int, what: str, headers: _Headers) -> tuple[int, int]:
-    """The absolute ``(offset, length)`` of one chunk's elements inside its item's bytes."""
+            file_size: int, what: str, headers: _Headers) -> list[tuple[Box, int, int]]:
+    """One chunk's elements as ``(box, absolute offset, length)`` runs inside its item's bytes (one
+    run for a contiguous chunk; one per contiguous run of a strided one)."""
     sizes = box.lengths
-    nbytes = itemsize(dtype) * _numel(sizes)
     head = read(int(info.offset), 4) if info.length >= 4 else b""
     if head != b"PK\x03\x04":
-        return _safetensors_chunk(read, info, key, dtype, box, file_size, what, headers)
-    z = safe_pickle.load_torch(read, int(info.offset), int(info.length), what=f"{what} ({key!r})")
+        offset, length = _safetensors_chunk(read, info, key, dtype, box, file_size, what, headers)
+        return [(box, offset, length)]
+    try:
+        z = safe_pickle.load_torch(read, int(info.offset), int(info.length), what=f"{what} ({key!r})")
+    except IntegrityError as e:
+        if dtype in _V2_DTYPES:
+            raise
+        raise _Refused(IntegrityError(
+            f"{what}: {key!r}: DCP stored this {dtype} tensor through torch._utils._rebuild_tensor_v3, which ckpt's "
+            f"restricted unpickler does not read ({e}); load this key with torch.distributed.checkpoint")) from None
     refs = z.tensors()
     if len(refs) != 1:
         raise ManifestError(f"{what}: {key!r}: the item holds {len(refs)} tensors, DCP writes one")
     ref = refs[0][1]
-    if ref.dtype != dtype or tuple(ref.shape) != tuple(sizes) or not ref.contiguous:
-        raise ManifestError(f"{what}: {key!r}: the stored chunk is {ref.dtype} {list(ref.shape)} "
-                            f"(contiguous: {ref.contiguous}), the metadata says {dtype} {list(sizes)}")
-    offset, length = ref.byte_range()
-    if length != nbytes or not (info.offset <= offset and offset + length <= info.offset + info.length):
-        raise ManifestError(f"{what}: {key!r}: tensor bytes [{offset}, {offset + length}) fall outside the item "
-                            f"[{info.offset}, {info.offset + info.length})")
-    return offset, length
+    if ref.dtype != dtype or tuple(ref.shape) != tuple(sizes):
+        raise ManifestError(f"{what}: {key!r}: the stored chunk is {ref.dtype} {list(ref.shape)}, the metadata says "
+                            f"{dtype} {list(sizes)}")
+    return _runs(ref, box, key, what, int(info.offset), int(info.offset) + int(info.length))
+
+
+def _runs(ref: safe_pickle.TensorRef, box: Box, key: str, what: str, lo: int, hi: int) -> list[tuple[Box, int, int]]:
+    """The chunk ``ref`` (stored with any strides) as row-major runs: each run is a sub-box whose
+    elements lie one after the other in the file. The run's dimensions are found innermost first:
+    the dimension of stride 1, then the one whose stride is the run so far, and so on, each left of
+    the last; every other dimension is iterated (length 1 in the run's box)."""
+    size = ref.dtype.itemsize
+    shape, stride = ref.shape, ref.stride
+    if min(stride, default=0) < 0:
+        raise ManifestError(f"{what}: {key!r}: negative strides {list(stride)}")
+    reach = ref.storage_offset + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
+    start = ref.data_offset + ref.storage_offset * size
+    if reach * size > ref.storage_nbytes or not (lo <= start and ref.data_offset + reach * size <= hi):
+        raise ManifestError(f"{what}: {key!r}: the tensor's elements reach past its storage or the item "
+                            f"[{lo}, {hi})")
+    run: list[int] = []
+    need, left = 1, len(shape)
+    while True:
+        dims = [d for d in range(left) if shape[d] > 1 and stride[d] == need]
+        if not dims:
+            break
+        left = dims[-1]
+        run.insert(0, left)
+        need *= shape[left]
+    outer = [d for d in range(len(shape)) if d not in run and shape[d] > 1]
+    count = math.prod(shape[d] for d in outer)
+    if count > MAX_PIECES:
+        raise _Refused(ManifestError(
+            f"{what}: {key!r}: stored with strides {list(stride)} for shape {list(shape)}, it is {count} separate runs "
+            f"of elements (ckpt reads at most {MAX_PIECES}); load this key with torch.distributed.checkpoint"))
+    lengths = tuple(n if d in run else 1 for d, n in enumerate(shape))
+    out = []
+    for idx in itertools.product(*(range(shape[d]) for d in outer)):
+        offsets = list(box.offsets)
+        elem = ref.storage_offset
+        for d, i in zip(outer, idx, strict=True):
+            offsets[d] += i
+            elem += i * stride[d]
+        out.append((Box(tuple(offsets), lengths), ref.data_offset + elem * size, need * size))
+    return out
 
 
 class _Headers:
@@ -180,15 +251,17 @@ def _numel(sizes: tuple[int, ...]) -> int:
 
 
 def _object(read: Callable[[int, int], bytes], info: Any, key: str, what: str) -> tuple[bytes, bool]:
-    """An object item as ckpt object bytes (msgpack), and whether it had to be kept raw."""
-    raw = read(int(info.offset), int(info.length))
+    """An object item as ckpt object bytes (msgpack, through the object mapping), and whether it
+    was refused (then loading ``key`` raises the recorded error)."""
     try:
-        z = safe_pickle.load_torch(read, int(info.offset), int(info.length), what=f"{what} ({key!r})")
-        if not z.tensors():
-            return encode_object(z.obj, key=key), False
-    except CheckpointError:
-        pass  # not a torch.save blob we may read, or a value msgpack cannot hold: keep the bytes
-    return encode_object(raw, key=key), True
+        z = safe_pickle.load_torch(read, int(info.offset), int(info.length), what=f"{what} ({key!r})",
+                                   extra=PICKLE_EXTRA, stubs=PICKLE_STUBS)
+        return encode_object(encode_value(from_torch_save(z.obj, key=key), key=key), key=key), False
+    except CheckpointError as e:
+        # not a torch.save blob we may read, or a value ckpt cannot represent exactly: this key only
+        err = type(e)(f"{what}: {e}; DCP can load it (torch.distributed.checkpoint), ckpt refuses rather than "
+                      "return another type")
+        return encode_object(refusal(err), key=key), True
 
 
 def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
@@ -232,20 +305,30 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
 
     headers = _Headers()
 
-    def locate(job: tuple[str, int, Box, Any, torch.dtype]) -> ShardEntry:
+    def locate(job: tuple[str, int, Box, Any, torch.dtype]) -> list[ShardEntry] | _Refused:
         key, _, box, info, dtype = job
         path = str(info.relative_path)
         if box.numel == 0:
-            return ShardEntry(box, path, 0, 0)
-        offset, length = _locate(reader(storage, path), info, key, dtype, box, files[path], f"{what}/{path}", headers)
-        return ShardEntry(box, path, offset, length)
+            return [ShardEntry(box, path, 0, 0)]
+        try:
+            runs = _locate(reader(storage, path), info, key, dtype, box, files[path], f"{what}/{path}", headers)
+        except _Refused as e:
+            return e
+        return [ShardEntry(b, path, offset, length) for b, offset, length in runs]
 
     with ThreadPoolExecutor(max(1, workers)) as pool:  # a few small reads per chunk: overlap them
         shards = list(pool.map(locate, jobs))
-    for (key, _, _, _, _), shard in zip(jobs, shards, strict=True):
-        tensors[key].shards.append(shard)
     objects: dict[str, ObjectEntry] = {}
-    raw_keys: list[str] = []
+    raw_keys: list[str] = []  # refused keys
+    for (key, _, _, _, _), found in zip(jobs, shards, strict=True):
+        if isinstance(found, _Refused):  # this key alone: loading it raises the error, others load
+            if key in tensors:
+                del tensors[key]
+                data = encode_object(refusal(found.error), key=key)
+                objects[key] = ObjectEntry(data=data, checksum=crc32(data))
+                raw_keys.append(key)
+        elif key in tensors:
+            tensors[key].shards.extend(found)
     for key in object_keys:
         info = index.get((key, None))
         if info is None:
@@ -256,9 +339,12 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
             raw_keys.append(key)
     source: dict[str, Any] = {"format": "dcp", "version": str(getattr(md, "version", None) or "")}
     user: dict[str, Any] = {"source": source}
-    _megatron(storage, user, objects, raw_keys)
     if raw_keys:
-        source["raw_objects"] = raw_keys
+        source["refused_objects"] = raw_keys
+    text_keys: list[str] = []
+    _megatron(storage, user, objects, text_keys)
+    if text_keys:  # Megatron's stand-in objects, kept as their repr text
+        source["raw_objects"] = text_keys
     m = Manifest(tensors=tensors, objects=objects, files=files, world_size=1, user_metadata=user)
     m.source_format = "dcp"
     return m
