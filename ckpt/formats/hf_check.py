@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import StateError
+from ckpt.errors import ConfigError, StateError
+from ckpt.formats import foreign_json
+from ckpt.formats.foreign_json import ConfigFields
 
 CHECK_FILE = "ckpt_check.json"
 
@@ -36,10 +38,14 @@ def check_export(src_url: str, out_dir: str, *, tokens: int = 32, batch: int = 2
         import transformers
     except ImportError:
         raise StateError("--check needs transformers to reload the export: pip install 'ckpt[hf]'") from None
-    with open(os.path.join(out_dir, "config.json")) as f:
-        exported_config = json.load(f)
+    where = os.path.join(out_dir, "config.json")
+    exported_config = foreign_json.read_path(where, budget=foreign_json.CONFIG)  # bounded; may have been edited
+    if not isinstance(exported_config, dict):
+        raise ConfigError(f"{where}: not a JSON object")
+    fields = ConfigFields(exported_config, where)
     exported = str(exported_config.get("dtype") or exported_config.get("torch_dtype") or "float32")
-    cast = getattr(torch, exported, torch.float32)
+    cast = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(exported, torch.float32)
+    vocab = fields.int("vocab_size")
     transformers.utils.logging.disable_progress_bar()  # stdout stays the command's own (--json)
     try:
         ours = _reference(src_url, exported_config, config, source_names).eval()
@@ -53,7 +59,7 @@ def check_export(src_url: str, out_dir: str, *, tokens: int = 32, batch: int = 2
     finally:
         transformers.utils.logging.enable_progress_bar()
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, int(exported_config["vocab_size"]), (batch, tokens), generator=g)
+    ids = torch.randint(0, vocab, (batch, tokens), generator=g)
     with torch.no_grad():
         theirs = ours(ids)
         theirs = getattr(theirs, "logits", theirs)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import IntegrityError
+from ckpt.formats.foreign_json import HEADER_DEPTH, HEADER_ITEMS, Budget, loads
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same bound as the safetensors library
 
@@ -76,10 +77,10 @@ def parse_header(head: bytes, file_size: int, *, path: str) -> dict[str, HeaderE
         raise IntegrityError(f"{path}: safetensors header length {n} exceeds the file ({file_size} bytes)")
     if len(head) < 8 + n:
         raise IntegrityError(f"{path}: header truncated")
-    try:
-        obj = json.loads(head[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # ValueError: also ints over 4300 digits
-        raise IntegrityError(f"{path}: safetensors header is not valid JSON ({err})") from None
+    # the one bounded JSON reader: size (the length prefix, checked above against the file), depth and
+    # item count measured before decoding; NaN / Infinity refused
+    budget = Budget(MAX_HEADER_BYTES, HEADER_DEPTH, HEADER_ITEMS)
+    obj = loads(bytes(head[8 : 8 + n]), where=f"{path}: safetensors header", budget=budget, error=IntegrityError)
     if not isinstance(obj, dict):
         raise IntegrityError(f"{path}: safetensors header is not a JSON object")
     base = 8 + n
@@ -97,4 +98,15 @@ def parse_header(head: bytes, file_size: int, *, path: str) -> dict[str, HeaderE
         if t < s or base + t > file_size:
             raise IntegrityError(f"{path}: safetensors entry {name!r} data_offsets [{s}, {t}) exceed the file")
         out[name] = HeaderEntry(name, e["dtype"], tuple(e["shape"]), base + s, t - s)
+    _check_disjoint(out, path)
     return out
+
+
+def _check_disjoint(entries: dict[str, HeaderEntry], path: str) -> None:
+    """Entries' byte ranges must not overlap (safetensors' own rule): so the entries holding data are
+    at most as many as the data buffer has bytes, and no two tensors are read from the same bytes."""
+    spans = sorted((h.start, h.start + h.length, h.name) for h in entries.values() if h.length)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise IntegrityError(f"{path}: safetensors entries {a!r} and {b!r} overlap in the file; it is damaged "
+                                 "(or not written by a safetensors writer)")

@@ -12,11 +12,13 @@ the Hugging Face tensors to those parameters (:mod:`ckpt.hf.mapping`).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from typing import Any
 
-from ckpt.errors import ManifestError
+from ckpt.errors import ConfigError, ManifestError
+from ckpt.formats.foreign_json import MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, ConfigFields
 from ckpt.hf.mapping import Map, Run, Target, whole
 from ckpt.resharders.rules import Placement, Rule, RuleSet
 
@@ -67,12 +69,17 @@ class Adapter:
     aliases: dict[str, str] = {}  # noqa: RUF012 - transformers' attribute_map: name in config.json -> field
 
     # ---- config ----------------------------------------------------------------------------------
-    def complete(self, d: Config, *, where: str) -> Config:
-        """``d`` with every field this adapter relies on present (transformers' default where absent).
+    gqa = True  # query heads are grouped over key/value heads (num_attention_heads % num_key_value_heads == 0)
 
-        Raises ManifestError naming an option the adapter cannot represent, or a missing field
-        transformers has no default for.
+    def complete(self, d: Config, *, where: str) -> Config:
+        """``d`` with every field this adapter relies on present (transformers' default where absent)
+        and of the right type and range (:meth:`check`).
+
+        Raises ConfigError naming a field of the wrong type or range, ManifestError naming an option
+        the adapter cannot represent.
         """
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: the config is a {type(d).__name__}, not a JSON object")
         cfg = dict(d)
         for alias, name in self.aliases.items():
             if name not in cfg and alias in cfg:
@@ -83,20 +90,38 @@ class Adapter:
         if missing:
             found = transformers_defaults(self.model_types[0], missing) or {k: self.defaults[k] for k in missing}
             cfg.update(found)
-        if cfg.get("mlp_only_layers") is None and "mlp_only_layers" in self.defaults:
-            cfg["mlp_only_layers"] = []
-        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(cfg.get(k), int):
-                raise ManifestError(f"{where}: config field {k!r} is missing or not an integer")
-        if cfg.get("num_key_value_heads") is None:
-            cfg["num_key_value_heads"] = cfg["num_attention_heads"]
-        if cfg.get("head_dim") is None:
-            cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
-        if cfg.get("quantization_config"):
-            raise ManifestError(f"{where}: quantization_config {cfg['quantization_config'].get('quant_method')!r}: "
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ManifestError(f"{where}: quantization_config {method!r}: "
                                 "quantized weights are not supported; dequantize to bf16/fp32 first")
+        self.check(ConfigFields(cfg, where), cfg)
         self.refuse(cfg, where)
         return cfg
+
+    def check(self, f: ConfigFields, cfg: Config) -> None:
+        """Check the type and range of every field this adapter reads (through ``f``, which raises
+        ConfigError naming the field) and fill the derived ones (``num_key_value_heads``, ``head_dim``)
+        into ``cfg``: after it, the parameter code meets only integers and booleans it can use."""
+        f.int("vocab_size")
+        h = f.int("hidden_size")
+        f.int("num_hidden_layers", max=MAX_LAYERS)
+        n = f.int("num_attention_heads", max=MAX_HEADS)
+        kv = f.opt_int("num_key_value_heads", max=MAX_HEADS)
+        cfg["num_key_value_heads"] = kv = n if kv is None else kv
+        if self.gqa and n % kv:
+            raise ConfigError(f"{f.where}: num_attention_heads={n} is not a multiple of num_key_value_heads={kv}: "
+                              "each key/value head serves the same number of query heads; fix config.json")
+        if f.opt_int("head_dim") is None:
+            if h < n:
+                raise f.fail("head_dim", f"given when hidden_size={h} < num_attention_heads={n} (hidden_size // "
+                             "num_attention_heads would be 0)")
+            cfg["head_dim"] = h // n
+        f.int("intermediate_size", min=0)
+        for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            f.bool(flag)
+        for rope in ("rope_scaling", "rope_parameters"):  # passed through; transformers reads them as objects
+            f.opt_dict(rope)
 
     def refuse(self, cfg: Config, where: str) -> None:
         """Raise ManifestError naming an option of ``cfg`` this adapter cannot represent."""
@@ -264,6 +289,10 @@ class Mixtral(Adapter):
     defaults = {"tie_word_embeddings": False, "num_key_value_heads": 8, "head_dim": None,  # noqa: RUF012
                 "num_local_experts": 8, "intermediate_size": 14336}
 
+    def check(self, f: ConfigFields, cfg: Config) -> None:
+        super().check(f, cfg)
+        f.int("num_local_experts", max=MAX_EXPERTS)
+
     def _mlp(self, cfg: Config, layer: int) -> list[tuple[str, tuple[int, ...]]]:
         e, h = cfg["num_local_experts"], cfg["hidden_size"]
         return [("gate.weight", (e, h)), *_stacked(e, cfg["intermediate_size"], h)]
@@ -303,10 +332,22 @@ class _QwenMoe(Adapter):
 
     aliases = {"num_local_experts": "num_experts"}  # noqa: RUF012
 
+    def check(self, f: ConfigFields, cfg: Config) -> None:
+        super().check(f, cfg)
+        f.int("num_experts", min=0, max=MAX_EXPERTS)
+        f.int("moe_intermediate_size")
+        f.opt_int("decoder_sparse_step", max=MAX_LAYERS)
+        dense = f.opt_list("mlp_only_layers", max_len=MAX_LAYERS) or []
+        if not all(type(i) is int and 0 <= i < MAX_LAYERS for i in dense):
+            raise f.fail("mlp_only_layers", "a list of layer numbers (integers from 0)")
+        # sorted and unique: membership is a binary search, not a scan per layer (L x len would be 10**10)
+        cfg["mlp_only_layers"] = sorted(set(dense))
+
     def _is_moe(self, cfg: Config, i: int) -> bool:
         step = cfg.get("decoder_sparse_step") or 1
-        return (i not in (cfg.get("mlp_only_layers") or []) and cfg["num_experts"] > 0
-                and (i + 1) % step == 0)
+        dense = cfg.get("mlp_only_layers") or []
+        k = bisect.bisect_left(dense, i)
+        return (not (k < len(dense) and dense[k] == i)) and cfg["num_experts"] > 0 and (i + 1) % step == 0
 
     def _moe(self, cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
         e, h = cfg["num_experts"], cfg["hidden_size"]
@@ -342,6 +383,11 @@ class Qwen2Moe(_QwenMoe, Qwen2):
                 "num_experts": 60, "decoder_sparse_step": 1, "mlp_only_layers": None, "moe_intermediate_size": 1408,
                 "shared_expert_intermediate_size": 5632, "intermediate_size": 5632}
 
+    def check(self, f: ConfigFields, cfg: Config) -> None:
+        super().check(f, cfg)
+        f.bool("qkv_bias")
+        f.int("shared_expert_intermediate_size", min=0)
+
     def _biases(self, cfg: Config) -> tuple[bool, bool]:
         return bool(cfg.get("qkv_bias", True)), False
 
@@ -362,6 +408,20 @@ class DeepseekV3(Adapter):
                 "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
                 "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3,
                 "moe_intermediate_size": 2048, "intermediate_size": 18432, "num_key_value_heads": 128}
+
+    gqa = False  # multi-latent attention: num_key_value_heads is not used
+
+    def check(self, f: ConfigFields, cfg: Config) -> None:
+        super().check(f, cfg)
+        f.opt_int("q_lora_rank", min=0)
+        f.int("kv_lora_rank")
+        f.int("qk_rope_head_dim")
+        f.int("qk_nope_head_dim", min=0)
+        f.int("v_head_dim")
+        f.int("n_routed_experts", max=MAX_EXPERTS)
+        f.int("n_shared_experts", min=0, max=MAX_EXPERTS)
+        f.int("first_k_dense_replace", min=0, max=MAX_LAYERS)
+        f.int("moe_intermediate_size")
 
     def refuse(self, cfg: Config, where: str) -> None:
         if cfg.get("attention_bias"):
@@ -398,6 +458,9 @@ class DeepseekV3(Adapter):
         return _layer_order(m)
 
 
+MAX_BLOCK = 1 << 16  # MiniMax's lightning-attention block (released models: 256)
+
+
 class MiniMax(Mixtral):
     """MiniMax hybrid (``MiniMaxForCausalLM``): ``layer_types`` picks per layer lightning attention
     (``self_attn.qkv_proj``, ``output_gate``, ``out_proj``, ``norm``) or softmax attention (q/k/v/o, no
@@ -417,17 +480,22 @@ class MiniMax(Mixtral):
                                   for i in range(cfg["num_hidden_layers"])]
         return cfg
 
+    def check(self, f: ConfigFields, cfg: Config) -> None:
+        super().check(f, cfg)
+        f.int("block_size", max=MAX_BLOCK)
+
     def refuse(self, cfg: Config, where: str) -> None:
         types = cfg.get("layer_types")
         if types is None:
             return
         if not isinstance(types, list) or len(types) != cfg["num_hidden_layers"]:
-            raise ManifestError(f"{where}: layer_types must list one type per layer "
-                                f"(num_hidden_layers={cfg['num_hidden_layers']}), got {types!r}")
-        bad = sorted({t for t in types if t not in ("linear_attention", "full_attention")})
+            got = f"a list of {len(types)}" if isinstance(types, list) else f"a {type(types).__name__}"
+            raise ConfigError(f"{where}: config field 'layer_types' must list one type per layer "
+                              f"(num_hidden_layers={cfg['num_hidden_layers']}), got {got}; fix config.json")
+        bad = sorted({repr(t)[:40] for t in types if t not in ("linear_attention", "full_attention")})
         if bad:
-            raise ManifestError(f"{where}: layer_types holds {bad}; minimax layers are 'linear_attention' or "
-                                "'full_attention'")
+            raise ConfigError(f"{where}: config field 'layer_types' holds {'; '.join(bad[:4])}; minimax layers are "
+                              "'linear_attention' or 'full_attention'")
 
     def ignored(self, name: str) -> bool:
         return super().ignored(name) or name.rsplit(".", 1)[-1] in self.BUFFERS and ".self_attn." in name
@@ -437,6 +505,16 @@ class MiniMax(Mixtral):
 
         out: dict[str, Any] = {}
         n, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        # the tables hold heads x block_size**2 floats per linear layer: computed only when they are no
+        # larger than the weights themselves (real models: ~0.1% of them), so a config cannot make an
+        # export allocate terabytes
+        b = cfg["block_size"]
+        linear = sum(1 for t in cfg["layer_types"] if t == "linear_attention")
+        table = linear * n * (b * b + 2 * b + 1)
+        weights = sum(numel(s) for _, s in self.params(cfg))
+        if table > max(weights, 1 << 24):
+            raise ConfigError(f"config field 'block_size'={b}: the decay tables of {linear} linear layers would hold "
+                              f"{table} floats, more than the model's {weights} weights; fix config.json")
         for i, kind in enumerate(cfg["layer_types"]):
             if kind == "linear_attention":
                 rate = slope_rates(n, i, layers)[:, None, None]

@@ -18,6 +18,7 @@ import torch
 
 from ckpt.dtypes import safetensors_dtype
 from ckpt.errors import IntegrityError, ManifestError, MismatchError, StateError
+from ckpt.formats import foreign_json
 from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, HeaderEntry, build_header, parse_header
 from ckpt.manifest import check_relpath
 from ckpt.resharders.stream import Item, OutFile
@@ -112,10 +113,13 @@ def export_dtype(stored: set[torch.dtype], dtype: torch.dtype | None, *, url: st
 
 
 def read_json(storage: Storage, name: str) -> Any:
-    try:
-        return json.loads(storage.read_file(name).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{storage.url}/{name}: not valid JSON ({e})") from None
+    """The JSON file ``name`` of a model directory, through the one bounded reader
+    (:mod:`ckpt.formats.foreign_json`): the index's budget for the index, a config's for any other.
+
+    Raises ConfigError (too large, too deep, too many values, not valid JSON).
+    """
+    return foreign_json.read_storage(storage, name, budget=foreign_json.INDEX if name == INDEX_NAME
+                                     else foreign_json.CONFIG)
 
 
 def read_header(storage: Storage, path: str, size: int) -> dict[str, HeaderEntry]:

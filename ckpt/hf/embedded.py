@@ -94,7 +94,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         "attention_bias": (False, d.get("attention_bias", False)),
         "use_sliding_window": (False, d.get("use_sliding_window", False)),
         "decoder_sparse_step": (1, d.get("decoder_sparse_step", 1)),
-        "mlp_only_layers": ([], list(d.get("mlp_only_layers") or [])),
+        "mlp_only_layers": ([], _as_list(d.get("mlp_only_layers"))),
     }
     for key, (wanted, found) in required.items():
         if found != wanted:
@@ -105,6 +105,8 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     # transformers 5 writes rope_parameters = {"rope_type", "rope_theta", ...}; 4.x writes
     # rope_theta plus an optional rope_scaling. Only the default (unscaled) RoPE is implemented.
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"Hugging Face config has rope_parameters / rope_scaling {rope!r:.60}; it must be an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(
@@ -127,9 +129,11 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         values["rope_theta"] = rope_theta
     if values.get("head_dim") is None:
         values.pop("head_dim", None)
-        if "hidden_size" in d and "num_attention_heads" in d:
-            # Same fallback as Qwen3MoeAttention when the config has no head_dim.
-            values["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        heads, hidden = d.get("num_attention_heads"), d.get("hidden_size")
+        if type(heads) is int and type(hidden) is int and heads > 0:
+            # Same fallback as Qwen3MoeAttention when the config has no head_dim (other values: refused
+            # by ModelConfig below, naming the field).
+            values["head_dim"] = hidden // heads
     missing = [
         f.name
         for f in dataclasses.fields(ModelConfig)
@@ -138,6 +142,11 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     if missing:
         raise ValueError(f"Hugging Face config lacks required fields {missing}")
     return ModelConfig(**values)
+
+
+def _as_list(v: Any) -> Any:
+    """A list for a list / tuple / null (compared with the supported value), else ``v`` itself (refused)."""
+    return [] if v is None else list(v) if isinstance(v, list | tuple) else v
 
 
 # What transformers' Qwen3MoeConfig assumes for each optional field a config.json may leave out

@@ -15,15 +15,16 @@ copies it like any checkpoint.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ckpt.dtypes import dtype_from_name, dtype_name
-from ckpt.errors import IntegrityError, ManifestError, MismatchError
+from ckpt.errors import ConfigError, IntegrityError, ManifestError, MismatchError
 from ckpt.formats.safetensors_header import HeaderEntry
 from ckpt.hf.adapters import ADAPTERS, HF_RULES, Adapter, Config, adapter_for
-from ckpt.hf.directory import IMPORTABLE, ST_TO_TORCH, Tensors, export_dtype, few
+from ckpt.hf.directory import CONFIG_NAME, IMPORTABLE, ST_TO_TORCH, Tensors, export_dtype, few
 from ckpt.hf.embedded import FUSED_EXPERT, HF_GATE_UP, HF_PER_EXPERT, PREFIX, describe, hf_config, param_shapes
 from ckpt.hf.mapping import Map, compose, invert, whole
 from ckpt.hf.names import naming, resolve
@@ -35,9 +36,51 @@ from ckpt.trainer.model import ModelConfig
 ADAPTER_KEY = "hf_adapter"  # user_metadata: the adapter's name, "hf_config": its completed config
 
 
+# A config may describe at most this many times the tensors and elements the files hold (plus a
+# little) before its per-layer / per-expert tables are built: within it, the exact comparison names
+# every missing tensor; past it, the config is not these weights' and building its tables could
+# exhaust memory (num_hidden_layers or num_experts of 10**9).
+SCALE_SLACK = 4
+
+
+def check_scale(layers: int, params: Callable[[], list[tuple[str, tuple[int, ...]]]], tensors: int,
+                amount: int, *, unit: str, where: str, cfg: Any) -> None:
+    """Refuse a config whose tables would be far larger than what the files hold, before building them.
+
+    ``layers``: the config's layer count, checked first against ``tensors`` (every layer of every
+    family has at least its two norms), so that ``params()`` (the canonical parameter list, one small
+    entry per parameter, stacked experts as one) costs O(what the files hold). Then the parameter
+    count against ``tensors`` and their elements against ``amount`` (elements, or bytes: at least one
+    per element). Raises ConfigError naming the counts the config declares.
+    """
+    def refuse(what: str) -> ConfigError:
+        counts = ", ".join(f"{k}={_field(cfg, k)}" for k in _COUNT_FIELDS if _field(cfg, k) is not None)
+        return ConfigError(f"{where}: the config ({counts}) describes {what}, but the weights hold {tensors} tensors "
+                           f"of {amount} {unit}: it is not the config of these weights; fix config.json")
+
+    if layers > SCALE_SLACK * tensors + 1024:
+        raise refuse(f"{layers} layers")
+    ps = params()
+    elements = sum(math.prod(shape) for _, shape in ps)
+    if len(ps) > SCALE_SLACK * tensors + 1024 or elements > SCALE_SLACK * amount + (1 << 20):
+        raise refuse(f"{len(ps)} tensors of {elements} elements")
+
+
+_COUNT_FIELDS = ("num_hidden_layers", "num_experts", "num_local_experts", "n_routed_experts", "hidden_size",
+                 "intermediate_size", "moe_intermediate_size", "vocab_size")
+
+
+def _field(cfg: Any, k: str) -> Any:
+    return cfg.get(k) if isinstance(cfg, dict) else getattr(cfg, k, None)
+
+
 def source_adapter(manifest: Manifest, config: Config | None, *, url: str) -> tuple[Adapter, Config] | None:
     """The adapter and config of a checkpoint: ``config`` (a Hugging Face config.json body) when
-    given, else what ``import-hf`` recorded; None for the embedded MoE's checkpoints (no adapter)."""
+    given, else what ``import-hf`` recorded; None for the embedded MoE's checkpoints (no adapter).
+
+    Raises ConfigError (a field of the wrong type or range; a config describing far more than the
+    checkpoint holds), ManifestError (an unknown model type, an option the adapter cannot represent).
+    """
     meta = manifest.user_metadata
     if config is None:
         name = meta.get(ADAPTER_KEY)
@@ -46,8 +89,13 @@ def source_adapter(manifest: Manifest, config: Config | None, *, url: str) -> tu
         config = meta.get("hf_config")
         if not isinstance(config, dict) or name not in ADAPTERS:
             raise ManifestError(f"{url}: user_metadata names adapter {name!r} but no usable hf_config")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{url}: the Hugging Face config is a {type(config).__name__}, not a JSON object")
     a = adapter_for(config.get("model_type"), where=url)
-    return a, a.complete(config, where=url)
+    cfg = a.complete(config, where=url)
+    check_scale(cfg["num_hidden_layers"], lambda: a.params(cfg), len(manifest.tensors),
+                sum(math.prod(t.shape) for t in manifest.tensors.values()), unit="elements", where=url, cfg=cfg)
+    return a, cfg
 
 
 def hf_runs(manifest: Manifest, adapter: Adapter, cfg: Config, names: str, *, url: str) -> Map:
@@ -103,8 +151,11 @@ def embedded_export(manifest: Manifest, cfg: ModelConfig, dtype: torch.dtype | N
     """:func:`export_items` for the embedded MoE: per-expert tensors, vocab padding dropped.
 
     Raises MismatchError (tensors that do not match the config: missing, unexpected, mis-shaped; a
-    stored dtype the export cannot hold).
+    stored dtype the export cannot hold), ConfigError (a config describing far more than the
+    checkpoint holds, refused before its parameter list is built).
     """
+    check_scale(cfg.num_hidden_layers, lambda: param_shapes(cfg), len(manifest.tensors),
+                sum(math.prod(t.shape) for t in manifest.tensors.values()), unit="elements", where=url, cfg=cfg)
     params = param_shapes(cfg)
     stored = {k[len(PREFIX):]: t for k, t in manifest.tensors.items() if k.startswith(PREFIX)}
     names = {p for p, _ in params}
@@ -154,7 +205,13 @@ def embedded_export(manifest: Manifest, cfg: ModelConfig, dtype: torch.dtype | N
 def import_manifest(adapter: Adapter, cfg: Config, entries: dict[str, tuple[str, HeaderEntry]], files: dict[str, int],
                     names: str, *, url: str) -> tuple[Manifest, dict[str, Any]]:
     """The Hugging Face files as a (virtual) manifest of stored tensors under naming ``names``, and
-    the user_metadata an import records."""
+    the user_metadata an import records.
+
+    Raises ConfigError (a config describing far more than the files hold, before any table is
+    built), MismatchError / IntegrityError (tensors that do not match the config).
+    """
+    check_scale(cfg["num_hidden_layers"], lambda: adapter.params(cfg), len(entries),
+                sum(h.length for _, h in entries.values()), unit="bytes", where=f"{url}/{CONFIG_NAME}", cfg=cfg)
     entries = {k: v for k, v in entries.items() if not adapter.ignored(k)}
     hf = adapter.hf_map(cfg, set(entries))
     nm = naming(names, adapter, cfg)
@@ -214,8 +271,11 @@ def embedded_import(cfg: ModelConfig, entries: dict[str, tuple[str, HeaderEntry]
     (key ``model.<param>``) with box shards; per-expert and fused ``gate_up_proj`` expert keys.
 
     Raises IntegrityError (an entry whose byte length does not match), MismatchError (dtypes the
-    model cannot hold; tensors that do not match the config, each problem named).
+    model cannot hold; tensors that do not match the config, each problem named), ConfigError (a config
+    describing far more than the files hold, refused before its tables are built).
     """
+    check_scale(cfg.num_hidden_layers, lambda: param_shapes(cfg), len(entries),
+                sum(h.length for _, h in entries.values()), unit="bytes", where=f"{url}/{CONFIG_NAME}", cfg=cfg)
     params = dict(param_shapes(cfg))
     n_exp, inter, hid = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     out: dict[str, TensorEntry] = {}

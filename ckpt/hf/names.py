@@ -19,12 +19,12 @@ spellings); :func:`resolve` binds it to the keys a manifest really has.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 
-from ckpt.errors import ManifestError, MismatchError
+from ckpt.errors import ConfigError, MismatchError
+from ckpt.formats import foreign_json
 from ckpt.hf.adapters import Adapter, Config
 from ckpt.hf.mapping import Map, Run, Target, rows, whole
 
@@ -59,20 +59,30 @@ def naming(kind: str, adapter: Adapter, cfg: Config) -> Naming:
 
 
 def _rename_file(path: str, params: list[tuple[str, tuple[int, ...]]]) -> Naming:
+    usage = '{"rename": [["regex", "replacement"], ...]} or one of ' + ", ".join(NAMINGS)
     try:
-        with open(path, encoding="utf-8") as f:
-            spec = json.load(f)
-        pairs = [(re.compile(a), b) for a, b in spec["rename"]]
-    except (OSError, ValueError, KeyError, TypeError, re.error) as e:
-        raise ManifestError(f"{path}: not a names file ({type(e).__name__}: {e}); expected "
-                            '{"rename": [["regex", "replacement"], ...]} or one of ' + ", ".join(NAMINGS)) from None
+        spec = foreign_json.read_path(path, budget=foreign_json.NAMES)  # bounded: size, depth, items
+    except ConfigError as e:
+        raise ConfigError(f"{e}; expected a names file {usage}") from None
+    rename = spec.get("rename") if isinstance(spec, dict) else None
+    if not (isinstance(rename, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                                             for p in rename)):
+        raise ConfigError(f"{path}: not a names file: field 'rename' must be a list of [regex, replacement] string "
+                          f"pairs; expected {usage}")
+    try:
+        pairs = [(re.compile(a), b) for a, b in rename]
+    except re.error as e:
+        raise ConfigError(f"{path}: not a names file (bad regex: {e}); expected {usage}") from None
     out: Map = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for p, s in params:
         name = p
         for rx, repl in pairs:
             if rx.search(p):
-                name = rx.sub(repl, p)
+                try:
+                    name = rx.sub(repl, p)
+                except re.error as e:  # a bad group reference in the replacement
+                    raise ConfigError(f"{path}: replacement {repl!r} of {rx.pattern!r}: {e}") from None
                 break
         out[p], shapes[name] = whole(name, s), s
     return Naming(path, out, shapes, prefixes=("", "model."), padded=set(VOCAB))
