@@ -13,6 +13,7 @@ Call order for the training loop::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import time
 import warnings
@@ -98,6 +99,9 @@ class AsyncSaver:
         self.inflight: SaveHandle | None = None
         self._thread: threading.Thread | None = None
         self._streams: dict[int, Any] = {}  # device index -> side stream of its device-to-host copies
+        # held by async_save() around save(): threads sharing this saver start their saves one at a
+        # time (save() reads and replaces the save in flight and reuses one staging pool)
+        self.lock = threading.RLock()
         _SAVERS.add(self)
 
     def save(self, state: dict[str, Any], url: str, *, step: int | None = None,
@@ -105,8 +109,10 @@ class AsyncSaver:
              layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
              policy: str = "wait", on_commit: Callable[[Manifest], None] | None = None,
              data_format: str = "safetensors", on_error: Callable[[BaseException], None] | None = None,
-             max_staging_bytes: int | None = None) -> SaveHandle:
-        """Start saving ``state`` to ``url``; see :func:`async_save`."""
+             max_staging_bytes: int | None = None, on_done: Callable[[], None] | None = None) -> SaveHandle:
+        """Start saving ``state`` to ``url``; see :func:`async_save`. Callbacks, on the background
+        thread: ``on_commit`` (coordinator, after the commit), ``on_error`` (every rank, on failure),
+        ``on_done`` (every rank, once the save is over, before ``done()`` returns)."""
         if policy not in ("wait", "skip"):
             raise ValueError(f"policy must be 'wait' or 'skip', got {policy!r}")
         check_cap(max_staging_bytes, data_format)
@@ -137,12 +143,14 @@ class AsyncSaver:
                         split=prep.data_format != "zarr")
         self.inflight = handle
         self._thread = threading.Thread(target=self._run, name="ckpt-async-save", daemon=True,
-                                        args=(handle, prep, stager, storage, comm, commit_comm, on_commit, on_error))
+                                        args=(handle, prep, stager, storage, comm, commit_comm, on_commit, on_error,
+                                              on_done))
         self._thread.start()
         return handle
 
     def _run(self, handle: SaveHandle, prep: Prepared, stager: Stager, storage: Any, comm: Comm, commit_comm: Comm,
-             on_commit: Callable[[Manifest], None] | None, on_error: Callable[[BaseException], None] | None) -> None:
+             on_commit: Callable[[Manifest], None] | None, on_error: Callable[[BaseException], None] | None,
+             on_done: Callable[[], None] | None = None) -> None:
         staging = threading.Thread(target=self._stage, args=(stager, prep, handle), name="ckpt-stage", daemon=True)
         try:
             staging.start()
@@ -168,6 +176,9 @@ class AsyncSaver:
                     pass  # cleanup is best effort; the save's own error is what matters
         finally:
             staging.join()
+            if on_done is not None:
+                with contextlib.suppress(CheckpointError):  # best effort (e.g. dropping a lease)
+                    on_done()
             handle._staged.set()
             handle._done.set()
             storage.close()
@@ -190,6 +201,7 @@ class AsyncSaver:
 
 _SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 _DEFAULT: dict[Any, AsyncSaver] = {}
+_DEFAULT_LOCK = threading.Lock()  # two threads' first async_save on one group must share one saver
 
 
 @atexit.register
@@ -216,9 +228,11 @@ def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int 
     writes, data is staged and written through a ring of that many bytes, and ``staged()`` returns
     when the last of it has been copied (at about the write speed).
     """
-    saver = _DEFAULT.get(id(group))
-    if saver is None:
-        saver = _DEFAULT[id(group)] = AsyncSaver(group)
-    return saver.save(state, url, step=step, user_metadata=user_metadata, overwrite=overwrite, layout=layout,
-                      storage_options=storage_options, policy=policy, data_format=data_format,
-                      max_staging_bytes=max_staging_bytes)
+    with _DEFAULT_LOCK:
+        saver = _DEFAULT.get(id(group))
+        if saver is None:
+            saver = _DEFAULT[id(group)] = AsyncSaver(group)
+    with saver.lock:  # threads of one process: one starts its save at a time (the next waits for it)
+        return saver.save(state, url, step=step, user_metadata=user_metadata, overwrite=overwrite, layout=layout,
+                          storage_options=storage_options, policy=policy, data_format=data_format,
+                          max_staging_bytes=max_staging_bytes)

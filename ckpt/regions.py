@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import bisect
+import itertools
 import math
 from typing import NoReturn
 
@@ -135,7 +135,7 @@ def check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> Non
 
     O(n log n) for any set of pieces: flat pieces that tile the box they split (ZeRO) take a fast
     path; any other mix is checked exactly by cutting each flat range into at most ``2 * ndim``
-    boxes, then boxes must be in bounds, disjoint (a sweep) and add up to the tensor.
+    boxes, then boxes must be in bounds, disjoint (:func:`separate`) and add up to the tensor.
     """
     try:
         _check_tiling(key, shape, regions)
@@ -149,15 +149,14 @@ def _tiles_exactly(shape: tuple[int, ...], regions: list[Region]) -> bool:
     full = Box((0,) * len(shape), tuple(shape))
     boxes: list[Box] = []
     for r in regions:
+        b = r if isinstance(r, Box) else (r.box or full)
+        if any(o < 0 or n < 0 or o + n > m for o, n, m in zip(b.offsets, b.lengths, shape, strict=True)):
+            return False  # (the error raised is _check_tiling's, which names the piece)
         if isinstance(r, Flat):
-            b = r.box or full
-            if r.stop > b.numel or r.start < 0 or any(o + n > m for o, n, m in zip(b.offsets, b.lengths, shape,
-                                                                                    strict=True)):
+            if r.start < 0 or r.stop > b.numel:
                 return False
             boxes += flat_boxes(r.start, r.stop, b)
         elif r.numel:
-            if any(o < 0 or o + n > m for o, n, m in zip(r.offsets, r.lengths, shape, strict=True)):
-                return False
             boxes.append(r)
     if sum(b.numel for b in boxes) != math.prod(shape):
         return False
@@ -205,6 +204,8 @@ def _check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> No
             return
         raise LayoutError(f"tensor {key!r}: no shards cover its {total} elements")
     full = Box(tuple(0 for _ in shape), tuple(shape))
+    # every piece inside the tensor first: the counts below assume it
+    _check_bounds(key, shape, [r for r in regions if isinstance(r, Box)])
     boxes = [r for r in regions if isinstance(r, Box) and r.numel > 0]
     if len(boxes) != len(regions):
         # Flat pieces are grouped by the box they split (none: the whole tensor). Within a box the
@@ -213,15 +214,25 @@ def _check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> No
         # save at scale has a million flat pieces.
         groups: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Box, list[tuple[int, int]]]] = {}
         for r in regions:
-            if isinstance(r, Flat) and r.stop > r.start:
+            if isinstance(r, Flat) and r.stop >= r.start:
                 b = r.box or full
                 g = groups.get((b.offsets, b.lengths))
                 if g is None:
                     g = groups[(b.offsets, b.lengths)] = (b, [])
                 g[1].append((r.start, r.stop))
         for box, ranges in groups.values():
+            _check_bounds(key, shape, [box])
+            ranges.sort()
+            lo, hi = ranges[0][0], max(stop for _, stop in ranges)
+            if lo < 0 or hi > box.numel:
+                bad = ranges[0] if lo < 0 else next(r for r in ranges if r[1] == hi)
+                raise LayoutError(f"tensor {key!r}: flat shard [{bad[0]}, {bad[1]}) lies outside the {box.numel} "
+                                  f"elements{_where(box, full) or f' of shape {list(shape)}'}; every piece must lie "
+                                  "inside its tensor")
+        for box, ranges in groups.values():
             pos = 0
-            for start, stop in sorted(ranges):
+            held = [r for r in ranges if r[1] > r[0]]
+            for start, stop in held:
                 if start < pos:
                     raise LayoutError(f"tensor {key!r}: flat shards{_where(box, full)} overlap at element {start}; "
                                       "each element must be held by exactly one piece (or identical replicas)")
@@ -229,17 +240,41 @@ def _check_tiling(key: str, shape: tuple[int, ...], regions: list[Region]) -> No
                     raise LayoutError(f"tensor {key!r}: flat shards{_where(box, full)} leave elements "
                                       f"[{pos}, {start}) uncovered")
                 pos = stop
-            if pos != box.numel:
+            if held and pos != box.numel:
                 raise LayoutError(f"tensor {key!r}: flat shards{_where(box, full)} leave elements "
                                   f"[{pos}, {box.numel}) uncovered")
-        boxes += [box for box, _ in groups.values() if box.numel > 0]
-    if _is_grid(shape, boxes):
+        boxes += [box for box, ranges in groups.values() if box.numel > 0 and any(b > a for a, b in ranges)]
+    # a few boxes: the pure-Python grid test is cheaper than numpy's set-up in the general check
+    if len(boxes) <= _SMALL and _is_grid(shape, boxes):
         return
     covered = sum(b.numel for b in boxes)
     _check_box_overlaps(key, boxes)
     if covered != total:
         raise LayoutError(f"tensor {key!r}: shards cover {covered} of {total} elements of shape {list(shape)}; "
                           "some region is missing")
+
+
+def _check_bounds(key: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
+    """LayoutError naming the first of ``boxes`` not inside ``shape``. Manifests and states are
+    checked when read; this keeps the tiling check exact for any caller (pieces outside the tensor
+    could otherwise add up to its size)."""
+    nd = len(shape)
+    if len(boxes) > _SMALL and max(shape, default=0) < 2**62:
+        try:
+            lo = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+            n = np.array([b.lengths for b in boxes], dtype=np.int64).reshape(len(boxes), nd)
+        except (ValueError, OverflowError):  # a box of another rank, or beyond int64: found below
+            pass
+        else:
+            bad = np.flatnonzero(((lo < 0) | (n < 0) | (lo > np.array(shape)) | (n > np.array(shape) - lo)).any(axis=1))
+            if not len(bad):
+                return
+            boxes = [boxes[int(bad[0])]]
+    for b in boxes:
+        if len(b.offsets) != nd or len(b.lengths) != nd or any(
+                o < 0 or n < 0 or o + n > g for o, n, g in zip(b.offsets, b.lengths, shape, strict=True)):
+            raise LayoutError(f"tensor {key!r}: shard offsets {list(b.offsets)} lengths {list(b.lengths)} lie outside "
+                              f"the shape {list(shape)}; every piece must lie inside its tensor")
 
 
 def _where(box: Box, full: Box) -> str:
@@ -250,9 +285,9 @@ def _is_grid(shape: tuple[int, ...], boxes: list[Box]) -> bool:
     """True when ``boxes`` (non-empty) are distinct cells of a grid that tiles ``shape``: along every
     dim their intervals partition ``[0, shape[d])``, and there are as many boxes as cells.
 
-    Then they tile the tensor exactly, with no pairwise overlap test: that test is O(n^2) per tensor
-    (a few ms for the 512 expert blocks of one DeepSeek-V3 weight, seconds over a whole model), this
-    is O(n log n). Tilings that are not grids (uneven, mixed) return False and take the general check.
+    Then they tile the tensor exactly, with no overlap test: for the few boxes it is used on (the
+    shards of one tensor over TP / EP ranks) this pure-Python test costs less than setting up the
+    general check. Tilings that are not grids (uneven, mixed) return False and take the general check.
     """
     n, nd = len(boxes), len(shape)
     if not nd or not n:
@@ -276,77 +311,145 @@ def _is_grid(shape: tuple[int, ...], boxes: list[Box]) -> bool:
 
 
 def check_disjoint(key: str, boxes: list[Box]) -> None:
-    """LayoutError naming two of ``boxes`` that overlap (O(n log n) for up to two separating dims)."""
+    """LayoutError naming two of ``boxes`` that overlap (O(n log n) per pass of :func:`separate`)."""
     _check_box_overlaps(key, [b for b in boxes if b.numel])
 
 
+_SMALL = 32  # up to this many boxes, pure Python beats numpy's set-up
+_PASSES = 64  # separation passes before the groups still entangled go to the per-group checks
+_CELLS = 1 << 22  # an entangled group is counted cell by cell when its own grid has at most this many cells
+
+
 def _check_box_overlaps(key: str, boxes: list[Box]) -> None:
-    """LayoutError naming two overlapping boxes, if any; O(n log n) in the number of boxes for one
-    or two separating dims (a sweep over one dim with the other's active intervals kept sorted),
-    and a sweep with vectorized checks among the simultaneously active boxes beyond that. Dims in
-    which every box has the same extent cannot separate boxes and are skipped."""
-    n = len(boxes)
-    if n < 2:
+    """LayoutError naming two overlapping boxes (non-empty, one rank each), if any.
+
+    O(n log n) per pass for any layout built by cutting blocks into blocks (grids, brick walls, uneven
+    and nested splits, flat ranges cut into boxes): :func:`separate` splits the boxes into groups
+    that provably cannot overlap each other, down to single boxes. The groups it cannot split (an
+    overlap, or a pinwheel of boxes) are checked on their own by :func:`_entangled`.
+    """
+    if len(boxes) < 2:
         return
+    if len(boxes) <= _SMALL:
+        _sweep_small(key, boxes)
+        return
+    lo, hi = _coordinate_ranks(boxes)
+    for idx in separate(lo, hi):
+        _entangled(key, boxes, lo[idx], hi[idx], idx)
+
+
+def _sweep_small(key: str, boxes: list[Box]) -> None:
+    """Overlap check of a few boxes in pure Python (no numpy set-up): a sweep along the dim with
+    the most distinct starts, each box compared with the boxes still active there."""
     nd = len(boxes[0].offsets)
-    dims = [d for d in range(nd) if len({(b.offsets[d], b.lengths[d]) for b in boxes}) > 1]
+    x = max(range(nd), key=lambda d: len({b.offsets[d] for b in boxes}), default=0)
+    active: list[Box] = []
+    for b in sorted(boxes, key=lambda b: b.offsets[x] if nd else 0):
+        if nd:
+            active = [a for a in active if a.offsets[x] + a.lengths[x] > b.offsets[x]]
+        for a in active:
+            if all(ao < bo + bl and bo < ao + al
+                   for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)):
+                _overlap(key, a, b)
+        active.append(b)
+
+
+def _coordinate_ranks(boxes: list[Box]) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``: each box's start and end along every dim as its rank among that dim's distinct
+    coordinates, ``(n, ndim)`` int64. Ranks keep order and ties, so the boxes overlap exactly when
+    the originals do, and every rank is below ``2 n`` (no overflow in the sort keys below)."""
+    n, nd = len(boxes), len(boxes[0].offsets)
+    lo, hi = np.empty((n, nd), dtype=np.int64), np.empty((n, nd), dtype=np.int64)
+    for d in range(nd):
+        starts = [b.offsets[d] for b in boxes]
+        ends = [b.offsets[d] + b.lengths[d] for b in boxes]
+        if max(ends) < 2**62 and min(starts) > -(2**62):
+            _, inv = np.unique(np.array(starts + ends, dtype=np.int64), return_inverse=True)
+        else:  # coordinates beyond int64 (a hostile manifest): rank them as Python ints
+            rank = {v: i for i, v in enumerate(sorted(set(starts) | set(ends)))}
+            inv = np.array([rank[v] for v in starts + ends], dtype=np.int64)
+        lo[:, d], hi[:, d] = inv[:n], inv[n:]
+    return lo, hi
+
+
+def separate(lo: np.ndarray, hi: np.ndarray, passes: int = _PASSES) -> list[np.ndarray]:
+    """Groups (row indices) of the boxes ``[lo, hi)`` (``(n, ndim)`` int arrays) that could not be
+    separated; boxes of different groups, and boxes left out (alone in their group), are disjoint.
+
+    Each pass takes one dim in turn and, inside every group, cuts at each coordinate that no box of
+    the group crosses (sorted by start, a cut lies wherever the running maximum of the ends reaches
+    the next start): the two sides are disjoint along that dim. Passes stop when a whole round of
+    dims cuts nothing, or after ``passes``. A pass is one sort: O(n log n). A tiling made by cutting
+    blocks into blocks, recursively (grids, brick walls, nested and uneven splits, flat ranges as
+    boxes), is separated into single boxes in (nesting depth x ndim) passes, so nothing is left.
+    """
+    n, nd = lo.shape
+    dims = [d for d in range(nd) if (lo[:, d] != lo[0, d]).any() or (hi[:, d] != hi[0, d]).any()]
+    idx = np.arange(n)
+    label = np.zeros(n, dtype=np.int64)  # group of each row of idx, non-decreasing
     if not dims:
-        _overlap(key, boxes[0], boxes[1])
-    x = dims[0]
-    # ends sort before starts at the same coordinate: half-open intervals that touch do not overlap
-    events = sorted([(b.offsets[x], 1, i) for i, b in enumerate(boxes)]
-                    + [(b.offsets[x] + b.lengths[x], 0, i) for i, b in enumerate(boxes)])
-    if len(dims) == 1:
-        depth = 0
-        for _pos, start, i in events:
-            if start:
-                if depth:
-                    _overlap(key, boxes[i], next(boxes[j] for j in range(n) if j != i and _meets(boxes[i], boxes[j])))
-                depth += 1
-            else:
-                depth -= 1
-        return
-    if len(dims) == 2:
-        y = dims[1]
-        los: list[int] = []  # active boxes' starts along y, sorted (they are disjoint along y)
-        ids: list[int] = []
-        for _pos, start, i in events:
-            lo, hi = boxes[i].offsets[y], boxes[i].offsets[y] + boxes[i].lengths[y]
-            k = bisect.bisect_left(los, lo)
-            if not start:
-                if k < len(los) and ids[k] == i:
-                    del los[k], ids[k]
-                continue
-            if k < len(los) and los[k] < hi:
-                _overlap(key, boxes[i], boxes[ids[k]])
-            if k > 0 and _hi(boxes[ids[k - 1]], y) > lo:
-                _overlap(key, boxes[i], boxes[ids[k - 1]])
-            los.insert(k, lo)
-            ids.insert(k, i)
-        return
-    rest = dims[1:]
-    lo_all = np.array([[b.offsets[d] for d in rest] for b in boxes], dtype=np.int64)
-    hi_all = lo_all + np.array([[b.lengths[d] for d in rest] for b in boxes], dtype=np.int64)
-    active: list[int] = []
-    for _pos, start, i in events:
-        if not start:
-            active.remove(i)
+        return [idx] if n > 1 else []
+    clean = done = 0
+    while len(idx) and clean < len(dims) and done < passes:
+        d = dims[done % len(dims)]
+        done += 1
+        start, end = lo[idx, d], hi[idx, d]
+        span = int(end.max()) + 1
+        keys = label * span + start  # sorts by group, then start
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        reach = np.maximum.accumulate(label[order] * span + end[order])  # running max end, per group
+        first = np.empty(len(idx), dtype=bool)
+        first[0] = True
+        first[1:] = reach[:-1] <= keys[1:]  # a new group starts: nothing before it reaches it
+        if int(first.sum()) == int(label[-1]) + 1:
+            clean += 1  # no cut along d
             continue
-        if active:
-            a = np.array(active)
-            hit = np.all((lo_all[a] < hi_all[i]) & (lo_all[i] < hi_all[a]), axis=1)
-            if hit.any():
-                _overlap(key, boxes[i], boxes[int(a[int(np.argmax(hit))])])
-        active.append(i)
+        clean = 1
+        grp = np.cumsum(first) - 1
+        keep = np.bincount(grp)[grp] > 1  # a box alone in its group is disjoint from all others
+        idx, grp = idx[order][keep], grp[keep]
+        if not len(idx):
+            break
+        label = np.cumsum(np.concatenate([[True], grp[1:] != grp[:-1]])) - 1
+    if not len(idx):
+        return []
+    return np.split(idx, np.flatnonzero(np.diff(label)) + 1)
 
 
-def _hi(b: Box, d: int) -> int:
-    return b.offsets[d] + b.lengths[d]
-
-
-def _meets(a: Box, b: Box) -> bool:
-    return all(ao < bo + bl and bo < ao + al
-               for ao, al, bo, bl in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True))
+def _entangled(key: str, boxes: list[Box], lo: np.ndarray, hi: np.ndarray, idx: np.ndarray) -> None:
+    """Overlap check of one group :func:`separate` could not split (rows ``idx`` of ``boxes``):
+    counted on the grid of the group's own coordinates when it is small (cells + 2^ndim boxes),
+    else a sweep over the first dim that compares each box with the boxes active there."""
+    dims = [d for d in range(lo.shape[1]) if (lo[:, d] != lo[0, d]).any() or (hi[:, d] != hi[0, d]).any()]
+    if not dims:  # the same block, twice
+        _overlap(key, boxes[int(idx[0])], boxes[int(idx[1])])
+    lo, hi = lo[:, dims], hi[:, dims]
+    axes = [np.unique(np.concatenate([lo[:, j], hi[:, j]])) for j in range(len(dims))]
+    if len(dims) <= 8 and math.prod(len(a) for a in axes) <= _CELLS:
+        li = [np.searchsorted(a, lo[:, j]) for j, a in enumerate(axes)]
+        hj = [np.searchsorted(a, hi[:, j]) for j, a in enumerate(axes)]
+        count = np.zeros(tuple(len(a) for a in axes), dtype=np.int64)
+        for corner in itertools.product((0, 1), repeat=len(dims)):  # difference array: +-1 at 2^d corners
+            at = tuple(hj[j] if c else li[j] for j, c in enumerate(corner))
+            np.add.at(count, at, -1 if sum(corner) % 2 else 1)
+        for j in range(len(dims)):
+            np.cumsum(count, axis=j, out=count)
+        cell = np.unravel_index(int(np.argmax(count)), count.shape)
+        if count[cell] > 1:
+            inside = np.logical_and.reduce([(li[j] <= c) & (c < hj[j]) for j, c in enumerate(cell)])
+            a, b = np.flatnonzero(inside)[:2]
+            _overlap(key, boxes[int(idx[a])], boxes[int(idx[b])])
+        return
+    # Bounded fallback (O(n x active boxes), vectorized): large groups that are neither cut into
+    # blocks nor on a small grid; no sharding layout we know produces them.
+    active = np.empty(0, dtype=np.int64)
+    for i in np.argsort(lo[:, 0], kind="stable"):
+        active = active[hi[active, 0] > lo[i, 0]]  # boxes ending at or before this start are done
+        hit = np.all((lo[active] < hi[i]) & (lo[i] < hi[active]), axis=1)
+        if hit.any():
+            _overlap(key, boxes[int(idx[i])], boxes[int(idx[active[int(np.argmax(hit))]])])
+        active = np.append(active, i)
 
 
 def _overlap(key: str, a: Box, b: Box) -> NoReturn:

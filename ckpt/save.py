@@ -15,7 +15,6 @@ import functools
 import hashlib
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from statistics import median
@@ -89,6 +88,30 @@ class PlanCache:
 
 
 _SYNC_CACHES: dict[Any, PlanCache] = {}
+# A cache holds one save's plan from its planning to its commit, which checks every rank against
+# the cached fingerprints. Two saves using one cache at once (threads of one process, each saving
+# to its own URL) would clear or refill it under each other: the commit then compares with another
+# save's fingerprints (a spurious CollectiveError) or an emptied list. So a save takes its group's
+# cache only while no other save holds it; a save that finds it held plans on a private cache.
+_SYNC_LOCK = threading.Lock()
+_SYNC_BUSY: set[int] = set()  # id() of the caches that a save holds now
+
+
+def _take_cache(group: Any) -> PlanCache:
+    """The plan cache of ``group`` for one save, held until :func:`_give_back`; a private, empty one
+    while another save (another thread) holds it. Concurrent saves over one group of several ranks
+    are not supported anyway (their collectives would interleave); in one process they are."""
+    with _SYNC_LOCK:
+        cache = _SYNC_CACHES.setdefault(id(group), PlanCache())
+        if id(cache) in _SYNC_BUSY:
+            return PlanCache()
+        _SYNC_BUSY.add(id(cache))
+        return cache
+
+
+def _give_back(cache: PlanCache) -> None:
+    with _SYNC_LOCK:
+        _SYNC_BUSY.discard(id(cache))
 
 
 def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None = None,
@@ -125,7 +148,7 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
     comm = Comm(group, timeout=timeout)
     state = stateful.expand(state)
     storage = get_storage(url, **(storage_options or {}))
-    cache = _SYNC_CACHES.setdefault(id(group), PlanCache())
+    cache = _take_cache(group)
     try:
         t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
@@ -145,6 +168,7 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
             stats.update(prep.stats, commit=time.perf_counter() - t2)
         return m
     finally:
+        _give_back(cache)
         storage.close()
 
 
@@ -163,7 +187,7 @@ class Prepared:
     layout: dict[str, Any] | None = None
     overwrite: bool = False
     data_format: str = "safetensors"
-    zarr_root: str = zarr_layout.ZARR_DIR  # this save's zarr tree (fresh when one exists already)
+    zarr_root: str = ""  # this save's own zarr tree (``zarr-<random>``, chosen by the coordinator)
     aliases: dict[str, str] = field(default_factory=dict)  # tied keys stored as their target's shards
     cached: bool = False
     stats: dict[str, float] = field(default_factory=dict)
@@ -213,6 +237,7 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
     payload = err or {"phase": "plan", "decl": decl.to_wire(), "fp": fp}
     plan_box: list[SavePlan] = []
     fps: list[str] = []
+    # every zarr save writes its own tree, whatever is there: no other writer can produce its chunk names
     zroot = zarr_layout.fresh_root(storage) if data_format == "zarr" and comm.rank == 0 and err is None else ""
 
     def reply(got: list[Any]) -> list[Any]:
@@ -252,7 +277,7 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
         cache.fingerprint, cache.assignment, cache.plan, cache.fingerprints = fp, assignment, plan, fps
         cache.aliases = agreed
     return Prepared(assignment, [sources[i] for i in keep], plan=plan,
-                    zarr_root=mine.get("zroot") or zarr_layout.ZARR_DIR, aliases=agreed,
+                    zarr_root=mine.get("zroot") or "", aliases=agreed,
                     **common)  # type: ignore[arg-type]
 
 
@@ -294,10 +319,14 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
 
 
 def fresh_file_name(a: WriteAssignment) -> str:
-    """A new name for this rank's data file (``data/<rank>-<random>.safetensors``): a save never
-    writes into a file that a committed checkpoint may reference."""
+    """A new name for this rank's data file (``data/<rank>-<random>.safetensors``,
+    :func:`ckpt.transaction.fresh_data_file`): no other writer can produce it, so a save never writes
+    into a file that a committed checkpoint or another writer uses."""
     assert a.file is not None
-    return f"{a.file.rsplit('.', 1)[0].rsplit('-', 1)[0]}-{uuid.uuid4().hex[:12]}.safetensors"
+    rank = transaction.data_file_rank(a.file)
+    if rank is None:  # the plan's placeholder (``data/<rank>-pending...``): the rank is its first field
+        rank = int(a.file.split("/", 1)[1].split("-", 1)[0])
+    return transaction.fresh_data_file(rank)
 
 
 def persisted(prep: Prepared, name: str | None, size: int = 0, sums: list[int] | None = None) -> dict[str, Any]:
@@ -363,7 +392,8 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
            timeout: float | None = DEFAULT_TIMEOUT_S, cache: PlanCache | None = None) -> Manifest:
     """Phase 4: the coordinator writes the manifest only when every rank persisted its file.
 
-    Raises the first rank's error on every rank otherwise; the files this save wrote are removed.
+    Raises the first rank's error on every rank otherwise; the files this save wrote are removed
+    (its written set: the files the ranks report, under names no other writer can produce).
     """
     prep.stats.update(sent=comm.sent, received=comm.received)  # metadata bytes so far
     if "ok" in result:
@@ -372,8 +402,8 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
 
     def reply(results: list[Any]) -> list[Any]:
         t0 = time.perf_counter()
-        written = [r["ok"]["file"] for r in results if "ok" in r and r["ok"].get("file")]
-        written += [c[0] for r in results if "ok" in r for c in r["ok"].get("chunks", []) if c[0]]
+        written = transaction.WrittenSet(r["ok"]["file"] for r in results if "ok" in r and r["ok"].get("file"))
+        written.extend(c[0] for r in results if "ok" in r for c in r["ok"].get("chunks", []) if c[0])
         errs = [r for r in results if "err" in r]
         if errs:
             transaction.remove_files(storage, written)
@@ -392,7 +422,7 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
             manifest = _fill_manifest(plan, prep, results)
             manifest.stats = _aggregate([r["ok"]["stats"] for r in results])
             if prep.data_format == "zarr":
-                written += _write_zarr_metadata(storage, manifest, prep.zarr_root)
+                _write_zarr_metadata(storage, manifest, prep.zarr_root, written)
             data = encode_manifest(manifest)
         except Exception as e:  # noqa: BLE001 - every rank gets it, typed; this save's files are gone
             transaction.remove_files(storage, written)
@@ -476,9 +506,9 @@ def merge_globals(per_rank: list[dict[str, bytes]]) -> dict[str, bytes]:
     return out
 
 
-def _write_zarr_metadata(storage: Storage, manifest: Manifest, root: str) -> list[str]:
+def _write_zarr_metadata(storage: Storage, manifest: Manifest, root: str, written: transaction.WrittenSet) -> None:
     """The coordinator writes each array's ``zarr.json`` (and the group's) under this save's zarr
-    tree; they are listed in the manifest's files. Returns their paths."""
+    tree; they are listed in the manifest's files and recorded in the save's ``written`` set."""
     from ckpt.dtypes import dtype_from_name, itemsize
 
     docs = {f"{root}/zarr.json": zarr_layout.group_metadata()}
@@ -490,18 +520,15 @@ def _write_zarr_metadata(storage: Storage, manifest: Manifest, root: str) -> lis
         for s in t.shards:
             if not s.file:
                 s.file = f"{root}/{key}/zarr.json"
-    done: list[str] = []
     for path, data in docs.items():
+        written.append(path)
         w = storage.open_writer(path)
-        done.append(path)
         try:
             w.write(data)
             manifest.files[path] = w.close()
         except BaseException:
             w.abort()
-            transaction.remove_files(storage, done)
-            raise
-    return done
+            raise  # the caller removes the whole written set
 
 
 def _partial_manifest(prep: Prepared, result: dict[str, Any], status: dict[str, Any]) -> Manifest:

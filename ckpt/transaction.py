@@ -15,14 +15,29 @@ this order:
    new one does not, and only data files of ours (:func:`in_data_area`: our writers' names under
    ``data/``, files of a ``zarr/`` or ``zarr-<id>/`` tree), never the manifest.
 
+**Ownership** (this module is the one place that keeps it). A writer owns exactly the files it created
+in this process: every name comes from :func:`fresh_data_file` / :func:`fresh_zarr_root` (a random
+id: no other writer can produce it), is recorded in the writer's :class:`WrittenSet` before the file
+is opened, and :func:`remove_files` deletes nothing but a written set. Nothing is ever deleted because
+a listing shows it and a plan does not name it: another writer may be writing it right now. Files a
+writer finds and re-uses (an interrupted reshard's finished files) are adopted only from a writer that
+is provably gone (:func:`writer_gone`), and are never in the adopter's written set. Leftovers of a
+killed writer are gc's to report, not the next writer's to delete.
+
 docs/RELIABILITY.md lists these rules and the tests that hold them.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
-from collections.abc import Iterable
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ckpt.errors import CheckpointError, CheckpointExistsError, ManifestError, ManifestIntegrityError, StateError
@@ -32,8 +47,120 @@ from ckpt.storage import Storage
 ZARR_AREA = re.compile(r"^zarr(-[0-9a-f]{6,32})?$")
 # Names only our writers give data files (``planner.data_file_name`` and the fresh names of saves).
 OUR_DATA_FILE = re.compile(r"^data/\d{5}-[0-9a-f]{12}\.safetensors$")
-# Scaffolding of our writers: reshard markers, the manager's lease, temp names of atomic commits.
-OUR_SCAFFOLD = re.compile(r"^(\.reshard/[0-9a-f]{12}-\d{5}\.done|\.writing|(.*/)?[^/]+\.tmp\.\d+(\.\d+)?)$")
+# Scaffolding of our writers: reshard markers (``<plan id>-<rank>[-<writer token>].done``), the
+# manager's lease, temp names of atomic commits.
+OUR_SCAFFOLD = re.compile(
+    r"^(\.reshard/[0-9a-f]{12}-\d{5}(-[0-9a-f]{12})?\.done|\.writing(-\d+-\d+-[0-9a-f]{8}-[0-9a-f]{8})?"
+    r"|(.*/)?[^/]+\.tmp\.\d+(\.\d+)?)$")  # leases: ckpt.lease (one per writer since issue 36)
+ID_LEN = 12  # hex digits of a random id: 48 bits, no collision between writers in practice
+WRITER_GRACE_S = 3600.0  # a writer on another host counts as alive this long after its record's time
+
+
+def new_id() -> str:
+    """A fresh random id (12 hex digits): the part of every name that no other writer can produce."""
+    return uuid.uuid4().hex[:ID_LEN]
+
+
+def fresh_data_file(rank: int) -> str:
+    """A new data file name for ``rank`` (``data/<rank:05d>-<random>.safetensors``), never used before."""
+    return f"{DATA_DIR}/{rank:05d}-{new_id()}.safetensors"
+
+
+def data_file_rank(path: str) -> int | None:
+    """The rank a data file name of ours was made for, None for any other name."""
+    if OUR_DATA_FILE.match(path) is None:
+        return None
+    return int(path[len(DATA_DIR) + 1 : len(DATA_DIR) + 6])
+
+
+def fresh_zarr_root() -> str:
+    """A new zarr tree for one save (``zarr-<random>``): zarr fixes chunk names inside a tree, so the
+    tree's name is what keeps two saves' chunks apart."""
+    return f"zarr-{new_id()}"
+
+
+class WrittenSet:
+    """The files one writer created in this process: the only files it may ever delete (when it fails,
+    or loses the commit). A path is recorded *before* the file is opened, so a failure half-way
+    through creating it still removes it. Thread-safe (a writer's lanes record into one set).
+
+    Files a writer adopts (found on storage, written by someone else) must never be recorded here.
+    """
+
+    def __init__(self, paths: Iterable[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self._paths: list[str] = []
+        self._seen: set[str] = set()
+        self.extend(paths)
+
+    def append(self, path: str) -> None:
+        """Record ``path`` (a name of this writer's own making) before creating it."""
+        with self._lock:
+            if path not in self._seen:
+                self._seen.add(path)
+                self._paths.append(path)
+
+    add = append
+
+    def extend(self, paths: Iterable[str]) -> None:
+        for p in paths:
+            self.append(p)
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._paths))
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._seen
+
+    def __repr__(self) -> str:
+        return f"WrittenSet({list(self)!r})"
+
+
+# --- who is writing: adoption of an interrupted writer's files needs proof that it is gone -------
+
+_LIVE: set[str] = set()  # tokens of the writers running in this process
+_LIVE_LOCK = threading.Lock()
+
+
+@contextmanager
+def live_writer() -> Iterator[dict[str, Any]]:
+    """This process's identity as one writer (``{"host", "pid", "token", "time"}``) for records it
+    leaves on storage (reshard markers): while the block runs, :func:`writer_gone` says False for it."""
+    token = new_id()
+    with _LIVE_LOCK:
+        _LIVE.add(token)
+    try:
+        yield {"host": socket.gethostname(), "pid": os.getpid(), "token": token, "time": time.time()}
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.discard(token)
+
+
+def writer_gone(record: Any) -> bool:
+    """True only when the writer of ``record`` (from :func:`live_writer`) provably cannot touch its
+    files again: a writer of this process that has returned, or a process of this host that no longer
+    exists; a writer on another host after ``WRITER_GRACE_S``. Anything unreadable: False (keep hands off).
+    """
+    try:
+        host, pid, token, t = record["host"], int(record["pid"]), str(record["token"]), float(record["time"])
+    except (TypeError, KeyError, ValueError):
+        return False
+    if host != socket.gethostname():
+        return time.time() - t > WRITER_GRACE_S
+    if pid == os.getpid():
+        with _LIVE_LOCK:
+            return token not in _LIVE
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False  # someone's process (or no valid pid): cannot tell
+    return False  # alive (or a zombie, or the pid reused): cannot tell
 
 
 def in_data_area(path: str) -> bool:
@@ -126,19 +253,21 @@ def begin(storage: Storage, *, overwrite: bool) -> Manifest | None:
     return previous
 
 
-def commit_manifest(storage: Storage, data: bytes, *, overwrite: bool, written: Iterable[str] = ()) -> Manifest:
+def commit_manifest(storage: Storage, data: bytes, *, overwrite: bool,
+                    written: WrittenSet | Iterable[str] = ()) -> Manifest:
     """Steps 4-5: check that our own decoder accepts ``data``, commit it atomically (exclusively
     unless ``overwrite``), then delete what the replaced checkpoint alone used.
 
-    ``written``: the files this attempt created (fresh names); they are removed when the commit
-    fails, so a loser leaves nothing behind. Returns the committed manifest (decoded from ``data``).
+    ``written``: the writer's own written set (files this attempt created under fresh names); they
+    are removed when the commit fails, so a loser leaves nothing behind (any of them that the
+    manifest now committed there lists is kept). Returns the committed manifest (decoded from ``data``).
 
     Raises StateError (the manifest would not be readable: nothing is committed),
     CheckpointExistsError (another writer committed first), StorageError.
     """
     from ckpt.formats.msgpack_codec import decode_manifest
 
-    written = list(written)
+    written = written if isinstance(written, WrittenSet) else WrittenSet(written)
     try:
         try:
             manifest = decode_manifest(data, url=f"{storage.url}/{MANIFEST_NAME}")
@@ -153,10 +282,24 @@ def commit_manifest(storage: Storage, data: bytes, *, overwrite: bool, written: 
         storage.commit(MANIFEST_NAME, data, exclusive=not overwrite)
     except BaseException:
         if not _holds(storage, data):  # a failure after the rename (e.g. a directory fsync) keeps the files
-            remove_files(storage, written)
+            # Our names are fresh: only a writer that adopted them could list them, and adoption
+            # waits for us to be gone; keeping what the committed manifest lists guards that rule.
+            remove_files(storage, written, keep=committed_files(storage) or ())
         raise
     remove_replaced(storage, previous, manifest)
     return manifest
+
+
+def committed_files(storage: Storage) -> set[str] | None:
+    """The files the manifest committed at ``storage`` lists (empty: none there); None when one is
+    there that cannot be read (then nothing may be assumed unreferenced)."""
+    try:
+        current = read_current(storage, overwrite=True)
+    except Exception:  # noqa: BLE001 - a newer format, an I/O error: cannot tell
+        return None
+    if current is None:
+        return None if storage.size(MANIFEST_NAME) is not None else set()
+    return set(current.files)
 
 
 def _holds(storage: Storage, data: bytes) -> bool:
@@ -172,12 +315,25 @@ def remove_replaced(storage: Storage, previous: Manifest | None, new: Manifest) 
     if previous is None:
         return []
     doomed = [f for f in previous.files if f not in new.files and in_data_area(f)]
-    remove_files(storage, doomed)
+    _delete(storage, doomed)
     return doomed
 
 
-def remove_files(storage: Storage, files: Iterable[str]) -> None:
-    """Best-effort delete of data-area files (anything else is refused silently: never the manifest)."""
+def remove_files(storage: Storage, written: WrittenSet, *, keep: Collection[str] = ()) -> list[str]:
+    """Best-effort delete of a writer's own files (its :class:`WrittenSet`), except ``keep``; only
+    data-area files (anything else is refused silently: never the manifest). Returns what it deleted.
+
+    The only clean-up a writer may run besides :func:`remove_replaced`: it takes a written set, never
+    a listing, so a writer cannot delete a file another writer is writing or has committed.
+    """
+    if not isinstance(written, WrittenSet):
+        raise TypeError("remove_files takes a writer's own WrittenSet, never a listing")
+    doomed = [f for f in written if f not in keep and in_data_area(f)]
+    _delete(storage, doomed)
+    return doomed
+
+
+def _delete(storage: Storage, files: Iterable[str]) -> None:
     for f in files:
         if not in_data_area(f):
             continue
@@ -189,5 +345,6 @@ def remove_files(storage: Storage, files: Iterable[str]) -> None:
             pass
 
 
-__all__ = ["begin", "check_header", "commit_manifest", "foreign_files", "in_data_area", "read_current",
-           "remove_files", "remove_replaced", "OUR_DATA_FILE"]
+__all__ = ["begin", "check_header", "commit_manifest", "committed_files", "data_file_rank", "foreign_files",
+           "fresh_data_file", "fresh_zarr_root", "in_data_area", "live_writer", "new_id", "read_current",
+           "remove_files", "remove_replaced", "writer_gone", "WrittenSet", "OUR_DATA_FILE"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from ckpt.formats.sources import detect, foreign_manifest
 from ckpt.io import crc_of_range
 from ckpt.manifest import MANIFEST_NAME, Manifest, entry_name
 from ckpt.regions import check_tiling
+from ckpt.shards import Box
 from ckpt.storage import Storage, get_storage
 
 
@@ -229,10 +231,16 @@ def _verify_foreign(storage: Storage, report: VerifyReport) -> None:
 
 def _header_type(dtype: str, s: Any) -> tuple[str, tuple[int, ...]]:
     """The (safetensors dtype, shape) a shard's header entry must have (see docs/FORMAT.md)."""
-    from ckpt.dtypes import dtype_from_name, safetensors_dtype
-    from ckpt.shards import Box
-
-    st = safetensors_dtype(dtype_from_name(dtype))
+    st = _st_dtype(dtype)
     if st is None:
         return "U8", (s.length,)
     return st, tuple(s.region.lengths) if isinstance(s.region, Box) else (s.region.numel,)
+
+
+@functools.lru_cache(maxsize=64)
+def _st_dtype(dtype: str) -> str | None:
+    """The safetensors name of a manifest dtype (None: stored as raw bytes); once per dtype, not per
+    shard (a tensor of 42,000 shards is checked shard by shard)."""
+    from ckpt.dtypes import dtype_from_name, safetensors_dtype
+
+    return safetensors_dtype(dtype_from_name(dtype))

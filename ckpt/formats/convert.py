@@ -16,6 +16,7 @@ Nothing from a foreign file is unpickled outside the allowlist (:mod:`ckpt.forma
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -24,11 +25,12 @@ from typing import Any
 
 import torch
 
+from ckpt import transaction
 from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_from_name, dtype_name, itemsize
-from ckpt.errors import CheckpointExistsError, ManifestError, StateError
+from ckpt.errors import CheckpointError, CheckpointExistsError, ManifestError, StateError
 from ckpt.formats import torch_pickle
-from ckpt.formats.dcp_source import METADATA_NAME, reader
+from ckpt.formats.dcp_source import METADATA_NAME, read_metadata, reader
 from ckpt.formats.msgpack_codec import decode_object, encode_object
 from ckpt.io import byte_view
 from ckpt.layout import Layout
@@ -53,12 +55,14 @@ def torch_save_manifest(storage: Storage, name: str) -> Manifest:
     z = torch_pickle.load_torch(reader(storage, name), 0, size, what=what)
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, ObjectEntry] = {}
-
-    def walk(v: Any, key: str) -> None:
+    # iterative, in the file's order: the value passed torch_pickle's budget (a finite tree of
+    # bounded depth and size), and this walk visits each of its nodes at most twice
+    stack: list[tuple[str, Any]] = [("", z.obj)]
+    while stack:
+        key, v = stack.pop()
         if isinstance(v, dict) and v and all(isinstance(k, (str, int)) for k in v):
-            for k, x in v.items():
-                walk(x, f"{key}.{k}" if key else str(k))
-            return
+            stack.extend((f"{key}.{k}" if key else str(k), x) for k, x in reversed(list(v.items())))
+            continue
         if isinstance(v, torch_pickle.TensorRef):
             if not v.contiguous:
                 raise ManifestError(f"{what}: tensor {key!r} is stored non-contiguous (strides {list(v.stride)}); "
@@ -67,14 +71,12 @@ def torch_save_manifest(storage: Storage, name: str) -> Manifest:
             whole = Box((0,) * len(v.shape), v.shape)
             tensors[key or "tensor"] = TensorEntry(dtype_name(v.dtype, key=key), v.shape,
                                                    [ShardEntry(whole, name, offset, length)])
-            return
-        if any(isinstance(r, torch_pickle.TensorRef) for _, r in torch_pickle.TorchZip(v, what).tensors()):
+            continue
+        if torch_pickle.TorchZip(v, what).tensors():
             raise ManifestError(f"{what}: {key!r} holds tensors inside a list or tuple; ckpt imports tensors "
                                 "under dict keys (torch.load it and ckpt.save it instead)")
         data = encode_object(v, key=key or "value")
         objects[key or "value"] = ObjectEntry(data=data, checksum=crc32(data))
-
-    walk(z.obj, "")
     m = Manifest(tensors=tensors, objects=objects, files={name: size},
                  user_metadata={"source": {"format": "torch.save", "file": name}})
     m.source_format = "torch.save"
@@ -185,12 +187,16 @@ def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleS
     local directory ``dst_dir``; returns a summary (files, bytes, tensors, objects).
 
     Pieces larger than a quarter of ``memory_budget`` are written as several DCP chunks, so peak
-    memory stays near the budget. ``.metadata`` is written last (atomically): until then ``dst_dir``
-    is not a DCP checkpoint (with ``overwrite`` the old ``.metadata`` is removed first). Per-rank
-    objects (``ckpt.PerRank``) become ``{rank: value}`` objects.
+    memory stays near the budget. Data files get fresh names (``__<i>_0-<random>.distcp``: DCP
+    finds them through ``.metadata``), so that no other writer can produce them; ``.metadata`` is
+    written last, atomically (exclusively unless ``overwrite``): until then ``dst_dir`` holds the
+    previous export, whole. Only after that commit are the files the replaced ``.metadata`` listed
+    removed; on a failure, only this export's own files are. Per-rank objects (``ckpt.PerRank``)
+    become ``{rank: value}`` objects.
 
     Raises:
-        CheckpointExistsError: ``dst_dir`` already holds a DCP checkpoint and ``overwrite`` is False.
+        CheckpointExistsError: ``dst_dir`` already holds a DCP checkpoint and ``overwrite`` is False
+            (also when another export commits there first; this one's files are removed).
         StateError: ``dst_dir`` holds other files.
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -213,22 +219,21 @@ def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleS
     if stray:
         raise StateError(f"{dst_dir}: holds other files ({', '.join(sorted(stray)[:3])}); export to an empty directory")
     st = get_storage(src, **(storage_options or {}))
+    written: list[str] = []  # this export's own files: the only ones its failure removes
+    committed = False
     try:
         manifest = fetch_manifest(st)
         pieces = _pieces(manifest, to, rules)
-        if METADATA_NAME in present:
-            # replacing (--overwrite): the old files are rewritten below, so the old .metadata goes first
-            # and nothing claims to be a DCP checkpoint until the new one is complete
-            os.remove(os.path.join(dst_dir, METADATA_NAME))
         total = sum(b.numel * itemsize(dtype_from_name(manifest.tensors[k].dtype)) for ps in pieces.values()
                     for k, b in ps)
         chunk = max(1 << 20, memory_budget // 4)
         sdm: dict[str, Any] = {}
         storage_data: dict[Any, Any] = {}
         done = 0
-        written: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         for f in sorted(pieces):
-            rel = f"__{f}_0.distcp"
+            rel = f"__{f}_0-{transaction.new_id()}.distcp"  # a name no other writer can produce
+            written.append(rel)
             items: list[Item] = []  # one per DCP chunk: pieces larger than ``chunk`` go in several
             for key, box in pieces[f]:
                 t = manifest.tensors[key]
@@ -236,7 +241,7 @@ def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleS
                 sdm.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(t.shape), []))
                 parts = [box] if box.numel == 0 else list(split_region(box, max(1, chunk // itemsize(dtype))))
                 items += [Item(key, t.dtype, tuple(t.shape), part) for part in parts]
-            with open(os.path.join(dst_dir, rel + ".tmp"), "wb") as out:
+            with open(os.path.join(dst_dir, rel), "xb") as out:
                 for i, part, value in read_items(st, manifest, items, buffer=chunk, readers=workers):
                     assert isinstance(part, Box)
                     key = items[i].key
@@ -260,24 +265,44 @@ def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleS
                         storage_data[MetadataIndex(key)] = _StorageInfo(rel, offset, out.tell() - offset)
                 out.flush()
                 os.fsync(out.fileno())
-                written[rel] = out.tell()
-            os.replace(os.path.join(dst_dir, rel + ".tmp"), os.path.join(dst_dir, rel))
+                sizes[rel] = out.tell()
         # planner_data: the nesting DCP's own planners rebuild for an empty target (keys split on ".")
         meta = Metadata(state_dict_metadata=sdm, planner_data={k: tuple(k.split(".")) for k in sdm},
                         storage_data=storage_data, version="1.0.0")
-        tmp = os.path.join(dst_dir, METADATA_NAME + ".tmp")
-        with open(tmp, "wb") as mf:
-            pickle.dump(meta, mf)
-            mf.flush()
-            os.fsync(mf.fileno())
-        os.replace(tmp, os.path.join(dst_dir, METADATA_NAME))
-        for n in present:  # files of a replaced export that this one did not rewrite
-            if n != METADATA_NAME and n not in written:
+        replaced = _dcp_files(dst_dir) if overwrite else set()  # what the commit replaces
+        out_st = get_storage(dst_dir)
+        try:  # the commit: atomic, and exclusive unless replacing
+            out_st.commit(METADATA_NAME, pickle.dumps(meta), exclusive=not overwrite)
+        finally:
+            out_st.close()
+        committed = True
+        for n in sorted(replaced - set(sizes)):  # the replaced export's files, after the commit only
+            with contextlib.suppress(OSError):
                 os.remove(os.path.join(dst_dir, n))
-        return {"dst": dst_dir, "files": len(written), "bytes": sum(written.values()), "tensor_bytes": done,
+        return {"dst": dst_dir, "files": len(sizes), "bytes": sum(sizes.values()), "tensor_bytes": done,
                 "tensors": len([k for k in sdm if k in manifest.tensors]), "objects": len(manifest.objects)}
+    except BaseException:
+        if not committed:
+            for n in written:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(dst_dir, n))
+        raise
     finally:
         st.close()
+
+
+def _dcp_files(dst_dir: str) -> set[str]:
+    """The data files the DCP checkpoint in ``dst_dir`` lists (read with the DCP allowlist); empty
+    when its ``.metadata`` cannot be read (then nothing is removed: leftovers beat lost data)."""
+    out_st = get_storage(dst_dir)
+    try:
+        md = read_metadata(out_st)
+        names = {getattr(info, "relative_path", None) for info in (getattr(md, "storage_data", None) or {}).values()}
+    except (CheckpointError, AttributeError, TypeError):
+        return set()
+    finally:
+        out_st.close()
+    return {n for n in names if isinstance(n, str) and n.startswith("__") and n.endswith(".distcp") and "/" not in n}
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:

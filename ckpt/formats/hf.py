@@ -22,7 +22,6 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +30,8 @@ import torch
 
 from ckpt import transaction
 from ckpt.dtypes import dtype_from_name, dtype_name
-from ckpt.errors import CheckpointError, CheckpointExistsError, LayoutError, ManifestError
-from ckpt.formats import hf_files
+from ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, LayoutError, ManifestError
+from ckpt.formats import foreign_json, hf_files
 from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.hf.adapters import HF_RULES, adapter_for
 from ckpt.hf.directory import (
@@ -147,13 +146,9 @@ def _config_arg(config: str | dict[str, Any] | None) -> dict[str, Any] | None:
     if config is None or isinstance(config, dict):
         return config
     path = os.path.join(config, CONFIG_NAME) if os.path.isdir(config) else config
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ManifestError(f"{path}: cannot read the Hugging Face config ({e})") from None
+    d = foreign_json.read_path(path, budget=foreign_json.CONFIG)  # bounded: size, depth, items
     if not isinstance(d, dict):
-        raise ManifestError(f"{path}: not a JSON object")
+        raise ConfigError(f"{path}: not a JSON object")
     return d
 
 
@@ -317,30 +312,29 @@ def read_hf_source(storage: Storage, names: str = "ckpt") -> HFSource:
     config, or of a dtype the model cannot hold).
     """
     url = storage.url
+    where = f"{url}/{CONFIG_NAME}"
     if storage.size(CONFIG_NAME) is None:
         raise ManifestError(f"{url}: no {CONFIG_NAME}; not a Hugging Face model directory")
-    d = read_json(storage, CONFIG_NAME)
+    d = read_json(storage, CONFIG_NAME)  # bounded (ckpt.formats.foreign_json)
     if not isinstance(d, dict):
-        raise ManifestError(f"{url}/{CONFIG_NAME}: not a JSON object")
+        raise ConfigError(f"{where}: not a JSON object")
     model_type = d.get("model_type")
+    # every field the adapter reads is type- and range-checked here (ConfigError naming it), also for
+    # a config the embedded MoE then takes: nothing below meets a string, a bool or a 10**9 for a count
+    adapter = adapter_for(model_type, where=where)
+    full = adapter.complete(d, where=where)
     cfg: ModelConfig | None = None
     if model_type == "qwen3_moe" and names == "ckpt":
         try:
             cfg = config_from_hf(d)
         except (ValueError, TypeError):
             cfg = None  # dense layers, biases...: the generic Qwen3-MoE adapter takes it
-    adapter = None
-    if cfg is None:
-        adapter = adapter_for(model_type, where=f"{url}/{CONFIG_NAME}")
-        full = adapter.complete(d, where=f"{url}/{CONFIG_NAME}")
     entries, sizes = read_entries(storage)
-    if adapter is not None:
+    if cfg is None:
         manifest, meta = import_manifest(adapter, full, entries, sizes, names, url=url)
         return HFSource(full, manifest, [(k, tuple(t.shape)) for k, t in manifest.tensors.items()], meta, HF_RULES)
-    assert cfg is not None
-    params = param_shapes(cfg)
-    tensors = embedded_import(cfg, entries, url=url)
-    return HFSource(cfg, Manifest(tensors=tensors, files=sizes, user_metadata={}), params)
+    tensors = embedded_import(cfg, entries, url=url)  # checks the config's scale against the files first
+    return HFSource(cfg, Manifest(tensors=tensors, files=sizes, user_metadata={}), param_shapes(cfg))
 
 
 def _layout(to: str | Layout | None) -> Layout:
@@ -450,7 +444,8 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
     meta = ({"model_config": source.config.to_dict(), "rules": RULES_NAME} if source.meta is None
             else dict(source.meta))
     meta |= {"layout": layout.to_dict(), "source": {"format": "huggingface", "url": source_url}}
-    plan = plan_save([decl], save_id=uuid.uuid4().hex[:12], step=0, user_metadata=meta, layout=layout.to_dict())
+    # a random save id: the data file's name is one no other writer can produce (ckpt.transaction)
+    plan = plan_save([decl], save_id=transaction.new_id(), step=0, user_metadata=meta, layout=layout.to_dict())
     manifest, (assignment,) = plan.manifest, plan.assignments
     assert assignment.file is not None
     items = []
@@ -463,7 +458,7 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
     try:
         transaction.begin(dst, overwrite=overwrite)
         created = _new_local_root(dst)
-        opened: list[str] = []
+        opened = transaction.WrittenSet()  # this import's own files: the only ones it may remove
         try:
             res = copy_files(src, vman, dst, [out], budget=budget, readers=workers, checksums=True, progress=progress,
                              written=opened)
@@ -472,7 +467,8 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
                 manifest.tensors[e.key].shards[e.shard].checksum = crc
             data = encode_manifest(manifest)
         except BaseException:
-            _cleanup(dst, opened, created)
+            transaction.remove_files(dst, opened)
+            _cleanup(dst, [], created)
             raise
         # removes this import's files itself when the commit fails (and keeps them once committed)
         manifest = transaction.commit_manifest(dst, data, overwrite=overwrite, written=opened)

@@ -1,5 +1,8 @@
-"""The zarr v3 data layout: each global tensor is a zarr array under ``zarr/<key>/``, one chunk per
-shard, readable by plain ``zarr.open_array`` without this package.
+"""The zarr v3 data layout: each global tensor is a zarr array under ``<tree>/<key>/``, one chunk per
+shard, readable by plain ``zarr.open_array`` without this package. Each save writes its own tree
+``zarr-<random>/`` (:func:`fresh_root`; the manifest names it, :func:`tree_of` finds it): zarr fixes the
+chunk names inside a tree, so only the tree's name keeps two writers' chunks apart. Checkpoints of
+earlier versions used a plain ``zarr/`` tree; they load as before.
 
 Chunks are stored uncompressed (codec ``bytes``, little endian), so a chunk file *is* the shard's
 row-major bytes: the manifest indexes each chunk as a shard at offset 0 of its file, and
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
 from typing import Any
 
 import torch
@@ -48,12 +50,23 @@ def check_key(key: str) -> None:
                          "be zarr array names; rename it or use the safetensors layout")
 
 
-def fresh_root(storage: Storage) -> str:
-    """The zarr tree for a new save: ``zarr`` when nothing is there yet, else ``zarr-<random>``, so a
-    save never writes into chunk files a committed manifest may reference (chunk names are fixed)."""
-    if not storage.list(ZARR_DIR):
-        return ZARR_DIR
-    return f"{ZARR_DIR}-{uuid.uuid4().hex[:12]}"
+def fresh_root(storage: Storage | None = None) -> str:
+    """The zarr tree for a new save: always ``zarr-<random>`` (:func:`ckpt.transaction.fresh_zarr_root`),
+    whatever the destination holds. Chunk names are fixed by zarr, so a tree shared by two writers
+    (two saves racing into one new step) would let the loser's clean-up delete the winner's chunks.
+    ``storage`` is not consulted (kept for callers that pass it)."""
+    from ckpt.transaction import fresh_zarr_root
+
+    return fresh_zarr_root()
+
+
+def tree_of(files: Any) -> str | None:
+    """The zarr tree a zarr checkpoint's manifest ``files`` live in (``zarr-<id>`` or ``zarr``)."""
+    for f in files:
+        head, sep, _ = str(f).partition("/")
+        if sep and (head == ZARR_DIR or head.startswith(f"{ZARR_DIR}-")):
+            return head
+    return None
 
 
 def chunk_shape(key: str, shape: tuple[int, ...], regions: list[Region]) -> tuple[int, ...]:
@@ -105,20 +118,23 @@ def group_metadata() -> bytes:
 
 
 def write_chunks(storage: Storage, pieces: list[tuple[str, Box, torch.Tensor]],
-                 wait_piece: Any = None, indices: list[int] | None = None,
-                 root: str = ZARR_DIR) -> list[tuple[str, int, int]]:
+                 wait_piece: Any = None, indices: list[int] | None = None, *,
+                 root: str) -> list[tuple[str, int, int]]:
     """Write each ``(key, region, tensor)`` as its own chunk file under the zarr tree ``root``;
     returns ``(path, size, crc32)`` each. ``tensor`` may be a callable returning it when it is ready
     (an async save's staged copy)."""
     from ckpt.io import host_bytes
+    from ckpt.transaction import WrittenSet, remove_files
 
     out: list[tuple[str, int, int]] = []
+    written = WrittenSet()  # this rank's own chunks: the only files its failure may remove
     try:
         for n, (key, region, t) in enumerate(pieces):
             if wait_piece is not None and indices is not None:
                 wait_piece(indices[n])
             path = chunk_path(key, region, root)
             mv, owner = host_bytes(t() if callable(t) else t)
+            written.append(path)
             w = storage.open_writer(path)
             try:
                 w.write(mv)
@@ -129,8 +145,6 @@ def write_chunks(storage: Storage, pieces: list[tuple[str, Box, torch.Tensor]],
             out.append((path, size, crc32(mv)))
             del owner
     except BaseException:
-        from ckpt.transaction import remove_files
-
-        remove_files(storage, [o[0] for o in out])  # a failed save leaves none of its chunks behind
+        remove_files(storage, written)  # a failed save leaves none of its chunks behind
         raise
     return out

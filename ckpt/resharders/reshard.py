@@ -13,18 +13,27 @@
 3. **Commit**: the manifest is written last, atomically, exactly as ``ckpt.save`` does. Until then
    ``dst`` is not a checkpoint.
 
-Crash safety and restart: the new files are named after the plan id (a hash of the source
-manifest, the target layout, the rules and the stages), and each finished file leaves a small
-marker ``.reshard/<plan id>-<rank>.done`` (its size and checksums). Running the same command again
-keeps every finished file whose bytes still match its marker's checksums (re-read and re-hashed),
-rewrites the others, removes files left by other attempts, and commits. A committed ``dst`` is
-never touched unless ``overwrite=True``; then the old files are removed only after the new manifest
-is committed.
+Ownership (:mod:`ckpt.transaction`): every new file gets a fresh random name
+(``data/<rank>-<random>.safetensors``) recorded in this run's written set; a run removes nothing but
+that set (all of it when it loses the commit or reads a corrupted source; its unfinished files on
+any other failure), never files it merely finds in ``dst``: two runs into one destination, or a run
+beside a save or an import, cannot delete each other's files.
+
+Crash safety and restart: each finished file leaves a small marker
+``.reshard/<plan id>-<rank>-<writer token>.done`` (the plan id: a hash of the source manifest, the
+target layout, the rules and the stages) holding the file's random name, size, checksums and its
+writer (host, pid, token). Running the same command again adopts every finished file of the same plan
+whose writer is provably gone (:func:`ckpt.transaction.writer_gone`) and whose bytes still match the
+marker's checksums (re-read and re-hashed), writes the others under fresh names, and commits. Adopted
+files are never in the re-run's written set; files of an interrupted run that are not adopted are
+left for ``ckpt gc`` to report. A committed ``dst`` is never touched unless ``overwrite=True``; then
+the old files are removed only after the new manifest is committed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,7 +47,7 @@ from ckpt.errors import CheckpointError, IntegrityError, StateError, StorageErro
 from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.layout import Layout
 from ckpt.load import _few, fetch_manifest
-from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
+from ckpt.manifest import Manifest
 from ckpt.planner import WriteAssignment
 from ckpt.regions import sub_region
 from ckpt.resharders.plan import ReshardPlan, plan
@@ -50,6 +59,7 @@ DEFAULT_MEMORY_BUDGET = 2 * 10**9  # bytes ("2GB")
 MIN_MEMORY_BUDGET = 1 << 20
 MAX_CHUNK = 64 << 20  # a bigger part does not go faster; it only delays the first write
 MARKER_DIR = ".reshard"
+MAX_MARKER = 1 << 20  # a marker holds a name, a size and a checksum per entry: anything larger is not ours
 
 
 def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_RULES,
@@ -114,19 +124,19 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
                              "reshard writes only to a new or empty location, an unfinished reshard, or over a "
                              "checkpoint (--overwrite). Choose another destination; nothing was changed")
         p = plan(manifest, target, rules, stages=stages)
-        if previous is not None and set(p.target_files) & set(previous.files):
-            # Never write into a file the committed manifest references (same source and target
-            # again): other names, still deterministic so that an interrupted overwrite resumes.
-            p = plan(manifest, target, rules, stages=stages, salt=f"replacing {previous.created!r}")
-        job = _Rewrite(src, dst, manifest, p, memory_budget, workers, progress)
-        job.clean(previous)
-        job.resume(verify_resumed)
-        try:
-            job.run(verify_source)
-        except IntegrityError:
-            job.discard()  # files made from corrupted bytes must not be resumed later
-            raise
-        return job.commit(overwrite)
+        with transaction.live_writer() as me:  # markers name this run as the writer of its files
+            job = _Rewrite(src, dst, manifest, p, memory_budget, workers, progress, me)
+            # a file the checkpoint being replaced lists is never adopted (it is that checkpoint's)
+            job.resume(verify_resumed, taken=set(previous.files) if previous is not None else set())
+            try:
+                job.run(verify_source)
+            except IntegrityError:
+                job.discard()  # files made from corrupted bytes must not be resumed later
+                raise
+            except BaseException:
+                job.abandon()  # finished files stay (with their markers) for a resumed run
+                raise
+            return job.commit(overwrite)
     finally:
         src.close()
         dst.close()
@@ -146,9 +156,13 @@ def _location(s: Storage) -> str:
     return s.url.rstrip("/")
 
 
-def marker_name(plan_id: str, rank: int) -> str:
-    """Path (inside the destination) of the marker a finished new data file leaves."""
-    return f"{MARKER_DIR}/{plan_id}-{rank:05d}.done"
+def marker_name(plan_id: str, rank: int, token: str) -> str:
+    """Path (inside the destination) of the marker that writer ``token`` leaves for a finished new
+    data file of ``rank``: one per writer, so two runs of one plan never replace each other's."""
+    return f"{MARKER_DIR}/{plan_id}-{rank:05d}-{token}.done"
+
+
+_MARKER = re.compile(rf"^{re.escape(MARKER_DIR)}/([0-9a-f]{{12}})-(\d{{5}})-[0-9a-f]{{12}}\.done$")
 
 
 @dataclass(slots=True)
@@ -160,7 +174,13 @@ class _Rewrite:
     budget: int
     workers: int
     progress: Progress | None
+    me: dict[str, Any]  # this run as a writer (transaction.live_writer), recorded in its markers
     sums: dict[int, list[int]] = field(default_factory=dict)  # rank -> checksums of its file's entries
+    names: dict[int, str] = field(default_factory=dict)  # rank -> the new file's real (random) name
+    written: transaction.WrittenSet = field(default_factory=transaction.WrittenSet)  # files this run made
+    finished: set[str] = field(default_factory=set)  # of those, the ones complete (with a marker)
+    markers: list[str] = field(default_factory=list)  # markers this run wrote
+    adopted: list[str] = field(default_factory=list)  # markers of a gone writer whose files this run adopts
     resumed: list[str] = field(default_factory=list)
     done_bytes: int = 0
     bytes_verified: int = 0
@@ -171,65 +191,68 @@ class _Rewrite:
     def assignments(self) -> list[WriteAssignment]:
         return self.plan.save.assignments
 
-    def clean(self, previous: Manifest | None) -> None:
-        """Remove what earlier, different attempts of ours left: data files with our writers' names
-        that no committed manifest lists and this plan does not resume, and stale markers. Nothing
-        else is touched (a committed checkpoint whose manifest cannot be read keeps its files)."""
-        if previous is None and self.dst.size(MANIFEST_NAME) is not None:
-            return
-        keep = set(self.plan.target_files) | set(previous.files if previous is not None else ())
-        stale = [f for f in _listing(self.dst) if f.startswith(f"{DATA_DIR}/") and f not in keep
-                 and transaction.OUR_DATA_FILE.match(f)]
-        transaction.remove_files(self.dst, stale)
-        for f in _listing(self.dst):
-            if f.startswith(f"{MARKER_DIR}/") and not f.startswith(f"{MARKER_DIR}/{self.plan.plan_id}-"):
-                _quiet_delete(self.dst, f)
-
-    def resume(self, verify: bool) -> None:
-        """Keep the files a previous attempt of this same plan finished (and that still hash right)."""
+    def resume(self, verify: bool, taken: set[str]) -> None:
+        """Adopt the files an earlier run of this same plan finished, when that run is provably gone
+        and the files still hash right; never files in ``taken``. Nothing found is deleted."""
+        found: dict[int, list[str]] = {}
+        try:
+            listing = self.dst.list(MARKER_DIR)
+        except CheckpointError:
+            listing = []  # no destination yet
+        for f in listing:
+            m = _MARKER.match(f)
+            if m is not None and m.group(1) == self.plan.plan_id:
+                found.setdefault(int(m.group(2)), []).append(f)
         for rank, a in enumerate(self.assignments):
             if a.file is None:
                 continue
-            marker = marker_name(self.plan.plan_id, rank)
-            if self.dst.size(marker) is None:
-                continue
-            sums = self._check_finished(rank, a, marker, verify)
-            if sums is None:
-                self.dst.delete(marker)
-                continue
-            self.sums[rank] = sums
-            self.resumed.append(a.file)
-            self._advance(a.nbytes)
+            for marker in found.get(rank, []):
+                got = self._check_finished(rank, a, marker, verify, taken)
+                if got is None:
+                    continue  # not adoptable: left alone (its writer may be running; gc reports leftovers)
+                self.names[rank], self.sums[rank] = got
+                taken.add(got[0])
+                self.adopted.append(marker)
+                self.resumed.append(got[0])
+                self._advance(a.nbytes)
+                break
 
-    def _check_finished(self, rank: int, a: WriteAssignment, marker: str, verify: bool) -> list[int] | None:
+    def _check_finished(self, rank: int, a: WriteAssignment, marker: str, verify: bool,
+                        taken: set[str]) -> tuple[str, list[int]] | None:
+        """``(file name, checksums)`` of the file ``marker`` names when it may be adopted, else None."""
         assert a.file is not None
         try:
+            if (self.dst.size(marker) or 0) > MAX_MARKER:
+                return None
             m = msgpack.unpackb(self.dst.read_file(marker), raw=False)
-            sums = [int(s) for s in m["sums"]]
-            if m["file"] != a.file or len(sums) != len(a.entries):
+            name, sums, writer = m["file"], [int(s) for s in m["sums"]], m.get("writer")
+            if (not isinstance(name, str) or transaction.data_file_rank(name) != rank or name in taken
+                    or len(sums) != len(a.entries)):
                 return None
-        except (CheckpointError, ValueError, TypeError, KeyError, msgpack.UnpackException):
-            return None
-        if self.dst.size(a.file) != self.plan.manifest.files[a.file]:
-            return None
-        if not verify:
-            return sums
-        head = bytearray(len(a.header))
-        self.dst.read_into(a.file, 0, memoryview(head))
-        if bytes(head) != a.header:
-            return None
-        buf = bytearray(min(max((e.length for e in a.entries), default=1), 16 << 20) or 1)
-        for e, want in zip(a.entries, sums, strict=True):
-            crc, pos = 0, 0
-            while pos < e.length:
-                n = min(len(buf), e.length - pos)
-                mv = memoryview(buf)[:n]
-                self.dst.read_into(a.file, e.offset + pos, mv)
-                crc = crc32(mv, crc)
-                pos += n
-            if crc != want:
+            if not transaction.writer_gone(writer):
+                return None  # its writer may still remove it (losing its commit): never share a live file
+            if self.dst.size(name) != self.plan.manifest.files[a.file]:
                 return None
-        return sums
+            if not verify:
+                return name, sums
+            head = bytearray(len(a.header))
+            self.dst.read_into(name, 0, memoryview(head))
+            if bytes(head) != a.header:
+                return None
+            buf = bytearray(min(max((e.length for e in a.entries), default=1), 16 << 20) or 1)
+            for e, want in zip(a.entries, sums, strict=True):
+                crc, pos = 0, 0
+                while pos < e.length:
+                    n = min(len(buf), e.length - pos)
+                    mv = memoryview(buf)[:n]
+                    self.dst.read_into(name, e.offset + pos, mv)
+                    crc = crc32(mv, crc)
+                    pos += n
+                if crc != want:
+                    return None
+        except (CheckpointError, ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException):
+            return None
+        return name, sums
 
     def _advance(self, n: int) -> None:
         with self.lock:  # the callback too: calls arrive in order, the last one with the total
@@ -246,6 +269,8 @@ class _Rewrite:
         """
         todo = sorted((r for r, a in enumerate(self.assignments) if a.file is not None and r not in self.sums),
                       key=lambda r: (-self.assignments[r].nbytes, r))
+        for r in todo:  # names no other writer can produce (recorded in the written set when opened)
+            self.names[r] = transaction.fresh_data_file(r)
         files = [self._out_file(r) for r in todo]
         verify = None
         if verify_source and self.source.source_format == "ckpt":  # DCP/DeepSpeed sources have no checksums
@@ -257,22 +282,32 @@ class _Rewrite:
                 self.progress(resumed + done, self.plan.tensor_bytes)
 
         def file_done(i: int, size: int, sums: list[int]) -> None:
-            a = self.assignments[todo[i]]
-            self.dst.commit(marker_name(self.plan.plan_id, todo[i]),
-                            msgpack.packb({"file": a.file, "size": size, "sums": sums}, use_bin_type=True))
-            self.sums[todo[i]] = list(sums)
+            name = self.names[todo[i]]
+            marker = marker_name(self.plan.plan_id, todo[i], self.me["token"])
+            with self.lock:
+                self.markers.append(marker)
+            self.dst.commit(marker, msgpack.packb({"file": name, "size": size, "sums": sums, "writer": self.me},
+                                                  use_bin_type=True))
+            with self.lock:
+                self.finished.add(name)
+                self.sums[todo[i]] = list(sums)
 
         res = copy_files(self.src, self.source, self.dst, files, budget=self.budget, lanes=self.workers,
                          max_part=MAX_CHUNK, checksums=True, verify=verify, progress=progress,
-                         file_done=file_done)
+                         file_done=file_done, written=self.written)
         self.bytes_verified = res.verified_bytes
 
     def discard(self) -> None:
-        """Remove this attempt's files and markers (after a corrupted source: nothing may be resumed)."""
-        for rank, a in enumerate(self.assignments):
-            if a.file is not None:
-                _quiet_delete(self.dst, a.file)
-            _quiet_delete(self.dst, marker_name(self.plan.plan_id, rank))
+        """After a corrupted source, nothing may be resumed: remove this run's files (its written set)
+        and its markers, and the markers of the files it adopted (their writer is gone; the files
+        stay for gc, no run will adopt them again)."""
+        transaction.remove_files(self.dst, self.written)
+        self._drop_markers(self.markers + self.adopted)
+
+    def abandon(self) -> None:
+        """After any other failure: remove this run's unfinished files; the finished ones and their
+        markers stay for a resumed run to adopt."""
+        transaction.remove_files(self.dst, self.written, keep=self.finished)
 
     def _out_file(self, rank: int) -> OutFile:
         a = self.assignments[rank]
@@ -283,16 +318,21 @@ class _Rewrite:
             piece = decl.pieces[e.piece]
             region = piece.region if e.count is None else sub_region(piece.region, e.start, e.count)
             items.append(Item(piece.key, piece.dtype, piece.shape, region))
-        return OutFile(a.file, a.header, items)
+        return OutFile(self.names[rank], a.header, items)
 
     def commit(self, overwrite: bool) -> Manifest:
         """Fill in checksums, commit the manifest through the transaction, then remove markers."""
         m = self.plan.manifest
+        real = {a.file: self.names[rank] for rank, a in enumerate(self.assignments) if a.file is not None}
         for rank, a in enumerate(self.assignments):
             if a.file is None:
                 continue
             for ent, crc in zip(a.entries, self.sums[rank], strict=True):
                 m.tensors[ent.key].shards[ent.shard].checksum = crc
+        for t in m.tensors.values():  # the plan's placeholder names -> the files' real names
+            for sh in t.shards:
+                sh.file = real.get(sh.file, sh.file)
+        m.files = {real.get(f, f): n for f, n in m.files.items()}
         for obj in m.objects.values():
             if obj.data is not None and obj.checksum is None:
                 obj.checksum = crc32(obj.data)
@@ -301,17 +341,25 @@ class _Rewrite:
                    "resumed_files": len(self.resumed), "plan_id": self.plan.plan_id,
                    "source_bytes_verified": self.bytes_verified}
         data = encode_manifest(m)
-        written = [a.file for a in self.assignments if a.file is not None]
-        committed = transaction.commit_manifest(self.dst, data, overwrite=overwrite, written=written)
-        for rank in range(len(self.assignments)):
-            _quiet_delete(self.dst, marker_name(self.plan.plan_id, rank))
+        try:
+            # a loser (or any failure) removes this run's own files, never the adopted ones
+            committed = transaction.commit_manifest(self.dst, data, overwrite=overwrite, written=self.written)
+        except BaseException:
+            self._drop_markers(self.markers)  # they name files that are gone now
+            raise
+        # Our markers, and those of the gone writers whose files are now committed: nothing to resume.
+        self._drop_markers(self.markers + self.adopted)
+        return committed
+
+    def _drop_markers(self, markers: list[str]) -> None:
+        for marker in markers:
+            _quiet_delete(self.dst, marker)
         root = getattr(self.dst, "root", None)
         if isinstance(root, str):
             try:
                 os.rmdir(os.path.join(root, MARKER_DIR))
             except OSError:
-                pass  # not empty or not there: harmless
-        return committed
+                pass  # not empty (another run's markers) or not there: harmless
 
 
 def _quiet_delete(storage: Storage, path: str) -> None:

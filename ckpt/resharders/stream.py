@@ -27,9 +27,10 @@ Memory: ``budget`` less a sixteenth (at most ``VERIFY_CHUNK``, the source checks
 the lanes; each holds two buffers of at most 3/8 of its share and the read planner's buffers (a
 quarter of it); whatever the size of the largest tensor.
 
-Files: the engine opens only the paths of ``files``, appending each to ``written`` just before; on a
-failure it aborts the files it has open and raises, and removes nothing else: what to do with the
-finished files (remove them, or keep them for a resumed run) is the caller's decision.
+Files: the engine opens only the paths of ``files``, recording each in ``written`` (the caller's
+:class:`~ckpt.transaction.WrittenSet`) just before; on a failure it aborts the files it has open and
+raises, and removes nothing else: what to do with the finished files (remove them through the written
+set, or keep them for a resumed run) is the caller's decision.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from ckpt.resharders.plan import may_overlap
 from ckpt.shards import Box, Region
 from ckpt.source_checks import VERIFY_CHUNK, SourceChecks, VerifyingReads
 from ckpt.storage import Storage
+from ckpt.transaction import WrittenSet
 
 __all__ = ["Item", "OutFile", "Copied", "Progress", "copy_files", "read_items"]
 
@@ -287,7 +289,7 @@ class _Copy:
 
     def __init__(self, src: Storage, manifest: Manifest, dst: Storage, files: Sequence[OutFile], *,
                  checksums: bool, progress: Progress | None, file_done: Callable[[int, int, list[int]], None] | None,
-                 written: list[str]):
+                 written: WrittenSet | list[str]):
         self.src, self.manifest, self.dst, self.files = src, manifest, dst, files
         self.progress, self.file_done, self.written = progress, file_done, written
         self.checksums = checksums
@@ -407,7 +409,7 @@ def copy_files(src: Storage, manifest: Manifest, dst: Storage, files: Sequence[O
                lanes: int = 1, readers: int = 1, max_part: int | None = None, checksums: bool = False,
                verify: Collection[str] | None = None, progress: Progress | None = None,
                file_done: Callable[[int, int, list[int]], None] | None = None,
-               written: list[str] | None = None) -> Copied:
+               written: WrittenSet | list[str] | None = None) -> Copied:
     """Write ``files`` to ``dst``, reading their items from ``manifest``'s tensors in ``src``.
 
     Args:
@@ -421,14 +423,15 @@ def copy_files(src: Storage, manifest: Manifest, dst: Storage, files: Sequence[O
             shards the items do not read whole are completed by reading the rest.
         progress: ``progress(bytes written, total bytes)``; from the calling thread with one lane.
         file_done: ``file_done(index, size, checksums)`` after a file is closed (writer thread).
-        written: the paths opened are appended here (before each is opened), for the caller's clean-up.
+        written: the paths opened are recorded here (before each is opened): the caller's written set,
+            the only files its clean-up may remove.
 
     Raises whatever reading or writing raised (a file already opened is aborted; finished files stay):
     IntegrityError (a source shard that does not match its CRC32, a file of the wrong size),
     MismatchError (a float16 overflow in a cast), StorageError, LayoutError (a source that does not
     cover an item).
     """
-    written = written if written is not None else []
+    written = written if written is not None else WrittenSet()
     job = _Copy(src, manifest, dst, files, checksums=checksums, progress=progress, file_done=file_done,
                 written=written)
     reader_storage: Storage = src

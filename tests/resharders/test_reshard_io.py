@@ -21,6 +21,7 @@ from ckpt.resharders.reshard import MARKER_DIR, reshard
 from ckpt.resharders.rules import MOE_RULES
 from ckpt.shards import FlatShard, Shard
 from ckpt.storage.local import LocalStorage
+from ckpt.transaction import data_file_rank
 from tests.layouts import assert_bitwise
 from tests.resharders.moe_states import TINY, config, objects, save_single
 
@@ -77,7 +78,9 @@ def test_each_target_rank_reads_its_regions(tmp_path):
         for mv in p.moves:
             if len(mv.holders) == 1:
                 assert mv.file == p.ranks[mv.holders[0]].file
-        assert set(m.files) == set(p.target_files)
+        # one file per writing rank, under a fresh random name (never the plan's placeholder)
+        assert sorted(map(data_file_rank, m.files)) == sorted(map(data_file_rank, p.target_files))
+        assert not set(m.files) & set(p.target_files)
 
 
 def test_vocab_padding_round_trip(tmp_path):
@@ -107,15 +110,15 @@ def test_same_bytes_whatever_the_workers(tmp_path):
     files = []
     for w in (1, 3):
         m = reshard(str(tmp_path / "orig"), str(tmp_path / f"w{w}"), Layout.parse("ep=4,pp=2"), workers=w)
-        files.append({f: (tmp_path / f"w{w}" / f).read_bytes() for f in m.files})
+        files.append({data_file_rank(f): (tmp_path / f"w{w}" / f).read_bytes() for f in m.files})  # names: random
     assert files[0] == files[1]
 
 
 def _fail_on(path_to_fail: str):
     original = LocalStorage.open_writer
 
-    def open_writer(self, path):
-        if path == path_to_fail:
+    def open_writer(self, path):  # the same rank's file, whatever its random name
+        if data_file_rank(path) == data_file_rank(path_to_fail):
             raise StorageError(f"injected failure writing {path}")
         return original(self, path)
 
@@ -136,16 +139,18 @@ def test_failed_run_leaves_no_checkpoint_and_resumes(tmp_path, monkeypatch):
     markers = os.listdir(os.path.join(dst, MARKER_DIR))
     assert len(markers) == 3 and all(x.startswith(p.plan_id) for x in markers)
     # Corrupt one finished file: the resume must notice (checksums) and rewrite it.
-    done_file = next(f for r, f in enumerate(p.target_files) if r != biggest_last)
+    done_file = next(f"{DATA_DIR}/{f}" for f in sorted(os.listdir(os.path.join(dst, DATA_DIR)))
+                     if data_file_rank(f"{DATA_DIR}/{f}") != biggest_last)
     with open(os.path.join(dst, done_file), "r+b") as f:
         f.seek(-3, os.SEEK_END)
         f.write(b"\xff\xff\xff")
-    # A stray file from some other attempt is removed.
+    # A stray file of some other writer is not the re-run's to delete (gc reports leftovers).
     with open(os.path.join(dst, DATA_DIR, "00009-000000000000.safetensors"), "wb") as f:
         f.write(b"junk")
     m = reshard(src, dst, lay, workers=2)
     assert m.stats is not None and m.stats["resumed_files"] == 2
-    assert sorted(os.listdir(os.path.join(dst, DATA_DIR))) == sorted(x.rsplit("/", 1)[1] for x in m.files)
+    assert sorted(os.listdir(os.path.join(dst, DATA_DIR))) == sorted(
+        [x.rsplit("/", 1)[1] for x in m.files] + ["00009-000000000000.safetensors", done_file.rsplit("/", 1)[1]])
     assert ckpt.verify(dst, deep=True).ok and diff(src, dst).ok
 
 

@@ -7,6 +7,7 @@ import torch
 import zarr
 
 import ckpt
+from ckpt.formats.zarr_layout import tree_of
 from tests.dist_utils import run_ranks
 
 
@@ -37,11 +38,14 @@ def test_zarr_from_four_ranks_reshards_and_reads_with_plain_zarr(tmp_path):
                      "step": None}, url)
     assert torch.equal(w.local, ref_w[:, 2:4]) and out["step"] == 4
     assert torch.equal(out["i"], full["i"])
-    # plain zarr, no ckpt: the arrays are there with the right values (bf16 as uint16 + attribute)
-    arr = zarr.open_array(str(tmp_path / "z" / "zarr" / "w"), mode="r")
+    # plain zarr, no ckpt: the arrays are there with the right values (bf16 as uint16 + attribute), in
+    # this save's own tree (zarr-<random>/, named by the manifest)
+    tree = tree_of(m.files)
+    assert tree is not None and tree.startswith("zarr-")
+    arr = zarr.open_array(str(tmp_path / "z" / tree / "w"), mode="r")
     assert arr.shape == (8, 6) and arr.chunks == (4, 3)
     assert torch.equal(torch.from_numpy(arr[:]), ref_w)
-    barr = zarr.open_array(str(tmp_path / "z" / "zarr" / "b"), mode="r")
+    barr = zarr.open_array(str(tmp_path / "z" / tree / "b"), mode="r")
     assert barr.attrs["ckpt_dtype"] == "bfloat16" and str(barr.dtype) == "uint16"
     assert torch.equal(torch.from_numpy(barr[1:3].view("uint16").astype("int32")).to(torch.int32),
                        out["b"][1:3].view(torch.int16).to(torch.int32) & 0xFFFF)
@@ -50,13 +54,13 @@ def test_zarr_from_four_ranks_reshards_and_reads_with_plain_zarr(tmp_path):
 def test_zarr_on_every_backend(backend):
     url, opts = backend
     src = {"w": torch.randn(6, 4), "h": torch.randn(3).half(), "e": torch.zeros(0, 3)}
-    ckpt.save(src, url, data_format="zarr", storage_options=opts)
+    m = ckpt.save(src, url, data_format="zarr", storage_options=opts)
     dst = {"w": ckpt.Shard(torch.zeros(6, 2), (6, 4), (0, 2)), "h": torch.zeros(3).half(), "e": torch.zeros(0, 3)}
     ckpt.load(dst, url, storage_options=opts)
     assert torch.equal(dst["w"].local, src["w"][:, 2:]) and torch.equal(dst["h"], src["h"])
     assert ckpt.verify(url, deep=True, storage_options=opts).ok
     if url.startswith("s3://"):
-        store = zarr.storage.FsspecStore.from_url(f"{url}/zarr/w", storage_options={
+        store = zarr.storage.FsspecStore.from_url(f"{url}/{tree_of(m.files)}/w", storage_options={
             "key": opts["key"], "secret": opts["secret"], "endpoint_url": opts["endpoint_url"]}, read_only=True)
         assert torch.equal(torch.from_numpy(zarr.open_array(store, mode="r")[:]), src["w"])
 
