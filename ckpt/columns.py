@@ -50,6 +50,29 @@ def decode_column(w: Any, count: int, what: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+
+@dataclass(slots=True)
+class ShardEntry:
+    """One stored piece of a global tensor: its region and where its bytes are."""
+
+    region: Region
+    file: str
+    offset: int
+    length: int
+    checksum: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"file": self.file, "offset": self.offset, "length": self.length}
+        if isinstance(self.region, Box):
+            d["box"] = self.region.to_list()
+        else:
+            d["flat"] = self.region.to_list()
+            if self.region.box is not None:  # a flat range of this box's own flattening
+                d["box"] = self.region.box.to_list()
+        if self.checksum is not None:
+            d["checksum"] = self.checksum
+        return d
+
 @dataclass(slots=True)
 class ShardColumns:
     """The shards of one tensor, one array per field (row ``i`` is shard ``i``).
@@ -79,7 +102,6 @@ class ShardColumns:
 
     def rows(self, indices: np.ndarray | None = None) -> list[Any]:
         """``ShardEntry`` objects for the given rows (all by default), in row order."""
-        from ckpt.manifest import ShardEntry
 
         idx = np.arange(len(self)) if indices is None else indices
         nd = self.box.shape[1] // 2

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.columns import ShardColumns
+from ckpt.columns import ShardColumns, ShardEntry
 from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import FormatVersionError, ManifestError
 from ckpt.shards import Box, Flat, Region
@@ -49,29 +49,6 @@ def check_relpath(path: Any, what: str) -> str:
             "refusing to read it (the manifest may be hostile or corrupted)"
         )
     return path
-
-
-@dataclass(slots=True)
-class ShardEntry:
-    """One stored piece of a global tensor: its region and where its bytes are."""
-
-    region: Region
-    file: str
-    offset: int
-    length: int
-    checksum: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"file": self.file, "offset": self.offset, "length": self.length}
-        if isinstance(self.region, Box):
-            d["box"] = self.region.to_list()
-        else:
-            d["flat"] = self.region.to_list()
-            if self.region.box is not None:  # a flat range of this box's own flattening
-                d["box"] = self.region.box.to_list()
-        if self.checksum is not None:
-            d["checksum"] = self.checksum
-        return d
 
 
 class TensorEntry:

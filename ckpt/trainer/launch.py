@@ -12,6 +12,7 @@ launcher stops at once with that error instead of retrying it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -53,9 +54,11 @@ def free_port() -> int:
 
 
 def _entry_script() -> str:
-    from ckpt.trainer.entry import worker_main
-
-    return os.path.abspath(worker_main.__file__)
+    # found, not imported: the script imports the worker, which imports this module
+    spec = importlib.util.find_spec("ckpt.trainer.entry.worker_main")
+    if spec is None or spec.origin is None:
+        raise CheckpointError("ckpt.trainer.entry.worker_main is missing from the installation; reinstall ckpt")
+    return os.path.abspath(spec.origin)
 
 
 def torchrun_args(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 0) -> list[str]:
