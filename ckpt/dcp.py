@@ -8,12 +8,21 @@ The calls users make, with DCP's signatures, backed by ckpt's format, planner an
     fut = dcp.async_save(state_dict, checkpoint_id=path); fut.result()
 
 What differs from DCP: the checkpoint is a ckpt checkpoint (safetensors data files + a msgpack
-manifest, never pickle); ``storage_writer`` / ``storage_reader`` / ``planner`` objects of DCP are
-refused (pass a URL or path as ``checkpoint_id``; S3 and fsspec URLs work); saving over an existing
-checkpoint replaces it (as DCP does) through ckpt's atomic commit; ``load`` raises
-``MismatchError`` naming a requested key the checkpoint lacks (DCP raises too). Stateful values
-(``state_dict()`` / ``load_state_dict()``) are saved and restored as DCP does; rank-specific keys
-(torchtitan's ``dataloader.dp_rank_<r>``) are saved as the union of all ranks' keys.
+manifest, never pickle); saving over an existing checkpoint replaces it (as DCP does) through ckpt's
+atomic commit; ``load`` raises ``MismatchError`` naming a requested key the checkpoint lacks (DCP
+raises too). Stateful values (``state_dict()`` / ``load_state_dict()``) are saved and restored as
+DCP does; rank-specific keys (torchtitan's ``dataloader.dp_rank_<r>``) are saved as the union of
+all ranks' keys. ``ShardedTensor`` values (FSDP1 ``SHARDED_STATE_DICT``) save and load as pieces of
+their global tensor. Loading assigns every loaded top-level key (``state_dict[key] = value``) as
+DCP does, after filling tensors in place.
+
+DCP's objects: its ``FileSystemWriter`` / ``FileSystemReader`` / ``FsspecWriter`` / ``FsspecReader``
+give the location (and ``overwrite``), its ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` are the
+default behaviour (``allow_partial_load`` honoured); custom planners or storage classes, stagers
+and ``_extensions`` (compression) are refused with ``UnsupportedDCPObjectError`` (see
+:mod:`ckpt.dcp_compat`). The legacy ``save_state_dict`` / ``load_state_dict`` are here, and DCP's
+other public names (``Metadata``, ``FileSystemWriter``, ``DefaultSavePlanner``, its submodules, ...)
+are re-exported from ``torch.distributed.checkpoint`` so ``from ckpt.dcp import X`` works as before.
 
 Objects come back of the same type and value as DCP gives them (``torch.dtype``, ``torch.Size``,
 ``torch.device``, tuples, complex, big ints, numpy values, datetimes, ...), or are refused with a
@@ -29,25 +38,21 @@ from typing import Any
 
 from ckpt.async_save import SaveHandle
 from ckpt.async_save import async_save as _async_save
-from ckpt.errors import StateError
+from ckpt.dcp_compat import (
+    Target,
+    UnsupportedCompressionError,
+    UnsupportedDCPObjectError,
+    assign_loaded,
+    load_target,
+    save_target,
+)
 from ckpt.formats.objects import encode_value
 from ckpt.load import load as _load
 from ckpt.manifest import Manifest
 from ckpt.save import save as _save
 from ckpt.shards import PerRank
 from ckpt.state import ObjectItem, flatten_state, rebuild_state
-from ckpt.stateful import expand, update_in_place
-
-
-def _url(checkpoint_id: str | os.PathLike[str] | None, **unsupported: Any) -> str:
-    for name, value in unsupported.items():
-        if value is not None and value is not False:
-            raise StateError(f"ckpt.dcp: {name}={type(value).__name__} is a torch.distributed.checkpoint object ckpt "
-                             "does not use; pass the location as checkpoint_id=<path or URL> instead "
-                             "(storage options: call ckpt.save/ckpt.load directly)")
-    if checkpoint_id is None:
-        raise StateError("ckpt.dcp: checkpoint_id is required (a directory path or a URL such as s3://bucket/run/step-10)")
-    return os.fspath(checkpoint_id)
+from ckpt.stateful import expand
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
@@ -58,20 +63,28 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     Returns the manifest (DCP returns its ``Metadata``). ``no_dist=True`` saves this process's
     state alone (no collective). Raises ckpt's typed errors (``CheckpointError`` subclasses).
     """
-    url = _url(checkpoint_id, storage_writer=storage_writer, planner=planner)
-    return _save(_encoded(state_dict), url, group=_group(process_group, no_dist), overwrite=True)
+    t = save_target(checkpoint_id, storage_writer, planner)
+    return _save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
+                 storage_options=t.storage_options)
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_reader: Any = None, planner: Any = None, process_group: Any = None, no_dist: bool = False) -> None:
     """``dcp.load``: fill ``state_dict`` in place from ``checkpoint_id``, resharding as needed.
 
-    Tensors and DTensors are filled in place, other values are replaced in the dict, Stateful
-    values get ``load_state_dict``. Keys stored but not requested are ignored (as in DCP).
+    Tensors, DTensors and ShardedTensors are filled in place, Stateful values get
+    ``load_state_dict``, and then every other loaded top-level key is assigned
+    (``state_dict[key] = value``) as DCP does. Keys stored but not requested are ignored (as in DCP);
+    with ``DefaultLoadPlanner(allow_partial_load=True)`` requested keys the checkpoint lacks are left as they are.
     """
-    url = _url(checkpoint_id, storage_reader=storage_reader, planner=planner)
-    out = _load(state_dict, url, group=_group(process_group, no_dist), strict=True)  # expands Stateful values
-    update_in_place(state_dict, out)
+    t = load_target(checkpoint_id, storage_reader, planner)
+    _load_into(state_dict, t, process_group, no_dist)
+
+
+def _load_into(state_dict: dict[str, Any], t: Target, process_group: Any, no_dist: bool) -> None:
+    out = _load(state_dict, t.url, group=_group(process_group, no_dist), strict=t.strict,
+                storage_options=t.storage_options)  # expands Stateful values and restores them
+    assign_loaded(state_dict, out)
 
 
 class _Future(Future):  # type: ignore[type-arg]
@@ -107,8 +120,9 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     change its tensors right away; writing and the commit run in the background. (``ckpt.async_save``
     returns earlier, after planning, and leaves ``h.staged()`` to the caller.)
     """
-    url = _url(checkpoint_id, storage_writer=storage_writer, planner=planner, async_stager=async_stager)
-    h = _async_save(_encoded(state_dict), url, group=_group(process_group, no_dist), overwrite=True)
+    t = save_target(checkpoint_id, storage_writer, planner, async_stager)
+    h = _async_save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
+                    storage_options=t.storage_options)
     h.staged()
     return _Future(h)
 
@@ -140,4 +154,60 @@ def _group(process_group: Any, no_dist: bool) -> Any:
     return None
 
 
-__all__ = ["save", "load", "async_save"]
+def save_state_dict(state_dict: dict[str, Any], storage_writer: Any, process_group: Any = None,
+                    coordinator_rank: int = 0, no_dist: bool = False, planner: Any = None) -> Manifest:
+    """DCP's legacy ``save_state_dict``: :func:`save` with the location taken from ``storage_writer``.
+
+    ``coordinator_rank`` is accepted for compatibility; ckpt's coordinator is the group's rank 0.
+    """
+    return save(state_dict, storage_writer=storage_writer, planner=planner, process_group=process_group,
+                no_dist=no_dist)
+
+
+def load_state_dict(state_dict: dict[str, Any], storage_reader: Any, process_group: Any = None,
+                    coordinator_rank: int = 0, no_dist: bool = False, planner: Any = None) -> None:
+    """DCP's legacy ``load_state_dict``: :func:`load` with the location taken from ``storage_reader``.
+
+    ``coordinator_rank`` is accepted for compatibility; ckpt's coordinator is the group's rank 0.
+    """
+    t = load_target(None, storage_reader, planner)
+    _load_into(state_dict, t, process_group, no_dist)
+
+
+def load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str, storage_reader: Any,
+                                      planner: Any = None) -> dict[str, Any]:
+    """Not available through ``ckpt.dcp``: DCP builds the optimizer state from its own metadata."""
+    raise UnsupportedDCPObjectError(
+        "ckpt.dcp: load_sharded_optimizer_state_dict is not supported (it builds FSDP1 optimizer state from DCP's "
+        "metadata); load the optimizer state with dcp.load into FSDP.optim_state_dict(model, optim) (or "
+        "torch.distributed.checkpoint.state_dict.get_state_dict) and apply it with FSDP.optim_state_dict_to_load")
+
+
+# DCP's other public names, forwarded from torch.distributed.checkpoint on first use (importing it
+# costs time): types (Metadata, WriteItem, ...), its writer/reader/planner classes (ckpt.dcp accepts
+# instances of the default ones), its submodules. None of them saves or loads through DCP by itself.
+_FORWARDED = frozenset({
+    "BytesStorageMetadata", "CheckpointException", "ChunkStorageMetadata", "DefaultLoadPlanner", "DefaultSavePlanner",
+    "FileSystemReader", "FileSystemWriter", "HuggingFaceStorageReader", "HuggingFaceStorageWriter", "LoadPlan",
+    "LoadPlanner", "Metadata", "QuantizedHuggingFaceStorageReader", "ReadItem", "SavePlan", "SavePlanner",
+    "StorageReader", "StorageWriter", "TensorStorageMetadata", "WriteItem", "api", "default_planner", "filesystem",
+    "hf_storage", "logger", "logging_handlers", "metadata", "optimizer", "planner", "planner_helpers",
+    "quantized_hf_storage", "resharding", "staging", "state_dict_loader", "state_dict_saver", "stateful",
+    "storage", "utils"})
+
+
+def __getattr__(name: str) -> Any:
+    # any other public name of torch.distributed.checkpoint too (the package has no __all__; its
+    # submodules appear as attributes once imported, e.g. ``state_dict``)
+    if not name.startswith("_"):
+        import torch.distributed.checkpoint as tdcp
+
+        if hasattr(tdcp, name):
+            value = getattr(tdcp, name)
+            globals()[name] = value  # once
+            return value
+    raise AttributeError(f"module 'ckpt.dcp' has no attribute {name!r}")
+
+
+__all__ = ["save", "load", "async_save", "save_state_dict", "load_state_dict", "load_sharded_optimizer_state_dict",
+           "UnsupportedDCPObjectError", "UnsupportedCompressionError", *sorted(_FORWARDED)]

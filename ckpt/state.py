@@ -10,6 +10,7 @@ import torch
 
 from ckpt.dtypes import dtype_name
 from ckpt.errors import StateError
+from ckpt.sharded_tensor import is_sharded_tensor, sharded_tensor_pieces
 from ckpt.shards import Box, FlatShard, PerRank, Region, Shard, check_region, full_box
 
 
@@ -92,6 +93,17 @@ def _tensor_item(key: str, v: Any) -> TensorItem:
     return TensorItem(key, local, dtype_name(local.dtype, key=key), gshape, region)
 
 
+def _sharded_tensor_items(key: str, v: Any) -> list[TensorItem]:
+    gshape, pieces = sharded_tensor_pieces(v, key)
+    dtype = dtype_name(v.dtype, key=key)
+    out = []
+    for box, local in pieces:
+        check_tensor(key, local)
+        check_region(box, gshape, key)
+        out.append(TensorItem(key, local, dtype, gshape, box))
+    return out
+
+
 def _dtensor_items(key: str, v: Any) -> list[TensorItem]:
     from ckpt.dtensor import dtensor_pieces
 
@@ -135,6 +147,9 @@ def flatten_state(state: dict[str, Any]) -> list[Item]:
                 walk(f"{prefix}.{i}" if prefix else str(i), x)
         elif _is_dtensor(v):  # one item per box of its local tensor (several for strided placements)
             for n, item in enumerate(_dtensor_items(prefix, v)):
+                add(item, again=n > 0)
+        elif is_sharded_tensor(v):  # one item per local shard (none on a rank holding no shard)
+            for n, item in enumerate(_sharded_tensor_items(prefix, v)):
                 add(item, again=n > 0)
         elif _is_tensorish(v):
             add(_tensor_item(prefix, v))

@@ -73,9 +73,12 @@ def test_dcp_objects_are_refused_with_a_clear_error(tmp_path):
 
     import ckpt.dcp as cdcp
 
+    class CustomWriter(tdcp.FileSystemWriter):  # DCP's own FileSystemWriter is accepted (test_dcp_api.py)
+        pass
+
     with pytest.raises(ckpt.StateError, match="checkpoint_id"):
         cdcp.save({"w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "a"),
-                  storage_writer=tdcp.FileSystemWriter(str(tmp_path / "a")))
+                  storage_writer=CustomWriter(str(tmp_path / "a")))
     with pytest.raises(ckpt.StateError, match="checkpoint_id is required"):
         cdcp.load({"w": torch.zeros(2)})
 

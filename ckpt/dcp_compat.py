@@ -1,0 +1,180 @@
+"""What ``ckpt.dcp`` accepts of DCP's objects: storage writers/readers, planners, extensions.
+
+``torch.distributed.checkpoint`` lets a caller pass a ``storage_writer`` / ``storage_reader`` (where
+and how to write) and a ``planner`` (what to write). ckpt has its own format, planner and commit,
+so it takes from DCP's objects exactly what it can honour and refuses the rest, in one place:
+
+* DCP's own ``FileSystemWriter`` / ``FileSystemReader`` and ``FsspecWriter`` / ``FsspecReader``:
+  their path (or URL) is where ckpt saves or loads (fsspec ones through ckpt's fsspec backend,
+  with the filesystem's ``storage_options``); ``overwrite=False`` becomes ckpt's exclusive create
+  (``CheckpointExistsError``). ``thread_count``, ``per_thread_copy_ahead``, ``single_file_per_rank``,
+  ``sync_files`` and ``serialization_format`` are tuning and on-disk choices of DCP's own format:
+  ckpt writes one safetensors file per writing rank with its own threads, and always makes the
+  commit durable (fsync), so it never writes less safely than asked.
+* ``_extensions`` (stream transforms such as ``ZStandard``): refused unless empty
+  (:class:`UnsupportedCompressionError`): ckpt does not compress yet.
+* ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` (exactly those classes): the default behaviour
+  they are; ``DefaultLoadPlanner(allow_partial_load=True)`` loads what the checkpoint has and
+  leaves the other keys as they are (ckpt's ``strict=False``).
+* Any other planner, subclasses of DCP's planners or storage classes included (ckpt cannot run
+  their hooks), HF storage and async stagers: :class:`UnsupportedDCPObjectError` naming the class
+  and what to do instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckpt.errors import StateError
+from ckpt.stateful import is_stateful
+
+
+class UnsupportedDCPObjectError(StateError):
+    """A DCP planner, storage writer/reader or stager ``ckpt.dcp`` cannot honour (a custom class
+    whose hooks ckpt would not run); the message names the class and what to pass instead."""
+
+
+class UnsupportedCompressionError(UnsupportedDCPObjectError):
+    """A DCP writer asks for stream transforms (``_extensions``, e.g. ``ZStandard``): ckpt does not
+    compress checkpoints yet."""
+
+
+_INSTEAD = ("pass the location as checkpoint_id=<path or URL> (ckpt.save/ckpt.load take storage_options), "
+            "or keep torch.distributed.checkpoint for this call")
+
+
+@dataclass
+class Target:
+    """Where and how a ``ckpt.dcp`` call saves or loads, resolved from DCP's arguments."""
+
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    overwrite: bool = True  # DCP's save replaces what is there unless its writer says overwrite=False
+    strict: bool = True  # load: every requested key must be in the checkpoint
+
+
+def _dcp_classes() -> dict[str, tuple[type, ...]]:
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    try:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        fs_w: tuple[type, ...] = (FsspecWriter,)
+        fs_r: tuple[type, ...] = (FsspecReader,)
+    except ImportError:  # fsspec not installed: no such objects can exist
+        fs_w = fs_r = ()
+    return {"writer": (FileSystemWriter, _FileSystemWriter), "reader": (FileSystemReader,), "fs_writer": fs_w,
+            "fs_reader": fs_r, "save_planner": (DefaultSavePlanner,), "load_planner": (DefaultLoadPlanner,)}
+
+
+def _refuse(what: str, obj: Any, why: str, instead: str = _INSTEAD) -> UnsupportedDCPObjectError:
+    cls = type(obj)
+    return UnsupportedDCPObjectError(f"ckpt.dcp: {what}={cls.__module__}.{cls.__qualname__} {why}; {instead}")
+
+
+def _location(checkpoint_id: str | os.PathLike[str] | None, obj: Any, is_fsspec: bool) -> tuple[str, dict[str, Any]]:
+    # DCP resets the writer/reader to checkpoint_id when both are given: the id wins
+    if checkpoint_id is not None:
+        url = os.fspath(checkpoint_id)
+    elif obj is not None:
+        url = os.fspath(obj.path)
+    else:
+        raise StateError("ckpt.dcp: checkpoint_id is required (a directory path or a URL such as "
+                         "s3://bucket/run/step-10), or a DCP FileSystemWriter/Reader naming one")
+    opts: dict[str, Any] = {}
+    if is_fsspec and obj is not None:
+        # FsspecWriter(path, **kwargs) built its filesystem with those kwargs; fsspec keeps them
+        opts = dict(getattr(getattr(obj.fs, "fs", None), "storage_options", None) or {})
+    return url, opts
+
+
+def save_target(checkpoint_id: str | os.PathLike[str] | None, storage_writer: Any, planner: Any,
+                async_stager: Any = None) -> Target:
+    """The :class:`Target` of a ``dcp.save`` / ``dcp.async_save`` call, or a typed refusal."""
+    classes = _dcp_classes()
+    check_planner(planner, "planner", classes["save_planner"])
+    if async_stager is not None:
+        raise _refuse("async_stager", async_stager, "stages through hooks ckpt does not run (ckpt stages the state "
+                      "itself before async_save returns)")
+    is_fsspec = False
+    if storage_writer is not None:
+        kind = type(storage_writer)
+        is_fsspec = kind in classes["fs_writer"]
+        if kind not in classes["writer"] and not is_fsspec:
+            raise _refuse("storage_writer", storage_writer, "is a storage writer ckpt cannot run (ckpt writes its "
+                          "own format through its own storage backends)")
+        exts = tuple(getattr(getattr(storage_writer, "transforms", None), "extensions", ()) or ())
+        if exts:
+            names = ", ".join(type(e).__name__ for e in exts)
+            raise UnsupportedCompressionError(
+                f"ckpt.dcp: storage_writer has _extensions=[{names}]: ckpt does not support compression or other "
+                "stream transforms yet; drop _extensions (ckpt's checkpoints are uncompressed safetensors)")
+    url, opts = _location(checkpoint_id, storage_writer, is_fsspec)
+    overwrite = bool(getattr(storage_writer, "overwrite", True)) if storage_writer is not None else True
+    return Target(url, opts, overwrite=overwrite)
+
+
+def load_target(checkpoint_id: str | os.PathLike[str] | None, storage_reader: Any, planner: Any) -> Target:
+    """The :class:`Target` of a ``dcp.load`` call, or a typed refusal."""
+    classes = _dcp_classes()
+    check_planner(planner, "planner", classes["load_planner"])
+    is_fsspec = False
+    if storage_reader is not None:
+        kind = type(storage_reader)
+        is_fsspec = kind in classes["fs_reader"]
+        if kind not in classes["reader"] and not is_fsspec:
+            raise _refuse("storage_reader", storage_reader, "is a storage reader ckpt cannot run (ckpt reads "
+                          "through its own storage backends; it reads DCP-written checkpoints by path too)")
+    url, opts = _location(checkpoint_id, storage_reader, is_fsspec)
+    strict = not bool(getattr(planner, "allow_partial_load", False)) if planner is not None else True
+    return Target(url, opts, strict=strict)
+
+
+def check_planner(planner: Any, what: str, defaults: tuple[type, ...]) -> None:
+    """Accept ``None`` or an instance of exactly DCP's default planner class; refuse anything else
+    (a subclass overrides hooks ckpt would silently skip)."""
+    if planner is None or type(planner) in defaults:
+        return
+    raise _refuse(what, planner, f"is a custom planner: ckpt plans with its own planner and would not run its "
+                  f"hooks (only {', '.join(c.__name__ for c in defaults)}() is accepted, as the default it is)",
+                  f"drop {what}= to plan with ckpt, or keep torch.distributed.checkpoint for this call")
+
+
+def assign_loaded(state_dict: dict[str, Any], out: dict[str, Any]) -> None:
+    """Give ``state_dict`` what :func:`ckpt.load` returned, as DCP does: every loaded top-level key is
+    assigned once (``state_dict[key] = value``), after its tensors were filled and its nested dicts
+    updated in place, so a dict subclass sees the ``__setitem__`` DCP makes. Stateful values were
+    restored through ``load_state_dict`` by the load itself and are not assigned (nor restored
+    twice). Keys the load did not produce are left alone."""
+    for key in list(state_dict):
+        if key not in out:
+            continue
+        cur, new = state_dict[key], out[key]
+        if is_stateful(cur):
+            continue
+        if isinstance(cur, dict) and isinstance(new, dict):
+            _update(cur, new)
+            new = cur
+        elif isinstance(cur, torch.Tensor):  # tensors, DTensors, ShardedTensors: filled in place
+            new = cur
+        state_dict[key] = new
+
+
+def _update(cur: dict[str, Any], new: dict[str, Any]) -> None:
+    for k, v in new.items():
+        c = cur.get(k)
+        if is_stateful(c) or isinstance(c, torch.Tensor):
+            continue  # restored by the load / filled in place
+        if isinstance(c, dict) and isinstance(v, dict):
+            _update(c, v)
+        else:
+            cur[k] = v
+
+
+__all__ = ["Target", "UnsupportedCompressionError", "UnsupportedDCPObjectError", "assign_loaded", "check_planner",
+           "load_target", "save_target"]
