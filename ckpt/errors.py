@@ -64,3 +64,7 @@ class RunInUseError(CheckpointError):
 class ConfigError(ManifestError):
     """A JSON file from outside (a Hugging Face config.json or index, a names file) is over budget
     (size, nesting, item count), not valid JSON, or one of its fields has the wrong type or range."""
+
+
+class NoSuchPathError(ManifestError):
+    """A path given to read (a checkpoint, a root, a model directory) does not exist: nothing to read there."""

@@ -126,7 +126,7 @@ def test_timings_in_manifest_handle_and_cli(tmp_path):
         assert st[phase]["min"] <= st[phase]["median"] <= st[phase]["max"]
     r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["inspect", url, "--timings"])
     assert r.exit_code == 0 and "persist" in r.output and "slowest rank" in r.output
-    assert re.search(r"bytes\s*│\s*\d+ B", r.output) and "nan" not in r.output, r.output
+    assert re.search(r"bytes\s*│\s*[\d.]+ (B|KiB|MiB)", r.output) and "nan" not in r.output, r.output
     total = sum(ckpt.inspect(url).files.values())
     assert st["bytes"]["min"] + st["bytes"]["max"] == total  # two ranks: both data files, nothing else
     h = ckpt.async_save({"w": torch.ones(8)}, str(tmp_path / "a"))

@@ -7,7 +7,9 @@ import importlib
 
 import typer
 
-app = typer.Typer(name="ckpt", help="Parallelism-agnostic checkpoints for PyTorch training.",
+from ckpt.cli.common import EXIT_CODE_HELP
+
+app = typer.Typer(name="ckpt", help="Parallelism-agnostic checkpoints for PyTorch training.", epilog=EXIT_CODE_HELP,
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 COMMAND_MODULES = ["inspect_verify", "manage", "reshard", "convert", "hf", "train"]

@@ -35,9 +35,10 @@ def export_hf_cmd(
     config: str | None = typer.Option(None, "--config", help="the model's Hugging Face config.json (or a model "
                                                             "directory): needed for checkpoints import-hf did not "
                                                             "write, e.g. torchtitan or Megatron ones"),
-    source_names: str | None = typer.Option(None, "--source-names",
-                                            help="how SRC names the weights: ckpt | torchtitan | megatron | a "
-                                                 "JSON names file (default: as recorded, else ckpt)"),
+    source_names: str = typer.Option("auto", "--source-names",
+                                     help="how SRC names the weights: auto | ckpt | hf | torchtitan | megatron | "
+                                          "a JSON names file (auto: as import-hf recorded, else detected from "
+                                          "the keys; torchtitan covers its old and 0.3 names)"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Export the model weights of SRC (a ckpt, DCP/torchtitan, Megatron or DeepSpeed checkpoint, any layout)
@@ -74,12 +75,13 @@ def import_hf_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a committed checkpoint at DST"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
-    names: str = typer.Option("ckpt", "--names", help="key names to write: ckpt | torchtitan | megatron | a "
-                                                      "JSON names file"),
+    names: str = typer.Option("ckpt", "--names", help="key names to write: ckpt | hf | torchtitan | megatron | "
+                                                      "a JSON names file"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Import a Hugging Face model (Llama, Qwen2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3) as a weights-only
-    checkpoint; a Qwen3-MoE the embedded MoE can represent becomes a checkpoint the trainer can start from."""
+    checkpoint (keeping its tokenizer, chat template and generation config for export-hf); a Qwen3-MoE the
+    embedded MoE can represent becomes a checkpoint the trainer can start from."""
     with byte_bar("import", not (quiet or json_out)) as progress:
         r = import_hf(hf_dir, dst, to=to, dtype=dtype, memory_budget=memory_budget, workers=workers,
                       overwrite=overwrite, storage_options=parse_storage_options(storage_option), progress=progress,

@@ -69,6 +69,21 @@ def inspect_cmd(
     console.print(table)
 
 
+COUNTS = ("cast", "tensors", "files", "shards", "pieces", "ranks", "step")
+
+
+def figure(name: str, value: float) -> str:
+    """A per-rank save figure in its unit, told by its name: bytes (``bytes``, ``*_bytes``, ``sent``,
+    ``received``, ``pinned``), milliseconds (``*_ms``), counts, else seconds (the save's phases)."""
+    if "bytes" in name or name in ("sent", "received", "pinned"):
+        return human_bytes(value)
+    if name.endswith("_ms") or name == "ms":
+        return f"{value:.1f} ms"
+    if name in COUNTS:
+        return f"{value:.0f}"
+    return f"{value:.4f} s"
+
+
 def _print_timings(stats: dict, json_out: bool) -> None:
     if json_out:
         print_json(stats)
@@ -79,8 +94,7 @@ def _print_timings(stats: dict, json_out: bool) -> None:
     table = Table("figure", "min", "median", "max", "slowest rank")
     for k, v in stats.items():
         if isinstance(v, dict) and {"min", "median", "max"} <= set(v):
-            nbytes = k in ("sent", "received", "bytes")
-            cells = [f"{v[q]:.0f} B" if nbytes else f"{v[q]:.4f} s" for q in ("min", "median", "max")]
+            cells = [figure(k, v[q]) for q in ("min", "median", "max")]
             table.add_row(k, *cells, str(v.get("slowest_rank", "-")))
     # commit_s is measured after the manifest is written: only the saving process's copy has it
     commit = f"; coordinator commit {stats['commit_s']:.4f} s" if "commit_s" in stats else ""

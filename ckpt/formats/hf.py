@@ -1,5 +1,5 @@
-"""Hugging Face export and import of ckpt checkpoints, for the embedded MoE (``ckpt.trainer.model``,
-the Qwen3-MoE architecture) and every adapter family of :mod:`ckpt.hf`.
+"""Hugging Face export and import of ckpt checkpoints, for every adapter of :mod:`ckpt.hf`: the
+built-in families and the registered ones (the trainer's embedded MoE, Qwen3-MoE architecture).
 
 - :func:`export_hf`: a ckpt checkpoint saved under any layout (or a DCP / Megatron / DeepSpeed
   directory read in place) -> a ``save_pretrained``-style directory (``config.json``,
@@ -33,7 +33,6 @@ from ckpt.dtypes import dtype_from_name, dtype_name
 from ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, LayoutError, ManifestError
 from ckpt.formats import foreign_json, hf_files
 from ckpt.formats.msgpack_codec import encode_manifest
-from ckpt.hf.adapters import HF_RULES, adapter_for
 from ckpt.hf.directory import (
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
@@ -50,22 +49,46 @@ from ckpt.hf.directory import (
     read_json,
     split_files,
 )
-from ckpt.hf.embedded import PREFIX, RULES_NAME, config_from_hf, model_config_of, param_shapes
-from ckpt.hf.engine import embedded_export, embedded_import, export_items, import_manifest, source_adapter
+from ckpt.hf.engine import PREFIX, export_items, import_manifest, params_export, params_import, source_adapter
+from ckpt.hf.names import names_of
+from ckpt.hf.registry import adapter_named, adapter_of_checkpoint, importer_for
 from ckpt.layout import Layout
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
 from ckpt.planner import PieceDecl, RankDecl, plan_save
-from ckpt.resharders.rules import MOE_RULES, RuleSet
+from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet
 from ckpt.resharders.stream import Item, OutFile, Progress, copy_files
 from ckpt.save import read_manifest
 from ckpt.shards import full_box
 from ckpt.storage import Storage, get_storage
-from ckpt.trainer.model import ModelConfig
 
 __all__ = ["export_hf", "import_hf", "HFExportResult", "HFImportResult", "parse_size", "parse_dtype", "param_shapes",
            "plan_export", "ExportPlan", "model_config_of", "read_hf_source", "HFSource", "export_dtype",
            "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_MEMORY_BUDGET", "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME",
            "ST_METADATA", "PREFIX", "RULES_NAME"]
+
+RULES_NAME = MOE_RULES.name  # user_metadata["rules"] of the embedded MoE's checkpoints (the default table)
+
+
+def param_shapes(cfg: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters and shapes of the model ``cfg`` (the embedded MoE's ``ModelConfig``) describes,
+    from the adapter registered under the default rules' name (kept for callers of this name)."""
+    return _default_adapter().params(cfg)
+
+
+def model_config_of(manifest: Manifest, *, url: str = "checkpoint") -> Any:
+    """The embedded MoE's config recorded in a checkpoint (kept for callers of this name).
+
+    Raises ManifestError when it is missing, belongs to another architecture, or is invalid."""
+    return _default_adapter().checkpoint_config(manifest.user_metadata, url=url)
+
+
+def _default_adapter() -> Any:
+    a = adapter_named(RULES_NAME)
+    if a is None:
+        raise ManifestError(f"no Hugging Face adapter is registered for {RULES_NAME!r} (the embedded MoE): "
+                            "reinstall ckpt (its entry points declare it)")
+    return a
+
 
 DEFAULT_MEMORY_BUDGET = 512 << 20  # 256 MiB already keeps a disk busy (bench hf-llama); peak RSS ~0.2x transformers
 
@@ -98,7 +121,7 @@ class HFExportResult:
 class ExportPlan:
     """Everything an export writes, derived from the manifest alone (no data read)."""
 
-    config: Any  # ModelConfig (embedded MoE) or an adapter's config dict
+    config: Any  # the adapter's config (a completed config dict, or its own class: the embedded MoE's)
     dtype: torch.dtype
     files: list[OutFile]
     index: dict[str, Any]
@@ -123,22 +146,19 @@ def plan_export(manifest: Manifest, *, dtype: torch.dtype | None = None,
     Raises ManifestError (no or unknown model config), MismatchError (tensors that do not match the
     config: missing, unexpected, mis-shaped; a stored dtype the export cannot hold).
     """
-    found = source_adapter(manifest, config, url=url)
-    if found is None and source_names not in (None, "ckpt"):
-        raise ManifestError(f"{url}: exporting {source_names} names needs the model's Hugging Face config: "
-                            "pass --config CONFIG_JSON (or the HF model directory it came from)")
-    if found is not None:
-        adapter, full = found
-        names = source_names or manifest.user_metadata.get("names") or "ckpt"
+    if config is None and adapter_of_checkpoint(manifest.user_metadata, url=url).by_params:
+        # a model's own checkpoint (the embedded MoE's): ckpt names only, refused before its config is read
+        names_of(manifest, source_names, None, where=url)
+    adapter, full = source_adapter(manifest, config, url=url)
+    if adapter.by_params:
+        tensors, out_dtype, config_json = params_export(manifest, adapter, full, dtype, url=url)
+    else:
+        names = names_of(manifest, source_names, (adapter, full), where=url)  # None / "auto": recorded, else detected
         tensors, out_dtype, config_json = export_items(manifest, adapter, full, names, dtype, url=url)
-        files = split_files(tensors, out_dtype, max_shard_size)
-        extra = add_computed_file(files, adapter.derived(full), out_dtype)
-        computed = {extra[0]: extra[2]} if extra is not None else {}
-        return ExportPlan(full, out_dtype, files, index_of(files, extra[:2] if extra else None), config_json, computed)
-    cfg = model_config_of(manifest, url=url)
-    tensors, out_dtype, config_json = embedded_export(manifest, cfg, dtype, url=url)
     files = split_files(tensors, out_dtype, max_shard_size)
-    return ExportPlan(cfg, out_dtype, files, index_of(files), config_json)
+    extra = add_computed_file(files, adapter.derived(full), out_dtype)
+    computed = {extra[0]: extra[2]} if extra is not None else {}
+    return ExportPlan(full, out_dtype, files, index_of(files, extra[:2] if extra else None), config_json, computed)
 
 
 def _config_arg(config: str | dict[str, Any] | None) -> dict[str, Any] | None:
@@ -293,11 +313,11 @@ class HFSource:
     """A Hugging Face model directory described as a (virtual) ckpt manifest over its own files:
     each fused expert tensor is a set of box shards pointing into the per-expert or fused entries."""
 
-    config: Any  # ModelConfig (embedded MoE) or the adapter's completed config dict
+    config: Any  # the adapter's config: a completed config dict, or its own class (the embedded MoE's)
     manifest: Manifest
     params: list[tuple[str, tuple[int, ...]]]
-    meta: dict[str, Any] | None = None  # user_metadata of an adapter import (None: the embedded MoE's)
-    rules: RuleSet = field(default_factory=lambda: MOE_RULES)
+    meta: dict[str, Any]  # the user_metadata the import records (Adapter.checkpoint_metadata)
+    rules: RuleSet = field(default_factory=lambda: HF_RULES)
 
 
 def read_hf_source(storage: Storage, names: str = "ckpt") -> HFSource:
@@ -318,23 +338,16 @@ def read_hf_source(storage: Storage, names: str = "ckpt") -> HFSource:
     d = read_json(storage, CONFIG_NAME)  # bounded (ckpt.formats.foreign_json)
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: not a JSON object")
-    model_type = d.get("model_type")
-    # every field the adapter reads is type- and range-checked here (ConfigError naming it), also for
-    # a config the embedded MoE then takes: nothing below meets a string, a bool or a 10**9 for a count
-    adapter = adapter_for(model_type, where=where)
-    full = adapter.complete(d, where=where)
-    cfg: ModelConfig | None = None
-    if model_type == "qwen3_moe" and names == "ckpt":
-        try:
-            cfg = config_from_hf(d)
-        except (ValueError, TypeError):
-            cfg = None  # dense layers, biases...: the generic Qwen3-MoE adapter takes it
+    # every field the family's adapter reads is type- and range-checked first (ConfigError naming it),
+    # also for a config a registered adapter then takes: nothing below meets a string, a bool or a
+    # 10**9 for a count
+    adapter, cfg = importer_for(d, names, where=where)
     entries, sizes = read_entries(storage)
-    if cfg is None:
-        manifest, meta = import_manifest(adapter, full, entries, sizes, names, url=url)
-        return HFSource(full, manifest, [(k, tuple(t.shape)) for k, t in manifest.tensors.items()], meta, HF_RULES)
-    tensors = embedded_import(cfg, entries, url=url)  # checks the config's scale against the files first
-    return HFSource(cfg, Manifest(tensors=tensors, files=sizes, user_metadata={}), param_shapes(cfg))
+    if adapter.by_params:  # checks the config's scale against the files first
+        manifest, meta = params_import(adapter, cfg, entries, sizes, url=url)
+        return HFSource(cfg, manifest, adapter.params(cfg), meta, adapter.rules)
+    manifest, meta = import_manifest(adapter, cfg, entries, sizes, names, url=url)
+    return HFSource(cfg, manifest, [(k, tuple(t.shape)) for k, t in manifest.tensors.items()], meta, adapter.rules)
 
 
 def _layout(to: str | Layout | None) -> Layout:
@@ -441,13 +454,13 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
     decl = RankDecl(pieces=[PieceDecl(k, dtype_name(out_dtypes[k]), vman.tensors[k].shape,
                                       full_box(vman.tensors[k].shape)) for k in sorted(vman.tensors, key=where)])
     layout = Layout()
-    meta = ({"model_config": source.config.to_dict(), "rules": RULES_NAME} if source.meta is None
-            else dict(source.meta))
+    meta = dict(source.meta)
     meta |= {"layout": layout.to_dict(), "source": {"format": "huggingface", "url": source_url}}
     # a random save id: the data file's name is one no other writer can produce (ckpt.transaction)
     plan = plan_save([decl], save_id=transaction.new_id(), step=0, user_metadata=meta, layout=layout.to_dict())
     manifest, (assignment,) = plan.manifest, plan.assignments
     assert assignment.file is not None
+    manifest.objects.update(hf_files.as_objects(hf_files.read_side_files(src)))  # tokenizer etc. travel along
     items = []
     for e in assignment.entries:
         t = vman.tensors[e.key]

@@ -1,6 +1,7 @@
 """``export-hf --check``: reload an export with transformers and compare its logits with the source.
 
-The source checkpoint's model (the embedded MoE, built from its ``model_config``) and the exported
+The source checkpoint's model (built by the model's own code where its adapter offers it:
+:meth:`~ckpt.hf.adapters.Adapter.reference_model`, e.g. the embedded MoE) and the exported
 directory loaded by ``transformers.AutoModelForCausalLM`` run the same token ids; the largest
 absolute logits difference is returned and recorded beside the export in ``ckpt_check.json``. When
 the export was cast (``--dtype bf16``), the source weights are rounded the same way first, so the
@@ -26,7 +27,7 @@ def check_export(src_url: str, out_dir: str, *, tokens: int = 32, batch: int = 2
                  config: str | dict[str, Any] | None = None, source_names: str | None = None) -> dict[str, Any]:
     """Max |logits difference| between the checkpoint at ``src_url`` and its export in ``out_dir``.
 
-    The reference is the embedded MoE built from the checkpoint, or, for an adapter family, the
+    The reference is the model built by its adapter's own code (the embedded MoE's), or, for an adapter family, the
     transformers model built from the export's config with the source's weights mapped in memory
     (read with ``ckpt.load`` through the same element map, independently of the written files).
 
@@ -75,7 +76,7 @@ def check_export(src_url: str, out_dir: str, *, tokens: int = 32, batch: int = 2
 
 def _reference(src_url: str, exported_config: dict[str, Any], config: str | dict[str, Any] | None,
                source_names: str | None) -> torch.nn.Module:
-    """The source model in float32: the embedded MoE, or the adapter family's transformers model."""
+    """The source model in float32: the adapter's own model (the embedded MoE), or the family's transformers model."""
     import transformers
 
     import ckpt
@@ -84,12 +85,13 @@ def _reference(src_url: str, exported_config: dict[str, Any], config: str | dict
 
     manifest = ckpt.inspect(src_url)
     found = source_adapter(manifest, _config_arg(config), url=src_url)
-    if found is None:
-        from ckpt.trainer.checkpoint import load_full_model
-
-        return load_full_model(src_url)
     adapter, cfg = found
-    names = source_names or manifest.user_metadata.get("names") or "ckpt"
+    own = adapter.reference_model(src_url)  # the model's own code, where its adapter offers it
+    if own is not None:
+        return own  # type: ignore[no-any-return]
+    from ckpt.hf.names import names_of
+
+    names = names_of(manifest, source_names, found, where=src_url)
     sd = {k: v.float().contiguous() for k, v in hf_state_dict(src_url, manifest, adapter, cfg, names).items()}
     import tempfile
 

@@ -1,16 +1,20 @@
 """The files that travel with a Hugging Face model besides its weights: tokenizer and generation config.
 
-``export-hf`` writes next to the exported weights the ones it finds next to the source checkpoint's
-manifest (or saved in it as bytes objects ``hf.files.<name>``), and ``--tokenizer DIR`` takes them from a
-directory instead (those win). ``import-hf`` writes a weights-only checkpoint and does not keep them.
-Only these names are copied, each at most 64 MiB; nothing in them is parsed.
+``import-hf`` keeps the ones in the Hugging Face directory inside the checkpoint it writes, as bytes
+objects ``hf.files.<name>`` (checksummed and committed with the manifest, carried by ``reshard``).
+``export-hf`` writes next to the exported weights those objects and the files it finds next to the
+source checkpoint's manifest, and ``--tokenizer DIR`` takes them from a directory instead (those
+win). A round trip ``import-hf`` -> ``export-hf`` therefore gives back the tokenizer, its chat
+template and the generation config. Only these names are copied, each at most 64 MiB; nothing in
+them is parsed.
 """
 
 from __future__ import annotations
 
+from ckpt.checksum import crc32
 from ckpt.errors import CheckpointError, StateError
-from ckpt.formats.msgpack_codec import decode_object
-from ckpt.manifest import Manifest
+from ckpt.formats.msgpack_codec import decode_object, encode_object
+from ckpt.manifest import Manifest, ObjectEntry
 from ckpt.storage import Storage, get_storage
 
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -27,6 +31,15 @@ def read_side_files(storage: Storage) -> dict[str, bytes]:
         size = storage.size(name)
         if size is not None and size <= MAX_SIDE_FILE:
             out[name] = storage.read_file(name)
+    return out
+
+
+def as_objects(files: dict[str, bytes]) -> dict[str, ObjectEntry]:
+    """Side files as the manifest objects :func:`from_manifest` reads back (``import-hf`` keeps them so)."""
+    out: dict[str, ObjectEntry] = {}
+    for name, value in sorted(files.items()):
+        data = encode_object(value, key=PREFIX + name)
+        out[PREFIX + name] = ObjectEntry(data=data, checksum=crc32(data))
     return out
 
 

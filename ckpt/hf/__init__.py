@@ -2,8 +2,10 @@
 
 - :mod:`~ckpt.hf.adapters`: one small adapter per model family (config <-> metadata with
   transformers' defaults, parameters and shapes, element map, sharding rules);
-- :mod:`~ckpt.hf.embedded`: the embedded MoE (``ckpt.trainer.model``) as a Qwen3-MoE model (config,
-  state dicts, parameter list, the model config a checkpoint records);
+- :mod:`~ckpt.hf.registry`: which adapter serves a model; :func:`register_adapter`, the extension
+  point for a model of one's own (the trainer's embedded MoE registers there, from
+  :mod:`ckpt.trainer.hf_adapters`, through the ``ckpt.hf_adapters`` entry point);
+- :mod:`~ckpt.hf.lightning`: MiniMax's lightning-attention decay buffers, as transformers computes them;
 - :mod:`~ckpt.hf.names`: source key names (ckpt, torchtitan, Megatron, a names file);
 - :mod:`~ckpt.hf.mapping`: element maps (runs) and their composition / inversion;
 - :mod:`~ckpt.hf.engine`: the export / import plans built from them (which stored elements make up
@@ -13,3 +15,7 @@
 
 The copying is :mod:`ckpt.resharders.stream`'s; the entry points are :func:`ckpt.formats.hf.export_hf`
 and :func:`ckpt.formats.hf.import_hf`."""
+
+from ckpt.hf.registry import register_adapter
+
+__all__ = ["register_adapter"]

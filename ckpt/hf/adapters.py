@@ -19,51 +19,35 @@ from typing import Any
 
 from ckpt.errors import ConfigError, ManifestError
 from ckpt.formats.foreign_json import MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, ConfigFields
+from ckpt.hf.lightning import decay_tables, slope_rates
 from ckpt.hf.mapping import Map, Run, Target, whole
-from ckpt.resharders.rules import Placement, Rule, RuleSet
+from ckpt.resharders.rules import HF_RULES, RuleSet
 
 Config = dict[str, Any]
 
-# Sharding rules of canonical parameter names (checkpoint key = "model." + name), every family.
-HF_RULES = RuleSet(
-    name="hf-decoder",
-    rules=[
-        Rule("model.embed_tokens.weight", Placement(tp_dim=0, pad=True)),
-        Rule("lm_head.weight", Placement(tp_dim=0, pad=True)),
-        *[Rule(f"model.layers.*.self_attn.{p}_proj.{w}", Placement(tp_dim=0))
-          for p in ("q", "k", "v") for w in ("weight", "bias")],
-        Rule("model.layers.*.self_attn.o_proj.weight", Placement(tp_dim=1)),
-        Rule("model.layers.*.self_attn.q_b_proj.weight", Placement(tp_dim=0)),  # MLA: per head
-        Rule("model.layers.*.self_attn.kv_b_proj.weight", Placement(tp_dim=0)),
-        Rule("model.layers.*.mlp.experts.gate_proj", Placement(ep_dim=0, tp_dim=1)),
-        Rule("model.layers.*.mlp.experts.up_proj", Placement(ep_dim=0, tp_dim=1)),
-        Rule("model.layers.*.mlp.experts.down_proj", Placement(ep_dim=0, tp_dim=2)),
-        *[Rule(f"model.layers.*.mlp.{m}gate_proj.weight", Placement(tp_dim=0))
-          for m in ("", "shared_expert.", "shared_experts.")],
-        *[Rule(f"model.layers.*.mlp.{m}up_proj.weight", Placement(tp_dim=0))
-          for m in ("", "shared_expert.", "shared_experts.")],
-        *[Rule(f"model.layers.*.mlp.{m}down_proj.weight", Placement(tp_dim=1))
-          for m in ("", "shared_expert.", "shared_experts.")],
-        # MiniMax lightning attention: qkv_proj rows are per head (q, k, v of head 0, then head 1...),
-        # so whole heads are contiguous row blocks; the output norm spans all heads (its RMS then
-        # needs a sum of squares over the TP group).
-        Rule("model.layers.*.self_attn.qkv_proj.weight", Placement(tp_dim=0)),
-        Rule("model.layers.*.self_attn.output_gate.weight", Placement(tp_dim=0)),
-        Rule("model.layers.*.self_attn.norm.weight", Placement(tp_dim=0)),
-        Rule("model.layers.*.self_attn.out_proj.weight", Placement(tp_dim=1)),
-    ],
-    first_stage=["model.embed_tokens.*"],
-    last_stage=["model.norm.*", "lm_head.*"],
-)
+ADAPTER_KEY = "hf_adapter"  # user_metadata: the adapter's name ("hf_config": its completed config)
 
 
 class Adapter:
-    """Hugging Face <-> canonical parameters for one model family (see module docstring)."""
+    """Hugging Face <-> canonical parameters for one model family (see module docstring).
 
-    name = "?"
+    The built-in families are :data:`ADAPTERS`; a model of one's own (the trainer's embedded MoE,
+    :mod:`ckpt.trainer.hf_adapters`) subclasses this and registers an instance with
+    :func:`ckpt.hf.register_adapter`. Everything export / import / ``--check`` need to know about a
+    model goes through the methods below (those under "checkpoints" have defaults for the families).
+    """
+
+    name = "?"  # the registry key; recorded as user_metadata[ADAPTER_KEY] by an import
     model_types: tuple[str, ...] = ()
     architecture = "?"
-    rules = HF_RULES
+    rules: RuleSet = HF_RULES
+    # model types whose Hugging Face directories this adapter imports in place of their family's
+    # adapter, when it can represent the config (:meth:`accept`); the family's check runs first
+    imports: tuple[str, ...] = ()
+    # True: the checkpoint stores each of params(cfg) whole as "model.<param>" (vocab rows may be
+    # padded; stacked experts (E, out, in) go to Hugging Face per expert), and export / import go
+    # parameter by parameter (ckpt.hf.engine.params_export / params_import) instead of hf_map
+    by_params = False
     # field -> what transformers' config class assumes when config.json leaves it out
     defaults: dict[str, Any] = {}  # noqa: RUF012 - class constant
     aliases: dict[str, str] = {}  # noqa: RUF012 - transformers' attribute_map: name in config.json -> field
@@ -141,6 +125,39 @@ class Adapter:
         out["model_type"] = self.model_types[0]
         out["architectures"] = [self.architecture]
         return out
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_config(self, meta: dict[str, Any], *, url: str) -> Any:
+        """The model config of a checkpoint whose ``user_metadata`` (``meta``) names this adapter:
+        the ``hf_config`` an import recorded, completed and checked.
+
+        Raises ManifestError (none recorded), ConfigError (a field of the wrong type or range).
+        """
+        config = meta.get("hf_config")
+        if not isinstance(config, dict):
+            raise ManifestError(f"{url}: user_metadata names adapter {self.name!r} but no usable hf_config")
+        return self.complete(config, where=url)
+
+    def accept(self, d: Config, names: str, *, where: str) -> Any | None:
+        """For a model type of :attr:`imports`: the config this adapter imports ``d`` (a config.json
+        body its family's adapter has checked) as, or None to leave it to the family's adapter."""
+        return None
+
+    def checkpoint_metadata(self, cfg: Any, names: str) -> dict[str, Any]:
+        """The ``user_metadata`` an import under naming ``names`` records, from which
+        :meth:`checkpoint_config` gets ``cfg`` back."""
+        return {ADAPTER_KEY: self.name, "hf_config": cfg, "names": names,
+                "rules": self.rules.name if names == "ckpt" else None}
+
+    def describe(self, cfg: Any) -> str:
+        """The model a config describes, short, for error messages."""
+        return self.name
+
+    def reference_model(self, src_url: str) -> Any | None:
+        """``export-hf --check``'s reference: the checkpoint's model built by the model's own code
+        (an ``nn.Module`` in float32 returning logits), or None (default) to build transformers' model
+        from the checkpoint's weights mapped in memory."""
+        return None
 
     # ---- parameters ------------------------------------------------------------------------------
     def params(self, cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
@@ -501,8 +518,6 @@ class MiniMax(Mixtral):
         return super().ignored(name) or name.rsplit(".", 1)[-1] in self.BUFFERS and ".self_attn." in name
 
     def derived(self, cfg: Config) -> dict[str, Any]:
-        from ckpt.trainer.hybrid import decay_tables, slope_rates
-
         out: dict[str, Any] = {}
         n, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         # the tables hold heads x block_size**2 floats per linear layer: computed only when they are no
@@ -532,15 +547,6 @@ class MiniMax(Mixtral):
 
 ADAPTERS: dict[str, Adapter] = {a.model_types[0]: a for a in (Llama(), Qwen2(), Qwen3(), Mixtral(), Qwen2Moe(),
                                                                 Qwen3Moe(), DeepseekV3(), MiniMax())}
-
-
-def adapter_for(model_type: Any, *, where: str) -> Adapter:
-    """The adapter for a ``model_type``; ManifestError listing the supported ones otherwise."""
-    a = ADAPTERS.get(model_type) if isinstance(model_type, str) else None
-    if a is None:
-        raise ManifestError(f"{where}: model_type {model_type!r} is not supported; ckpt converts "
-                            f"{', '.join(sorted(ADAPTERS))} (and the embedded MoE); nothing was written")
-    return a
 
 
 @functools.lru_cache(maxsize=32)

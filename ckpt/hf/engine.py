@@ -1,10 +1,11 @@
-"""Export and import plans, for the adapter families (:mod:`ckpt.hf.adapters`) and the embedded MoE
-(:mod:`ckpt.hf.embedded`); :mod:`ckpt.resharders.stream` copies what they describe.
+"""Export and import plans, for the adapter families (:mod:`ckpt.hf.adapters`) and the adapters that
+store their parameters whole (``Adapter.by_params``: the trainer's embedded MoE);
+:mod:`ckpt.resharders.stream` copies what they describe.
 
 Export: Hugging Face tensor -> runs over canonical parameters (the adapter) -> runs over the
 checkpoint's names (:mod:`ckpt.hf.names`) -> stored keys (prefix, alternative spelling, or a layer
 of a stacked tensor). Each run becomes one item of the copy (a flat element range); the runs of one
-tensor are written back to back under one safetensors header entry. The embedded MoE: one item per
+tensor are written back to back under one safetensors header entry. By parameters: one item per
 parameter, or per expert of a fused expert tensor (a box), vocab padding left out.
 
 Import: the same map inverted: each stored tensor's elements are pieces of the Hugging Face
@@ -15,25 +16,36 @@ copies it like any checkpoint.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ckpt.dtypes import dtype_from_name, dtype_name
-from ckpt.errors import ConfigError, IntegrityError, ManifestError, MismatchError
+from ckpt.errors import ConfigError, IntegrityError, MismatchError
 from ckpt.formats.safetensors_header import HeaderEntry
-from ckpt.hf.adapters import ADAPTERS, HF_RULES, Adapter, Config, adapter_for
+from ckpt.hf.adapters import ADAPTER_KEY, Adapter, Config
 from ckpt.hf.directory import CONFIG_NAME, IMPORTABLE, ST_TO_TORCH, Tensors, export_dtype, few
-from ckpt.hf.embedded import FUSED_EXPERT, HF_GATE_UP, HF_PER_EXPERT, PREFIX, describe, hf_config, param_shapes
 from ckpt.hf.mapping import Map, compose, invert, whole
 from ckpt.hf.names import naming, resolve
+from ckpt.hf.registry import adapter_for, adapter_of_checkpoint
 from ckpt.manifest import Manifest, ShardEntry, TensorEntry
 from ckpt.resharders.stream import Item
 from ckpt.shards import Box, Flat, full_box
-from ckpt.trainer.model import ModelConfig
 
-ADAPTER_KEY = "hf_adapter"  # user_metadata: the adapter's name, "hf_config": its completed config
+__all__ = ["ADAPTER_KEY", "FUSED_EXPERT", "HF_GATE_UP", "HF_PER_EXPERT", "PREFIX", "check_scale", "export_items",
+           "hf_runs", "hf_state_dict", "import_manifest", "params_export", "params_import", "source_adapter"]
+
+PREFIX = "model."  # checkpoint key = PREFIX + parameter name (the "ckpt" naming)
+# Stacked expert parameters: model.layers.N.mlp.experts.{gate,up,down}_proj, (E, out, in).
+FUSED_EXPERT = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate|up|down)_proj")
+# Hugging Face per-expert keys, as save_pretrained writes them.
+HF_PER_EXPERT = re.compile(
+    r"(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
+)
+# transformers' in-memory fusion of gate and up: (E, 2I, H) = cat(gate, up) along dim 1.
+HF_GATE_UP = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.gate_up_proj")
 
 
 # A config may describe at most this many times the tensors and elements the files hold (plus a
@@ -74,27 +86,26 @@ def _field(cfg: Any, k: str) -> Any:
     return cfg.get(k) if isinstance(cfg, dict) else getattr(cfg, k, None)
 
 
-def source_adapter(manifest: Manifest, config: Config | None, *, url: str) -> tuple[Adapter, Config] | None:
+def source_adapter(manifest: Manifest, config: Config | None, *, url: str) -> tuple[Adapter, Any]:
     """The adapter and config of a checkpoint: ``config`` (a Hugging Face config.json body) when
-    given, else what ``import-hf`` recorded; None for the embedded MoE's checkpoints (no adapter).
+    given, through its model type's adapter, else what the checkpoint records
+    (:func:`ckpt.hf.registry.adapter_of_checkpoint`, :meth:`~ckpt.hf.adapters.Adapter.checkpoint_config`).
 
     Raises ConfigError (a field of the wrong type or range; a config describing far more than the
-    checkpoint holds), ManifestError (an unknown model type, an option the adapter cannot represent).
+    checkpoint holds), ManifestError (an unknown model type or adapter, no usable recorded config, an
+    option the adapter cannot represent).
     """
-    meta = manifest.user_metadata
     if config is None:
-        name = meta.get(ADAPTER_KEY)
-        if name is None:
-            return None
-        config = meta.get("hf_config")
-        if not isinstance(config, dict) or name not in ADAPTERS:
-            raise ManifestError(f"{url}: user_metadata names adapter {name!r} but no usable hf_config")
-    if not isinstance(config, dict):
-        raise ConfigError(f"{url}: the Hugging Face config is a {type(config).__name__}, not a JSON object")
-    a = adapter_for(config.get("model_type"), where=url)
-    cfg = a.complete(config, where=url)
-    check_scale(cfg["num_hidden_layers"], lambda: a.params(cfg), len(manifest.tensors),
-                sum(math.prod(t.shape) for t in manifest.tensors.values()), unit="elements", where=url, cfg=cfg)
+        a = adapter_of_checkpoint(manifest.user_metadata, url=url)
+        cfg = a.checkpoint_config(manifest.user_metadata, url=url)
+    else:
+        if not isinstance(config, dict):
+            raise ConfigError(f"{url}: the Hugging Face config is a {type(config).__name__}, not a JSON object")
+        a = adapter_for(config.get("model_type"), where=url)
+        cfg = a.complete(config, where=url)
+    if not a.by_params:  # params_export checks the scale itself, with its own messages
+        check_scale(cfg["num_hidden_layers"], lambda: a.params(cfg), len(manifest.tensors),
+                    sum(math.prod(t.shape) for t in manifest.tensors.values()), unit="elements", where=url, cfg=cfg)
     return a, cfg
 
 
@@ -146,17 +157,18 @@ def export_items(manifest: Manifest, adapter: Adapter, cfg: Config, names: str, 
 _VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")  # dim 0 may carry vocab padding
 
 
-def embedded_export(manifest: Manifest, cfg: ModelConfig, dtype: torch.dtype | None, *,
-                    url: str) -> tuple[Tensors, torch.dtype, dict[str, Any]]:
-    """:func:`export_items` for the embedded MoE: per-expert tensors, vocab padding dropped.
+def params_export(manifest: Manifest, adapter: Adapter, cfg: Any, dtype: torch.dtype | None, *,
+                  url: str) -> tuple[Tensors, torch.dtype, dict[str, Any]]:
+    """:func:`export_items` for an adapter that stores its parameters whole (``by_params``, e.g. the
+    embedded MoE): per-expert tensors, vocab padding dropped.
 
     Raises MismatchError (tensors that do not match the config: missing, unexpected, mis-shaped; a
     stored dtype the export cannot hold), ConfigError (a config describing far more than the
     checkpoint holds, refused before its parameter list is built).
     """
-    check_scale(cfg.num_hidden_layers, lambda: param_shapes(cfg), len(manifest.tensors),
+    check_scale(_field(cfg, "num_hidden_layers"), lambda: adapter.params(cfg), len(manifest.tensors),
                 sum(math.prod(t.shape) for t in manifest.tensors.values()), unit="elements", where=url, cfg=cfg)
-    params = param_shapes(cfg)
+    params = adapter.params(cfg)
     stored = {k[len(PREFIX):]: t for k, t in manifest.tensors.items() if k.startswith(PREFIX)}
     names = {p for p, _ in params}
     problems: list[str] = []
@@ -177,7 +189,7 @@ def embedded_export(manifest: Manifest, cfg: ModelConfig, dtype: torch.dtype | N
     if wrong:
         problems.append(f"wrong shape: {few(wrong)}")
     if problems:
-        raise MismatchError(f"{url}: the checkpoint's model tensors do not match its {describe(cfg)}: "
+        raise MismatchError(f"{url}: the checkpoint's model tensors do not match its {adapter.describe(cfg)}: "
                             + " | ".join(problems))
     src_dtypes = {p: dtype_from_name(stored[p].dtype, key=PREFIX + p) for p, _ in params}
     not_float = sorted(f"{PREFIX}{p} ({d})" for p, d in src_dtypes.items() if not d.is_floating_point)
@@ -197,7 +209,7 @@ def embedded_export(manifest: Manifest, cfg: ModelConfig, dtype: torch.dtype | N
         for e in range(shape[0]):
             name = f"{m['prefix']}.{e}.{m['proj']}_proj.weight"
             out.append((name, shape[1:], [Item(key, sdt, gshape, Box((e, 0, 0), (1, *shape[1:])), dtype, name)]))
-    config_json = hf_config(cfg)
+    config_json = adapter.hf_config(cfg)
     config_json["torch_dtype"] = config_json["dtype"] = dtype_name(dtype)
     return out, dtype, config_json
 
@@ -260,24 +272,23 @@ def import_manifest(adapter: Adapter, cfg: Config, entries: dict[str, tuple[str,
             region = full_box(shape) if len(ps) == 1 else Flat(p.start, p.start + p.numel)
             shards.append(ShardEntry(region, file, h.start + p.at * dt.itemsize, p.numel * dt.itemsize))
         tensors[key] = TensorEntry(dtype_name(dt), shape, shards)
-    meta = {ADAPTER_KEY: adapter.name, "hf_config": cfg, "names": nm.kind,
-            "rules": HF_RULES.name if nm.kind == "ckpt" else None}
+    meta = adapter.checkpoint_metadata(cfg, nm.kind)
     return Manifest(tensors=tensors, files=files, user_metadata={}), meta
 
 
-def embedded_import(cfg: ModelConfig, entries: dict[str, tuple[str, HeaderEntry]], *,
-                    url: str) -> dict[str, TensorEntry]:
-    """:func:`import_manifest` for the embedded MoE: the Hugging Face entries as checkpoint tensors
-    (key ``model.<param>``) with box shards; per-expert and fused ``gate_up_proj`` expert keys.
+def params_import(adapter: Adapter, cfg: Any, entries: dict[str, tuple[str, HeaderEntry]], files: dict[str, int],
+                  *, url: str) -> tuple[Manifest, dict[str, Any]]:
+    """:func:`import_manifest` for an adapter that stores its parameters whole (``by_params``, e.g. the
+    embedded MoE): the Hugging Face entries as checkpoint tensors (key ``model.<param>``) with box
+    shards; per-expert and fused ``gate_up_proj`` expert keys.
 
     Raises IntegrityError (an entry whose byte length does not match), MismatchError (dtypes the
     model cannot hold; tensors that do not match the config, each problem named), ConfigError (a config
     describing far more than the files hold, refused before its tables are built).
     """
-    check_scale(cfg.num_hidden_layers, lambda: param_shapes(cfg), len(entries),
+    check_scale(_field(cfg, "num_hidden_layers"), lambda: adapter.params(cfg), len(entries),
                 sum(h.length for _, h in entries.values()), unit="bytes", where=f"{url}/{CONFIG_NAME}", cfg=cfg)
-    params = dict(param_shapes(cfg))
-    n_exp, inter, hid = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    params = dict(adapter.params(cfg))
     out: dict[str, TensorEntry] = {}
     experts: dict[str, dict[int, tuple[str, ShardEntry]]] = {}
     bad_dtype: list[str] = []
@@ -309,7 +320,7 @@ def embedded_import(cfg: ModelConfig, entries: dict[str, tuple[str, HeaderEntry]
             param, e = f"{m['prefix']}.{m['proj']}_proj", int(m["expert"])
             seen.add(param)
             want = params.get(param)
-            if want is None or e >= n_exp:
+            if want is None or e >= want[0]:
                 unexpected.append(key)
             elif h.shape != want[1:]:
                 wrong.append(f"{key} is {list(h.shape)}, expected {list(want[1:])}")
@@ -319,10 +330,12 @@ def embedded_import(cfg: ModelConfig, entries: dict[str, tuple[str, HeaderEntry]
         elif m := HF_GATE_UP.fullmatch(key):
             gate, up = f"{m['prefix']}.gate_proj", f"{m['prefix']}.up_proj"
             seen.update((gate, up))
-            want = (n_exp, 2 * inter, hid)
             if gate not in params:
                 unexpected.append(key)
-            elif h.shape != want:
+                continue
+            n_exp, inter, hid = params[gate]
+            want = (n_exp, 2 * inter, hid)
+            if h.shape != want:
                 wrong.append(f"{key} is {list(h.shape)}, expected {list(want)}")
             else:
                 row = inter * hid * isz  # gate_up[e] = cat(gate[e], up[e]): two contiguous blocks per expert
@@ -345,6 +358,7 @@ def embedded_import(cfg: ModelConfig, entries: dict[str, tuple[str, HeaderEntry]
         if param in out:
             dupes.append(f"{param} (fused and per-expert)")
             continue
+        n_exp = params[param][0]
         absent = sorted(set(range(n_exp)) - set(by_id))
         if absent:
             incomplete.append(f"{param}: experts {absent} missing")
@@ -358,8 +372,8 @@ def embedded_import(cfg: ModelConfig, entries: dict[str, tuple[str, HeaderEntry]
     if corrupt:
         raise IntegrityError(f"{url}: safetensors entries whose byte length does not match: {few(corrupt)}")
     if bad_dtype:
-        raise MismatchError(f"{url}: dtypes the embedded MoE cannot hold (it takes float64/32/16 and bfloat16 "
-                            f"weights): {few(bad_dtype)}")
+        raise MismatchError(f"{url}: dtypes the model cannot hold ({adapter.describe(cfg)} takes float64/32/16 "
+                            f"and bfloat16 weights): {few(bad_dtype)}")
     missing = [p for p in params if p not in out and p not in seen]  # the others are reported already
     problems = []
     for label, xs in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong),
@@ -367,6 +381,7 @@ def embedded_import(cfg: ModelConfig, entries: dict[str, tuple[str, HeaderEntry]
         if xs:
             problems.append(f"{label}: {few(sorted(xs))}")
     if problems:
-        raise MismatchError(f"{url}: the tensors do not match config.json ({describe(cfg)}): "
+        raise MismatchError(f"{url}: the tensors do not match config.json ({adapter.describe(cfg)}): "
                             + " | ".join(problems))
-    return {PREFIX + p: out[p] for p in params}
+    tensors = {PREFIX + p: out[p] for p in params}
+    return Manifest(tensors=tensors, files=files, user_metadata={}), adapter.checkpoint_metadata(cfg, "ckpt")

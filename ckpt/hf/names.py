@@ -1,9 +1,12 @@
 """Source key names: how a checkpoint names the canonical parameters (:mod:`ckpt.hf.adapters`).
 
 - ``ckpt``: ``model.<canonical name>`` (what ``ckpt import-hf`` and the trainer write);
+- ``hf``: the Hugging Face names themselves (``model.layers.N.self_attn.q_proj.weight``, per-expert
+  tensors, ``lm_head.weight``): a DCP checkpoint of a ``transformers`` model's ``state_dict()``;
 - ``torchtitan``: ``tok_embeddings``, ``layers.N.attention.wq`` (rows permuted for Llama: torchtitan's
   complex-number RoPE pairs adjacent elements, Hugging Face's pairs the two halves of a head),
-  ``feed_forward.w1/w2/w3``, ``moe.router.gate``, stacked ``moe.experts.w1/w2/w3``, ``output``;
+  ``feed_forward.w1/w2/w3``, ``moe.router.gate``, stacked ``moe.experts.w1/w2/w3``, ``output``; and
+  torchtitan 0.3's spellings of the same tensors, ``attention.qkv_linear.wq/wk/wv`` and ``lm_head``;
 - ``megatron``: ``embedding.word_embeddings``, fused ``linear_qkv`` in Megatron's per-query-group
   order (each group's query heads, then its key, then its value), fused ``linear_fc1`` (gate then up),
   Transformer Engine's fused norms (``linear_qkv.layer_norm_weight``) or the local spec's
@@ -14,7 +17,9 @@
   match wins, elements unchanged.
 
 :func:`naming` gives the map canonical -> logical stored names (with their shapes and alternative
-spellings); :func:`resolve` binds it to the keys a manifest really has.
+spellings); :func:`resolve` binds it to the keys a manifest really has; :func:`names_of` picks the
+naming of a checkpoint (``--source-names auto``): the one recorded by ``import-hf``, else the one its
+keys match (:func:`detect`).
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from dataclasses import dataclass, field
 from ckpt.errors import ConfigError, MismatchError
 from ckpt.formats import foreign_json
 from ckpt.hf.adapters import Adapter, Config
-from ckpt.hf.mapping import Map, Run, Target, rows, whole
+from ckpt.hf.mapping import Map, Run, Target, invert, merged, rows, whole
 
-NAMINGS = ("ckpt", "torchtitan", "megatron")
+NAMINGS = ("ckpt", "hf", "torchtitan", "megatron")
+AUTO = "auto"
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # dim 0 may carry the trainer's vocab padding
 
 
@@ -45,8 +51,13 @@ class Naming:
 
 
 def naming(kind: str, adapter: Adapter, cfg: Config) -> Naming:
-    """The naming ``kind`` (``ckpt``, ``torchtitan``, ``megatron`` or a JSON rename file path)."""
+    """The naming ``kind`` (``ckpt``, ``hf``, ``torchtitan``, ``megatron`` or a JSON rename file path)."""
     params = adapter.params(cfg)
+    if kind == AUTO:  # a caller that had no keys to detect from (names_of resolves auto first)
+        raise ConfigError("names 'auto' means: detect how a checkpoint names its weights (export-hf --source-names); "
+                          "to write a checkpoint, pick the names: " + ", ".join(NAMINGS) + " or a JSON names file")
+    if kind == "hf":
+        return _hf(adapter, cfg, params)
     if kind == "ckpt":
         n = Naming("ckpt", {p: whole("model." + p, s) for p, s in params}, {"model." + p: s for p, s in params})
         n.padded = {"model." + v for v in VOCAB}
@@ -88,6 +99,16 @@ def _rename_file(path: str, params: list[tuple[str, tuple[int, ...]]]) -> Naming
     return Naming(path, out, shapes, prefixes=("", "model."), padded=set(VOCAB))
 
 
+def _hf(adapter: Adapter, cfg: Config, params: list[tuple[str, tuple[int, ...]]]) -> Naming:
+    """Stored keys are the Hugging Face names: the inverse of the adapter's Hugging Face map (each
+    canonical tensor as runs over Hugging Face tensors, e.g. a stacked experts tensor over per-expert ones)."""
+    hf = adapter.hf_map(cfg)
+    pieces = invert(hf, dict(params), what=f"{adapter.name}: Hugging Face names")
+    out: Map = {p: Target(s, merged([Run(pc.target, pc.at, pc.numel) for pc in pieces[p]])) for p, s in params}
+    # no "model." prefix: that would be ckpt's own names for a dense model, and detection must tell them apart
+    return Naming("hf", out, {n: t.shape for n, t in hf.items()}, padded=set(VOCAB))
+
+
 def _layer(name: str) -> tuple[int, str] | None:
     m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
     return (int(m.group(1)), m.group(2)) if m else None
@@ -122,6 +143,23 @@ _TITAN = [
 ]
 
 
+# torchtitan 0.3 spells some tensors differently (same shapes, same row order): old -> new
+_TITAN_03 = {"attention.wq.weight": "attention.qkv_linear.wq.weight",
+             "attention.wk.weight": "attention.qkv_linear.wk.weight",
+             "attention.wv.weight": "attention.qkv_linear.wv.weight",
+             "output.weight": "lm_head.weight"}
+
+
+def _titan_alternatives(shapes: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
+    """Each old torchtitan name -> its torchtitan 0.3 spelling (resolve tries both)."""
+    out: dict[str, list[str]] = {}
+    for name in shapes:
+        for old, new in _TITAN_03.items():
+            if name == old or name.endswith("." + old):
+                out[name] = [name[:len(name) - len(old)] + new]
+    return out
+
+
 def _torchtitan(adapter: Adapter, cfg: Config, params: list[tuple[str, tuple[int, ...]]]) -> Naming:
     table = dict(_TITAN)
     top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
@@ -143,8 +181,8 @@ def _torchtitan(adapter: Adapter, cfg: Config, params: list[tuple[str, tuple[int
             out[p] = Target(s, _rope_rows(name, s, heads, cfg["head_dim"]))
         else:
             out[p] = whole(name, s)
-    return Naming("torchtitan", out, shapes, prefixes=("", "model."), padded={"tok_embeddings.weight",
-                                                                               "output.weight"})
+    return Naming("torchtitan", out, shapes, _titan_alternatives(shapes), prefixes=("", "model."),
+                  padded={"tok_embeddings.weight", "output.weight"})
 
 
 def _rope_rows(name: str, shape: tuple[int, ...], heads: int, d: int) -> list[Run]:
@@ -278,3 +316,88 @@ def resolve(nm: Naming, stored: dict[str, tuple[int, ...]], *, where: str) -> Ma
         raise MismatchError(f"{where}: the checkpoint does not hold the {nm.kind} names this model needs: "
                             + " | ".join(parts) + " (wrong --source-names, or a config for another model?)")
     return out
+
+
+class AmbiguousNamesError(MismatchError):
+    """The checkpoint's keys fit more than one naming scheme: ``--source-names`` must say which."""
+
+
+# What each scheme's keys look like (matched at the start of a key): detection's first pass, and
+# the only one when no model config is known. HF and ckpt differ by ckpt's extra ``model.`` prefix.
+PATTERNS = {
+    "ckpt": re.compile(r"model\.(model\.(embed_tokens|norm|layers\.\d+)\.|lm_head\.weight$)"),
+    "hf": re.compile(r"(model\.(embed_tokens|norm)\.weight$|model\.layers\.\d+\.(self_attn|mlp|input_layernorm|"
+                     r"post_attention_layernorm)\.|lm_head\.weight$)"),
+    "torchtitan": re.compile(r"(model\.)?(tok_embeddings\.weight$|output\.weight$|layers\.\d+\.(attention|"
+                             r"attention_norm|feed_forward|ffn_norm|moe)\.)"),
+    "megatron": re.compile(r"(model\.|module\.)?(embedding\.word_embeddings\.|decoder\.(layers|final_layernorm)\.|"
+                           r"output_layer\.)"),
+}
+
+
+def key_schemes(keys: object) -> dict[str, int]:
+    """Scheme -> how many of ``keys`` look like its names (schemes no key fits are left out)."""
+    counts: dict[str, int] = {}
+    for k in keys:  # type: ignore[attr-defined]
+        for kind, rx in PATTERNS.items():
+            if rx.match(k):
+                counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def detect(stored: dict[str, tuple[int, ...]], adapter: Adapter | None = None, cfg: Config | None = None, *,
+           where: str) -> str:
+    """The naming scheme of a checkpoint holding ``stored`` (key -> shape).
+
+    With a model (``adapter``, ``cfg``): the one scheme whose names for that model all resolve against
+    the keys; when none does, the scheme most keys look like (its resolve then says what is missing).
+    Without: the scheme most keys look like (``ckpt`` when none).
+
+    Raises AmbiguousNamesError when several schemes fit, listing them and the flag to pass;
+    MismatchError when the keys look like no known scheme.
+    """
+    seen = key_schemes(stored)
+    flag = "pass --source-names " + " | ".join(NAMINGS) + " | a JSON names file"
+    if adapter is None or cfg is None:
+        return max(seen, key=lambda k: seen[k]) if seen else "ckpt"
+    fits: list[str] = []
+    for kind in NAMINGS:
+        try:
+            resolve(naming(kind, adapter, cfg), stored, where=where)
+        except MismatchError:  # this scheme has no name for a parameter, or the keys lack some
+            continue
+        fits.append(kind)
+    if len(fits) == 1:
+        return fits[0]
+    if fits:
+        raise AmbiguousNamesError(f"{where}: the keys fit more than one naming scheme ({', '.join(fits)}); "
+                                  f"pass --source-names {fits[0]} (or {', '.join(fits[1:])}) to say which")
+    if not seen:
+        sample = sorted(stored)[:3]
+        raise MismatchError(f"{where}: the tensor names (e.g. {sample}) match none of {', '.join(NAMINGS)}; {flag}")
+    return max(seen, key=lambda k: seen[k])
+
+
+def names_of(manifest: object, requested: str | None, found: tuple[Adapter, Config] | None, *, where: str) -> str:
+    """The naming to read a checkpoint's weights with (``--source-names``; None or ``auto``: the one
+    ``import-hf`` recorded, else :func:`detect`).
+
+    Raises ManifestError when the names are not ckpt's and no model config is known (``found`` None),
+    AmbiguousNamesError / MismatchError from :func:`detect`.
+    """
+    from ckpt.errors import ManifestError
+
+    tensors = getattr(manifest, "tensors", {})
+    stored = {k: tuple(t.shape) for k, t in tensors.items()}
+    recorded = getattr(manifest, "user_metadata", {}).get("names")
+    if requested not in (None, AUTO):
+        kind = str(requested)
+    elif isinstance(recorded, str):
+        kind = recorded
+    else:
+        kind = detect(stored, *(found or (None, None)), where=where)
+    if found is None and kind != "ckpt":
+        how = "" if requested not in (None, AUTO) else f" (detected from its keys: {kind})"
+        raise ManifestError(f"{where}: exporting {kind} names{how} needs the model's Hugging Face config: "
+                            "pass --config CONFIG_JSON (or the HF model directory it came from)")
+    return kind

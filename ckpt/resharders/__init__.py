@@ -4,7 +4,8 @@ One module per job (the functions live in the module of the same name, which thi
 shadow):
 
 - :mod:`~ckpt.resharders.layout`: a re-export of :mod:`ckpt.layout` (``Layout``, rank <-> coordinate);
-- :mod:`~ckpt.resharders.rules`: ``RuleSet``, ``MOE_RULES``, ``load_rules`` (TOML), ``param_box``;
+- :mod:`~ckpt.resharders.rules`: ``RuleSet``, ``MOE_RULES``, ``HF_RULES``, ``load_rules`` (TOML),
+  ``param_box``, :func:`register_rules` (a model's own table, found by the name a checkpoint records);
 - :mod:`~ckpt.resharders.placement`: which region of each key a rank holds (``shard_state``,
   ``rank_state``);
 - :mod:`~ckpt.resharders.plan`: ``plan(manifest, target, rules) -> ReshardPlan`` (pure);
@@ -25,3 +26,7 @@ Example::
     reshard(src, dst, Layout.parse("tp=1,ep=4,pp=2"))
     assert diff(src, dst).ok
 """
+
+from ckpt.resharders.rules import register_rules
+
+__all__ = ["register_rules"]

@@ -28,7 +28,7 @@ from ckpt.manifest import Manifest, ObjectEntry, TensorEntry
 from ckpt.planner import LoadRequest, PieceDecl, RankDecl, SavePlan, plan_load, plan_save
 from ckpt.regions import intersect_boxes, strides
 from ckpt.resharders.placement import coord_str, num_layers_of, regions_for_ranks, specs_of, stage_layers
-from ckpt.resharders.rules import MOE_RULES, RuleSet
+from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet, load_rules, registered_rules, rules_named
 from ckpt.shards import Box, Flat, Region
 
 _NO_SPLIT = 1 << 62  # plan reads as whole contiguous ranges; the executor cuts them to its buffers
@@ -204,7 +204,7 @@ def check_model(manifest: Manifest, target: Layout, rules: RuleSet) -> None:
     Raises LayoutError saying which values would work.
     """
     cfg = manifest.user_metadata.get("model_config")
-    if rules.name not in _builtin_rules() or not isinstance(cfg, dict):
+    if rules.name not in (MOE_RULES.name, HF_RULES.name) or not isinstance(cfg, dict):
         return
     ints = {k: v for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
     heads, kv = ints.get("num_attention_heads"), ints.get("num_key_value_heads")
@@ -379,33 +379,24 @@ def source_reads(manifest: Manifest, key: str, region: Region) -> list[tuple[str
     return out
 
 
-def _builtin_rules() -> dict[str, RuleSet]:
-    """The rules tables ckpt writes checkpoints with, by the name recorded in ``user_metadata["rules"]``:
-    the embedded MoE's, and ``hf-decoder`` (``import-hf`` and the trainer's hybrid family)."""
-    from ckpt.hf.adapters import HF_RULES  # lazily: the HF adapters are not needed to plan otherwise
-
-    return {MOE_RULES.name: MOE_RULES, HF_RULES.name: HF_RULES}
-
-
 def rules_for(manifest: Manifest, path: str | None = None) -> RuleSet:
     """The rules to reshard ``manifest`` with: the TOML file at ``path`` when given, else the
-    built-in table the checkpoint names (``user_metadata["rules"]``: ``embedded-moe`` or
-    ``hf-decoder``), else the embedded MoE's when it names none.
+    registered table the checkpoint names (``user_metadata["rules"]``: built in ``embedded-moe`` and
+    ``hf-decoder``, or one a model added with :func:`ckpt.resharders.rules.register_rules`), else the
+    embedded MoE's when it names none.
 
     Raises LayoutError when the checkpoint names other rules and no file is given.
     """
-    from ckpt.resharders.rules import load_rules
-
     if path is not None:
         return load_rules(path)
     name = manifest.user_metadata.get("rules")
     if name is None:
         return MOE_RULES
-    known = _builtin_rules()
-    if name in known:
-        return known[name]
-    raise LayoutError(f"the checkpoint was saved with sharding rules {name!r}, not a built-in table "
-                      f"({', '.join(sorted(known))}); pass the model's rules file with --rules FILE (TOML, "
+    found = rules_named(name) if isinstance(name, str) else None
+    if found is not None:
+        return found
+    raise LayoutError(f"the checkpoint was saved with sharding rules {name!r}, not a registered table "
+                      f"({', '.join(registered_rules())}); pass the model's rules file with --rules FILE (TOML, "
                       "see the README)")
 
 

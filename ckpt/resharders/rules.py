@@ -266,6 +266,65 @@ MOE_RULES = RuleSet(
 )
 
 
+# Hugging Face decoder families by their canonical parameter names (checkpoint key = "model." + name):
+# every adapter of ckpt.hf and the trainer's hybrid model. Its expert rules are MOE_RULES'.
+HF_RULES = RuleSet(
+    name="hf-decoder",
+    rules=[
+        Rule("model.embed_tokens.weight", Placement(tp_dim=0, pad=True)),
+        Rule("lm_head.weight", Placement(tp_dim=0, pad=True)),
+        *[Rule(f"model.layers.*.self_attn.{p}_proj.{w}", Placement(tp_dim=0))
+          for p in ("q", "k", "v") for w in ("weight", "bias")],
+        Rule("model.layers.*.self_attn.o_proj.weight", Placement(tp_dim=1)),
+        Rule("model.layers.*.self_attn.q_b_proj.weight", Placement(tp_dim=0)),  # MLA: per head
+        Rule("model.layers.*.self_attn.kv_b_proj.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.mlp.experts.gate_proj", Placement(ep_dim=0, tp_dim=1)),
+        Rule("model.layers.*.mlp.experts.up_proj", Placement(ep_dim=0, tp_dim=1)),
+        Rule("model.layers.*.mlp.experts.down_proj", Placement(ep_dim=0, tp_dim=2)),
+        *[Rule(f"model.layers.*.mlp.{m}gate_proj.weight", Placement(tp_dim=0))
+          for m in ("", "shared_expert.", "shared_experts.")],
+        *[Rule(f"model.layers.*.mlp.{m}up_proj.weight", Placement(tp_dim=0))
+          for m in ("", "shared_expert.", "shared_experts.")],
+        *[Rule(f"model.layers.*.mlp.{m}down_proj.weight", Placement(tp_dim=1))
+          for m in ("", "shared_expert.", "shared_experts.")],
+        # MiniMax lightning attention: qkv_proj rows are per head (q, k, v of head 0, then head 1...),
+        # so whole heads are contiguous row blocks; the output norm spans all heads (its RMS then
+        # needs a sum of squares over the TP group).
+        Rule("model.layers.*.self_attn.qkv_proj.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.self_attn.output_gate.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.self_attn.norm.weight", Placement(tp_dim=0)),
+        Rule("model.layers.*.self_attn.out_proj.weight", Placement(tp_dim=1)),
+    ],
+    first_stage=["model.embed_tokens.*"],
+    last_stage=["model.norm.*", "lm_head.*"],
+)
+
+# The tables a checkpoint can name in user_metadata["rules"] and be resharded by without a rules file.
+_NAMED: dict[str, RuleSet] = {MOE_RULES.name: MOE_RULES, HF_RULES.name: HF_RULES}
+
+
+def register_rules(rules: RuleSet) -> None:
+    """Make ``rules`` known by its name, so that a checkpoint recording ``user_metadata["rules"] =
+    rules.name`` is resharded with it (``ckpt reshard``, ``ckpt.resharders.plan.rules_for``) without a
+    ``--rules`` file. The extension point for a model's own table; registering a name again replaces it.
+
+    Raises LayoutError for a name that is not a non-empty string.
+    """
+    if not isinstance(rules.name, str) or not rules.name:
+        raise LayoutError(f"register_rules: a rules table needs a name (got {rules.name!r}); set RuleSet(name=...)")
+    _NAMED[rules.name] = rules
+
+
+def rules_named(name: str) -> RuleSet | None:
+    """The registered rules table called ``name`` (built in: ``embedded-moe``, ``hf-decoder``), or None."""
+    return _NAMED.get(name)
+
+
+def registered_rules() -> list[str]:
+    """Names of the registered rules tables, sorted."""
+    return sorted(_NAMED)
+
+
 def numel(shape: tuple[int, ...]) -> int:
     """Number of elements of ``shape``."""
     return math.prod(shape)

@@ -36,6 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ckpt.hf.adapters import ADAPTER_KEY
+from ckpt.hf.lightning import decay_tables, slope_rates  # transformers' formulas, shared with the export
+from ckpt.resharders.rules import HF_RULES
 from ckpt.trainer.model import Attention, CausalLM, ModelConfig, MoEBlock, RMSNorm, RotaryEmbedding
 
 __all__ = ["HYBRID_CONFIGS", "LAYER_TYPES", "FullAttention", "HybridConfig", "HybridDecoderLayer",
@@ -179,9 +182,6 @@ class HybridConfig:
     def checkpoint_metadata(self) -> dict[str, Any]:
         """``user_metadata`` for a checkpoint of this model (keys ``model.<param>``): it names the
         ``minimax`` adapter and its config, so ``ckpt export-hf`` writes a MiniMax model directory."""
-        from ckpt.hf.adapters import HF_RULES
-        from ckpt.hf.engine import ADAPTER_KEY
-
         return {ADAPTER_KEY: "minimax", "hf_config": self.to_hf_config(), "names": "ckpt", "rules": HF_RULES.name}
 
 
@@ -199,27 +199,6 @@ HYBRID_CONFIGS: dict[str, HybridConfig] = {
         layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"), block_size=16,
         max_position_embeddings=2048),
 }
-
-
-def slope_rates(num_heads: int, layer_idx: int, num_layers: int) -> Tensor:
-    """Per-head decay rates ``s_h`` (float32, shape (heads,)) of linear layer ``layer_idx``: token
-    ``t`` contributes ``exp(-s_h * (i - t))`` to position ``i``. Same float operations, in the same
-    order, as ``MiniMaxLightningAttention.get_slope_rate``."""
-    base = 1 / (2 ** (8 / num_heads))
-    exponent = torch.arange(num_heads) + 1
-    factor = 1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5
-    return (base**exponent) * factor
-
-
-def decay_tables(rate: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(query_decay (h, B, 1), key_decay (h, B, 1), diagonal_decay (1, h, B, B))`` for rates
-    ``rate`` (h, 1, 1): MiniMaxLightningAttention's ``decay_factors``, same operations (float32)."""
-    steps = torch.arange(block_size, device=rate.device) + 1
-    query_decay = torch.exp(-rate * steps[:, None])
-    key_decay = torch.exp(-rate * (block_size - steps[:, None]))
-    diagonal = rate * (steps[:, None] - steps[None, :])[None, None, :, :]
-    diagonal_decay = torch.exp(torch.where(diagonal >= 0, -diagonal, float("-inf")))
-    return query_decay, key_decay, diagonal_decay
 
 
 def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, block_size: int,

@@ -6,7 +6,8 @@ biases, a top-k softmax router, SwiGLU experts, untied embeddings. Parameter nam
 Hugging Face checkpoint names except that each layer's experts are stored fused, one 3-D tensor per
 projection (``mlp.experts.gate_proj`` (E, I, H), ``up_proj`` (E, I, H), ``down_proj`` (E, H, I)),
 so that expert parallelism is a slice of dim 0 and export is a renaming plus a split
-(:mod:`ckpt.hf.embedded`: the config and state-dict conversions, kept out of this module).
+(:mod:`ckpt.trainer.model_config`: the config and its ``config.json``; :mod:`ckpt.trainer.hf_adapters`:
+the state-dict conversions and the registered Hugging Face adapter, kept out of this module).
 
 Parallelism is applied from outside (``parallelize.py``), so the pieces here are built to be sliced:
 
@@ -26,15 +27,15 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ckpt.trainer.model_config import CONFIGS, ModelConfig
 
 __all__ = [
     "CONFIGS",
@@ -59,210 +60,6 @@ __all__ = [
 
 # Labels equal to this value do not count in the loss (same convention as PyTorch and transformers).
 IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Architecture of :class:`MoEForCausalLM`; field names follow ``transformers.Qwen3MoeConfig``.
-
-    Args:
-        vocab_size: number of token ids.
-        hidden_size: model width H.
-        intermediate_size: width of a dense MLP. Unused (every layer is MoE) but kept so the
-            Hugging Face config round-trips.
-        moe_intermediate_size: width I of each expert's SwiGLU MLP.
-        num_hidden_layers: number of decoder layers.
-        num_attention_heads: query heads.
-        num_key_value_heads: key/value heads (grouped-query attention); divides the query heads.
-        head_dim: width of one attention head (even, for RoPE).
-        num_experts: experts per layer E.
-        num_experts_per_tok: experts each token is routed to (top-k).
-        norm_topk_prob: renormalize the top-k router probabilities to sum to one.
-        rms_norm_eps: epsilon inside every RMSNorm.
-        rope_theta: RoPE base frequency.
-        max_position_embeddings: longest sequence the model is meant for (recorded, not enforced).
-        router_aux_loss_coef: load-balancing loss weight, recorded for the Hugging Face config;
-            this model does not compute that loss.
-        initializer_range: standard deviation of the normal init of every matrix.
-        tie_word_embeddings: must be False; kept so the Hugging Face config round-trips.
-
-    Raises:
-        ValueError: on an inconsistent architecture, with the fix in the message.
-
-    Example::
-
-        cfg = dataclasses.replace(CONFIGS["tiny"], num_hidden_layers=4)
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    norm_topk_prob: bool = True
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    router_aux_loss_coef: float = 0.001
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "moe_intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "num_experts",
-            "num_experts_per_tok",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            # bool is an int subclass; True as a layer count is a bug, not a 1.
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"ModelConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}: grouped-query attention shares each "
-                "key/value head among the same number of query heads; pick a divisor"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"ModelConfig.head_dim={self.head_dim} is odd: rotary embeddings rotate pairs of "
-                "channels; use an even head_dim"
-            )
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(
-                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
-                f"num_experts={self.num_experts}: a token cannot visit more experts than exist; "
-                "lower the top-k or add experts"
-            )
-        if self.tie_word_embeddings:
-            raise ValueError(
-                "ModelConfig.tie_word_embeddings=True is not supported: lm_head and embed_tokens are "
-                "separate parameters (they shard differently); set it to False"
-            )
-
-    def num_parameters(self, *, active: bool = False) -> int:
-        """Count the model's parameters without building it.
-
-        Args:
-            active: count only what one token uses: its top-k experts instead of all experts.
-
-        Example::
-
-            CONFIGS["100m"].num_parameters()  # 102_016_512
-        """
-        h, d = self.hidden_size, self.head_dim
-        q_width, kv_width = self.num_attention_heads * d, self.num_key_value_heads * d
-        attention = h * q_width + 2 * h * kv_width + q_width * h + 2 * d  # + q_norm, k_norm
-        experts = self.num_experts_per_tok if active else self.num_experts
-        moe = self.num_experts * h + experts * 3 * self.moe_intermediate_size * h  # router + experts
-        layer = attention + moe + 2 * h  # + the two layer norms
-        return 2 * self.vocab_size * h + self.num_hidden_layers * layer + h  # + final norm
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-data form, e.g. for checkpoint metadata; inverse of :meth:`from_dict`."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        """Build from :meth:`to_dict`'s output.
-
-        Raises:
-            ValueError: on a key that is not a field (likely a typo or a newer version's field).
-        """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"ModelConfig has no fields {unknown}; known fields: {sorted(names)}")
-        return cls(**data)
-
-    def to_hf_config_dict(self) -> dict[str, Any]:
-        """The Hugging Face ``config.json`` body: :func:`ckpt.hf.embedded.hf_config` (kept as a method
-        for existing callers; the HF functions live in :mod:`ckpt.hf.embedded`)."""
-        from ckpt.hf.embedded import hf_config
-
-        return hf_config(self)
-
-    @classmethod
-    def from_hf_config_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """From a Hugging Face ``config.json`` body: :func:`ckpt.hf.embedded.config_from_hf`.
-
-        Raises ValueError for a config this model does not implement.
-        """
-        from ckpt.hf.embedded import config_from_hf
-
-        return config_from_hf(d)
-
-
-CONFIGS: dict[str, ModelConfig] = {
-    # Byte-level vocabulary; 181,952 parameters (132,800 active); a train step on CPU takes
-    # milliseconds.
-    # 4 layers so that pipeline tests can use up to 4 stages; 2 kv heads allow TP 2; 4 experts
-    # allow EP up to 4.
-    "tiny": ModelConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=2048,
-    ),
-    # 102,016,512 parameters in all (32.8M in embeddings + lm_head, 8 layers x 8.66M), 54.8M active
-    # per token with top-2 of 8 experts. 8 heads / 4 kv heads allow TP up to 4, 8 experts EP up
-    # to 8, 8 layers PP up to 8.
-    "100m": ModelConfig(
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=2048,
-        moe_intermediate_size=640,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=4096,
-    ),
-    # 782,985,728 parameters (65.5M in embeddings + lm_head, 12 layers x 59.8M), 145M active per
-    # token with top-2 of 16 experts: sized for the memory-tier bench (``python -m bench
-    # memtier-gpu``): under dp=4 without ZeRO every GPU holds 12.5 GB of fp32 weights, gradients and
-    # AdamW moments and checkpoints 9.4 GB of them. 16 heads / 8 kv heads allow TP up to 8, 16
-    # experts EP up to 16.
-    "800m": ModelConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=4096,
-        moe_intermediate_size=1152,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-        num_experts=16,
-        num_experts_per_tok=2,
-        max_position_embeddings=4096,
-    ),
-}
 
 
 class RMSNorm(nn.Module):

@@ -2,7 +2,7 @@
 :class:`~ckpt.trainer.hybrid.HybridForCausalLM`) for a layout.
 
 Every decision comes from the model's rules table (:data:`ckpt.resharders.rules.MOE_RULES`; for
-the hybrid model :data:`ckpt.hf.adapters.HF_RULES`, whose names are the model's and whose expert
+the hybrid model :data:`ckpt.resharders.rules.HF_RULES`, whose names are the model's and whose expert
 rules equal MOE_RULES'), :func:`rules_of`:
 
 - pipeline stage: ``stage_bounds`` / ``RuleSet.stage_of`` pick the layers (kept in an
@@ -36,8 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ckpt.errors import LayoutError
-from ckpt.hf.adapters import HF_RULES
-from ckpt.resharders.rules import MOE_RULES, RuleSet, padded_rows, param_box, stage_bounds
+from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet, padded_rows, param_box, stage_bounds
 from ckpt.shards import Box
 from ckpt.trainer.ep import ParallelMoEBlock
 from ckpt.trainer.hybrid import HybridConfig, HybridDecoderLayer, HybridForCausalLM, LightningAttention
