@@ -152,7 +152,7 @@ def _load_all(src: str) -> tuple[Any, dict[str, torch.Tensor]]:
 def _naive_safetensors(src: str, out: str, dtype: torch.dtype | None) -> None:
     from safetensors.torch import save_file
 
-    from ckpt.hf.embedded import to_hf_state_dict
+    from ckpt.trainer.hf_adapters import to_hf_state_dict
 
     cfg, state = _load_all(src)
     hf = to_hf_state_dict(state)

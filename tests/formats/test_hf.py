@@ -22,10 +22,11 @@ from torch import nn
 
 import ckpt
 from ckpt.formats.hf import export_hf, import_hf, param_shapes, parse_size
-from ckpt.hf.embedded import from_hf_state_dict, hf_config, to_hf_state_dict
 from ckpt.layout import Layout
 from ckpt.resharders.rules import MOE_RULES, param_box
+from ckpt.trainer.hf_adapters import from_hf_state_dict, to_hf_state_dict
 from ckpt.trainer.model import CONFIGS, ModelConfig, MoEForCausalLM
+from ckpt.trainer.model_config import hf_config
 from tests.dist_utils import run_ranks
 
 TINY = CONFIGS["tiny"]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ckpt.hf.embedded import from_hf_state_dict, to_hf_state_dict
+from ckpt.trainer.hf_adapters import from_hf_state_dict, to_hf_state_dict
 from ckpt.trainer.model import CONFIGS, ModelConfig, MoEForCausalLM, experts_forward
 
 TINY = CONFIGS["tiny"]
@@ -305,7 +305,7 @@ def test_config_hf_dict_round_trip(name: str, transformers: ModuleType) -> None:
 
 
 def test_recorded_hf_defaults_are_transformers_own(transformers: ModuleType) -> None:
-    from ckpt.hf.embedded import HF_DEFAULTS, hf_default
+    from ckpt.trainer.model_config import HF_DEFAULTS, hf_default
 
     cfg = transformers.Qwen3MoeConfig()
     for name, value in HF_DEFAULTS.items():
