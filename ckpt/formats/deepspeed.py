@@ -43,6 +43,7 @@ refused with a clear error; their universal conversion is read.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -51,7 +52,7 @@ from typing import Any
 
 from ckpt.checksum import crc32
 from ckpt.dtypes import dtype_name
-from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StorageError
+from ckpt.errors import CheckpointError, ForeignFormatError, IntegrityError, ManifestError, StorageError
 from ckpt.formats import torch_pickle as tp
 from ckpt.formats.msgpack_codec import encode_object
 from ckpt.manifest import Manifest, ObjectEntry, ShardEntry, TensorEntry
@@ -114,12 +115,45 @@ def _get(d: Any, key: Any, what: str) -> Any:
     return d[key]
 
 
+_MAX_DIM = 1 << 48  # no tensor dimension is larger; a claim beyond it is hostile or damaged
+
+
+def _count(value: Any, what: str, field: str, low: int = 0, high: int = _MAX_DIM) -> int:
+    """``value`` as an int in ``[low, high]`` (not a bool), else ForeignFormatError naming the field:
+    every count a file claims is checked before it sizes a loop or an allocation."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ForeignFormatError(f"{what}: {field} is {value!r:.100}, expected an integer in [{low}, {high}]; "
+                                 "the file is damaged or not a DeepSpeed checkpoint this reader knows")
+    return value
+
+
+def _shape(value: Any, what: str, field: str) -> tuple[int, ...]:
+    """A parameter shape from the file: a sequence of at most 64 non-negative dimensions."""
+    if not isinstance(value, (list, tuple)) or len(value) > 64:
+        raise ForeignFormatError(f"{what}: {field} is {value!r:.100}, not a shape")
+    return tuple(_count(s, what, field) for s in value)
+
+
+def _world(pc: Any, what: str) -> int:
+    """The data-parallel world size from ``partition_count`` (one int, or one per group, all equal).
+    The caller checks it against the rank files present (each rank wrote one) without looping over
+    it: a claim of 10**12 ranks costs nothing."""
+    counts = pc if isinstance(pc, list) else [pc]
+    if not counts:
+        raise ForeignFormatError(f"{what}: partition_count is an empty list")
+    values = {_count(c, what, "partition_count", 1, 1 << 40) for c in counts}
+    if len(values) != 1:
+        raise ForeignFormatError(f"{what}: partition_count differs across groups ({sorted(values)[:8]}); "
+                                 "ckpt reads checkpoints whose groups are partitioned over the same ranks")
+    return values.pop()
+
+
 def _stage(value: Any, what: str) -> int:
-    if isinstance(value, tp.Stub) and value.args and isinstance(value.args[0], int):
-        return value.args[0]  # ZeroStageEnum(n), recorded
-    if isinstance(value, int):
+    if isinstance(value, tp.Stub) and value.args:
+        value = value.args[0]  # ZeroStageEnum(n), recorded
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
         return value
-    raise ManifestError(f"{what}: unreadable zero_stage {value!r}")
+    raise ManifestError(f"{what}: unreadable zero_stage {value!r:.100} (DeepSpeed's stages are 0 to 3)")
 
 
 def _config_stage(config: Any, what: str) -> int:
@@ -248,10 +282,11 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
     stage = _config_stage(config, first_rel) if bf16_optimizer else _stage(_get(first, "zero_stage", first_rel),
                                                                             first_rel)
     zero3 = stage == 3 and not bf16_optimizer
-    pc = _get(first, "partition_count", first_rel)
-    world = max(pc) if isinstance(pc, list) else int(pc)
+    world = _world(_get(first, "partition_count", first_rel), f"{root}/{first_rel}")
     prefix = optim[min(optim)][2]
-    missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world) if r not in optim]
+    # the first few missing ranks: at most len(optim) present ones are skipped, whatever world claims
+    missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+               for r in itertools.islice((r for r in range(world) if r not in optim), 8)]
     if missing or len(optim) != world:
         raise ManifestError(f"{d}: DeepSpeed ZeRO-{stage} over {world} ranks, but rank file(s) {missing or '?'} "
                             "are missing (a save that did not finish on every rank?)")
@@ -348,7 +383,7 @@ def _zero12(shapes: Any, states: list[Any], first: Any, part: Any, world: int
             starts.append(starts[-1] + p.shape[0])
         off = 0
         for i, (pname, shape) in enumerate(group.items()):
-            shape = tuple(int(s) for s in shape)
+            shape = _shape(shape, states[0][0], f"param_shapes[{g}][{str(pname)[:100]!r}]")
             n = math.prod(shape)
             pieces: Pieces = []
             for r, p in enumerate(parts):
@@ -359,7 +394,8 @@ def _zero12(shapes: Any, states: list[Any], first: Any, part: Any, world: int
                 raise ManifestError(f"{states[0][0]}: parameter {pname!r} {list(shape)} runs past the end of group "
                                     f"{g}'s partitions ({starts[-1]} elements)")
             out[str(pname)] = (shape, pieces)
-            off += n + (int(paddings[g][i]) if paddings else 0)
+            off += n + (_count(paddings[g][i], states[0][0], f"param_alignment_paddings[{g}][{i}]") if paddings
+                        else 0)
     return out
 
 
@@ -375,7 +411,7 @@ def _zero3(shapes: Any, states: list[Any], part: Any, world: int) -> dict[str, t
     off = 0
     for group in shapes:
         for pname, shape in group.items():
-            shape = tuple(int(s) for s in shape)
+            shape = _shape(shape, states[0][0], f"param_shapes[{str(pname)[:100]!r}]")
             n = math.prod(shape)
             pn = math.ceil(n / world)
             pieces: Pieces = []
@@ -445,7 +481,8 @@ def _universal(root: str, tag: str | None, names: list[str]) -> Manifest:
     if model_name is None:
         raise ManifestError(f"{d}: a DeepSpeed universal checkpoint (zero/) without {' or '.join(_MODEL_FILES)}")
     model = _load(root, rel(model_name))
-    shapes = {_component(str(k), f"{root}/{rel(model_name)}"): tuple(int(x) for x in v)
+    shapes = {_component(str(k), f"{root}/{rel(model_name)}"): _shape(v, f"{root}/{rel(model_name)}",
+                                                                       f"param_shapes[{str(k)[:100]!r}]")
               for group in _get(model, "param_shapes", rel(model_name)) or [] for k, v in group.items()}
     opt_rel = rel("zero/optimizer_state.pt")
     if not os.path.lexists(os.path.join(root, opt_rel)):

@@ -12,6 +12,14 @@ exactly the bytes it needs (or :func:`materialize` builds the tensor from them).
 ``torch.save`` files (zip, the default format since torch 1.6) are parsed here too, from a byte
 range of any file (DCP packs many into one ``.distcp`` file): only the zip directory, ``data.pkl``
 and ``byteorder`` are read. The allowlists are documented in docs/RELIABILITY.md.
+
+Every read runs under a :class:`~ckpt.formats.budget.Budget`: the pickle's and the zip directory's
+sizes are capped before they are read, every storage a pickle names must fit its zip record, every
+tensor must lie inside its storage (offset, sizes and strides non-negative, its extent within the
+storage's elements), and the unpickled value must be a finite tree of bounded size and depth
+(:func:`ckpt.formats.budget.check`: no cycles, no exponential sharing), so that no later walker
+over it can hang. Over budget or malformed: :class:`~ckpt.errors.ForeignFormatError` (an
+IntegrityError) naming the file and field.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ import io
 import math
 import pathlib
 import pickle
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -33,7 +40,10 @@ from typing import Any
 
 import torch
 
-from ckpt.errors import IntegrityError
+from ckpt.errors import ForeignFormatError, IntegrityError
+from ckpt.formats import budget as _budget
+from ckpt.formats.budget import Budget
+from ckpt.formats.torch_zip import HEAD_BYTES, QUICK_TAIL, _directory, _entry, _scan_head  # noqa: F401 - API
 
 Read = Callable[[int, int], bytes]
 
@@ -63,7 +73,14 @@ DCP_GLOBALS = (
     "torch.distributed.checkpoint.metadata.StorageMeta",
     "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
     "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.distributed.checkpoint.filesystem._StoragePrefix",
     "torch.distributed.checkpoint.planner.WriteItemType",
+    # Megatron-Core (0.16+) keeps every rank's local save plan in the metadata (``all_local_plans``):
+    # frozen data-only dataclasses, rebuilt by NEWOBJ + BUILD (no __init__, no code of theirs runs)
+    "torch.distributed.checkpoint.planner.SavePlan",
+    "torch.distributed.checkpoint.planner.WriteItem",
+    "torch.distributed.checkpoint.planner.TensorWriteData",
+    "torch.distributed.checkpoint.planner.BytesIOWriteData",
 )
 
 
@@ -124,8 +141,20 @@ class _Marker(_Sealed):
         return "<torch.Tensor marker>"
 
 
+class _Unbuildable:
+    """ckpt's own records of a file's bytes: BUILD (which writes an object's ``__dict__`` directly,
+    frozen dataclass or not) would let a pickle move a checked byte range anywhere, so it calls
+    ``__setstate__`` here, which refuses (they are never copied or pickled; ``dataclasses.replace``
+    works)."""
+
+    __ckpt_leaf__ = True  # for budget.check: a record of a few ints, not a container
+
+    def __setstate__(self, state: Any) -> None:
+        raise _Tampering(f"a {type(self).__name__}")
+
+
 @dataclass(frozen=True)
-class _StorageRef:
+class _StorageRef(_Unbuildable):
     key: str
     dtype: torch.dtype
     data_offset: int  # absolute, in the file
@@ -133,7 +162,7 @@ class _StorageRef:
 
 
 @dataclass(frozen=True)
-class TensorRef:
+class TensorRef(_Unbuildable):
     """A tensor inside a torch.save file, not read: where its elements are."""
 
     dtype: torch.dtype
@@ -225,23 +254,56 @@ def _layout(name: str) -> torch.layout:
     return layouts[name]
 
 
+_MAX_PATH = 65536
+
+
 def _path(flavour: type[pathlib.PurePath]) -> _Fn:
     # DCP's StorageMeta.checkpoint_id may be a pathlib path, pickled as PosixPath("/", "tmp", "x"):
     # kept as its text, joined by the pure (string-only) class of the same flavour
     def join(*parts: str) -> str:
         if not all(isinstance(p, str) for p in parts):
             raise pickle.UnpicklingError("a path made of non-strings")
+        # the result is a new string a pickle can join again: capped, or 60 joins make 2**60 characters
+        if sum(len(p) for p in parts) > _MAX_PATH:
+            raise ForeignFormatError(f"a pathlib path longer than {_MAX_PATH} characters, over ckpt's budget "
+                                     "(a decompression bomb: each join can double it)")
         return str(flavour(*parts))
 
     return _Fn(join)
 
 
+_MAX_DIMS = 64
+
+
+def _index(v: Any, field: str) -> int:
+    """A non-negative int (not a bool) for ``field`` of a tensor record, or UnpicklingError."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise pickle.UnpicklingError(f"tensor {field} {v!r} is not a non-negative integer")
+    return v
+
+
+def _dims(v: Any, field: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or len(v) > _MAX_DIMS:
+        raise pickle.UnpicklingError(f"tensor {field} is not a sequence of at most {_MAX_DIMS} integers")
+    return tuple(_index(x, field) for x in v)
+
+
 def _rebuild_tensor(storage: _StorageRef, storage_offset: int, size: Any, stride: Any, requires_grad: bool = False,
                     backward_hooks: Any = None, metadata: Any = None) -> TensorRef:
+    # every tensor is checked against its own storage record: offset, sizes and strides non-negative,
+    # and its extent (the last element it can address) inside the storage, so no tensor is read from
+    # a neighbouring record's bytes (torch.load refuses such a file too)
     if not isinstance(storage, _StorageRef):
         raise pickle.UnpicklingError("a tensor whose storage is not one of the file's records")
-    return TensorRef(storage.dtype, tuple(int(s) for s in size), tuple(int(s) for s in stride), int(storage_offset),
-                     storage.data_offset, storage.nbytes, bool(requires_grad))
+    shape, strides, offset = _dims(size, "size"), _dims(stride, "stride"), _index(storage_offset, "storage offset")
+    if len(strides) != len(shape):
+        raise pickle.UnpicklingError(f"tensor size {list(shape)} and stride {list(strides)} differ in length")
+    numel = storage.nbytes // storage.dtype.itemsize
+    end = offset if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    if end > numel:
+        raise ForeignFormatError(f"tensor size {list(shape)} stride {list(strides)} at storage offset {offset} "
+                                 f"reaches element {end}, past its storage data/{storage.key} of {numel} elements")
+    return TensorRef(storage.dtype, shape, strides, offset, storage.data_offset, storage.nbytes, bool(requires_grad))
 
 
 def _rebuild_parameter(data: TensorRef, requires_grad: bool = False, backward_hooks: Any = None,
@@ -293,9 +355,12 @@ def _base_globals() -> dict[str, Any]:
 
 
 def _resolve(name: str) -> Any:
+    """The class ``name`` names, or a stand-in when this torch does not have it (an older version)."""
     module, _, attr = name.rpartition(".")
-    obj: Any = importlib.import_module(module)
-    return getattr(obj, attr)
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return _stub(name)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -325,9 +390,13 @@ class _Unpickler(pickle.Unpickler):
                 raise _MissingStorage
             raise pickle.UnpicklingError(f"storage record data/{key} is missing from the archive")
         offset, size = self.storages[str(key)]
-        nbytes = int(_numel) * stype.dtype.itemsize
-        if (size is not None and size < nbytes) or offset + nbytes > self.limit:
-            raise pickle.UnpicklingError(f"storage data/{key} of {nbytes} bytes at {offset} does not fit its record")
+        if isinstance(_numel, bool) or not isinstance(_numel, int) or _numel < 0:
+            raise pickle.UnpicklingError(f"storage data/{key}: element count {_numel!r}")
+        nbytes = _numel * stype.dtype.itemsize
+        # exactly its record's size, as torch.load requires (torch.save writes whole storages)
+        if (size is not None and size != nbytes) or offset + nbytes > self.limit:
+            raise ForeignFormatError(f"{self.what}: storage data/{key} claims {_numel} elements ({nbytes} bytes) at "
+                                     f"{offset}, but its zip record holds {size} bytes (hostile or damaged)")
         return _StorageRef(str(key), stype.dtype, offset, nbytes)
 
 
@@ -426,10 +495,21 @@ def _allowed(extra: Iterable[str], stubs: Iterable[str]) -> _Allowlist:
 
 
 def _unpickle(data: bytes, what: str, allowed: _Allowlist,
-              storages: dict[str, tuple[int, int | None]] | None, partial: bool = False, limit: int = 0) -> Any:
+              storages: dict[str, tuple[int, int | None]] | None, partial: bool = False, limit: int = 0,
+              budget: Budget | None = None) -> Any:
     """Run the restricted unpickler; with exposed classes in the allowlist, check afterwards that
     none changed (BUILD on a class or enum member sets attributes without running code) and undo
-    and refuse if one did."""
+    and refuse if one did. The value must then pass :func:`ckpt.formats.budget.check` (a finite
+    tree within ``budget``), so nothing that walks it later can hang."""
+    b = _budget.resolve(budget)
+    b.check_bytes(len(data), what, "the pickle")
+    obj = _run(data, what, allowed, storages, partial, limit)
+    _budget.check(obj, what, len(data), b)
+    return obj
+
+
+def _run(data: bytes, what: str, allowed: _Allowlist, storages: dict[str, tuple[int, int | None]] | None,
+         partial: bool, limit: int) -> Any:
     guard = contextlib.nullcontext() if not allowed.exposed else _GUARD
     try:
         with guard:
@@ -447,6 +527,8 @@ def _unpickle(data: bytes, what: str, allowed: _Allowlist,
         raise IntegrityError(f"{what}: the pickle tries to change {e}, allowed by ckpt's allowlist only to be "
                              "built from (BUILD on a global); refused and undone, nothing from the file was run"
                              ) from None
+    except ForeignFormatError as e:
+        raise ForeignFormatError(str(e) if str(e).startswith(what) else f"{what}: {e}") from None
     except (IntegrityError, _MissingStorage):
         raise
     except Exception as e:  # noqa: BLE001 - any malformed pickle is the file's problem, typed
@@ -454,21 +536,19 @@ def _unpickle(data: bytes, what: str, allowed: _Allowlist,
                              "or not what it claims to be") from None
 
 
-def loads(data: bytes, *, what: str, extra: Iterable[str] = (), stubs: Iterable[str] = ()) -> Any:
+def loads(data: bytes, *, what: str, extra: Iterable[str] = (), stubs: Iterable[str] = (),
+          budget: Budget | None = None) -> Any:
     """Unpickle ``data`` allowing only plain data, torch's dtypes/sizes and the globals in ``extra``
-    (fully qualified names, imported) and ``stubs`` (names replaced by :class:`Stub` records).
+    (fully qualified names, imported) and ``stubs`` (names replaced by :class:`Stub` records), under
+    ``budget`` (default: :meth:`Budget.default`).
 
-    Raises IntegrityError naming ``what`` and the refused global, or on a malformed pickle.
+    Raises IntegrityError naming ``what`` and the refused global, or on a malformed pickle;
+    ForeignFormatError when the value is over budget (cyclic, too deep, a decompression bomb).
     """
-    return _unpickle(data, what, _allowed(extra, stubs), None)
+    return _unpickle(data, what, _allowed(extra, stubs), None, budget=budget)
 
 
-# ---- torch.save zip files -------------------------------------------------------------------------
-
-_EOCD = b"PK\x05\x06"
-_EOCD64_LOCATOR = b"PK\x06\x07"
-_CENTRAL = b"PK\x01\x02"
-_LOCAL = b"PK\x03\x04"
+# ---- torch.save zip files (the container: ckpt.formats.torch_zip) --------------------------------
 
 
 @dataclass
@@ -480,159 +560,47 @@ class TorchZip:
 
     def tensors(self) -> list[tuple[tuple[Any, ...], TensorRef]]:
         """Every TensorRef with its path (dict keys / sequence indices) from the root object."""
-        out: list[tuple[tuple[Any, ...], TensorRef]] = []
-
-        def walk(v: Any, path: tuple[Any, ...]) -> None:
-            if isinstance(v, TensorRef):
-                out.append((path, v))
-            elif isinstance(v, dict):
-                for k, x in v.items():
-                    walk(x, (*path, k))
-            elif isinstance(v, (list, tuple)):
-                for i, x in enumerate(v):
-                    walk(x, (*path, i))
-
-        walk(self.obj, ())
-        return out
-
-
-def _directory(read: Read, start: int, length: int, what: str) -> dict[str, tuple[int, int, int]]:
-    """``name -> (local header offset, compressed size, method)`` from the zip's central directory."""
-    tail_len = min(length, 65536 + 22)
-    tail = read(start + length - tail_len, tail_len)
-    at = tail.rfind(_EOCD)
-    if at < 0 or len(tail) - at < 22:
-        raise IntegrityError(f"{what}: bytes [{start}, {start + length}) are not a torch.save zip (no end of "
-                             "central directory); the file is truncated, or saved with the legacy "
-                             "_use_new_zipfile_serialization=False format (re-save with torch.save's defaults)")
-    count, cd_size, cd_offset = struct.unpack_from("<10xHII", tail, at)
-    if cd_offset == 0xFFFFFFFF or count == 0xFFFF or cd_size == 0xFFFFFFFF:
-        loc = at - 20
-        if loc < 0 or tail[loc:loc + 4] != _EOCD64_LOCATOR:
-            raise IntegrityError(f"{what}: zip64 end record locator missing")
-        (eocd64,) = struct.unpack_from("<8xQ", tail, loc)
-        rec = read(start + eocd64, 56)
-        if rec[:4] != b"PK\x06\x06":
-            raise IntegrityError(f"{what}: zip64 end record missing")
-        count, cd_size, cd_offset = struct.unpack_from("<32xQQQ", rec)
-    if cd_offset + cd_size > length:
-        raise IntegrityError(f"{what}: zip directory [{cd_offset}, {cd_offset + cd_size}) lies beyond the "
-                             f"{length} bytes of the item (truncated?)")
-    cd = read(start + cd_offset, cd_size)
-    out: dict[str, tuple[int, int, int]] = {}
-    pos = 0
-    for _ in range(count):
-        if cd[pos:pos + 4] != _CENTRAL:
-            raise IntegrityError(f"{what}: damaged zip central directory")
-        method, = struct.unpack_from("<H", cd, pos + 10)
-        csize, usize, nlen, xlen, clen = struct.unpack_from("<IIHHH", cd, pos + 20)
-        (local,) = struct.unpack_from("<I", cd, pos + 42)
-        name = cd[pos + 46:pos + 46 + nlen].decode("utf-8", "replace")
-        extra = cd[pos + 46 + nlen:pos + 46 + nlen + xlen]
-        xp = 0
-        while xp + 4 <= len(extra):  # zip64 extended information: the fields that overflowed, in order
-            tag, size = struct.unpack_from("<HH", extra, xp)
-            if tag == 1:
-                vals = list(struct.unpack_from(f"<{size // 8}Q", extra, xp + 4))
-                if usize == 0xFFFFFFFF and vals:
-                    usize = vals.pop(0)
-                if csize == 0xFFFFFFFF and vals:
-                    csize = vals.pop(0)
-                if local == 0xFFFFFFFF and vals:
-                    local = vals.pop(0)
-            xp += 4 + size
-        out[name] = (local, csize, method)
-        pos += 46 + nlen + xlen + clen
-    return out
-
-
-def _entry(read: Read, start: int, length: int, rec: tuple[int, int, int], name: str, what: str) -> tuple[int, int]:
-    """Absolute ``(offset, size)`` of a stored (uncompressed) entry's data."""
-    local, size, method = rec
-    if method != 0:
-        raise IntegrityError(f"{what}: zip entry {name!r} is compressed (method {method}); torch.save stores entries")
-    head = read(start + local, 30)
-    if head[:4] != _LOCAL:
-        raise IntegrityError(f"{what}: zip entry {name!r}: no local header at {start + local}")
-    nlen, xlen = struct.unpack_from("<HH", head, 26)
-    offset = local + 30 + nlen + xlen
-    if offset + size > length:
-        raise IntegrityError(f"{what}: zip entry {name!r} [{start + offset}, {start + offset + size}) lies beyond "
-                             f"the item's end {start + length} (truncated?)")
-    return start + offset, size
+        return list(_budget.walk(self.obj, self.what, kind=TensorRef))
 
 
 class _MissingStorage(Exception):
     """The pickle names a storage record the quick scan did not reach: read the zip directory."""
 
 
-HEAD_BYTES = 4096  # a one-tensor torch.save (a DCP item) has every record header before its data in here
-
-
-def _scan_head(read: Read, start: int, length: int) -> dict[str, tuple[int, int | None]] | None:
-    """Records whose local headers lie in the first HEAD_BYTES: ``name -> (absolute offset, size)``.
-
-    torch writes its zips in streaming mode (sizes in a data descriptor after each record), so a
-    size is known here only where the descriptor is in the buffer too (``data.pkl``, ``byteorder``);
-    a storage record's size then comes from the pickle (its element count) and is bounds-checked.
-    Every header found is checked (name, lengths, descriptor position); anything unexpected returns
-    None and the caller reads the zip's central directory instead. One read, at the item's start:
-    cold, the readahead it starts also brings the tensor's bytes.
-    """
-    buf = read(start, min(length, HEAD_BYTES))
-    out: dict[str, tuple[int, int | None]] = {}
-    pos = 0
-    while pos + 30 <= len(buf) and buf[pos:pos + 4] == _LOCAL:
-        flags, method, csize, _usize, nlen, xlen = struct.unpack_from("<2xHH8xIIHH", buf, pos + 4)
-        if method != 0 or pos + 30 + nlen > len(buf):
-            return None
-        name = buf[pos + 30:pos + 30 + nlen].decode("utf-8", "replace")
-        data = pos + 30 + nlen + xlen
-        if not flags & 8:  # sizes up front
-            out[name] = (start + data, csize)
-            pos = data + csize
-            continue
-        if "/data/" in name:  # the storage itself: its size comes from the pickle; stop here
-            out[name] = (start + data, None)
-            break
-        # a small record followed by its descriptor: PK\x07\x08, crc, csize, usize
-        end = buf.find(b"PK\x07\x08", data)
-        while end >= 0 and end + 16 <= len(buf) and struct.unpack_from("<I", buf, end + 8)[0] != end - data:
-            end = buf.find(b"PK\x07\x08", end + 1)
-        if end < 0 or end + 16 > len(buf):
-            return None
-        out[name] = (start + data, end - data)
-        pos = end + 16
-    return out or None
-
-
 def load_torch(read: Read, start: int, length: int, *, what: str, extra: Iterable[str] = (),
-               stubs: Iterable[str] = ()) -> TorchZip:
+               stubs: Iterable[str] = (), budget: Budget | None = None) -> TorchZip:
     """Index the torch.save file in bytes ``[start, start + length)`` (read through ``read(offset,
-    nbytes)``) and unpickle its object with the allowlist (see :func:`loads`); tensors come back
-    as :class:`TensorRef`. Reads the local headers at its start (one read), or, when the records
-    it needs are not all there, the zip directory; then ``data.pkl`` and ``byteorder``.
+    nbytes)``) and unpickle its object with the allowlist (see :func:`loads`) under ``budget``;
+    tensors come back as :class:`TensorRef`. Reads the item's first and last 4 KiB (local headers and
+    zip directory of a small item), or, when the records it needs are not all there, the whole zip
+    directory and each record's local header; then ``data.pkl`` and ``byteorder``. Every record's
+    size comes from the zip directory: a storage the pickle claims larger than its record is refused.
 
     Raises IntegrityError: not a zip, truncated, a compressed entry, big-endian data, a global
-    outside the allowlist, or a malformed pickle.
+    outside the allowlist, or a malformed pickle; ForeignFormatError (a subclass): over budget, or
+    a tensor or storage that reaches past its own record.
     """
     allowed = _allowed(extra, stubs)
+    b = _budget.resolve(budget)
     head = _scan_head(read, start, length)
-    # the quick path still requires the zip's end record where it must be (torch writes no comment):
-    # a truncated file falls through to the directory path, which names the damage
-    if head and length >= 22 and read(start + length - 22, 4) == _EOCD:
-        try:
-            return _from_records(read, head, what, allowed, partial=True, limit=start + length)
-        except _MissingStorage:
-            pass
-    directory = _directory(read, start, length, what)
-    records: dict[str, tuple[int, int | None]] = {
-        name: _entry(read, start, length, rec, name, what) for name, rec in directory.items()}
-    return _from_records(read, records, what, allowed, partial=False, limit=start + length)
+    if head:
+        directory = _directory(read, start, length, what, b, quick=True)
+        if directory is not None:
+            quick = {n: _entry(read, start, length, rec, n, what, head) for n, rec in directory.items()}
+            found = {n: r for n, r in quick.items() if r is not None}
+            try:
+                return _from_records(read, found, what, allowed, partial=True, limit=start + length, budget=b)
+            except _MissingStorage:
+                pass
+    directory = _directory(read, start, length, what, b)
+    assert directory is not None
+    records = {name: _entry(read, start, length, rec, name, what) for name, rec in directory.items()}
+    return _from_records(read, {n: r for n, r in records.items() if r is not None}, what, allowed, partial=False,
+                         limit=start + length, budget=b)
 
 
-def _from_records(read: Read, records: dict[str, tuple[int, int | None]], what: str, allowed: _Allowlist,
-                  *, partial: bool, limit: int) -> TorchZip:
+def _from_records(read: Read, records: dict[str, tuple[int, int]], what: str, allowed: _Allowlist,
+                  *, partial: bool, limit: int, budget: Budget) -> TorchZip:
     pkl = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkl) != 1:
         if partial:
@@ -641,13 +609,13 @@ def _from_records(read: Read, records: dict[str, tuple[int, int | None]], what: 
     prefix = pkl[0][: -len("data.pkl")]
     if f"{prefix}byteorder" in records:
         off, size = records[f"{prefix}byteorder"]
-        if size is None or read(off, size).strip() not in (b"little", b""):
+        if size > 16 or read(off, size).strip() not in (b"little", b""):
             raise IntegrityError(f"{what}: big-endian torch.save data is not supported")
-    storages = {name[len(prefix) + 5:]: rec for name, rec in records.items() if name.startswith(f"{prefix}data/")}
+    storages: dict[str, tuple[int, int | None]] = {
+        name[len(prefix) + 5:]: rec for name, rec in records.items() if name.startswith(f"{prefix}data/")}
     off, size = records[pkl[0]]
-    if size is None:
-        raise _MissingStorage
-    obj = _unpickle(read(off, size), what, allowed, storages, partial, limit)
+    budget.check_bytes(size, what, "data.pkl")
+    obj = _unpickle(read(off, size), what, allowed, storages, partial, limit, budget)
     return TorchZip(obj, what)
 
 
