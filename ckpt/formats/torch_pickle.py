@@ -25,6 +25,7 @@ IntegrityError) naming the file and field.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import importlib
@@ -50,6 +51,7 @@ Read = Callable[[int, int], bytes]
 _DTYPE_NAMES = [n for n in ("float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
                             "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
                             "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+                            "float4_e2m1fn_x2",
                             "qint8", "quint8", "qint32", "half", "float", "double", "long", "int", "short",
                             "cfloat", "cdouble", "chalf")
                 if isinstance(getattr(torch, n, None), torch.dtype)]
@@ -306,6 +308,18 @@ def _rebuild_tensor(storage: _StorageRef, storage_offset: int, size: Any, stride
     return TensorRef(storage.dtype, shape, strides, offset, storage.data_offset, storage.nbytes, bool(requires_grad))
 
 
+def _rebuild_tensor_v3(storage: _StorageRef, storage_offset: int, size: Any, stride: Any, requires_grad: bool = False,
+                       backward_hooks: Any = None, dtype: Any = None, metadata: Any = None) -> TensorRef:
+    # torch.save writes tensors of dtypes with no legacy storage class (float8, uint16/32/64,
+    # complex32) over an untyped byte storage and names the dtype here; then the same checks as v2
+    if not isinstance(storage, _StorageRef) or storage.dtype != torch.uint8 or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError("_rebuild_tensor_v3 over something other than a byte storage and a dtype")
+    if storage.nbytes % dtype.itemsize:
+        raise ForeignFormatError(f"storage data/{storage.key} of {storage.nbytes} bytes does not hold whole {dtype} "
+                                 "elements")
+    return _rebuild_tensor(dataclasses.replace(storage, dtype=dtype), storage_offset, size, stride, requires_grad)
+
+
 def _rebuild_parameter(data: TensorRef, requires_grad: bool = False, backward_hooks: Any = None,
                        state: Any = None) -> TensorRef:
     return data
@@ -341,6 +355,7 @@ def _base_globals() -> dict[str, Any]:
         "torch.preserve_format": torch.preserve_format,
         "torch._utils._rebuild_tensor": _REBUILD_TENSOR,
         "torch._utils._rebuild_tensor_v2": _REBUILD_TENSOR,
+        "torch._utils._rebuild_tensor_v3": _Fn(_rebuild_tensor_v3),
         "torch._utils._rebuild_parameter": _REBUILD_PARAMETER,
         "torch._utils._rebuild_parameter_with_state": _REBUILD_PARAMETER,
         "torch.Tensor": _TENSOR_TYPE,
@@ -351,6 +366,7 @@ def _base_globals() -> dict[str, Any]:
     for n, dt in _STORAGE_DTYPES.items():
         allowed[f"torch.{n}"] = _StorageType(dt)
     allowed["torch.UntypedStorage"] = _StorageType(torch.uint8)
+    allowed["torch.storage.UntypedStorage"] = _StorageType(torch.uint8)  # what _rebuild_tensor_v3's items name
     return allowed
 
 
