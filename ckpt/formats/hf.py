@@ -30,7 +30,7 @@ import torch
 
 from ckpt import transaction
 from ckpt.dtypes import dtype_from_name, dtype_name
-from ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, LayoutError, ManifestError
+from ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, LayoutError, ManifestError, StateError
 from ckpt.formats import foreign_json, hf_files
 from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.hf.directory import (
@@ -456,6 +456,11 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
     layout = Layout()
     meta = dict(source.meta)
     meta |= {"layout": layout.to_dict(), "source": {"format": "huggingface", "url": source_url}}
+    try:  # the recorded config must encode and decode before any byte is written (ckpt.transaction)
+        _, meta = transaction.check_header(0, meta, layout.to_dict())
+    except StateError as bad:
+        raise ConfigError(f"{source_url}/config.json: a value cannot be recorded in the checkpoint ({bad}); fix "
+                          "the config (e.g. an integer beyond 64 bits)") from None
     # a random save id: the data file's name is one no other writer can produce (ckpt.transaction)
     plan = plan_save([decl], save_id=transaction.new_id(), step=0, user_metadata=meta, layout=layout.to_dict())
     manifest, (assignment,) = plan.manifest, plan.assignments
