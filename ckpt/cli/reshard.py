@@ -24,14 +24,18 @@ import ckpt
 from ckpt.cli.common import console, err_console, handle_errors, human_bytes, parse_storage_options, print_json
 from ckpt.errors import CheckpointError, StateError
 from ckpt.layout import AXES, RANK_ORDER, Layout
+from ckpt.resharders.derive import unmatched_keys
 from ckpt.resharders.diff import diff
-from ckpt.resharders.plan import parse_stages, plan, rules_for, source_layout
+from ckpt.resharders.plan import UNMATCHED_SHOWN, parse_stages, plan, rules_for, source_layout
 from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, reshard
 
 StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
 ToOpt = typer.Option(..., "--to", help="target layout, e.g. tp=2,ep=4,pp=2,dp=1,zero=1 (or 'single'); axes not "
                      "given are 1, except zero, which keeps the source's stage unless given")
-RulesOpt = typer.Option(None, "--rules", help="TOML sharding rules (default: the embedded MoE's)")
+RulesOpt = typer.Option(None, "--rules", help="TOML sharding rules (default: the table the checkpoint names; for "
+                        "a torchtitan/DCP checkpoint, derived from its key names; else the embedded MoE's)")
+StrictOpt = typer.Option(False, "--strict-rules", help="refuse when some tensor matches no sharding rule (it "
+                         "would be held whole by every rank); without it they are counted and kept whole")
 StagesOpt = typer.Option(None, "--stages", help="layers per pipeline stage, e.g. 3,1 (default: balanced)")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -82,12 +86,13 @@ def plan_cmd(
     to: str = ToOpt,
     rules: str | None = RulesOpt,
     stages: str | None = StagesOpt,
+    strict_rules: bool = StrictOpt,
     json_out: bool = typer.Option(False, "--json", help="the whole plan as JSON (every piece and byte range)"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Show how SRC would be rewritten for layout --to: one row per target rank; moves no data."""
     m = ckpt.inspect(src, storage_options=parse_storage_options(storage_option))
-    p = plan(m, _layout(to, m), rules_for(m, rules), stages=parse_stages(stages))
+    p = plan(m, _layout(to, m), rules_for(m, rules), stages=parse_stages(stages), strict_rules=strict_rules)
     if json_out:
         print_json(p.to_dict(detail=True))
         return
@@ -110,6 +115,15 @@ def plan_cmd(
                   f"write {human_bytes(t['bytes_written'])} to {t['target_files']} file(s), "
                   f"{t['files_touched']} files touched, largest single read {human_bytes(t['largest_read'])}, "
                   f"{t['pieces']} pieces of {t['tensors']} tensors", highlight=False)
+    _whole_line(p.whole, t["tensors"])
+
+
+def _whole_line(whole: list[str], total: int) -> None:
+    """The one line saying how many tensors no rule places (held whole by every rank), if any."""
+    if whole:
+        few = ", ".join(whole[:3]) + (f" and {len(whole) - 3} more" if len(whole) > 3 else "")
+        console.print(f"[yellow]{len(whole)} of {total} tensors stay whole[/yellow] on every rank (no sharding "
+                      f"rule matches: {few}); --rules FILE to place them, --strict-rules to refuse", highlight=False)
 
 
 class _AverageSpeed(ProgressColumn):
@@ -129,6 +143,7 @@ def reshard_cmd(
     to: str = ToOpt,
     rules: str | None = RulesOpt,
     stages: str | None = StagesOpt,
+    strict_rules: bool = StrictOpt,
     memory_budget: str = typer.Option("2GB", "--memory-budget", help="buffer memory, e.g. 2GB, 512MiB"),
     workers: int = typer.Option(2, "--workers", min=1, help="new files written concurrently"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a committed checkpoint at DST"),
@@ -143,6 +158,7 @@ def reshard_cmd(
     budget = parse_size(memory_budget) if memory_budget else DEFAULT_MEMORY_BUDGET
     m = ckpt.inspect(src, storage_options=opts)
     rs = rules_for(m, rules)
+    whole = unmatched_keys(m, rs)  # the same count plan() reports
     target = _layout(to, m)
     t0 = time.perf_counter()
     # The bar's speed and the summary's are the same measure: tensor bytes written / time since start.
@@ -156,7 +172,7 @@ def reshard_cmd(
 
         out = reshard(src, dst, target, rules=rs, stages=parse_stages(stages), memory_budget=budget,
                       workers=workers, progress=progress, overwrite=overwrite,
-                      verify_source=not no_verify_source, storage_options=opts)
+                      verify_source=not no_verify_source, storage_options=opts, strict_rules=strict_rules)
     dt = time.perf_counter() - t0
     stats = out.stats or {}
     resumed = stats.get("resumed_files", 0)
@@ -164,11 +180,13 @@ def reshard_cmd(
     if json_out:
         print_json({"dst": dst, "files": len(out.files), "total_bytes": out.total_bytes, "tensor_bytes": moved,
                     "seconds": round(dt, 3), "gb_per_s": round(moved / max(dt, 1e-9) / 1e9, 3),
-                    "layout": short_layout(target), "resumed_files": resumed, "step": out.step})
+                    "layout": short_layout(target), "resumed_files": resumed, "step": out.step,
+                    "rules": rs.name, "whole_tensors": len(whole), "unmatched": whole[:UNMATCHED_SHOWN]})
         return
     console.print(f"[green]ok[/green]: {dst}: {len(out.files)} file(s), {human_bytes(out.total_bytes)} in {dt:.1f} s "
                   f"({moved / max(dt, 1e-9) / 1e9:.2f} GB/s of tensor data), layout {short_layout(target)}"
                   + (f", {resumed} file(s) kept from an interrupted run" if resumed else ""), highlight=False)
+    _whole_line(whole, len(m.tensors))
 
 
 @handle_errors

@@ -47,6 +47,12 @@ class Role:
 
 def classify(key: str, shape: tuple[int, ...], specs: Mapping[str, Spec], rules: RuleSet) -> Role:
     """Role of checkpoint tensor ``key`` (shape ``shape``) among all tensors ``specs`` (key -> spec)."""
+    bound = rules.key_role(key)  # a table bound to the checkpoint's own names knows each key
+    if bound is not None:
+        kind, param = bound
+        if kind == OPTIM and param is not None and param in specs and tuple(specs[param][1]) != tuple(shape):
+            return Role(STAGED, param)  # e.g. a scalar ``step``: whole, on its parameter's stage
+        return Role(kind, param if kind != GLOBAL else None)
     if rules.optim_prefix and key.startswith(rules.optim_prefix):
         rest = key[len(rules.optim_prefix):]
         if "." in rest:

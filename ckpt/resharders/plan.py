@@ -27,10 +27,13 @@ from ckpt.layout import Coord, Layout
 from ckpt.manifest import Manifest, ObjectEntry, TensorEntry
 from ckpt.planner import LoadRequest, PieceDecl, RankDecl, SavePlan, plan_load, plan_save
 from ckpt.regions import intersect_boxes, strides
+from ckpt.resharders.derive import PREFIX as DERIVED
+from ckpt.resharders.derive import check_strict, derive_rules, is_foreign, scheme_of, unmatched_keys
 from ckpt.resharders.placement import coord_str, num_layers_of, regions_for_ranks, specs_of, stage_layers
 from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet, load_rules, registered_rules, rules_named
 from ckpt.shards import Box, Flat, Region
 
+UNMATCHED_SHOWN = 20  # names of whole tensors a JSON plan lists
 _NO_SPLIT = 1 << 62  # plan reads as whole contiguous ranges; the executor cuts them to its buffers
 
 
@@ -112,6 +115,7 @@ class ReshardPlan:
     ranks: list[RankPlan]
     save: SavePlan  # the new checkpoint's manifest skeleton and per-rank write assignments
     decls: list[RankDecl]  # what each target rank holds, as the save planner saw it
+    whole: list[str] = field(default_factory=list)  # tensors no rule places: held whole by every rank
 
     @property
     def manifest(self) -> Manifest:
@@ -157,7 +161,7 @@ class ReshardPlan:
                 "tensor_bytes": self.tensor_bytes, "files_touched": self.files_touched,
                 "source_files_read": len(self.source_files), "target_files": len(self.target_files),
                 "largest_read": self.largest_read, "pieces": len(self.moves),
-                "tensors": len(self.manifest.tensors)}
+                "tensors": len(self.manifest.tensors), "whole_tensors": len(self.whole)}
 
     def to_dict(self, detail: bool = True) -> dict[str, Any]:
         """Plain data for ``--json``; ``detail`` adds every piece's region and source byte ranges."""
@@ -165,7 +169,8 @@ class ReshardPlan:
                 "stages": self.stages,
                 "source": {"layout": self.source_layout, "world_size": self.source_world},
                 "target": {"layout": str(self.target), "world_size": self.target.world_size},
-                "totals": self.totals(), "ranks": [r.to_dict(detail) for r in self.ranks]}
+                "totals": self.totals(), "whole_tensors": len(self.whole), "unmatched": self.whole[:UNMATCHED_SHOWN],
+                "ranks": [r.to_dict(detail) for r in self.ranks]}
 
 
 def region_dict(r: Region) -> dict[str, Any]:
@@ -227,7 +232,7 @@ def _divisors(*ns: int) -> list[int]:
 
 
 def plan(manifest: Manifest, target: Layout, rules: RuleSet = MOE_RULES, *, stages: list[int] | None = None,
-         salt: str = "") -> ReshardPlan:
+         salt: str = "", strict_rules: bool = False) -> ReshardPlan:
     """Plan rewriting the checkpoint described by ``manifest`` for layout ``target``.
 
     Args:
@@ -236,11 +241,14 @@ def plan(manifest: Manifest, target: Layout, rules: RuleSet = MOE_RULES, *, stag
         rules: the sharding rules (the embedded MoE's by default; others from a TOML file).
         stages: explicit layers per pipeline stage (``[3, 1]``); balanced when None.
         salt: mixed into the plan id (hence the new file names), e.g. to avoid reusing names.
+        strict_rules: refuse when some tensor matches no rule (it would be held whole by every rank);
+            without it they are counted in :attr:`ReshardPlan.whole`.
 
     Raises:
         LayoutError: the target layout cannot hold some tensor (6 experts over ep=4, a TP dim that
             does not split, pp larger than the layers), naming the tensor and rank.
         StateError / MismatchError: the manifest's tensors are inconsistent with the rules.
+        UnmatchedTensorsError: (``strict_rules``) tensors no rule places, the first few named.
 
     Example::
 
@@ -248,6 +256,9 @@ def plan(manifest: Manifest, target: Layout, rules: RuleSet = MOE_RULES, *, stag
         print(p.totals())
     """
     check_model(manifest, target, rules)
+    whole = unmatched_keys(manifest, rules)
+    if strict_rules:
+        check_strict(whole, len(manifest.tensors))
     specs = specs_of(manifest)
     n_layers = num_layers_of(manifest, rules)
     try:
@@ -292,7 +303,7 @@ def plan(manifest: Manifest, target: Layout, rules: RuleSet = MOE_RULES, *, stag
     for rank, rp in enumerate(ranks):
         rp.load_files = sorted({where[(k, r)] for k, r in per_rank[rank].items() if (k, r) in where})
     return ReshardPlan(pid, target, rules.name, n_layers, list(stages) if stages is not None else None,
-                       source_layout(manifest), manifest.world_size, ranks, sp, decls)
+                       source_layout(manifest), manifest.world_size, ranks, sp, decls, whole)
 
 
 def flat_span(region: Region, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -382,19 +393,26 @@ def source_reads(manifest: Manifest, key: str, region: Region) -> list[tuple[str
 def rules_for(manifest: Manifest, path: str | None = None) -> RuleSet:
     """The rules to reshard ``manifest`` with: the TOML file at ``path`` when given, else the
     registered table the checkpoint names (``user_metadata["rules"]``: built in ``embedded-moe`` and
-    ``hf-decoder``, or one a model added with :func:`ckpt.resharders.rules.register_rules`), else the
-    embedded MoE's when it names none.
+    ``hf-decoder``, or one a model added with :func:`ckpt.resharders.rules.register_rules`), else,
+    when it names none: rules derived from its key names when they are not ckpt's (a torchtitan or DCP
+    checkpoint, :func:`ckpt.resharders.derive.derive_rules`; recorded as ``names:<scheme>`` and derived
+    again on the next reshard), else the embedded MoE's.
 
     Raises LayoutError when the checkpoint names other rules and no file is given.
     """
     if path is not None:
         return load_rules(path)
     name = manifest.user_metadata.get("rules")
+    if (name is None and is_foreign(manifest)) or (isinstance(name, str) and name.startswith(DERIVED)):
+        return derive_rules(specs_of(manifest), scheme_of(manifest))
     if name is None:
         return MOE_RULES
     found = rules_named(name) if isinstance(name, str) else None
     if found is not None:
         return found
+    table = manifest.user_metadata.get("rules_table")  # a table the checkpoint carries (ckpt.hf.generic)
+    if isinstance(table, dict) and table.get("name") == name:
+        return RuleSet.from_dict(table, source="user_metadata['rules_table']")
     raise LayoutError(f"the checkpoint was saved with sharding rules {name!r}, not a registered table "
                       f"({', '.join(registered_rules())}); pass the model's rules file with --rules FILE (TOML, "
                       "see the README)")

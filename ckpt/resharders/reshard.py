@@ -68,7 +68,7 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
             verify_resumed: bool = True,
             storage_options: dict[str, Any] | None = None,
             dst_storage_options: dict[str, Any] | None = None,
-            source_manifest: Manifest | None = None) -> Manifest:
+            source_manifest: Manifest | None = None, strict_rules: bool = False) -> Manifest:
     """Write a new committed checkpoint at ``dst_url`` holding the checkpoint at ``src_url`` with
     shards that follow layout ``target``; returns the new manifest.
 
@@ -90,10 +90,13 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
         verify_resumed: when resuming, re-hash finished files before keeping them.
         source_manifest: the source's manifest when the caller built it (``ckpt import`` of a
             ``torch.save`` file: shards are byte ranges of that file under ``src_url``).
+        strict_rules: refuse (before writing anything) when some tensor matches no sharding rule
+            and would be held whole by every rank (see :func:`~ckpt.resharders.plan.plan`).
 
     Raises:
         CheckpointExistsError: ``dst_url`` holds a committed checkpoint and ``overwrite`` is False.
         LayoutError: the target layout cannot hold the model (naming the tensor and rank).
+        UnmatchedTensorsError: (``strict_rules``) tensors no rule places; nothing was written.
         StateError: bad arguments (same source and destination, budget too small, workers < 1).
         IntegrityError: (``verify_source``) a source shard does not match its checksum, naming the
             tensor, file and byte range; ``dst`` holds no manifest and this attempt's files are removed.
@@ -123,7 +126,7 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
             raise StateError(f"{dst.url}: holds files that are not part of a ckpt checkpoint ({_few(foreign, 3)}); "
                              "reshard writes only to a new or empty location, an unfinished reshard, or over a "
                              "checkpoint (--overwrite). Choose another destination; nothing was changed")
-        p = plan(manifest, target, rules, stages=stages)
+        p = plan(manifest, target, rules, stages=stages, strict_rules=strict_rules)
         with transaction.live_writer() as me:  # markers name this run as the writer of its files
             job = _Rewrite(src, dst, manifest, p, memory_budget, workers, progress, me)
             # a file the checkpoint being replaced lists is never adopted (it is that checkpoint's)

@@ -75,6 +75,13 @@ class RuleSet:
                 return r.placement
         return REPLICATED
 
+    def key_role(self, key: str) -> tuple[str, str | None] | None:
+        """How checkpoint ``key`` is placed when this table knows it by name: ``(kind, param)`` with
+        kind ``"param"``, ``"optim"`` or ``"global"`` (:mod:`ckpt.resharders.placement`'s roles), or
+        None to use the key prefixes (``param_prefix`` / ``optim_prefix``). Tables bound to one
+        checkpoint's own names (:class:`KeyedRules`) answer here."""
+        return None
+
     def layer_of(self, param: str) -> int | None:
         m = re.search(self.layer_regex, param)
         return int(m.group(1)) if m else None
@@ -141,6 +148,34 @@ class RuleSet:
                    first_stage=list(pipe.get("first", d.get("first_stage", []))),
                    last_stage=list(pipe.get("last", d.get("last_stage", []))),
                    name=str(d.get("name", source)), **prefixes)
+
+
+@dataclass(slots=True)
+class KeyedRules(RuleSet):
+    """A rules table bound to one checkpoint's own key names (derived from them by
+    :func:`ckpt.resharders.derive.derive_rules`): each stored key's role and placement is decided up
+    front and looked up by key, so keys in any scheme (torchtitan, DCP's ``optimizer.state.<fqn>.exp_avg``)
+    are placed without patterns. Keys it does not know are global (whole on every rank)."""
+
+    keyed: dict[str, Placement] = field(default_factory=dict)  # stored parameter key -> its placement
+    optim: dict[str, str] = field(default_factory=dict)  # optimizer-state key -> the stored parameter key
+    unmatched: tuple[str, ...] = ()  # tensor keys no rule knows (held whole), sorted
+
+    def placement(self, param: str) -> Placement:
+        return self.keyed.get(param, REPLICATED)
+
+    def key_role(self, key: str) -> tuple[str, str | None] | None:
+        if key in self.optim:
+            return "optim", self.optim[key]
+        if key in self.keyed:
+            return "param", key
+        return "global", None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = RuleSet.to_dict(self)
+        d["keyed"] = {k: [p.tp_dim, p.ep_dim, p.pad] for k, p in sorted(self.keyed.items())}
+        d["optim"] = dict(sorted(self.optim.items()))
+        return d
 
 
 def load_rules(path: str) -> RuleSet:
@@ -298,6 +333,20 @@ HF_RULES = RuleSet(
     first_stage=["model.embed_tokens.*"],
     last_stage=["model.norm.*", "lm_head.*"],
 )
+
+# Canonical (Hugging Face) parameters every adapter keeps whole on purpose: norms, routers, biases of
+# row-parallel layers, MLA's down projections; with HF_RULES' patterns, the names whose placement is
+# known (a foreign checkpoint's tensor matching neither is reported as held whole for want of a rule).
+HF_WHOLE: list[str] = [
+    "model.norm.weight",
+    *[f"model.layers.*.{n}" for n in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+        "post_feedforward_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+        "self_attn.o_proj.bias", "self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight",
+        "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias", "mlp.shared_expert_gate.weight", "mlp.down_proj.bias",
+        "mlp.shared_experts.down_proj.bias", "mlp.shared_expert.down_proj.bias")],
+]
 
 # The tables a checkpoint can name in user_metadata["rules"] and be resharded by without a rules file.
 _NAMED: dict[str, RuleSet] = {MOE_RULES.name: MOE_RULES, HF_RULES.name: HF_RULES}
