@@ -31,6 +31,7 @@ from typing import Any
 
 from ckpt.errors import ManifestError
 from ckpt.hf.adapters import ADAPTER_KEY, ADAPTERS, Adapter, Config
+from ckpt.hf.generic import GENERIC, Generic, knows
 from ckpt.resharders.rules import MOE_RULES
 
 __all__ = ["ENTRY_POINT_GROUP", "adapter_for", "adapter_named", "adapter_of_checkpoint", "importer_for",
@@ -81,7 +82,9 @@ def registered() -> dict[str, Adapter]:
     """Every adapter by name: the registered ones (entry points loaded), then the built-in families."""
     _load_entry_points()
     with _lock:
-        return {**_REGISTERED, **{n: a for n, a in ADAPTERS.items() if n not in _REGISTERED}}
+        out = {**_REGISTERED, **{n: a for n, a in ADAPTERS.items() if n not in _REGISTERED}}
+    out.setdefault(GENERIC.name, GENERIC)  # the fallback: every causal LM transformers builds (ckpt.hf.generic)
+    return out
 
 
 def adapter_named(name: str) -> Adapter | None:
@@ -90,7 +93,8 @@ def adapter_named(name: str) -> Adapter | None:
 
 
 def _known() -> str:
-    return ", ".join(sorted(registered()))
+    return ", ".join(sorted(n for n in registered() if n != GENERIC.name)) + \
+        " and, through transformers, every causal LM it builds"
 
 
 def adapter_for(model_type: Any, *, where: str) -> Adapter:
@@ -104,6 +108,8 @@ def adapter_for(model_type: Any, *, where: str) -> Adapter:
                     return a
         if model_type in ADAPTERS:
             return ADAPTERS[model_type]
+        if knows(model_type):  # explicit adapters win; then the one derived from transformers' own model
+            return GENERIC
     raise ManifestError(f"{where}: model_type {model_type!r} is not supported; ckpt converts {_known()}; "
                         "nothing was written")
 
@@ -125,6 +131,8 @@ def importer_for(d: Config, names: str, *, where: str) -> tuple[Adapter, Any]:
         cfg = a.accept(d, names, where=where)
         if cfg is not None:
             return a, cfg
+    if isinstance(family, Generic):  # the rules this config's plans derive, for the import's reshard
+        return family.for_config(full), full
     return family, full
 
 
