@@ -27,6 +27,7 @@ from ckpt.manager import CheckpointManager
 from ckpt.manifest import Manifest
 from ckpt.save import save
 from ckpt.shards import FlatShard, PerRank, Shard
+from ckpt.transfer import TransferResult, TransferState, transfer
 from ckpt.verify import Problem, VerifyReport, inspect, verify
 
 __version__ = "0.1.0"
@@ -36,4 +37,5 @@ __all__ = [
     "LayoutError", "ManifestError", "ManifestIntegrityError", "MismatchError", "StateError", "StorageError",
     "Shard", "FlatShard", "PerRank", "Manifest", "VerifyReport", "Problem",
     "save", "load", "inspect", "verify", "async_save", "SaveHandle", "CheckpointManager",
+    "transfer", "TransferResult", "TransferState",
 ]

@@ -1,0 +1,167 @@
+"""Live resharding on CPU ranks: ``ckpt.transfer`` vs ``ckpt.save`` + ``ckpt.load`` through a
+temporary directory vs gathering full tensors on rank 0 and broadcasting them, medians of repeats.
+
+Two layouts, each on forked gloo ranks: ``same`` (every rank holds rows, wants columns) and
+``disjoint`` (the first half of the ranks hold rows, the second half want columns). Every method is
+checked bitwise once.
+
+    python -m bench transfer [--ranks 4] [--size-mb 256] [--tensors 8] [--repeats 3] [--dir DIR] [--json F]
+                             [--device cpu|cuda]
+
+``--device cuda``: one GPU per rank, an NCCL group (ckpt.transfer then sends over NCCL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ckpt
+from bench.common import fmt, gbps, markdown_table, median, print_table, timed_collective
+from bench.ranks import cuda_sync, fork_ranks, gloo_ranks
+
+
+def _cut(n: int, parts: int, i: int) -> tuple[int, int]:
+    return n * i // parts, n * (i + 1) // parts
+
+
+def _cpu_main(rank: int, world: int, *args: Any) -> None:
+    _rank_main(rank, world, torch.device("cpu"), *args)
+
+
+def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: list[tuple[int, int]], root: str,
+               repeats: int, out: str) -> None:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(s, generator=g).to(device) for s in shapes]
+    senders = list(range(world)) if mode == "same" else list(range(world // 2))
+    receivers = list(range(world)) if mode == "same" else list(range(world // 2, world))
+    src: dict[str, Any] | None = None
+    dst: dict[str, Any] | None = None
+    if rank in senders:
+        i, n = senders.index(rank), len(senders)
+        src = {f"w{k}": ckpt.Shard(t[slice(*_cut(t.shape[0], n, i))].clone(), tuple(t.shape),
+                                   (_cut(t.shape[0], n, i)[0], 0)) for k, t in enumerate(full)}
+    if rank in receivers:
+        i, n = receivers.index(rank), len(receivers)
+        dst = {f"w{k}": ckpt.Shard(torch.zeros(t.shape[0], _cut(t.shape[1], n, i)[1] - _cut(t.shape[1], n, i)[0],
+                                               device=device),
+                                   tuple(t.shape), (0, _cut(t.shape[1], n, i)[0])) for k, t in enumerate(full)}
+
+    def check(what: str) -> None:
+        if dst is not None:
+            for k, t in enumerate(full):
+                s = dst[f"w{k}"]
+                assert torch.equal(s.local, t[:, s.offsets[1]: s.offsets[1] + s.local.shape[1]]), what
+                s.local.zero_()
+
+    def via_disk(d: str) -> None:
+        ckpt.save(src or {}, d)
+        ckpt.load(dst or {}, d)
+
+    def gather_broadcast() -> None:
+        # rank 0 gathers every sender's rows (point to point), then broadcasts each full tensor
+        for k, t in enumerate(full):
+            whole = torch.empty(t.shape, device=device) if rank == 0 or dst is not None else None
+            if rank == 0:
+                assert whole is not None
+                for j, s in enumerate(senders):
+                    a, b = _cut(t.shape[0], len(senders), j)
+                    if s == 0:
+                        assert src is not None
+                        whole[a:b] = src[f"w{k}"].local
+                    else:
+                        dist.recv(whole[a:b], s)
+            elif src is not None:
+                dist.send(src[f"w{k}"].local, 0)
+            buf = whole if whole is not None else torch.empty(t.shape, device=device)
+            dist.broadcast(buf, 0)
+            if dst is not None:
+                s = dst[f"w{k}"]
+                s.local.copy_(buf[:, s.offsets[1]: s.offsets[1] + s.local.shape[1]])
+
+    def timed(fn: Any) -> float:
+        return timed_collective(lambda: (fn(), cuda_sync(device)))
+
+    times: dict[str, list[float]] = {"transfer": [], "save+load": [], "gather+broadcast": []}
+    stats: dict[str, Any] = {}
+    res: list[ckpt.TransferResult] = []
+    for r in range(repeats):
+        res.clear()
+        times["transfer"].append(timed(lambda: res.append(ckpt.transfer(src, dst))))
+        stats = {"bytes_sent": res[0].bytes_sent, "bytes_local": res[0].bytes_local, "buckets": res[0].buckets}
+        if r == 0:
+            check("transfer")
+        d = os.path.join(root, f"{mode}-{r}")
+        times["save+load"].append(timed(lambda d=d: via_disk(d)))
+        if r == 0:
+            check("save+load")
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+        times["gather+broadcast"].append(timed(gather_broadcast))
+        if r == 0:
+            check("gather+broadcast")
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"times": times, "transfer": stats}, f)
+
+
+def run(ranks: int, size_mb: float, n: int, repeats: int, root: str, device: str = "cpu") -> dict[str, Any]:
+    side = max(8, int((size_mb * 1e6 / 4 / n) ** 0.5))
+    shapes = [(side + 8 * (i % 3), side - 4 * (i % 2)) for i in range(n)]
+    nbytes = sum(a * b * 4 for a, b in shapes)
+    out: dict[str, Any] = {"bytes": nbytes, "ranks": ranks, "tensors": n, "repeats": repeats, "device": device}
+    for mode in ("same", "disjoint"):
+        path = os.path.join(root, f"{mode}.json")
+        if device == "cpu":
+            gloo_ranks(ranks, _cpu_main, mode, shapes, root, repeats, path)
+        elif fork_ranks(ranks, _rank_main, mode, shapes, root, repeats, path, device=device):
+            raise RuntimeError(f"a rank died in the {mode} run")
+        with open(path) as f:
+            out[mode] = json.load(f)
+    return out
+
+
+COLUMNS = ["layout", "method", "median s", "GB/s", "vs transfer"]
+
+
+def rows_for(res: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for mode in ("same", "disjoint"):
+        t = res[mode]["times"]
+        base = median(t["transfer"])
+        for method in ("transfer", "save+load", "gather+broadcast"):
+            m = median(t[method])
+            rows.append([mode, method, fmt(m, 3), fmt(gbps(res["bytes"], m)), fmt(m / base, 2) + "x"])
+    return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--size-mb", type=float, default=256.0)
+    p.add_argument("--tensors", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dir", default=None)
+    p.add_argument("--json", default=None)
+
+
+def main(args: argparse.Namespace) -> int:
+    root = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-transfer-")
+    os.makedirs(root, exist_ok=True)
+    res = run(args.ranks, args.size_mb, args.tensors, args.repeats, root, args.device)
+    title = f"{args.ranks} {args.device} ranks, {res['bytes'] / 1e6:.0f} MB rows -> columns"
+    print_table(title, COLUMNS, rows_for(res))
+    print("\n" + markdown_table(COLUMNS, rows_for(res)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0

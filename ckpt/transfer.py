@@ -1,0 +1,303 @@
+"""``ckpt.transfer``: move weights live from one running layout to another, without disk.
+
+The load planner's question (which held pieces overlap which wanted pieces) answered between
+running processes: senders declare what they hold as ``ckpt.save`` does, receivers what they want as
+``ckpt.load`` does, the coordinator plans (:mod:`ckpt.transfer_plan`, pure), and every rank runs its
+part (:mod:`ckpt.transfer_exec`): local copies, then rounds of point-to-point buckets.
+
+One transfer is one version. Receivers fill staging copies and copy them into the destination
+tensors only after every rank reported that every bucket arrived (and checked, with ``checksum``):
+the agreement runs over :class:`ckpt.comm.Comm` with its timeouts, exactly as a save commits. Any
+failure on any rank (an exception, a CRC mismatch, a rank that never answers) is raised on every rank
+as a typed error naming that rank, and no destination tensor changed (unless ``in_place=True``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from ckpt import stateful
+from ckpt import transfer_exec as ex
+from ckpt.comm import Comm, describe, raise_payload, side_group
+from ckpt.errors import CheckpointError, StateError
+from ckpt.planner import PieceDecl
+from ckpt.state import TensorItem, flatten_state
+from ckpt.transfer_plan import MIN_PART, Schedule, plan_transfer
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_WINDOW = 4
+DEFAULT_TIMEOUT_S = 600.0
+
+Rename = Callable[[str], "str | None"] | dict[str, str] | None
+
+
+@dataclass(slots=True)
+class TransferState:
+    """What a rank remembers between transfers for ``delta=True``: the last committed version, the
+    plan's structure fingerprint, and a hash of each of its source and destination pieces.
+
+    Pass the same object to every transfer of one stream of versions (one per rank)."""
+
+    version: int = 0
+    fingerprint: str | None = None
+    src_hashes: list[bytes] = field(default_factory=list)
+    dst_hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TransferResult:
+    """The outcome of one transfer. Byte counts are over all ranks except ``rank_*``."""
+
+    version: int
+    bytes_sent: int  # over the network
+    bytes_skipped: int  # not sent: unchanged since the previous version (delta)
+    bytes_local: int  # copied inside a rank that held what it wanted
+    buckets: int
+    rounds: int
+    seconds: float
+    rank_sent: int = 0  # this rank's bytes sent
+    rank_received: int = 0
+    state: TransferState | None = None
+
+
+_STALE: dict[Any, bool] = {}  # per group: the data group must be made anew (a data-phase failure closed it)
+
+
+def _rename_fn(rename: Rename) -> Callable[[str], str | None]:
+    if rename is None:
+        return lambda k: k
+    if isinstance(rename, dict):
+        table = dict(rename)
+        return lambda k: table.get(k, k)
+    if callable(rename):
+        return rename
+    raise StateError(f"rename must be a dict or a callable, got {type(rename).__name__}")
+
+
+def _tensors(state: Any, what: str) -> list[TensorItem]:
+    if state is None:
+        return []
+    if not isinstance(state, dict):
+        raise StateError(f"transfer {what} must be a dict of tensors (as ckpt.save / ckpt.load take) or None, got "
+                         f"{type(state).__name__}")
+    return [i for i in flatten_state(stateful.expand(state)) if isinstance(i, TensorItem)]
+
+
+def _hash(t: torch.Tensor) -> bytes:
+    """A 128-bit digest of a piece's bytes (delta: a change must not go unnoticed, so no 32-bit CRC)."""
+    host = t.detach().reshape(-1)
+    host = host.cpu() if host.device.type != "cpu" else host
+    data = host.contiguous().view(torch.uint8).numpy().data if host.numel() else memoryview(b"")
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _payload(e: BaseException, rank: int | None, primary: bool = True, timed_out: bool = False) -> dict[str, Any]:
+    """An exception for the other ranks: a CheckpointError keeps its class, anything else becomes a
+    CollectiveError; the message names the rank."""
+    kind = type(e).__name__ if isinstance(e, CheckpointError) else "CollectiveError"
+    msg = describe(e)
+    if rank is not None and not msg.startswith(f"rank {rank}:"):
+        msg = f"rank {rank}: {msg}"
+    return {"err": msg, "type": kind, "primary": primary, "timed_out": timed_out}
+
+
+def _pick(got: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The error every rank raises: a rank's own failure first, then a wait that ran out of time
+    (it names the slow rank), then any consequence seen elsewhere (a closed connection)."""
+    errs = [g for g in got if "err" in g]
+    if not errs:
+        return None
+    return min(errs, key=lambda g: (not g.get("primary", True), not g.get("timed_out", False)))
+
+
+def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: Any = None,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = DEFAULT_WINDOW,
+             timeout: float | None = DEFAULT_TIMEOUT_S, version: int | None = None, checksum: bool = False,
+             delta: bool = False, state: TransferState | None = None, rename: Rename = None, cast: bool = False,
+             strict: bool = True, in_place: bool = False, min_part: int = MIN_PART) -> TransferResult:
+    """Copy the tensors senders hold (``src``) into the tensors receivers want (``dst``), rank to rank.
+
+    Collective over ``group`` (default: the world; a single process works without one). ``src`` is
+    this rank's state in any form ``ckpt.save`` takes (tensors: replicated; ``ckpt.Shard``;
+    ``ckpt.FlatShard``, ZeRO-1 ranges; DTensors; nested dicts), or None on a rank that only
+    receives. ``dst`` is any form ``ckpt.load`` takes, filled in place, or None on a rank that only
+    sends. Senders and receivers may be the same ranks or disjoint. Objects (non-tensors) are ignored.
+
+    Each wanted element comes from exactly one holder; a rank that holds what it wants copies it
+    locally; replicas share the sending. Bytes travel in buckets of at most ``bucket_bytes``, at most
+    ``window`` sent and ``window`` received per rank at a time (memory: ``2 * window * bucket_bytes``
+    of buffers, plus a staging copy of each destination piece unless ``in_place``).
+
+    Args:
+        rename: source name -> destination name (a dict: unlisted names stay; a callable: None drops it).
+        cast: convert on receive when the destination dtype differs (else MismatchError).
+        strict: a wanted key nobody sends is a MismatchError (False: left as it is).
+        version: the version number of this transfer (default: the state's last + 1, else 1); every
+            rank that gives one must give the same.
+        checksum: CRC32 of every bucket, checked on receive (IntegrityError naming sender and tensor).
+        delta: send only pieces whose bytes changed since the previous transfer with ``state`` (same
+            structure); needs a ``state`` kept across calls (one is made and returned if None).
+        in_place: write received bytes straight into ``dst`` (no staging copy; a failure may leave
+            ``dst`` partly updated).
+        min_part: a replicated piece is split over its holders only in parts of at least this many bytes.
+
+    Raises (on every rank, the same error): StateError / MismatchError / LayoutError for bad
+    layouts (naming the tensor and rank); IntegrityError for a corrupted bucket; CollectiveError naming
+    the rank that failed (an exception of any other type) or did not answer within ``timeout``.
+    ``dst`` is unchanged whenever it raises (unless ``in_place``).
+
+    Example::
+
+        # ranks 0-1 train with rows split, ranks 2-3 serve with columns split
+        src = {"w": ckpt.Shard(w_rows, (1024, 1024), (rank * 512, 0))} if rank < 2 else None
+        dst = {"w": ckpt.Shard(w_cols, (1024, 1024), (0, (rank - 2) * 512))} if rank >= 2 else None
+        ckpt.transfer(src, dst)
+    """
+    t0 = time.perf_counter()
+    comm = Comm(group, timeout=timeout)
+    if delta and state is None:
+        state = TransferState()
+    err: dict[str, Any] | None = None
+    srcs: list[TensorItem] = []
+    dsts: list[TensorItem] = []
+    src_h: list[bytes] = []
+    dst_h: list[bytes] = []
+    wire: dict[str, Any] = {}
+    try:
+        if bucket_bytes < 64:
+            raise StateError(f"bucket_bytes must be at least 64, got {bucket_bytes}")
+        name = _rename_fn(rename)
+        for it in _tensors(src, "src"):
+            new = name(it.key)
+            if new is not None:
+                it.key = new
+                srcs.append(it)
+        dsts = _tensors(dst, "dst")
+        if delta:
+            src_h = [_hash(i.local) for i in srcs]
+            dst_h = [_hash(i.local) for i in dsts]
+        assert state is not None or not delta
+        wire = {"s": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in srcs],
+                "d": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in dsts],
+                "v": version, "last": state.version if state is not None else 0,
+                "fp": state.fingerprint if delta and state is not None else None,
+                "u": [i < len(state.src_hashes) and h == state.src_hashes[i] for i, h in enumerate(src_h)]
+                if state is not None else [],
+                "c": [j < len(state.dst_hashes) and h == state.dst_hashes[j] for j, h in enumerate(dst_h)]
+                if state is not None else [],
+                "nccl": any(i.local.device.type == "cuda" for i in srcs + dsts)}
+    except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
+        err = _payload(e, comm.who)
+
+    def reply(got: list[dict[str, Any]]) -> list[Any]:
+        bad = _pick(got)
+        if bad is not None:
+            return [bad] * comm.world
+        try:
+            return _plan_reply(got, comm, bucket_bytes=bucket_bytes, window=window, strict=strict, cast=cast,
+                               delta=delta, min_part=min_part, group=group)
+        except Exception as e:  # noqa: BLE001 - a plan error names its tensor and ranks itself
+            return [_payload(e, None)] * comm.world
+
+    mine = (reply([err or wire])[0] if comm.single
+            else comm.exchange(err or wire, reply, timeout=timeout, what="transfer planning"))
+    if "err" in mine:
+        raise_payload(mine)
+    ver = int(mine["version"])
+    sched = Schedule.from_wire(mine["sched"])
+    deadline = None if timeout is None else time.monotonic() + timeout
+    fail = ex.Failure()
+    staged: dict[int, torch.Tensor] = {}
+    targets: list[torch.Tensor] = [i.local for i in dsts]
+    try:
+        wanted = {c.dst for c in sched.local} | {c.dst for b in sched.recvs for c in b.copies}
+        for j in sorted(wanted):
+            t = dsts[j].local
+            if in_place and t.is_contiguous():
+                continue
+            # the staging copy starts as dst's own values when delta may skip some of its copies
+            staged[j] = t.detach().clone(memory_format=torch.contiguous_format) if delta else torch.empty(
+                t.shape, dtype=t.dtype, device=t.device)
+            targets[j] = staged[j]
+        transport = _transport(comm, group, mine, timeout) if mine["net"] else None
+        fail = ex.run_schedule(sched, [i.local for i in srcs], [i.region for i in srcs], targets,
+                               [i.region for i in dsts], transport, rank=comm.rank, checksum=checksum,
+                               deadline=deadline, timeout=timeout)
+    except Exception as e:  # noqa: BLE001
+        fail.add(e)
+    report: dict[str, Any] = {"ok": True} if fail.first is None else _payload(
+        fail.first, comm.who, primary=fail.primary is not None, timed_out=fail.timed_out)
+    if comm.single:
+        verdict = report
+    else:
+        def agree(got: list[dict[str, Any]]) -> list[Any]:
+            return [_pick(got) or {"ok": True}] * comm.world
+
+        verdict = comm.exchange(report, agree, timeout=timeout, what=f"transfer commit (version {ver})")
+    if "err" in verdict:
+        # A wait may have failed somewhere and closed the data group: every rank got this same
+        # verdict, so every rank makes a new one next time (its members must agree on that).
+        if mine["net"]:
+            _STALE[_key(comm, group)] = True
+        verdict = dict(verdict, err=f"transfer version {ver}: {verdict['err']}"
+                       + ("" if in_place else "; no destination tensor was changed"))
+        raise_payload(verdict, fail.first)
+    for j, t in staged.items():  # commit: every bucket of this version arrived and checked, on every rank
+        dsts[j].local.copy_(t)
+    if delta and state is not None:
+        state.fingerprint = mine["fp"]
+        state.src_hashes = src_h
+        state.dst_hashes = [_hash(dsts[j].local) if j in wanted else h for j, h in enumerate(dst_h)]
+    if state is not None:
+        state.version = ver
+    sent = sum(b.nbytes for b in sched.sends)
+    received = sum(b.nbytes for b in sched.recvs)
+    return TransferResult(ver, mine["sent"], mine["skipped"], mine["local"], mine["buckets"], mine["rounds"],
+                          time.perf_counter() - t0, sent, received, state)
+
+
+def _key(comm: Comm, group: Any) -> Any:
+    return id(group) if group is not None else ("world", comm.world)
+
+
+def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int, window: int, strict: bool,
+                cast: bool, delta: bool, min_part: int, group: Any) -> list[dict[str, Any]]:
+    """The coordinator's part: agree on the version, plan, and hand each rank its schedule."""
+    versions = {(r, g["v"]) for r, g in enumerate(got) if g["v"] is not None}
+    if len({v for _, v in versions}) > 1:
+        raise StateError(f"ranks give different transfer versions: {sorted(versions)}; pass the same version "
+                         "on every rank (or none)")
+    ver = next(iter(versions))[1] if versions else max(int(g["last"]) for g in got) + 1
+    srcs = [[PieceDecl.from_wire(p) for p in g["s"]] for g in got]
+    dsts = [[PieceDecl.from_wire(p) for p in g["d"]] for g in got]
+    fp = hashlib.blake2b(msgpack.packb([[g["s"], g["d"]] for g in got] + [min_part, cast],
+                                       use_bin_type=True), digest_size=16).hexdigest()
+    same = delta and all(g["fp"] == fp for g in got)
+    plan = plan_transfer(srcs, dsts, bucket_bytes=bucket_bytes, window=window, strict=strict, cast=cast,
+                         min_part=min_part, unchanged=[g["u"] for g in got] if same else None,
+                         clean=[g["c"] for g in got] if same else None)
+    nccl = any(g["nccl"] for g in got)
+    common = {"version": ver, "fp": fp, "net": plan.buckets > 0, "nccl": nccl, "sent": plan.bytes_sent,
+              "skipped": plan.bytes_skipped, "local": plan.bytes_local, "buckets": plan.buckets, "rounds": plan.rounds}
+    return [dict(common, sched=s.to_wire()) for s in plan.schedules]
+
+
+def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | None) -> ex.Transport:
+    """The data path every rank agreed on: NCCL P2P on the caller's group when it is an NCCL group and
+    some tensor is on a GPU, else ckpt's gloo side group of the same ranks (created on first use)."""
+    import torch.distributed as dist
+
+    g = comm.group
+    if mine["nccl"] and dist.get_backend(g) == "nccl":
+        return ex.NcclTransport(g)
+    ranks = dist.get_process_group_ranks(g)
+    key = _key(comm, group)
+    pg = side_group(ranks, "transfer-data", timeout=timeout, fresh=_STALE.pop(key, False))
+    return ex.GlooTransport(pg)
