@@ -21,10 +21,12 @@ Subcommands::
     scale       simulated planning for a DeepSeek-V3-sized MoE on 16,384 ranks, ckpt vs DCP
     scaling     real forked gloo ranks (8..64): save, async save, resharded load vs DCP; coordinator bytes
     sp          sequence parallelism (sp=1,2,4 gloo ranks): activation memory, step time, LASP-2H vs ring bytes
+    compression ckpt zstd (with / without byte planes) vs uncompressed and vs DCP _extensions=[ZStandard()]
     bytecheckpoint  ByteCheckpoint 0.0.2 vs ckpt vs DCP: 2 torchrun ranks, FSDP2 + AdamW on CPU (optional dep)
     xmoe        trainer MoE all-to-all bytes per step: X-MoE dedup dispatch vs per-expert (forked gloo ranks)
     trainer-gpu the trainer on N GPUs (NCCL) or CPU ranks: sp=1/2/4 and ep=4 (dedup / per-expert): tokens/s,
                 all-to-all bytes and time, peak memory vs sequence length, kill + resume bitwise (issue 20.3)
+    transfer    ckpt.transfer between running CPU ranks (same and disjoint ranks) vs save+load and gather+broadcast
     memtier-gpu the memory tier on N GPUs as 2 simulated nodes: --memory-every 1 slowdown at >= 8 GB per GPU,
                 node loss recovered from peer copies vs from storage, against H2D bandwidth (issue 20.2)
 """
@@ -37,6 +39,7 @@ import sys
 import bench.bytecheckpoint_bench as bytecheckpoint_bench
 from bench import (
     async_bench,
+    compression,
     crash,
     dcp_source,
     deepspeed_convert,
@@ -57,6 +60,7 @@ from bench import (
     scaling,
     seqpar,
     trainer_gpu,
+    transfer,
     xmoe,
 )
 
@@ -84,6 +88,8 @@ COMMANDS = {
     "xmoe": (xmoe, "trainer MoE all-to-all bytes per step, dedup vs per-expert dispatch, ep 2/4, top-k 2/4/8"),
     "trainer-gpu": (trainer_gpu, "trainer on N GPUs/CPU ranks: sp, ep=4 dispatch, longest sequence, kill + resume"),
     "memtier-gpu": (memtier_gpu, "memory tier on N GPUs as 2 nodes: --memory-every 1 cost, node loss vs storage"),
+    "compression": (compression, "zstd data files (planes or not): bytes on disk, save/load GB/s vs DCP ZStandard"),
+    "transfer": (transfer, "live resharding between CPU ranks: ckpt.transfer vs save+load vs gather+broadcast"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 

@@ -25,7 +25,16 @@ from ckpt import stateful
 from ckpt.comm import Comm, side_group
 from ckpt.errors import CheckpointError
 from ckpt.manifest import Manifest
-from ckpt.save import DEFAULT_TIMEOUT_S, PlanCache, Prepared, commit, persist_staged, prepare, staged_views
+from ckpt.save import (
+    DEFAULT_TIMEOUT_S,
+    PlanCache,
+    Prepared,
+    commit,
+    persist_staged,
+    prepare,
+    resolve_compression,
+    staged_views,
+)
 from ckpt.staging import Stager, StagingPool, check_cap
 from ckpt.storage import get_storage
 
@@ -109,13 +118,15 @@ class AsyncSaver:
              layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
              policy: str = "wait", on_commit: Callable[[Manifest], None] | None = None,
              data_format: str = "safetensors", on_error: Callable[[BaseException], None] | None = None,
-             max_staging_bytes: int | None = None, on_done: Callable[[], None] | None = None) -> SaveHandle:
+             max_staging_bytes: int | None = None, on_done: Callable[[], None] | None = None,
+             compression: Any = None) -> SaveHandle:
         """Start saving ``state`` to ``url``; see :func:`async_save`. Callbacks, on the background
         thread: ``on_commit`` (coordinator, after the commit), ``on_error`` (every rank, on failure),
         ``on_done`` (every rank, once the save is over, before ``done()`` returns)."""
         if policy not in ("wait", "skip"):
             raise ValueError(f"policy must be 'wait' or 'skip', got {policy!r}")
         check_cap(max_staging_bytes, data_format)
+        codec = resolve_compression(compression, data_format)  # ckpt.codec; as ckpt.save's
         prev = self.inflight
         comm = Comm(self.group)
         if prev is not None:
@@ -134,7 +145,8 @@ class AsyncSaver:
         commit_comm = _commit_comm(comm, self.timeout)
         t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
-                       layout=layout, cache=self.cache, timeout=self.timeout, data_format=data_format)
+                       layout=layout, cache=self.cache, timeout=self.timeout, data_format=data_format,
+                       compression=codec)
         prep.stats["plan"] = time.perf_counter() - t0
         handle = SaveHandle(url, step)
         pieces = [e.piece for e in prep.assignment.entries]
@@ -215,7 +227,7 @@ def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int 
                user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
                layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
                policy: str = "wait", data_format: str = "safetensors",
-               max_staging_bytes: int | None = None) -> SaveHandle:
+               max_staging_bytes: int | None = None, compression: Any = None) -> SaveHandle:
     """Save ``state`` to ``url`` in the background; returns a :class:`SaveHandle` quickly.
 
     Collective over ``group`` (the planning exchange runs on the calling thread). One save is in
@@ -226,7 +238,8 @@ def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int 
     Staging memory is allocated (and pinned, for GPU tensors) in the background, so the first call
     returns as fast as later ones. ``max_staging_bytes`` caps it: below the size of what this rank
     writes, data is staged and written through a ring of that many bytes, and ``staged()`` returns
-    when the last of it has been copied (at about the write speed).
+    when the last of it has been copied (at about the write speed). ``compression``: as for
+    :func:`ckpt.save` (``"zstd"``: compressed data files, ``ckpt.codec``).
     """
     with _DEFAULT_LOCK:
         saver = _DEFAULT.get(id(group))
@@ -235,4 +248,4 @@ def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int 
     with saver.lock:  # threads of one process: one starts its save at a time (the next waits for it)
         return saver.save(state, url, step=step, user_metadata=user_metadata, overwrite=overwrite, layout=layout,
                           storage_options=storage_options, policy=policy, data_format=data_format,
-                          max_staging_bytes=max_staging_bytes)
+                          max_staging_bytes=max_staging_bytes, compression=compression)

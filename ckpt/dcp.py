@@ -18,9 +18,10 @@ DCP does, after filling tensors in place.
 
 DCP's objects: its ``FileSystemWriter`` / ``FileSystemReader`` / ``FsspecWriter`` / ``FsspecReader``
 give the location (and ``overwrite``), its ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` are the
-default behaviour (``allow_partial_load`` honoured); custom planners or storage classes, stagers
-and ``_extensions`` (compression) are refused with ``UnsupportedDCPObjectError`` (see
-:mod:`ckpt.dcp_compat`). The legacy ``save_state_dict`` / ``load_state_dict`` are here, and DCP's
+default behaviour (``allow_partial_load`` honoured); custom planners or storage classes and
+stagers are refused with ``UnsupportedDCPObjectError``; ``_extensions=[ZStandard()]`` saves with
+ckpt's own zstd compression, other ``_extensions`` are refused (see :mod:`ckpt.dcp_compat`). The
+legacy ``save_state_dict`` / ``load_state_dict`` are here, and DCP's
 other public names (``Metadata``, ``FileSystemWriter``, ``DefaultSavePlanner``, its submodules, ...)
 are re-exported from ``torch.distributed.checkpoint`` so ``from ckpt.dcp import X`` works as before.
 
@@ -65,7 +66,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     """
     t = save_target(checkpoint_id, storage_writer, planner)
     return _save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
-                 storage_options=t.storage_options)
+                 storage_options=t.storage_options, compression=t.compression)
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
@@ -122,7 +123,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     """
     t = save_target(checkpoint_id, storage_writer, planner, async_stager)
     h = _async_save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
-                    storage_options=t.storage_options)
+                    storage_options=t.storage_options, compression=t.compression)
     h.staged()
     return _Future(h)
 

@@ -11,8 +11,10 @@ so it takes from DCP's objects exactly what it can honour and refuses the rest, 
   ``sync_files`` and ``serialization_format`` are tuning and on-disk choices of DCP's own format:
   ckpt writes one safetensors file per writing rank with its own threads, and always makes the
   commit durable (fsync), so it never writes less safely than asked.
-* ``_extensions`` (stream transforms such as ``ZStandard``): refused unless empty
-  (:class:`UnsupportedCompressionError`): ckpt does not compress yet.
+* ``_extensions``: ``[ZStandard()]`` (DCP's zstd stream transform) becomes ckpt's own compression,
+  ``compression="zstd"`` (:mod:`ckpt.codec`: per-piece zstd frames with byte planes, recorded in
+  the manifest, read back by any ckpt load); any other transform is refused
+  (:class:`UnsupportedCompressionError`).
 * ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` (exactly those classes): the default behaviour
   they are; ``DefaultLoadPlanner(allow_partial_load=True)`` loads what the checkpoint has and
   leaves the other keys as they are (ckpt's ``strict=False``).
@@ -39,8 +41,8 @@ class UnsupportedDCPObjectError(StateError):
 
 
 class UnsupportedCompressionError(UnsupportedDCPObjectError):
-    """A DCP writer asks for stream transforms (``_extensions``, e.g. ``ZStandard``): ckpt does not
-    compress checkpoints yet."""
+    """A DCP writer asks for a stream transform (``_extensions``) other than ``ZStandard``, which
+    ckpt maps onto its own compression; the others ckpt cannot honour."""
 
 
 _INSTEAD = ("pass the location as checkpoint_id=<path or URL> (ckpt.save/ckpt.load take storage_options), "
@@ -55,6 +57,7 @@ class Target:
     storage_options: dict[str, Any] = field(default_factory=dict)
     overwrite: bool = True  # DCP's save replaces what is there unless its writer says overwrite=False
     strict: bool = True  # load: every requested key must be in the checkpoint
+    compression: str | None = None  # save: "zstd" for DCP's _extensions=[ZStandard()] (ckpt.codec)
 
 
 def _dcp_classes() -> dict[str, tuple[type, ...]]:
@@ -109,14 +112,27 @@ def save_target(checkpoint_id: str | os.PathLike[str] | None, storage_writer: An
             raise _refuse("storage_writer", storage_writer, "is a storage writer ckpt cannot run (ckpt writes its "
                           "own format through its own storage backends)")
         exts = tuple(getattr(getattr(storage_writer, "transforms", None), "extensions", ()) or ())
-        if exts:
-            names = ", ".join(type(e).__name__ for e in exts)
-            raise UnsupportedCompressionError(
-                f"ckpt.dcp: storage_writer has _extensions=[{names}]: ckpt does not support compression or other "
-                "stream transforms yet; drop _extensions (ckpt's checkpoints are uncompressed safetensors)")
+        compression = _compression(exts)
+    else:
+        compression = None
     url, opts = _location(checkpoint_id, storage_writer, is_fsspec)
     overwrite = bool(getattr(storage_writer, "overwrite", True)) if storage_writer is not None else True
-    return Target(url, opts, overwrite=overwrite)
+    return Target(url, opts, overwrite=overwrite, compression=compression)
+
+
+def _compression(exts: tuple[Any, ...]) -> str | None:
+    """ckpt's ``compression`` for a DCP writer's ``_extensions``: none, or exactly DCP's ``ZStandard``
+    (once): ``"zstd"``. Anything else: UnsupportedCompressionError naming it."""
+    if not exts:
+        return None
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    if len(exts) == 1 and type(exts[0]) is ZStandard:
+        return "zstd"
+    names = ", ".join(type(e).__name__ for e in exts)
+    raise UnsupportedCompressionError(
+        f"ckpt.dcp: storage_writer has _extensions=[{names}]: ckpt maps only [ZStandard()] (onto its own zstd "
+        "compression) and cannot run other stream transforms; use _extensions=[ZStandard()] or drop _extensions")
 
 
 def load_target(checkpoint_id: str | os.PathLike[str] | None, storage_reader: Any, planner: Any) -> Target:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ckpt.checksum import crc32
+from ckpt.codec import Codec, FileCodec, FrameWriter, StorageFault, decoding
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StorageError
 from ckpt.planner import ReadOp, ReadPlan, SegmentCopy, StridedCopy, WriteAssignment
@@ -120,6 +121,47 @@ def write_assignment(storage: Storage, a: WriteAssignment, sources: list[torch.T
         if own_pool:
             ex.shutdown(wait=True)
     return size, sums
+
+
+def write_compressed(storage: Storage, a: WriteAssignment, sources: list[torch.Tensor], codec: Codec,
+                     pool: ThreadPoolExecutor | None = None,
+                     wait_piece: Callable[[int], None] | None = None,
+                     segments: Callable[[int], Iterator[memoryview]] | None = None) -> tuple[int, list[int], FileCodec]:
+    """:func:`write_assignment` for a compressed data file (``ckpt.codec``): each entry's bytes go
+    out as zstd frames (no safetensors header: the file is the frames back to back), the CRC-32 of
+    each entry's RAW bytes computed in the same pass. Returns ``(stored size, raw checksums in entry
+    order, the file's codec record)``. Raises StorageError; on failure the partial file is removed."""
+    assert a.file is not None
+    w = storage.open_writer(a.file)
+    own_pool = pool is None
+    ex = pool or ThreadPoolExecutor(max_workers=max(1, min(4, cpus_per_rank())), thread_name_prefix="ckpt-zstd")
+    fw = FrameWriter(codec, w.write, ex)
+    sums: list[int] = []
+    try:
+        for e in a.entries:
+            if wait_piece is not None:
+                wait_piece(e.piece)
+            planes = codec.planes_for(sources[e.piece].element_size())
+            if segments is None:
+                mv, owner = host_bytes(entry_source(sources[e.piece], e.start, e.count))
+                parts: Iterator[memoryview] = iter((mv,))
+            else:
+                parts, owner = segments(e.piece), None
+            try:
+                sums.append(fw.piece(e.offset, e.length, parts, planes))
+            except StorageFault as err:
+                raise StorageError(f"{a.file}: piece {e.key!r}: {err}") from None
+            del owner
+        fc = fw.finish(max([len(a.header)] + [e.offset + e.length for e in a.entries]))
+        size = w.close()
+    except BaseException:
+        fw.cancel()
+        w.abort()
+        raise
+    finally:
+        if own_pool:
+            ex.shutdown(wait=True)
+    return size, sums, fc
 
 
 class _Buffers(threading.local):
@@ -235,6 +277,7 @@ def run_read_plan(storage: Storage, plan: ReadPlan, targets: list[torch.Tensor],
     memory map of the op's span, so that the only copy is the one from the page cache into the
     target (no read call per run, no buffer; plan with :func:`read_gap`).
     """
+    storage = decoding(storage, plan.files)  # compressed files: raw bytes from their frames (ckpt.codec)
     local = _Buffers()
     tdt = [dtype_from_name(d) for d in dtypes]
     isz = [torch.empty((), dtype=d).element_size() for d in tdt]
@@ -297,6 +340,7 @@ def _segments(buf: torch.Tensor, c: SegmentCopy, t: torch.Tensor, isz: int) -> N
 
 def crc_of_range(storage: Storage, path: str, offset: int, length: int) -> int:
     """CRC32 of bytes ``[offset, offset + length)`` of ``path``, read in bounded chunks."""
+    storage = decoding(storage, (path,))
     crc = 0
     buf = bytearray(min(length, CHUNK))
     pos = 0
@@ -375,19 +419,20 @@ class ScratchReader:
     def run(self, plan: ReadPlan, targets: list[torch.Tensor], dtypes: list[str]) -> None:
         """Fill ``targets`` by executing ``plan`` (sequentially, in plan order)."""
         isz = [torch.empty((), dtype=dtype_from_name(d)).element_size() for d in dtypes]
+        storage = decoding(self.storage, plan.files)  # compressed files: raw bytes from their frames
         for op in plan.ops:
             if op.direct is not None:
                 ti, off = op.direct
                 dst = byte_view(targets[ti])
                 for fo, n in op.ranges:
-                    self.storage.read_into(op.file, fo, dst[off + fo - op.start : off + fo - op.start + n])
+                    storage.read_into(op.file, fo, dst[off + fo - op.start : off + fo - op.start + n])
                 continue
             if self.buf.numel() < op.length:
                 self.buf = torch.empty(op.length, dtype=torch.uint8)
             buf = self.buf[: op.length]
             mv = byte_view(buf)
             for fo, n in op.ranges:
-                self.storage.read_into(op.file, fo, mv[fo - op.start : fo - op.start + n])
+                storage.read_into(op.file, fo, mv[fo - op.start : fo - op.start + n])
             for c in op.copies:
                 t = targets[c.target]
                 if isinstance(c, StridedCopy):

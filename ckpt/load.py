@@ -10,6 +10,7 @@ import torch
 
 from ckpt import stateful
 from ckpt.checksum import crc32
+from ckpt.codec import data_storage
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.device_load import load_into_device
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError
@@ -135,13 +136,15 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
             manifest = fetch_manifest(storage, comm, manifest_read=manifest_read, timeout=timeout, failure=failure)
             assert storage is not None
             t_manifest = time.perf_counter() - t0
-            gap = max_gap if max_gap is not None else read_gap(storage)
             if workers is None:
                 workers = default_workers(storage, comm.world)
             phases: dict[str, Any] = {"manifest": t_manifest}
             # Stateful values (DCP's protocol) are asked through state_dict() and restored in place
             request = stateful.expand(state)
-            out = _load(manifest, storage, request, comm.rank, strict, workers, max_read, verify, gap, phases)
+            # compressed data files are read through their frames (ckpt.codec), every other file as is
+            reader = data_storage(storage, manifest)
+            gap = max_gap if max_gap is not None else read_gap(reader)
+            out = _load(manifest, reader, request, comm.rank, strict, workers, max_read, verify, gap, phases)
             stateful.restore(state, out)
             if stats is not None:
                 stats.update(phases)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ckpt.codec import FileCodec
 from ckpt.columns import ShardColumns, ShardEntry
 from ckpt.dtypes import dtype_from_name, itemsize
 from ckpt.errors import FormatVersionError, ManifestError
@@ -20,6 +21,10 @@ from ckpt.shards import Box, Flat, Region
 
 FORMAT_NAME = "ckpt"
 FORMAT_VERSION = (2, 0)
+# Written when a data file is compressed (ckpt.codec): its ``files`` entry gets a third element,
+# the codec record, which a 2.0 reader refuses ("files is not a list of [path, size]") instead of
+# reading compressed bytes as raw ones.
+CODEC_VERSION = (2, 1)
 READABLE_MAJORS = (1, 2)  # format 1: shards as maps, no manifest checksum (still read)
 MANIFEST_NAME = "manifest.msgpack"
 DATA_DIR = "data"
@@ -158,6 +163,8 @@ class Manifest:
     version: tuple[int, int] = FORMAT_VERSION
     stats: dict[str, Any] | None = None
     data_format: str = "safetensors"  # or "zarr" (docs/FORMAT.md)
+    # compressed data files (ckpt.codec): path -> codec record; ``files`` keeps their stored sizes
+    codecs: dict[str, FileCodec] = field(default_factory=dict)
     partial: bool = False  # not stored: a non-coordinator rank's view of a save (its own pieces only)
     # not stored: where the manifest came from: "ckpt", or a foreign format read in place ("dcp",
     # "deepspeed"; ckpt.formats.sources), whose shards carry no checksums
@@ -190,7 +197,8 @@ class Manifest:
             "layout": self.layout,
             "tensors": tensors,
             "objects": {k: o.to_dict() for k, o in self.objects.items()},
-            "files": [[p, self.files[p]] for p in files],
+            "files": [[p, self.files[p], self.codecs[p].to_wire()] if p in self.codecs else [p, self.files[p]]
+                      for p in files],
             "user": self.user_metadata,
         }
         if self.stats is not None:
@@ -214,15 +222,18 @@ class Manifest:
             version = parse_version(d.get("version"))
             if version[0] >= 2:
                 raise ManifestError(f"manifest: a format {version[0]} manifest without its checksum envelope")
+        codec_raw: dict[Any, Any] = {}
         if version[0] == 1:
             files_raw = _get(d, "files", dict, "manifest")
             pairs: list[tuple[Any, Any]] = [(p, f.get("size") if isinstance(f, dict) else None)
                                             for p, f in files_raw.items()]
         else:
             files_raw = _get(d, "files", list, "manifest")
-            if not all(isinstance(f, list) and len(f) == 2 for f in files_raw):
-                raise ManifestError("manifest: files is not a list of [path, size]")
+            if not all(isinstance(f, list) and (len(f) == 2 or (len(f) == 3 and version >= CODEC_VERSION))
+                       for f in files_raw):
+                raise ManifestError("manifest: files is not a list of [path, size] (or [path, size, codec] from 2.1)")
             pairs = [(f[0], f[1]) for f in files_raw]
+            codec_raw = {f[0]: f[2] for f in files_raw if len(f) == 3}
         files: dict[str, int] = {}
         size: Any
         for p, size in pairs:
@@ -232,14 +243,21 @@ class Manifest:
             if p in files:
                 raise ManifestError(f"file {p!r}: listed twice in the manifest's files")
             files[p] = size
+        codecs: dict[str, FileCodec] = {}
+        for p, w in codec_raw.items():
+            codecs[p] = FileCodec.from_wire(w, p, files[p])
         file_list = list(files)
-        sizes = np.array([files[p] for p in file_list], dtype=np.int64)
+        # shard offsets and lengths are positions in a file's raw layout: a compressed file's raw size bounds them
+        sizes = np.array([codecs[p].raw_size if p in codecs else files[p] for p in file_list], dtype=np.int64)
         tensors: dict[str, TensorEntry] = {}
+        file_index = {f: i for i, f in enumerate(file_list)}
         for key, t in _get(d, "tensors", dict, "manifest").items():
             if version[0] == 1:
                 tensors[_key(key)] = _tensor_from_dict(key, t, files)
             else:
                 tensors[_key(key)] = _tensor_from_columns(key, t, file_list, sizes)
+                if codecs:
+                    _check_frames(key, tensors[key], file_list, file_index, codecs)
         objects: dict[str, ObjectEntry] = {}
         for key, o in _get(d, "objects", dict, "manifest").items():
             objects[_key(key)] = _object_from_dict(key, o)
@@ -269,7 +287,7 @@ class Manifest:
             tensors=tensors, objects=objects, files=files, step=step, created=float(created),
             world_size=world_size, layout=layout, user_metadata=user, hash_algorithm=hash_alg,
             version=version, stats=stats if isinstance(stats, dict) else None,
-            data_format=data_format, _file_list=file_list,
+            data_format=data_format, codecs=codecs, _file_list=file_list,
         )
 
 
@@ -381,6 +399,17 @@ def _tensor_from_columns(key: str, t: Any, files: list[str], sizes: np.ndarray) 
     what, dtype, size, shape = _tensor_head(key, t)
     cols = ShardColumns.from_wire(_get(t, "shards", dict, what), shape, size, files, sizes, what)
     return TensorEntry(dtype, shape, columns=cols)
+
+
+def _check_frames(key: str, t: TensorEntry, files: list[str], file_index: dict[str, int],
+                  codecs: dict[str, FileCodec]) -> None:
+    """Every shard stored in a compressed file lies inside that file's frames (``FileCodec.check_covers``)."""
+    cols = t.columns(files, file_index)
+    for i in np.unique(cols.file).tolist():
+        path = files[i]
+        if path in codecs:
+            mine = cols.file == i
+            codecs[path].check_covers(key, cols.offset[mine], cols.length[mine], path)
 
 
 def _object_from_dict(key: str, o: Any) -> ObjectEntry:

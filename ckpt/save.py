@@ -26,11 +26,13 @@ import torch
 from ckpt import aliases as tied
 from ckpt import stateful, transaction
 from ckpt.checksum import crc32
+from ckpt.codec import Codec, FileCodec
+from ckpt.codec import resolve as resolve_codec
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.errors import CollectiveError, StateError
 from ckpt.formats import zarr_layout
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest, encode_object
-from ckpt.io import entry_source, write_assignment
+from ckpt.io import entry_source, write_assignment, write_compressed
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.planner import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
 from ckpt.regions import sub_region
@@ -118,7 +120,7 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
          user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
          layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
          timeout: float | None = DEFAULT_TIMEOUT_S, data_format: str = "safetensors",
-         stats: dict[str, float] | None = None) -> Manifest:
+         stats: dict[str, float] | None = None, compression: str | Codec | None = None) -> Manifest:
     """Save ``state`` to ``url`` as one committed checkpoint; collective over ``group`` when distributed.
 
     ``state`` is a nested dict of tensors (replicated: written once), ``ckpt.Shard``,
@@ -130,6 +132,10 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
 
     ``data_format="zarr"`` writes each tensor as a zarr v3 array (one chunk per shard; needs a
     uniform shard grid) instead of one safetensors file per rank; see :mod:`ckpt.formats.zarr_layout`.
+
+    ``compression="zstd"`` (or a :class:`ckpt.codec.Codec`) stores each data file as zstd frames,
+    byte planes split first (docs/FORMAT.md "Compressed data files"; needs ``pip install
+    'ckpt[zstd]'``, else ImportError); loading needs nothing more. Default: uncompressed safetensors.
 
     ``stats``, when given, receives this rank's figures: durations in seconds (``plan``, ``stage``,
     ``persist``, ``commit``), ``bytes`` (data written) and ``sent``/``received`` (metadata bytes).
@@ -145,6 +151,7 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
 
         ckpt.save({"model": model.state_dict(), "step": 10}, "/ckpts/step-10")
     """
+    codec = resolve_compression(compression, data_format)
     comm = Comm(group, timeout=timeout)
     state = stateful.expand(state)
     storage = get_storage(url, **(storage_options or {}))
@@ -152,7 +159,7 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
     try:
         t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
-                       layout=layout, cache=cache, timeout=timeout, data_format=data_format)
+                       layout=layout, cache=cache, timeout=timeout, data_format=data_format, compression=codec)
         prep.stats["plan"] = time.perf_counter() - t0
         prep.stats["stage"] = 0.0  # synchronous: written straight from the caller's tensors
         t1 = time.perf_counter()
@@ -191,12 +198,23 @@ class Prepared:
     aliases: dict[str, str] = field(default_factory=dict)  # tied keys stored as their target's shards
     cached: bool = False
     stats: dict[str, float] = field(default_factory=dict)
+    compression: Codec | None = None  # this rank's data file codec (ckpt.codec); None: safetensors
+
+
+def resolve_compression(compression: Any, data_format: str) -> Codec | None:
+    """``save``'s ``compression`` argument as a Codec (None: uncompressed); StateError for zarr
+    (its chunks are read by zarr itself), ImportError when zstandard is missing."""
+    codec = resolve_codec(compression)
+    if codec is not None and data_format != "safetensors":
+        raise StateError(f"compression={compression!r} applies to data_format='safetensors' only, not {data_format!r}")
+    return codec
 
 
 def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | None = None,
             user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
             layout: dict[str, Any] | None = None, cache: PlanCache | None = None,
-            timeout: float | None = DEFAULT_TIMEOUT_S, data_format: str = "safetensors") -> Prepared:
+            timeout: float | None = DEFAULT_TIMEOUT_S, data_format: str = "safetensors",
+            compression: Codec | None = None) -> Prepared:
     """Phases 1-2: local declaration; global plan on the coordinator (skipped when cached).
 
     Raises the same error on every rank when any rank's state is bad or the plan is invalid.
@@ -221,7 +239,7 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
         except Exception as e:  # noqa: BLE001
             err = error_payload(e, None)
     common = dict(decl=decl, fingerprint=fp, previous=previous, step=step, user_metadata=user_metadata,
-                  layout=layout, overwrite=overwrite, data_format=data_format)
+                  layout=layout, overwrite=overwrite, data_format=data_format, compression=compression)
     # zarr chunk names are fixed by zarr; each save gets a fresh tree chosen by the coordinator, so
     # zarr saves always plan (no cached plan to skip the exchange).
     if (err is None and cache is not None and cache.fingerprint == fp and cache.assignment is not None
@@ -311,6 +329,13 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
             return {"ok": {**base, "file": None,
                            "chunks": [list(by_shard.get((e.key, e.shard), ("", 0, 0))) for e in a.entries]}}
         name = fresh_file_name(a)
+        if prep.compression is not None:  # the frames of ckpt.codec: no safetensors header, a name saying so
+            name = name.removesuffix(".safetensors") + ".zst"
+            size, sums, fc = write_compressed(storage, WriteAssignment(name, a.header, a.entries), sources,
+                                              prep.compression, wait_piece=wait_piece, segments=segments)
+            out = persisted(prep, name, size, sums)
+            out["ok"]["codec"] = fc.to_wire()
+            return out
         size, sums = write_assignment(storage, WriteAssignment(name, a.header, a.entries), sources,
                                       wait_piece=wait_piece, segments=segments)
         return persisted(prep, name, size, sums)
@@ -454,6 +479,7 @@ def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manife
     tensors = {k: TensorEntry(t.dtype, t.shape, [ShardEntry(s.region, s.file, s.offset, s.length)
                                                   for s in t.shards]) for k, t in sk.tensors.items()}
     files: dict[str, int] = {}
+    codecs: dict[str, FileCodec] = {}
     for r, a in zip(results, plan.assignments, strict=True):
         ok = r["ok"]
         if a.file is None:
@@ -468,6 +494,8 @@ def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manife
                 files[path] = size
             continue
         files[ok["file"]] = ok["size"]
+        if "codec" in ok:  # validated like any manifest's: the coordinator never commits a table it could not read
+            codecs[ok["file"]] = FileCodec.from_wire(ok["codec"], ok["file"], ok["size"])
         for ent, crc in zip(a.entries, ok["sums"], strict=True):
             s = tensors[ent.key].shards[ent.shard]
             s.file, s.checksum = ok["file"], crc
@@ -488,7 +516,8 @@ def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manife
     for key in sorted(per_rank):
         objects[key] = ObjectEntry(per_rank=per_rank[key])
     return Manifest(tensors=tensors, objects=objects, files=files, step=prep.step, world_size=len(results),
-                    layout=prep.layout, user_metadata=dict(prep.user_metadata or {}), data_format=prep.data_format)
+                    layout=prep.layout, user_metadata=dict(prep.user_metadata or {}), data_format=prep.data_format,
+                    codecs=codecs)
 
 
 def merge_globals(per_rank: list[dict[str, bytes]]) -> dict[str, bytes]:
@@ -547,7 +576,8 @@ def _partial_manifest(prep: Prepared, result: dict[str, Any], status: dict[str, 
     for c in ok.get("chunks", []):
         if c[0]:
             files[c[0]] = c[1]
-    m = Manifest(tensors=tensors, files=files,
+    codecs = {ok["file"]: FileCodec.from_wire(ok["codec"], ok["file"], ok["size"])} if "codec" in ok else {}
+    m = Manifest(tensors=tensors, files=files, codecs=codecs,
                  step=status["step"], created=status["created"], world_size=status["world_size"],
                  layout=prep.layout, user_metadata=dict(prep.user_metadata or {}))
     m.partial = True

@@ -46,7 +46,7 @@ from ckpt.storage import Storage
 
 ZARR_AREA = re.compile(r"^zarr(-[0-9a-f]{6,32})?$")
 # Names only our writers give data files (``planner.data_file_name`` and the fresh names of saves).
-OUR_DATA_FILE = re.compile(r"^data/\d{5}-[0-9a-f]{12}\.safetensors$")
+OUR_DATA_FILE = re.compile(r"^data/\d{5}-[0-9a-f]{12}\.(safetensors|zst)$")  # .zst: compressed (ckpt.codec)
 # Scaffolding of our writers: reshard markers (``<plan id>-<rank>[-<writer token>].done``), the
 # manager's lease, temp names of atomic commits.
 OUR_SCAFFOLD = re.compile(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.checksum import crc32
+from ckpt.codec import data_storage
 from ckpt.errors import CheckpointError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
 from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, parse_header
@@ -122,7 +123,9 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool,
             report.problems.append(Problem("size", f"{path}: {actual} bytes on storage, manifest records {size} "
                                            "(truncated or overwritten)", file=path))
             continue
-        if not path.endswith(".safetensors"):  # zarr chunks and metadata: raw bytes, sizes checked
+        if path in m.codecs or not path.endswith(".safetensors"):
+            # zarr chunks and metadata: raw bytes, sizes checked; compressed files (ckpt.codec): frames,
+            # checked through their stored CRCs and the shards' raw ones (deep)
             good_files.add(path)
             continue
         try:
@@ -139,6 +142,8 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool,
             good_files.add(path)
         except CheckpointError as e:
             report.problems.append(Problem("header", str(e), file=path))
+    # shard checksums are of raw bytes: compressed files are read through their frames (ckpt.codec)
+    storage = data_storage(storage, m)
     names_at: dict[tuple[str, int, int], list[str]] = {}  # built on the first shard not named after itself
     to_hash = sum(s.length for t in m.tensors.values() for s in t.shards if s.file in good_files) if deep else 0
     for key, t in m.tensors.items():

@@ -15,7 +15,7 @@ import numpy as np
 
 from ckpt.checksum import crc32
 from ckpt.errors import ManifestError, ManifestIntegrityError, StateError
-from ckpt.manifest import FORMAT_NAME, HASH_ALGORITHM, Manifest, parse_version
+from ckpt.manifest import CODEC_VERSION, FORMAT_NAME, HASH_ALGORITHM, Manifest, parse_version
 
 _EXT_NUMPY_SCALAR = 1
 _EXT_TUPLE = 2
@@ -30,7 +30,9 @@ def encode_manifest(manifest: Manifest) -> bytes:
     so a flipped byte anywhere in the manifest is caught when it is decoded.
     """
     body = msgpack.packb(manifest.to_dict(), use_bin_type=True)
-    return msgpack.packb({"format": FORMAT_NAME, "version": list(manifest.version), "hash": HASH_ALGORITHM,
+    # compressed data files need a 2.1 reader (ckpt.manifest.CODEC_VERSION); everything else stays 2.0
+    version = max(manifest.version, CODEC_VERSION) if manifest.codecs else manifest.version
+    return msgpack.packb({"format": FORMAT_NAME, "version": list(version), "hash": HASH_ALGORITHM,
                           "checksum": crc32(body), "body": body}, use_bin_type=True)
 
 

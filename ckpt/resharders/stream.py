@@ -46,6 +46,7 @@ from typing import Any, cast
 import torch
 
 from ckpt.checksum import crc32
+from ckpt.codec import data_storage
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import IntegrityError, MismatchError
 from ckpt.io import ScratchReader, byte_view, run_read_plan
@@ -432,6 +433,7 @@ def copy_files(src: Storage, manifest: Manifest, dst: Storage, files: Sequence[O
     cover an item).
     """
     written = written if written is not None else WrittenSet()
+    src = data_storage(src, manifest)  # compressed data files (ckpt.codec) read as their raw bytes, checks included
     job = _Copy(src, manifest, dst, files, checksums=checksums, progress=progress, file_done=file_done,
                 written=written)
     reader_storage: Storage = src
