@@ -35,10 +35,11 @@ import torch
 
 from ckpt.checksum import crc32, crc32_combine
 from ckpt.dtypes import dtype_from_name
-from ckpt.errors import CheckpointError, IntegrityError
+from ckpt.errors import CheckpointError, IntegrityError, UnsafePathError
 from ckpt.io import byte_view, cpus_per_rank
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.shards import Box
+from ckpt.tier import safefs
 from ckpt.tier.store import read_manifest
 
 CHUNK = 4 << 20  # bytes read and checksummed at a time: stays in cache between the read and the CRC
@@ -112,7 +113,7 @@ def load_pieces(pieces: list[_Piece], *, workers: int | None = None,
     try:
         for p in pieces:
             if p.file not in fds:
-                fds[p.file] = fd = os.open(p.file, os.O_RDONLY)
+                fds[p.file] = fd = safefs.open_file(p.file)  # never a link, FIFO (it would block) or device
                 st = os.fstat(fd)
                 m = (mapped or {}).get((st.st_dev, st.st_ino))
                 if m is not None and m.numel() == st.st_size:
@@ -120,6 +121,8 @@ def load_pieces(pieces: list[_Piece], *, workers: int | None = None,
     except OSError as e:
         for fd in fds.values():
             os.close(fd)
+        if isinstance(e, UnsafePathError):
+            raise
         raise IntegrityError(f"{e.filename}: cannot open ({e.strerror}); the memory checkpoint is damaged") from e
     chunks: list[tuple[int, int, int]] = []  # (piece, start, length), each piece's in order
     for i, p in enumerate(pieces):

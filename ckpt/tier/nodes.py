@@ -3,7 +3,9 @@
 Pure functions (no process group, no I/O) except :func:`node_identity`, which reads the
 environment. Layout on each node (``base`` defaults to ``/dev/shm``, or ``CKPT_SHM_DIR``)::
 
+    <base>/ckpt-<run_id>/                               mode 0700, this user's (see ckpt.tier.safefs)
     <base>/ckpt-<run_id>/tier.json                      who wrote this tier (for ``ckpt ls``)
+    <base>/ckpt-<run_id>/.lock, .lock-<i>               one job per run id (see ckpt.tier.runlock)
     <base>/ckpt-<run_id>/node-<n>/rank-<r>/step-<S>/    rank r's own memory checkpoint of step S
     <base>/ckpt-<run_id>/node-<n>/replicas/rank-<o>/step-<S>/   a copy of rank o's, held for it
 

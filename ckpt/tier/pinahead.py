@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from ckpt.manifest import MANIFEST_NAME
+from ckpt.tier import safefs
 from ckpt.tier.slots import SlotPool
 
 
@@ -36,13 +37,12 @@ class PinAhead:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.stats: dict[str, Any] = {"step": None, "bytes": 0, "pinned": self.pin, "ms": 0.0, "wait_ms": 0.0}
-        committed = [(s, p) for s, p in steps if os.path.isfile(os.path.join(p, MANIFEST_NAME))]
+        committed = [(s, p) for s, p in steps if safefs.regular(os.path.join(p, MANIFEST_NAME)) is not None]
         self._files: list[str] = []
         if committed:
             step, path = committed[-1]
             self.stats["step"] = step
-            self._files = [os.path.join(d, n) for d, _dirs, names in os.walk(path) for n in names
-                           if n != MANIFEST_NAME]
+            self._files = [f for f in safefs.walk_files(path) if os.path.basename(f) != MANIFEST_NAME]
         self._pool = pool
         self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-memory-tier-pin-ahead")
         self._thread.start()

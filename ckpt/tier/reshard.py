@@ -16,9 +16,7 @@ multi-host layout change restores from storage).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -30,6 +28,7 @@ from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.shards import Box, Flat, Region
 from ckpt.storage.local import LocalStorage
+from ckpt.tier import safefs
 from ckpt.tier.nodes import NODE_DIR, RANK_DIR, STEP_DIR, tier_dir
 from ckpt.tier.restore import TierRestore
 from ckpt.tier.store import META_KEY, REPLICAS, _listdir
@@ -70,8 +69,7 @@ def _copies(tier: MemoryTier) -> dict[tuple[int, str, int], dict[int, str]]:
 
 def _meta(path: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            m = decode_manifest(f.read(), url=path)
+        m = decode_manifest(safefs.read_bytes(os.path.join(path, MANIFEST_NAME)), url=path)
     except (OSError, CheckpointError):
         return None
     meta = (m.user_metadata or {}).get(META_KEY)
@@ -102,20 +100,21 @@ def build_view(copies: dict[int, str], dest: str) -> Manifest:
 
     Raises ManifestError (a copy without piece descriptions, disagreeing global shapes) and
     OSError (no hard links here: another file system)."""
-    shutil.rmtree(dest, ignore_errors=True)
-    os.makedirs(os.path.join(dest, "data"))
+    safefs.rmtree(dest)
+    safefs.makedirs(os.path.join(dest, "data"))
     merged = Manifest()
     seen: set[tuple[str, Region]] = set()
     shards: dict[str, list[ShardEntry]] = {}
     for owner in sorted(copies):
         path = copies[owner]
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            m = decode_manifest(f.read(), url=path)
+        m = decode_manifest(safefs.read_bytes(os.path.join(path, MANIFEST_NAME)), url=path)
         pieces = m.user_metadata[META_KEY]["pieces"]
         names = {}
         for rel, size in m.files.items():
             names[rel] = f"data/o{owner}-{os.path.basename(rel)}"
-            os.link(os.path.join(path, rel), os.path.join(dest, names[rel]))
+            if os.path.normpath(rel).startswith(("..", os.sep)):
+                raise ManifestError(f"{path}: data file {rel!r} lies outside the copy; not resharded")
+            safefs.link(os.path.join(path, rel), os.path.join(dest, names[rel]))  # a regular file of ours only
             merged.files[names[rel]] = size
         for key, entry in m.tensors.items():
             if key not in pieces:
@@ -192,7 +191,7 @@ def run(tier: MemoryTier, fn: Callable[[str], Any], *, min_step: int | None = No
     except Exception as e:  # noqa: BLE001 - any failure: every rank falls back to storage
         err = f"rank {tier.rank}: {describe(e)}"
     finally:
-        shutil.rmtree(view, ignore_errors=True)  # links only: the copies stay
+        safefs.rmtree(view)  # links only: the copies stay
     t1 = time.perf_counter()
 
     def agree(got: list[Any]) -> list[Any]:
@@ -214,5 +213,4 @@ def clear_views(tier: MemoryTier) -> None:
     run = tier_dir(tier.base, tier.run_id)
     for name in _listdir(run):
         if name.startswith(f"{VIEW_PREFIX}{tier.rank}-"):
-            with contextlib.suppress(OSError):
-                shutil.rmtree(os.path.join(run, name))
+            safefs.rmtree(os.path.join(run, name))

@@ -26,12 +26,13 @@ import contextlib
 import mmap
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ckpt.tier.store import _listdir
+from ckpt.tier import safefs
 
 SLOTS_DIR = ".slots"
 SLOT_NAME = re.compile(r"^slot-(\d+)$")
@@ -99,15 +100,13 @@ class Slot:
     def link_as(self, path: str) -> None:
         """Hard-link this slot as ``path`` (a checkpoint's data file), making its directory; exclusive:
         never replaces a file. Raises OSError."""
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.link(self.path, path)
+        safefs.makedirs(os.path.dirname(path))
+        safefs.link(self.path, path)
 
     def linked(self) -> bool:
         """Whether a step directory (or any other holder) links this file: then it is not written."""
-        try:
-            return os.stat(self.path).st_nlink > 1
-        except FileNotFoundError:
-            return False
+        st = safefs.regular(self.path)
+        return st is not None and st.st_nlink > 1
 
     @property
     def base_ptr(self) -> int:
@@ -126,7 +125,7 @@ class Slot:
         if self.size != layout.size or not same_file:
             self.close()
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = safefs.open_file(self.path, os.O_RDWR | os.O_CREAT)  # never through a link, never a FIFO
                 try:
                     os.ftruncate(fd, layout.size)
                     if layout.size:
@@ -139,7 +138,7 @@ class Slot:
             except OSError:
                 self.close()
                 with contextlib.suppress(OSError):
-                    os.unlink(self.path)  # a full shared memory gets its bytes back
+                    safefs.unlink(self.path)  # a full shared memory gets its bytes back (a link: itself removed)
                 raise
             self.size = layout.size
             self.base = (torch.frombuffer(self._mm, dtype=torch.uint8) if self._mm is not None
@@ -162,8 +161,8 @@ class Slot:
         (:func:`ckpt.tier.fastload.load_pieces`). False when the file is gone or empty."""
         self.close()
         try:
-            fd = os.open(self.path, os.O_RDWR)
-        except OSError:
+            fd = safefs.open_file(self.path, os.O_RDWR)
+        except OSError:  # (UnsafePathError too: a link or FIFO is not a slot to map)
             return False
         try:
             st = os.fstat(fd)
@@ -185,11 +184,8 @@ class Slot:
     def identity(self) -> tuple[int, int] | None:
         """(device, inode) of the file at the slot's path now: a step's data file linking it has the
         same."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
+        st = safefs.regular(self.path)
+        return None if st is None else (st.st_dev, st.st_ino)
 
     def _register(self) -> None:
         """Pin the mapping (``cudaHostRegister``): device-to-host copies into it are then DMA at full
@@ -236,12 +232,15 @@ class SlotPool:
         """A slot no step links, shaped for ``layout``; None when every slot is linked (the caller
         then writes a new file). Prefers one already of this layout (nothing to allocate).
         Raises OSError when shared memory cannot hold it."""
-        os.makedirs(self.dir, exist_ok=True)
+        _discard_foreign(self.dir, directory=True)
+        safefs.makedirs(self.dir)
         self.trim()
         free = []
         for i in range(self.count):
             s = self._slots.get(i) or Slot(os.path.join(self.dir, f"slot-{i}"))
             self._slots[i] = s
+            if _discard_foreign(s.path, directory=False):
+                s.close()  # (what was mapped is not this path's file any more)
             if not s.linked():
                 free.append(s)
         if not free:
@@ -259,9 +258,8 @@ class SlotPool:
         links, ahead of a restore that reads it in place; the slot stays mapped for the snapshots
         that later reuse it (its pinning then costs nothing more). None: no slot of this pool is
         that file (a file written whole, not through a slot)."""
-        try:
-            st = os.stat(data_file)
-        except OSError:
+        st = safefs.regular(data_file)
+        if st is None:
             return None
         for i in range(self.count):
             s = self._slots.get(i) or Slot(os.path.join(self.dir, f"slot-{i}"))
@@ -288,14 +286,15 @@ class SlotPool:
     def trim(self) -> None:
         """Remove slot files beyond ``count`` that nothing links any more (a job that kept more copies
         left them, or their step was just freed): memory stays within ``count`` slots."""
-        for name in _listdir(self.dir):
+        for name in safefs.listdir(self.dir):  # (a link at .slots lists nothing: its target is not ours to trim)
             m = SLOT_NAME.match(name)
             if m is not None and int(m.group(1)) < self.count:
                 continue
             path = os.path.join(self.dir, name)
+            st = safefs.regular(path)
             with contextlib.suppress(OSError):
-                if os.path.isfile(path) and os.stat(path).st_nlink == 1:
-                    os.unlink(path)
+                if st is not None and st.st_nlink == 1:
+                    safefs.unlink(path)
 
     def close(self, *, remove: bool = False) -> None:
         """Unmap every slot; ``remove``: delete the files too (a linked one stays with its step)."""
@@ -303,11 +302,11 @@ class SlotPool:
             s.close()
         self._slots = {}
         if remove:
-            for name in _listdir(self.dir):
+            for name in safefs.listdir(self.dir):
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self.dir, name))
+                    safefs.unlink(os.path.join(self.dir, name))
             with contextlib.suppress(OSError):
-                os.rmdir(self.dir)
+                safefs.rmdir(self.dir)
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
@@ -318,7 +317,19 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 def _file_size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return -1
+    st = safefs.regular(path)
+    return -1 if st is None else st.st_size
+
+
+def _discard_foreign(path: str, *, directory: bool) -> bool:
+    """Remove what is at ``path`` when it is not the pool's own kind of entry (a link, a FIFO, a
+    directory where a slot file belongs, another user's file): the slot directory is the tier's own,
+    so whatever was planted there goes (a link itself, never what it points to). True if removed."""
+    st = safefs.lstat(path)
+    if st is None:
+        return False
+    ours = st.st_uid == os.geteuid() and (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode))
+    if ours:
+        return False
+    safefs.rmtree(path)
+    return True

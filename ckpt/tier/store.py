@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.shards import Flat, PerRank
 from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
+from ckpt.tier import safefs
 from ckpt.tier.nodes import RANK_DIR, STEP_DIR, node_dir, step_name
 
 META_KEY = "ckpt_tier"  # user_metadata entry of every memory checkpoint
@@ -138,6 +138,7 @@ class Entry:
     digest: str | None = None
     epoch: str = ""
     problem: str = ""
+    world: int | None = None  # the world size of the job that wrote it (None: not a tier copy)
 
     @property
     def usable(self) -> bool:
@@ -148,13 +149,9 @@ def read_entry(path: str, owner: int, step: int, kind: str, run_id: str, world: 
                lineage: str | None = None) -> Entry:
     """Describe one step directory; never raises (a damaged manifest is an entry with a problem).
     ``world`` / ``lineage``: what the copy must have been written under (None: not checked)."""
-    size = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                size += os.lstat(os.path.join(dirpath, name)).st_size
+    size = sum(st.st_size for f in safefs.walk_files(path) if (st := safefs.regular(f)) is not None)
     mpath = os.path.join(path, MANIFEST_NAME)
-    if not os.path.isfile(mpath):
+    if safefs.regular(mpath) is None:
         return Entry(owner, step, path, kind, False, size, problem="incomplete (no manifest): a write was cut short")
     try:
         m = read_manifest(mpath)
@@ -163,9 +160,9 @@ def read_entry(path: str, owner: int, step: int, kind: str, run_id: str, world: 
     meta = (m.user_metadata or {}).get(META_KEY)
     problem = _identity_problem(meta, m, owner, step, run_id, world, lineage)
     meta = meta if isinstance(meta, dict) else {}
-    digest, epoch = meta.get("digest"), meta.get("epoch")
+    digest, epoch, wrote = meta.get("digest"), meta.get("epoch"), meta.get("world")
     return Entry(owner, step, path, kind, True, size, digest if isinstance(digest, str) else None,
-                 epoch if isinstance(epoch, str) else "", problem)
+                 epoch if isinstance(epoch, str) else "", problem, wrote if isinstance(wrote, int) else None)
 
 
 def _identity_problem(meta: Any, m: Manifest, owner: int, step: int, run_id: str, world: int | None,
@@ -187,9 +184,12 @@ def _identity_problem(meta: Any, m: Manifest, owner: int, step: int, run_id: str
 def remove_step(path: str) -> None:
     """Delete one step directory: the manifest first (what is left is no longer a checkpoint), then
     the rest. Best effort: a leftover without a manifest is never used and goes at the next reset."""
+    if not safefs.is_dir(path):  # a link (or a file) planted there: removed itself, nothing it points to
+        safefs.rmtree(path)
+        return
     with contextlib.suppress(OSError):
-        os.unlink(os.path.join(path, MANIFEST_NAME))
-    shutil.rmtree(path, ignore_errors=True)
+        safefs.unlink(os.path.join(path, MANIFEST_NAME))
+    safefs.rmtree(path)
 
 
 class NodeStore:
@@ -245,22 +245,20 @@ class NodeStore:
         for name in _listdir(self.dir):
             m = RANK_DIR.match(name)
             if m is not None and int(m.group(1)) not in ranks_here:
-                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+                safefs.rmtree(os.path.join(self.dir, name))  # (a link: itself, never its target's files)
                 gone.append(os.path.join(self.dir, name))
         root = os.path.join(self.dir, REPLICAS)
         for name in _listdir(root):
             m = RANK_DIR.match(name)
             if m is not None and int(m.group(1)) not in held_owners:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                safefs.rmtree(os.path.join(root, name))
                 gone.append(os.path.join(root, name))
         return gone
 
 
 def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
+    """A tier directory's names (nothing for a link or what lies behind one: :func:`safefs.listdir`)."""
+    return safefs.listdir(path)
 
 
 def _steps(root: str) -> list[tuple[int, str]]:
@@ -268,7 +266,7 @@ def _steps(root: str) -> list[tuple[int, str]]:
     for name in _listdir(root):
         m = STEP_DIR.match(name)
         full = os.path.join(root, name)
-        if m is not None and os.path.isdir(full) and not os.path.islink(full):
+        if m is not None and safefs.is_dir(full):
             out.append((int(m.group(1)), full))
     return sorted(out)
 
@@ -276,10 +274,10 @@ def _steps(root: str) -> list[tuple[int, str]]:
 def manifest_bytes(path: str) -> bytes:
     """The committed manifest of a step directory (ManifestError when there is none)."""
     try:
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            return f.read()
+        return safefs.read_bytes(os.path.join(path, MANIFEST_NAME))
     except OSError as e:
-        raise ManifestError(f"{path}: no readable manifest ({e.strerror}); the memory checkpoint is incomplete") from e
+        raise ManifestError(f"{path}: no readable manifest ({e.strerror or e}); the memory checkpoint is "
+                            "incomplete") from e
 
 
 _DECODED: dict[tuple[str, int, int, int, int], Manifest] = {}
@@ -289,7 +287,7 @@ def read_manifest(mpath: str) -> Manifest:
     """The decoded manifest file ``mpath``, decoded once per file version (path, inode, mtime, size):
     a restore reads the same one to scan, plan and size the step (4 ms each for 64 tensors). Not
     to be changed by the caller. Raises OSError, CheckpointError."""
-    with open(mpath, "rb") as f:
+    with os.fdopen(safefs.open_file(mpath), "rb") as f:  # never a link, FIFO or another user's file
         st = os.fstat(f.fileno())
         key = (mpath, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         got = _DECODED.get(key)
@@ -313,7 +311,10 @@ def data_bytes(path: str) -> int:
 def committed_bytes(path: str, manifest: Manifest) -> int:
     """:func:`data_bytes` of step directory ``path`` whose committed manifest is ``manifest`` (the
     save's return value: the memory checkpoint's background thread then decodes nothing again)."""
-    return sum(manifest.files.values()) + os.path.getsize(os.path.join(path, MANIFEST_NAME))
+    st = safefs.regular(os.path.join(path, MANIFEST_NAME))
+    if st is None:
+        raise OSError(f"{path}: its manifest is gone or not a regular file")
+    return sum(manifest.files.values()) + st.st_size
 
 
 def local_tensor_bytes(state: dict[str, Any]) -> int:

@@ -41,13 +41,15 @@ from collections.abc import Callable
 from typing import Any
 
 from ckpt.comm import Comm, describe, error_payload, raise_payload, side_group
-from ckpt.errors import CollectiveError, StateError
+from ckpt.errors import CheckpointError, CollectiveError, StateError
 from ckpt.save import PlanCache
 from ckpt.tier import reshard as _reshard
 from ckpt.tier import restore as _restore
+from ckpt.tier import safefs
 from ckpt.tier.inplace import save_linked
 from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to, shm_base, tier_dir
 from ckpt.tier.pinahead import PinAhead
+from ckpt.tier.runlock import RunLock, exclusive, host_key, lock_names, remove_locks
 from ckpt.tier.slots import Slot, SlotPool, raw_layout
 from ckpt.tier.snapshot import HostSnapshots, Snapshot
 from ckpt.tier.store import (
@@ -102,16 +104,34 @@ class MemoryTier:
         self.comm = Comm(self.pg, timeout=self.timeout)
         self.rank, self.world = self.comm.rank, self.comm.world
         bad: dict[str, Any] | None = None
+        host: list[Any] | None = None
+        self._run_lock: RunLock | None = None
         try:
             node = node_identity(self.rank, self.world, node=config.node, nodes=config.nodes)
-        except StateError as e:  # every rank raises it (nobody waits for this one)
+            # the run directory: ours, 0700, not a link (shared memory is writable by every local user)
+            self.run_dir = safefs.trust_root(tier_dir(self.base, self.run_id), create=True)
+            host = host_key(self.base)
+        except (CheckpointError, OSError) as e:  # every rank raises it (nobody waits for this one)
             node, bad = 0, error_payload(e, self.comm.who)
-        first = {"node": node, "epoch": uuid.uuid4().hex[:12], "bad": bad}
+        first = {"node": node, "epoch": uuid.uuid4().hex[:12], "bad": bad, "host": host}
         everyone = self.comm.exchange(first, lambda got: [got] * len(got), timeout=self.timeout,
                                       what="memory tier setup")
         for g in everyone:
             if g.get("bad"):
                 raise_payload(g["bad"])
+        # one run id, one job: this rank's lock, by its index among the job's ranks on this host (see
+        # ckpt.tier.runlock); agreed, so that a second job fails at once on every rank, not at a timeout
+        local = [r for r, g in enumerate(everyone) if g["host"] == host].index(self.rank)
+        try:
+            self._run_lock = RunLock(self.run_dir, local, run_id=self.run_id, timeout=self.timeout)
+        except (CheckpointError, OSError) as e:
+            bad = error_payload(e, self.comm.who)
+        locked = self.comm.exchange(bad, lambda got: [[g for g in got if g]] * len(got), timeout=self.timeout,
+                                    what="memory tier run lock")
+        if locked:
+            if self._run_lock is not None:
+                self._run_lock.release()
+            raise_payload(locked[0])
         self.nodes = [int(g["node"]) for g in everyone]
         self.node = node
         self.epoch = str(everyone[0]["epoch"])  # this attempt of the job: copies of one step share it
@@ -161,14 +181,11 @@ class MemoryTier:
         doc = {"version": TIER_VERSION, "run_id": self.run_id, "world": self.world, "nodes": len(set(self.nodes)),
                "root": self.config.root if "://" in self.config.root else os.path.abspath(self.config.root),
                "replicas": self.config.replicas, "keep": self.config.keep}
-        tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, path)
+            safefs.write_atomic(path, json.dumps(doc).encode())  # (a link at tier.json is replaced, not followed)
         except OSError as e:
-            self._warn(f"memory tier: cannot write {path} ({e.strerror}); memory checkpoints will likely fail too")
+            self._warn(f"memory tier: cannot write {path} ({e.strerror or e}); memory checkpoints will likely fail "
+                       "too")
 
     def _meta(self, digest: str, user_metadata: dict[str, Any] | None) -> dict[str, Any]:
         meta = dict(user_metadata or {})
@@ -328,6 +345,7 @@ class MemoryTier:
             # the training thread goes first (see Snapshot.first_landed); inside the try: a failing
             # CUDA query is this rank's error in the agreement, like any other, never a missing rank
             snap.first_landed()
+            safefs.makedirs(self.store.own_root())  # its node and rank directories: real, ours, 0700
             remove_step(own)  # leftovers of a write cut short: never a complete step (see reset)
             # a slot's pieces are checksummed as their copies land (the first while the last still copy)
             manifest = None if snap.slot is None else save_linked(
@@ -481,16 +499,20 @@ class MemoryTier:
             self.store.prune(here, sorted({o for h in here for o in self.senders[h]}))
 
     def close(self) -> None:
-        """Unmap (and unpin) this rank's slots, keeping every memory checkpoint; the tier is not used
-        after this (e.g. a process handing the node to its restarted self). Not collective."""
+        """Unmap (and unpin) this rank's slots, keeping every memory checkpoint, and give the run id
+        back (see :mod:`ckpt.tier.runlock`); the tier is not used after this (e.g. a process handing
+        the node to its restarted self). Not collective."""
         self.drain()
         self._slots.close()
         for pool in self._replica_slots.values():
             pool.close()
+        if self._run_lock is not None:
+            self._run_lock.release()
 
     def clear(self) -> None:
         """Remove every memory checkpoint this rank owns or keeps (e.g. after the run's last persistent
-        save); the directories go when empty. Not collective."""
+        save) and give the run id back: the tier is not used after this. The directories go when
+        empty, the run's when no rank of it is left. Not collective."""
         self.reset(None)
         self._slots.close(remove=True)
         for pool in self._replica_slots.values():
@@ -499,12 +521,18 @@ class MemoryTier:
         empty = [self.store.own_root()] + [self.store.replica_root(o) for o in self.senders[self.rank]]
         for d in [*empty, os.path.dirname(self.store.replica_root(0)), self.store.dir]:
             with contextlib.suppress(OSError):
-                os.rmdir(d)  # only when empty: other ranks of the node may still be clearing theirs
-        run = tier_dir(self.base, self.run_id)
-        with contextlib.suppress(OSError):
-            if os.listdir(run) == ["tier.json"]:  # the last node directory is gone
-                os.unlink(os.path.join(run, "tier.json"))
-                os.rmdir(run)
+                safefs.rmdir(d)  # only when empty: other ranks of the node may still be clearing theirs
+        if self._run_lock is not None:
+            self._run_lock.release()
+        run = self.run_dir
+        with exclusive(run) as alone:  # no rank of a job holds the run: the last one out removes it
+            names = safefs.listdir(run)
+            if alone and not set(names) - {"tier.json", *lock_names(names)}:
+                with contextlib.suppress(OSError):
+                    safefs.unlink(os.path.join(run, "tier.json"))
+                remove_locks(run)
+                with contextlib.suppress(OSError):
+                    safefs.rmdir(run)
 
     @property
     def complete_steps(self) -> list[int]:

@@ -32,6 +32,7 @@ from ckpt.errors import CheckpointError, CollectiveError, IntegrityError, Manife
 from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.storage.local import LocalStorage, LocalWriter
+from ckpt.tier import safefs
 from ckpt.tier.store import manifest_bytes, remove_step
 
 CHUNK = 64 << 20  # bytes per message: bounded receive buffers, whatever the file size
@@ -74,7 +75,10 @@ def package(step_dir: str, what: str) -> Package:
         files = sorted(m.files.items())
         paths = [os.path.join(step_dir, rel) for rel, _ in files]
         for path, (_rel, size) in zip(paths, files, strict=True):
-            found = os.path.getsize(path)
+            st = safefs.regular(path)  # a link, FIFO or another user's file is not sent (nor waited on)
+            if st is None:
+                raise IntegrityError(f"{path}: missing or not a regular file of this user; the copy is damaged")
+            found = st.st_size
             if found != size:
                 raise IntegrityError(f"{path}: {found} bytes, the manifest says {size}; the copy is damaged")
         return Package({"ok": True, "files": [[rel, size] for rel, size in files], "manifest": data}, paths)
@@ -95,7 +99,7 @@ def _lost(what: str, rank: int, verb: str, peer: int, e: BaseException, timeout:
 
 
 def _map(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
-    fd = os.open(path, os.O_RDONLY)
+    fd = safefs.open_file(path)
     try:
         mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private: writable for torch, never written
     finally:
@@ -139,7 +143,7 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
             for path, (_rel, size) in zip(pkg.paths, pkg.header.get("files", []), strict=True):
                 mine.append(_map(path, size) if size else None)
         except OSError as e:
-            mine, pkg = [], failed(f"{what}: rank {rank} cannot read {e.filename}: {e.strerror}")
+            mine, pkg = [], failed(f"{what}: rank {rank} cannot read {e.filename or ''}: {e.strerror or e}")
         head = msgpack.packb(pkg.header, use_bin_type=True)
         out_t = [torch.tensor([len(head)], dtype=torch.int64), torch.frombuffer(bytearray(head), dtype=torch.uint8)]
         for item in mine:
@@ -183,9 +187,13 @@ def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeou
     if not header.get("ok"):
         return Received(False, str(header.get("err", "the sender had nothing to send")))
     files = [(str(rel), int(size)) for rel, size in header["files"]]
+    error: BaseException | None = None
+    try:  # the directories above the copy: real, ours, 0700 (else nothing is written: drained, reported)
+        safefs.makedirs(os.path.dirname(dest))
+    except OSError as e:
+        error = e if isinstance(e, CheckpointError) else StorageError(f"{dest}: {e}")
     remove_step(dest)
     storage = LocalStorage(dest)
-    error: BaseException | None = None
     try:
         chunks = [(i, o, min(CHUNK, size - o)) for i, (_rel, size) in enumerate(files) for o in range(0, size, CHUNK)]
         bufs = _buffers(max((c[2] for c in chunks), default=1))
@@ -198,7 +206,7 @@ def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeou
                 try:
                     slot = slots(src, size)
                 except OSError as e:  # shared memory full: drained, reported
-                    error = StorageError(f"{dest}: no room for {rel} ({e.strerror})")
+                    error = StorageError(f"{dest}: no room for {rel} ({e.strerror or e})")
                     continue
                 if slot is not None:
                     into[i] = slot

@@ -136,7 +136,9 @@ def test_every_copy_failing_after_loading_began_is_not_a_fresh_start(shm: str, t
     with pytest.raises(IntegrityError, match="no persistent checkpoint"):
         mgr.restore(target)  # the memory copy failed its checksum after part of it was copied
     assert mgr.memory.restore_clobbered
-    # the failed copy is gone: the restarted job starts fresh, as it should
+    # the failed copy is gone: the restarted job starts fresh, as it should (the first job's process is gone:
+    # its tier gives the run id back, see ckpt.tier.runlock)
+    mgr.memory.close()
     again = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, replicas=0)
     assert again.restore(zeros()) is None
     # with a persistent checkpoint to fall back on, the same failure restores it, bitwise
@@ -168,6 +170,7 @@ def test_a_job_keeping_fewer_copies_gives_back_the_extra_slots(shm: str) -> None
     tier, _url = _saved(shm, (1, 2, 3), keep=2)
     slots = Path(tier.store.own_root(), ".slots")
     assert sorted(p.name for p in slots.iterdir()) == ["slot-0", "slot-1", "slot-2"]
+    tier.close()  # (its process is gone: the run id is free again)
     again = MemoryTier(TierConfig(ROOT, shm_dir=shm, replicas=0, keep=1))  # the restarted job keeps 1
     got = again.restore(zeros())
     assert got is not None and got.step == 3
