@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from ckpt.checksum import crc32
-from ckpt.codec import Codec, FileCodec, FrameWriter, StorageFault, decoding
+from ckpt.codec import Codec, FileCodec, FrameWriter, StorageFault
+from ckpt.codec_reads import decoding
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import StorageError
 from ckpt.planner import ReadOp, ReadPlan, SegmentCopy, StridedCopy, WriteAssignment

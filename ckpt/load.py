@@ -10,7 +10,7 @@ import torch
 
 from ckpt import stateful
 from ckpt.checksum import crc32
-from ckpt.codec import data_storage
+from ckpt.codec_reads import data_storage
 from ckpt.comm import Comm, error_payload, raise_payload
 from ckpt.device_load import load_into_device
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.checksum import crc32
-from ckpt.codec import data_storage
+from ckpt.codec_reads import data_storage
 from ckpt.errors import CheckpointError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
 from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, parse_header

@@ -46,7 +46,7 @@ from typing import Any, cast
 import torch
 
 from ckpt.checksum import crc32
-from ckpt.codec import data_storage
+from ckpt.codec_reads import data_storage
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import IntegrityError, MismatchError
 from ckpt.io import ScratchReader, byte_view, run_read_plan
