@@ -36,11 +36,11 @@ import torch
 from ckpt.checksum import crc32, crc32_combine
 from ckpt.dtypes import dtype_from_name
 from ckpt.errors import CheckpointError, IntegrityError, UnsafePathError
+from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.io import byte_view, cpus_per_rank
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.shards import Box
 from ckpt.tier import safefs
-from ckpt.tier.store import read_manifest
 
 CHUNK = 4 << 20  # bytes read and checksummed at a time: stays in cache between the read and the CRC
 SLAB = 16 << 20  # pinned bytes per host-to-device copy (fewer, larger copies: 4 MiB ones cost ~2x)
@@ -62,6 +62,25 @@ def workers_for_restore() -> int:
     (``LOCAL_WORLD_SIZE``), at most 16 (on the H200 host 12-16 threads reach 27 GB/s and more do
     not help)."""
     return min(16, cpus_per_rank())
+
+
+_DECODED: dict[tuple[str, int, int, int, int], Manifest] = {}
+
+
+def read_manifest(mpath: str) -> Manifest:
+    """The decoded manifest file ``mpath``, decoded once per file version (path, inode, mtime, size):
+    a restore reads the same one to scan, plan and size the step (4 ms each for 64 tensors). Not
+    to be changed by the caller. Raises OSError, CheckpointError."""
+    with os.fdopen(safefs.open_file(mpath), "rb") as f:  # never a link, FIFO or another user's file
+        st = os.fstat(f.fileno())
+        key = (mpath, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        got = _DECODED.get(key)
+        if got is None:
+            got = decode_manifest(f.read(), url=mpath)
+            if len(_DECODED) >= 16:
+                _DECODED.clear()
+            _DECODED[key] = got
+    return got
 
 
 def plan_pieces(flat: dict[str, Any], url: str) -> tuple[Manifest, list[_Piece]] | None:

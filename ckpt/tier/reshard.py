@@ -34,12 +34,12 @@ from ckpt.tier.restore import TierRestore
 from ckpt.tier.store import META_KEY, REPLICAS, _listdir
 
 if TYPE_CHECKING:
-    from ckpt.tier.tier import MemoryTier
+    from ckpt.tier.types import TierView
 
 VIEW_PREFIX = "view-"  # <tier>/view-<rank>-<random>/: a rank's resharding view (hard links), removed after use
 
 
-def _copies(tier: MemoryTier) -> dict[tuple[int, str, int], dict[int, str]]:
+def _copies(tier: TierView) -> dict[tuple[int, str, int], dict[int, str]]:
     """Every usable copy reachable from here, by ``(step, epoch, old world)`` then owner: committed,
     of this run and lineage, describing its pieces, found where its owner's copy belongs."""
     run = tier_dir(tier.base, tier.run_id)
@@ -155,7 +155,7 @@ def build_view(copies: dict[int, str], dest: str) -> Manifest:
     return merged
 
 
-def run(tier: MemoryTier, fn: Callable[[str], Any], *, min_step: int | None = None,
+def run(tier: TierView, fn: Callable[[str], Any], *, min_step: int | None = None,
         on_failure: Callable[[dict[str, Any]], None] | None = None) -> TierRestore | None:
     """Restore the newest memory step every rank can reach whole, under this job's layout, through
     ``fn(view_url)`` (collective over the tier's group; ``fn`` a resharding load of this rank's
@@ -208,7 +208,7 @@ def run(tier: MemoryTier, fn: Callable[[str], Any], *, min_step: int | None = No
                        bytes=nbytes, fetched_bytes=0, rank_fetch_s=0.0, rank_load_s=t1 - t0)
 
 
-def clear_views(tier: MemoryTier) -> None:
+def clear_views(tier: TierView) -> None:
     """Remove views a killed restore of this rank left behind (hard links only)."""
     run = tier_dir(tier.base, tier.run_id)
     for name in _listdir(run):

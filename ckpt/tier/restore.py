@@ -19,7 +19,7 @@ from ckpt.tier.store import data_bytes, remove_step
 from ckpt.tier.transfer import exchange, failed, package
 
 if TYPE_CHECKING:
-    from ckpt.tier.tier import MemoryTier
+    from ckpt.tier.types import TierView
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +109,7 @@ def clobbered_message(root: str) -> str:
             "fresh (or from storage)")
 
 
-def report(tier: MemoryTier, digest: str) -> dict[str, Any]:
+def report(tier: TierView, digest: str) -> dict[str, Any]:
     """This rank's view: its own usable copies and the copies its node keeps for others."""
     own = tier.store.scan_own()
     # Every rank of a node sees the node's copies: each is reported once, by the rank the peer
@@ -125,7 +125,7 @@ def report(tier: MemoryTier, digest: str) -> dict[str, Any]:
             "stale": stale}
 
 
-def run(tier: MemoryTier, fn: Callable[[str], Any], *, digest: str, min_step: int | None = None,
+def run(tier: TierView, fn: Callable[[str], Any], *, digest: str, min_step: int | None = None,
         on_failure: Callable[[dict[str, Any]], None] | None = None) -> TierRestore | None:
     """Restore the newest complete memory step (collective over the tier's group); None when none.
 
@@ -177,7 +177,7 @@ def run(tier: MemoryTier, fn: Callable[[str], Any], *, digest: str, min_step: in
     return None
 
 
-def _attempt(tier: MemoryTier, fn: Callable[[str], Any], cand: Candidate, choice: list[int]) -> dict[str, Any]:
+def _attempt(tier: TierView, fn: Callable[[str], Any], cand: Candidate, choice: list[int]) -> dict[str, Any]:
     rank, step = tier.rank, cand.step
     url = tier.store.own(step)
     t0 = time.perf_counter()

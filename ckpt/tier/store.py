@@ -21,11 +21,11 @@ import torch
 
 from ckpt import stateful
 from ckpt.errors import CheckpointError, ManifestError
-from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.shards import Flat, PerRank
 from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
-from ckpt.tier import safefs
+from ckpt.tier import fastload, safefs
+from ckpt.tier.fastload import read_manifest
 from ckpt.tier.nodes import RANK_DIR, STEP_DIR, node_dir, step_name
 
 META_KEY = "ckpt_tier"  # user_metadata entry of every memory checkpoint
@@ -99,7 +99,6 @@ def load_local(state: dict[str, Any], url: str, *, strict: bool = True, stats: d
     import time
 
     from ckpt.load import load
-    from ckpt.tier import fastload
 
     del verify  # always verified
     expanded = stateful.expand(state)
@@ -278,25 +277,6 @@ def manifest_bytes(path: str) -> bytes:
     except OSError as e:
         raise ManifestError(f"{path}: no readable manifest ({e.strerror or e}); the memory checkpoint is "
                             "incomplete") from e
-
-
-_DECODED: dict[tuple[str, int, int, int, int], Manifest] = {}
-
-
-def read_manifest(mpath: str) -> Manifest:
-    """The decoded manifest file ``mpath``, decoded once per file version (path, inode, mtime, size):
-    a restore reads the same one to scan, plan and size the step (4 ms each for 64 tensors). Not
-    to be changed by the caller. Raises OSError, CheckpointError."""
-    with os.fdopen(safefs.open_file(mpath), "rb") as f:  # never a link, FIFO or another user's file
-        st = os.fstat(f.fileno())
-        key = (mpath, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-        got = _DECODED.get(key)
-        if got is None:
-            got = decode_manifest(f.read(), url=mpath)
-            if len(_DECODED) >= 16:
-                _DECODED.clear()
-            _DECODED[key] = got
-    return got
 
 
 def data_bytes(path: str) -> int:

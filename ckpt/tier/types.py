@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpt.errors import StateError
+
+if TYPE_CHECKING:
+    from ckpt.comm import Comm
+    from ckpt.tier.store import NodeStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,3 +148,25 @@ class MemoryHandle:
             raise self.error
         assert self._result is not None
         return self._result
+
+
+class TierView(Protocol):
+    """What the restore paths (:mod:`ckpt.tier.restore`, :mod:`ckpt.tier.reshard`) use of a
+    :class:`~ckpt.tier.tier.MemoryTier`: declared here so that they need not import the tier that
+    calls them (the tier module stays above its restore paths)."""
+
+    config: TierConfig
+    timeout: float
+    run_id: str
+    base: str
+    pg: Any
+    comm: Comm
+    rank: int
+    world: int
+    nodes: list[int]
+    node: int
+    senders: list[list[int]]
+    store: NodeStore
+    restore_clobbered: bool
+
+    def drain(self, *, raise_error: bool = False) -> MemoryHandle | None: ...
