@@ -1,9 +1,9 @@
 """CRC32 (the zlib / IEEE polynomial) with the fastest implementation available.
 
-ISA-L's crc32 gives the same values as ``zlib.crc32`` at ~4-5x the speed on this machine (28 vs
-6.5 GB/s), which keeps checksumming off the critical path of a save even when every core is busy
-(docs/BENCHMARKS.md "Checksum cost"). ``isal`` is a dependency; where its wheel is missing we fall
-back to zlib and the values stay the same.
+ISA-L's crc32 gives the same values as ``zlib.crc32`` several times faster, which keeps
+checksumming off the critical path of a save even when every core is busy (measured in
+docs/RELIABILITY.md, section "Checksum cost"). ``isal`` is a dependency; where its wheel is missing
+we fall back to zlib and the values stay the same.
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ except ImportError:  # pragma: no cover - where isal has no wheel
 def crc32_parallel(buffers: list[Any], workers: int, chunk: int = 32 << 20, nice: int = 0,
                    before: Callable[[int], None] | None = None) -> list[int]:
     """CRC32 of each bytes-like buffer, on ``workers`` threads: large buffers are cut into ``chunk``
-    pieces whose CRCs are combined (the CRC releases the GIL, so threads add up: 8 reached 81 GB/s on
-    the H200 host, one 14.6). Buffers are taken in order. ``nice``: the threads' niceness (Linux;
-    background work that must not take cores from training). ``before(i)``: called before buffer
-    ``i`` is read (e.g. to wait until its bytes have landed)."""
+    pieces whose CRCs are combined (the CRC releases the GIL, so threads add up: measured in
+    docs/BENCHMARKS.md, section "Memory tier on one H200"). Buffers are taken in order. ``nice``:
+    the threads' niceness (Linux; background work that must not take cores from training).
+    ``before(i)``: called before buffer ``i`` is read (e.g. to wait until its bytes have landed)."""
     import os
     import threading
     from concurrent.futures import ThreadPoolExecutor

@@ -38,9 +38,9 @@ from ckpt.errors import FormatVersionError, IntegrityError, ManifestError, State
 CODECS = ("zstd",)  # codec names this ckpt reads and writes
 FRAME_RAW = 4 << 20  # raw bytes per frame at most (a multiple of every item size)
 MAX_FRAME_RAW = 64 << 20  # a frame table claiming more raw bytes per frame is refused (bounds a reader's buffer)
-# zstd level 1: on byte planes of bf16 weights it compresses both better and ~2.5x faster than level 3
+# zstd level 1: on byte planes of bf16 weights it compresses both better and faster than level 3
 # (the near-constant exponent plane costs higher levels' match finders much time for nothing;
-# docs/BENCHMARKS.md "Compression")
+# measured in docs/BENCHMARKS.md, section "Compression")
 DEFAULT_LEVEL = 1
 INSTALL_HINT = "pip install 'ckpt[zstd]' (or: pip install zstandard)"
 
@@ -197,7 +197,9 @@ def to_planes(raw: memoryview | bytes, planes: int) -> bytes | memoryview:
         return raw
     items = np.frombuffer(raw, dtype=np.uint8).reshape(-1, planes)
     out = np.empty((planes, len(items)), dtype=np.uint8)
-    for i in range(planes):  # one strided pass per plane: numpy's .T copy loops over the 2-byte inner dim (20x slower)
+    # one strided pass per plane: numpy's .T copy loops over the 2-byte inner dim, far slower
+    # (measured in docs/BENCHMARKS.md, section "Figures that code comments used to quote")
+    for i in range(planes):
         out[i] = items[:, i]
     return out.data
 

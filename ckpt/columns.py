@@ -1,11 +1,12 @@
 """Shard lists as columns: how format 2 stores a tensor's shards, decoded without per-shard objects.
 
-A DeepSeek-V3-sized save on 16,384 ranks has ~1.3 M shards. As msgpack maps (format 1) they took
-~17 s to decode into Python objects; as columns of fixed-width little-endian integers they decode
-with one ``np.frombuffer`` each, are validated with vectorized checks, and become ``ShardEntry``
-objects only when something asks for them (``TensorEntry.shards``). A loading rank that needs
-a few hundred of those shards finds them with :meth:`ShardColumns.candidates` (a bounding-box test
-over the columns) instead of walking every shard.
+A DeepSeek-V3-sized save on 16,384 ranks has over a million shards. As msgpack maps (format 1) they
+were slow to decode into Python objects (measured in docs/BENCHMARKS.md, section "Planning at
+scale"); as columns of fixed-width little-endian integers they decode with one ``np.frombuffer``
+each, are validated with vectorized checks, and become ``ShardEntry`` objects only when something
+asks for them (``TensorEntry.shards``). A loading rank that needs a few hundred of those shards
+finds them with :meth:`ShardColumns.candidates` (a bounding-box test over the columns) instead of
+walking every shard.
 
 Every column is non-negative; each is stored in the narrowest of u1/u2/u4/u8 that holds its largest
 value, as ``[width_code, bytes]`` (docs/FORMAT.md "Shard columns").

@@ -1,13 +1,14 @@
 """Loading into GPU tensors through a ring of pinned bounce buffers.
 
 Copying from a memory-mapped file straight into a GPU tensor is a *pageable* host-to-device copy
-(~3 GB/s on an H100, against ~50 GB/s from pinned memory), and staging the whole state in host
-memory first doubles the host footprint. Instead, the device targets are cut into batches of at
-most ``BOUNCE`` bytes (a large tensor into runs of whole rows, or of its flat range), and ``W``
-threads each take the next batch, read it into a free pinned slab with the ordinary read plan
-(page cache or disk straight into pinned memory), and queue its host-to-device copies on a side
-stream. A slab is reused once its copies are done, so reads from storage overlap the copies, and
-host memory stays at ``2 W`` slabs whatever the state's size.
+(many times slower than one from pinned memory: measured in docs/BENCHMARKS.md, section "GPU
+restores and synchronous GPU saves"), and staging the whole state in host memory first doubles the
+host footprint. Instead, the device targets are cut into batches of at most ``BOUNCE`` bytes (a
+large tensor into runs of whole rows, or of its flat range), and ``W`` threads each take the next
+batch, read it into a free pinned slab with the ordinary read plan (page cache or disk straight into
+pinned memory), and queue its host-to-device copies on a side stream. A slab is reused once its
+copies are done, so reads from storage overlap the copies, and host memory stays at ``2 W`` slabs
+whatever the state's size.
 """
 
 from __future__ import annotations

@@ -230,8 +230,9 @@ def default_workers(storage: Storage, world: int) -> int:
     Mapped local files: the work is copies out of the page cache (and, cold, page faults that each
     read ahead far), so more threads than this rank's share of the cores only contend: at most 4,
     at most the CPUs this process may run on divided among the ranks on this host
-    (``LOCAL_WORLD_SIZE`` as torchrun sets it, else all ``world`` ranks). On 2 cores, 4 ranks with
-    1 thread each loaded a resharded 2 GB ~25% faster, warm and cold, than with 4 threads each.
+    (``LOCAL_WORLD_SIZE`` as torchrun sets it, else all ``world`` ranks): with more ranks than
+    cores, one thread per rank loaded a resharded state faster, warm and cold, than four each
+    (measured in docs/BENCHMARKS.md, section "Multi-rank save and resharded load").
     Other storages: 4 (their reads wait on the network, not on the cores).
     """
     if _mapper(storage) is None:

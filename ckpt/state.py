@@ -38,7 +38,8 @@ Item = TensorItem | ObjectItem
 
 
 def _is_dtensor(v: Any) -> bool:
-    # Importing torch.distributed.tensor costs ~1.4 s: if nobody imported it, v cannot be a DTensor.
+    # Importing torch.distributed.tensor is slow (measured in docs/BENCHMARKS.md, section "Figures that
+    # code comments used to quote"): if nobody imported it, v cannot be a DTensor.
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(v, mod.DTensor)
 

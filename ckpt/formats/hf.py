@@ -90,7 +90,9 @@ def _default_adapter() -> Any:
     return a
 
 
-DEFAULT_MEMORY_BUDGET = 512 << 20  # 256 MiB already keeps a disk busy (bench hf-llama); peak RSS ~0.2x transformers
+# half of it already keeps a disk busy, and peak memory stays a fraction of transformers' (measured in
+# docs/BENCHMARKS.md, section "Hugging Face import / export of a Llama", re-run)
+DEFAULT_MEMORY_BUDGET = 512 << 20
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ def build_header(entries: Iterable[tuple[str, str, tuple[int, ...], int]],
 @functools.lru_cache(maxsize=1 << 14)
 def _type_json(dtype: str, shape: tuple[int, ...]) -> str:
     """``:{"dtype":..,"shape":[..],"data_offsets":[`` of an entry. Cached across calls: the ranks of a
-    large save hold blocks of the same few thousand shapes, and formatting one costs ~2 us."""
+    large save hold blocks of the same few thousand shapes, and formatting one is not free (measured
+    in docs/BENCHMARKS.md, section "Figures that code comments used to quote")."""
     return f':{{"dtype":{_json_str(dtype)},"shape":{json.dumps(list(shape), separators=(",", ":"))},"data_offsets":['
 
 

@@ -69,7 +69,8 @@ class Adapter:
             if name not in cfg and alias in cfg:
                 cfg[name] = cfg[alias]
         # transformers is consulted only for fields the config leaves out: importing its config classes
-        # costs ~1.5 s, more than exporting a GB, and a complete config.json (save_pretrained's) needs none
+        # costs more than exporting a GB (measured in docs/BENCHMARKS.md, section "Hugging Face import /
+        # export of a Llama"), and a complete config.json (save_pretrained's) needs none
         missing = tuple(k for k in self.defaults if k not in cfg)
         if missing:
             found = transformers_defaults(self.model_types[0], missing) or {k: self.defaults[k] for k in missing}

@@ -219,10 +219,11 @@ class S3Writer:
 class S3Storage(Storage):
     """A checkpoint prefix in an S3 bucket (AWS or any S3-compatible endpoint)."""
 
-    # Unneeded bytes worth reading to merge two ranges into one GET. A GET costs a round trip
-    # (10-50 ms on S3) and a request fee; 1 MiB at S3's per-connection throughput costs about the
-    # same time and nothing extra, so a column-sharded load does a few large GETs instead of one
-    # GET per row. Storage option ``coalesce_gap`` (0: fetch only the needed bytes).
+    # Unneeded bytes worth reading to merge two ranges into one GET. A GET costs a round trip and a
+    # request fee; 1 MiB at S3's per-connection throughput costs about the same time as the round
+    # trip and nothing extra (see docs/BENCHMARKS.md, section "S3 (moto on loopback)"), so a
+    # column-sharded load does a few large GETs instead of one GET per row. Storage option
+    # ``coalesce_gap`` (0: fetch only the needed bytes).
     coalesce_gap = DEFAULT_COALESCE_GAP
     # ...but never more unneeded bytes than 10% of what a merge joins (bytes requested <= ~1.1x
     # needed), and small whole-tensor reads share GETs with their neighbours.

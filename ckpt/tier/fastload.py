@@ -1,20 +1,22 @@
 """Restore one rank's memory checkpoint in one pass: read, check, copy, chunk by chunk, on many threads.
 
 ``ckpt.load(verify=True)`` reads every shard twice (a checksum pass, then the load) and moves GPU
-targets through four bounce threads: 1.5 GB/s per rank from shared memory on the H200 host, 0.027x of
-pinned host-to-device bandwidth. A memory checkpoint is simpler than what ``ckpt.load`` serves: one
-data file holding each of this rank's pieces whole, as the targets want them. So each piece is cut
-into chunks; a thread ``pread``\\ s a chunk from shared memory (a kernel copy: no page faults on a
-fresh mapping) straight into a CPU target, or into one of its two pinned slabs for a GPU target,
-checksums it while it is in cache, and queues the slab's host-to-device copy on its own stream. A
-piece's checksum is the chunks' CRCs combined; a mismatch raises IntegrityError naming the piece.
+targets through four bounce threads: a small fraction of pinned host-to-device bandwidth from shared
+memory (measured in docs/BENCHMARKS.md, section "Issue 20: GPU figures", part 2). A memory
+checkpoint is simpler than what ``ckpt.load`` serves: one data file holding each of this rank's
+pieces whole, as the targets want them. So each piece is cut into chunks; a thread ``pread``\\ s a
+chunk from shared memory (a kernel copy: no page faults on a fresh mapping) straight into a CPU
+target, or into one of its two pinned slabs for a GPU target, checksums it while it is in cache, and
+queues the slab's host-to-device copy on its own stream. A piece's checksum is the chunks' CRCs
+combined; a mismatch raises IntegrityError naming the piece.
 
 Faster still when the file is already mapped and pinned (a slot the tier mapped ahead of the restore,
 :meth:`ckpt.tier.MemoryTier.pin_ahead`, or one a snapshot of this process pinned): each chunk is
-copied by DMA straight from the mapping while a thread checksums the same bytes there. On the H200
-host ``pread`` + slab + DMA share the host memory bandwidth at 26-31 GB/s, DMA + CRC from a pinned
-mapping run at 52-54 GB/s (pinned H2D alone: 55 GB/s); pinning 8 GiB costs 0.41 s, which is why it
-is done ahead, while the job starts, and kept for the snapshots that reuse the slot.
+copied by DMA straight from the mapping while a thread checksums the same bytes there. ``pread`` +
+slab + DMA share the host memory bandwidth, so they reach about half of pinned host-to-device speed;
+DMA + CRC from a pinned mapping come close to it. Pinning costs more than the copy itself, which is
+why it is done ahead, while the job starts, and kept for the snapshots that reuse the slot
+(measured in docs/BENCHMARKS.md, section "Memory tier, second pass").
 
 Unlike ``ckpt.load(verify=True)`` a piece is written into its target *before* its checksum is known
 (that second pass is what this avoids), so a corrupt copy leaves the targets partly overwritten:
@@ -43,8 +45,11 @@ from ckpt.shards import Box
 from ckpt.tier import safefs
 
 CHUNK = 4 << 20  # bytes read and checksummed at a time: stays in cache between the read and the CRC
-SLAB = 16 << 20  # pinned bytes per host-to-device copy (fewer, larger copies: 4 MiB ones cost ~2x)
-MAPPED = 64 << 20  # bytes per copy from a mapped file (16 and 64 MiB ran alike on the H200 host)
+# SLAB: pinned bytes per host-to-device copy (fewer, larger copies: smaller ones cost markedly more);
+# MAPPED: bytes per copy from a mapped file (smaller copies were no faster). Both measured in
+# docs/BENCHMARKS.md, section "Figures that code comments used to quote".
+SLAB = 16 << 20
+MAPPED = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +64,8 @@ class _Piece:
 
 def workers_for_restore() -> int:
     """Threads for one rank's restore: this process's CPUs shared among the ranks of the host
-    (``LOCAL_WORLD_SIZE``), at most 16 (on the H200 host 12-16 threads reach 27 GB/s and more do
-    not help)."""
+    (``LOCAL_WORLD_SIZE``), at most 16 (more do not help: measured in docs/BENCHMARKS.md, section
+    "Figures that code comments used to quote")."""
     return min(16, cpus_per_rank())
 
 
@@ -69,8 +74,9 @@ _DECODED: dict[tuple[str, int, int, int, int], Manifest] = {}
 
 def read_manifest(mpath: str) -> Manifest:
     """The decoded manifest file ``mpath``, decoded once per file version (path, inode, mtime, size):
-    a restore reads the same one to scan, plan and size the step (4 ms each for 64 tensors). Not
-    to be changed by the caller. Raises OSError, CheckpointError."""
+    a restore reads the same one to scan, plan and size the step (each decode costs measurable
+    time: docs/BENCHMARKS.md, section "Memory tier, second pass"). Not to be changed by the caller.
+    Raises OSError, CheckpointError."""
     with os.fdopen(safefs.open_file(mpath), "rb") as f:  # never a link, FIFO or another user's file
         st = os.fstat(f.fileno())
         key = (mpath, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
@@ -121,8 +127,9 @@ def load_pieces(pieces: list[_Piece], *, workers: int | None = None,
 
     ``mapped``: byte tensors mapping whole files, by (device, inode) (the tier's mapped slots,
     pinned for a GPU job): pieces of those files are copied from the mapping, straight to the GPU
-    when it is pinned (no host copy: 52-54 GB/s with the CRCs on the H200 host, against 26-31 GB/s
-    through ``pread`` and the slabs), and checked there. ``stats`` gets ``bytes_mapped``.
+    when it is pinned (no host copy: close to pinned host-to-device speed with the CRCs, about twice
+    what ``pread`` and the slabs reach; measured in docs/BENCHMARKS.md, section "Memory tier, second
+    pass"), and checked there. ``stats`` gets ``bytes_mapped``.
 
     Raises IntegrityError (``partial`` set when targets were already written) or StorageError-like
     OSErrors wrapped in IntegrityError naming the file."""

@@ -71,8 +71,9 @@ def save_linked(flat: dict[str, Any], url: str, slot: Slot, *, group: Any, step:
             order = sorted(range(len(a.entries)), key=lambda j: rank_of.get(a.entries[j].key, len(rank_of)))
             views = [byte_view(prep.sources[a.entries[j].piece]) for j in order]
             keys = [a.entries[j].key for j in order]
-            # half this rank's cores, niced: training keeps cores to launch kernels from. On the H200
-            # host 8 threads kept up with the copies (8.6 GB: 175-181 ms in all), 4 did not (242-262 ms)
+            # half this rank's cores, niced: training keeps cores to launch kernels from. Threads on
+            # half the cores kept up with the copies, on a quarter they did not (measured in
+            # docs/BENCHMARKS.md, section "Memory tier on one H200")
             got = crc32_parallel(views, max(1, workers_for_restore() // 2), nice=CRC_NICE,
                                  before=(lambda i: wait_piece(keys[i])) if wait_piece is not None else None)
             sums = [0] * len(order)

@@ -1,13 +1,14 @@
 """Map and pin this rank's newest memory checkpoint while the job starts, before its restore.
 
-Why: on the H200 host a restore that copies from a pinned mapping of the slot runs at 52-54 GB/s
-(DMA and CRC reading the same pages), one that cannot (``pread`` into pinned slabs, then DMA) at 26-31
-GB/s: host memory bandwidth is shared by the extra copy. Pinning the 8 GiB slot takes 0.41 s
-(``MAP_POPULATE`` 0.19 s, ``cudaHostRegister`` 0.22 s; it does not go faster on more threads), more
-than the copy itself, so it is worth doing only where it is hidden: a restarted job knows which files
-its restore will most likely read (its own newest committed step) long before the restore's
-agreement, and has seconds of process-group setup and model building to overlap it with. The pinned
-slot then stays with the tier's slot pool, so the snapshots that later reuse it pay nothing more.
+Why: a restore that copies from a pinned mapping of the slot (DMA and CRC reading the same pages)
+runs at close to pinned host-to-device speed, one that cannot (``pread`` into pinned slabs, then
+DMA) at about half of it: host memory bandwidth is shared by the extra copy. Pinning the slot
+(``MAP_POPULATE``, then ``cudaHostRegister``; it does not go faster on more threads) takes longer
+than the copy itself (measured in docs/BENCHMARKS.md, section "Memory tier, second pass"), so it is
+worth doing only where it is hidden: a restarted job knows which files its restore will most likely
+read (its own newest committed step) long before the restore's agreement, and has seconds of
+process-group setup and model building to overlap it with. The pinned slot then stays with the
+tier's slot pool, so the snapshots that later reuse it pay nothing more.
 
 Best effort: a failure (no CUDA, a step without a slot, a file gone) leaves the restore on its
 ``pread`` path. Not collective.

@@ -1,16 +1,16 @@
 """Shared-memory files that memory checkpoints are written into in place, reused step after step.
 
 Why: a memory checkpoint written as a new file allocates fresh tmpfs pages each time, and that is
-what made it slow (on the H200 host, copies into new tmpfs pages ran at 5.2 GB/s on 8 threads, into
-pages that exist at 46 GB/s; a 9.4 GB write took 5.6 s). A *slot* is one rank's data file kept
-between memory checkpoints: ``<rank dir>/.slots/slot-<i>``, holding exactly the bytes ``ckpt.save``
-would write for this rank's pieces (safetensors header, then the pieces back to back, in the
-planner's order), preallocated with ``posix_fallocate`` (a full ``/dev/shm`` is an ENOSPC at that
-point, never a SIGBUS on a mapped write), mapped shared, and registered as pinned memory when the
-pieces are on a GPU, so the snapshot's device-to-host copies land in the file itself at full DMA
-speed and no byte is copied again. A step commits by hard-linking the slot into its directory as its
-data file and writing the manifest last (:func:`ckpt.save.save_linked`); freeing the step unlinks
-it.
+what made it slow (copies into new tmpfs pages ran about an order of magnitude slower than into
+pages that exist: measured in docs/BENCHMARKS.md, section "Memory tier on one H200"). A *slot* is
+one rank's data file kept between memory checkpoints: ``<rank dir>/.slots/slot-<i>``, holding
+exactly the bytes ``ckpt.save`` would write for this rank's pieces (safetensors header, then the
+pieces back to back, in the planner's order), preallocated with ``posix_fallocate`` (a full
+``/dev/shm`` is an ENOSPC at that point, never a SIGBUS on a mapped write), mapped shared, and
+registered as pinned memory when the pieces are on a GPU, so the snapshot's device-to-host copies
+land in the file itself at full DMA speed and no byte is copied again. A step commits by
+hard-linking the slot into its directory as its data file and writing the manifest last
+(:func:`ckpt.save.save_linked`); freeing the step unlinks it.
 
 The rule that keeps committed memory checkpoints intact: a slot is written only while no step
 directory links it (``st_nlink == 1``), checked in :meth:`SlotPool.acquire`, the one place slots
@@ -311,8 +311,9 @@ class SlotPool:
 
 def _map(fd: int, size: int) -> mmap.mmap:
     """A shared mapping of ``size`` bytes of ``fd`` with its page tables filled at once
-    (``MAP_POPULATE``): on the H200 host, populating then registering 8 GiB took 0.19 + 0.22 s, the
-    registration faulting the pages in itself 0.56-0.76 s."""
+    (``MAP_POPULATE``): populating then registering is markedly faster than letting the
+    registration fault the pages in itself (measured in docs/BENCHMARKS.md, section "Memory tier,
+    second pass")."""
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 

@@ -7,8 +7,10 @@ that streams them into files, filling them on its own thread while the caller wa
 ``staged()``. The tier's background writer is ``ckpt.save`` of whole tensors (one ordinary
 checkpoint per rank), so the natural buffer here is one host tensor per piece, shaped like it,
 kept across steps while the pieces keep their keys, dtypes and shapes (the usual case: the same
-model every step). First touch of fresh memory is what makes copies slow on a CPU host (0.15-2.9
-GB/s versus 4-9 GB/s into touched memory): reuse is the point.
+model every step). First touch of fresh memory is what makes copies slow on a CPU host (several
+times slower than into touched memory: measured in docs/BENCHMARKS.md, section "Save and load,
+single process (CPU)" under Caveats, and section "Figures that code comments used to quote"): reuse
+is the point.
 
 GPU pieces are copied into pinned buffers on a side stream that starts after the work queued so far
 on the current stream; the current stream then waits for the copies (so later in-place updates,
@@ -18,7 +20,8 @@ event before writing. The training thread itself never blocks on the GPU copy.
 With ``deferred=True`` the current stream is *not* made to wait at once: the caller promises to
 call :meth:`Snapshot.staged` before anything changes the state's tensors in place (the trainer does
 it right before ``optimizer.step()``), so the copies overlap the next forward and backward instead
-of holding them up: at 55 GB/s an 8 GB state is 155 ms of copies, half a training step.
+of holding them up: an 8 GB state's copies take a large part of a training step even at pinned
+speed (measured in docs/BENCHMARKS.md, section "Memory tier on one H200", "Deferred fence").
 
 With a slot (:mod:`ckpt.tier.slots`) the buffers are the slot's views: the copies land in the
 shared-memory data file itself, and nothing is written again.
@@ -59,10 +62,10 @@ class Snapshot:
     def first_landed(self) -> None:
         """Block until the first GPU copies have landed (nothing on CPU); the background thread calls
         it before its Python work. Why: it starts while the training thread is still in
-        ``save_async``, and a thread running Python keeps the GIL for up to the switch interval (5 ms):
-        the training thread then waited to return and to launch the next step's first kernels, with
-        the GPU idle after the step's sync. The first landed copy (64 MiB, ~1 ms) lets it launch a
-        queue of work first."""
+        ``save_async``, and a thread running Python keeps the GIL for up to the switch interval
+        (``sys.getswitchinterval()``): the training thread then waited to return and to launch the
+        next step's first kernels, with the GPU idle after the step's sync. The first landed copy
+        (``LANDED_EVERY`` bytes: a short wait) lets it launch a queue of work first."""
         if self.landed:
             self._landing().wait(0)
 
@@ -98,12 +101,12 @@ class Landing:
 
     Why: the checksum threads used to poll the events themselves every 0.5 ms. A poll needs the GIL;
     while the training thread runs Python without pause (a launch-bound step) each poll waited out
-    the switch interval and then forced the training thread to hand the GIL over. On the H100 host,
-    a launch-bound step with 8 checksum threads slowed 1.05x when they started after all the copies
-    and 1.12x when each polled for its piece (docs/BENCHMARKS.md, "Memory tier, third pass"). Here the
-    GIL is taken once per event (an event every 64 MiB) by this thread and once per piece by its
-    checksum thread. ``synchronize`` spins one core (CUDA's default schedule) for the ~155 ms the
-    copies of 8 GB take."""
+    the switch interval and then forced the training thread to hand the GIL over: a launch-bound
+    step slowed clearly more when each checksum thread polled for its piece than when they all
+    started after the copies (measured in docs/BENCHMARKS.md, section "Memory tier, third pass").
+    Here the GIL is taken once per event (an event every ``LANDED_EVERY`` bytes) by this thread and
+    once per piece by its checksum thread. ``synchronize`` spins one core (CUDA's default schedule)
+    for as long as the copies take."""
 
     def __init__(self, events: list[Any]):
         self.events = list({id(ev): ev for ev in events}.values())  # distinct, in order
@@ -208,8 +211,9 @@ class HostSnapshots:
                    landed: dict[str, Any]) -> None:
         """Queue device ``dev``'s copies ``(key, host buffer, source)`` on its copy stream, after
         everything queued so far on the current stream, with an event in ``landed`` every
-        ``LANDED_EVERY`` bytes. One stream context for them all: entered per copy, it was a third of
-        the training thread's 3-5 ms per memory checkpoint of 64 tensors on the H200 host."""
+        ``LANDED_EVERY`` bytes. One stream context for them all: entered per copy, it was a sizeable
+        part of the training thread's time per memory checkpoint (measured in docs/BENCHMARKS.md,
+        section "Memory tier, second pass")."""
         stream = self._streams.get(dev)
         if stream is None:
             stream = self._streams[dev] = torch.cuda.Stream(device=dev)

@@ -152,8 +152,9 @@ def parallelize(config: ModelConfig | HybridConfig, ctx: ParallelContext, seed: 
     layout, coord = ctx.layout, ctx.coord
     hybrid = isinstance(config, HybridConfig)
     rules = rules_of(config)
-    # A CPU skeleton (its values are replaced below; 0.2 s and 0.4 GB transient for "100m"): on the
-    # meta device, nn.Embedding's init would import torch._dynamo, 2.4 s in every fresh process.
+    # A CPU skeleton (its values are replaced below; cheap, and its memory is transient): on the
+    # meta device, nn.Embedding's init would import torch._dynamo, a slow import in every fresh
+    # process (measured in docs/BENCHMARKS.md, section "Figures that code comments used to quote").
     model = HybridForCausalLM(config) if isinstance(config, HybridConfig) else MoEForCausalLM(config)
     num_experts = config.num_local_experts if isinstance(config, HybridConfig) else config.num_experts
     global_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
