@@ -1,22 +1,21 @@
 """CheckpointManager: periodic (async) saves under one root, ``latest``, ``restore``, retention, gc.
 
 Layout: ``<root>/step-<step:010d>/`` per checkpoint. ``latest`` is found by listing and reading
-manifests, never from a pointer file that could lie. A save in progress holds a lease file
-``<dir>/.writing`` (host, pid, time) so that ``gc`` never removes a directory a live save is writing.
+manifests, never from a pointer file that could lie. Every rank of a save takes its own lease
+(``<dir>/.writing-<rank>-...``, :mod:`ckpt.lease`) before it writes anything there and drops it when
+the save is over, so ``gc`` never touches a directory a live save is writing, however skewed the ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
-import socket
-import time
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpt import lease as leases
 from ckpt import transaction
 from ckpt.async_save import AsyncSaver, SaveHandle
 from ckpt.comm import Comm
@@ -32,9 +31,9 @@ if TYPE_CHECKING:
     from ckpt.tier import MemoryHandle, MemoryTier, TierRestore
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-LEASE = ".writing"
+LEASE = leases.LEGACY  # the single lease of older versions (still honoured); leases are per writer now
 LINEAGE = ".ckpt-lineage"  # at the root: a token of its life (the memory tier's guard against stale copies)
-LEASE_GRACE_S = 3600.0  # a lease from another host counts as live for this long
+LEASE_GRACE_S = leases.LEASE_GRACE_S  # a lease gc cannot check (another machine) counts as live this long
 
 
 def step_dir(step: int) -> str:
@@ -49,15 +48,16 @@ class CheckpointInfo:
     ``status``: ``committed`` (manifest present and readable), ``incomplete`` (no manifest: an
     unfinished save), ``unreadable`` (a manifest this ckpt cannot read: damaged, a newer format, not
     a regular file), ``foreign`` (no manifest, and files no writer of ours makes), ``link`` (a
-    symlink to a directory elsewhere). Only ``incomplete`` entries with no live lease, and committed
-    ones retention drops, are ever removed; ``note`` says why an entry is kept.
+    symlink to a directory elsewhere). ``live``: a running save holds a lease there (or a commit is in
+    flight), committed or not; gc touches nothing in it. Only ``incomplete`` entries and committed
+    ones retention drops, neither live, are ever removed; ``note`` says why an entry is kept.
     """
 
     step: int
     name: str
     url: str
     committed: bool
-    live: bool  # an incomplete directory that a running save still holds a lease on
+    live: bool  # a running save holds a lease on it (see ckpt.lease): gc leaves it alone
     bytes: int
     mtime: float
     status: str = ""  # derived from ``committed`` when not given
@@ -70,7 +70,7 @@ class CheckpointInfo:
     @property
     def removable(self) -> bool:
         """Whether gc may ever delete this entry (only our own checkpoints and unfinished saves)."""
-        return self.status == "committed" or (self.status == "incomplete" and not self.live)
+        return self.status in ("committed", "incomplete") and not self.live
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "name": self.name, "url": self.url, "committed": self.committed,
@@ -78,35 +78,19 @@ class CheckpointInfo:
                 "note": self.note}
 
 
-def _lease_live(data: bytes) -> bool:
-    try:
-        lease = json.loads(data)
-        host, pid, t = lease["host"], int(lease["pid"]), float(lease["time"])
-    except (ValueError, KeyError, TypeError):
-        return False
-    if host == socket.gethostname():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return time.time() - t < LEASE_GRACE_S
-
-
-def list_checkpoints(root: str, storage_options: dict[str, Any] | None = None, *,
-                     missing_ok: bool = False) -> list[CheckpointInfo]:
+def list_checkpoints(root: str, storage_options: dict[str, Any] | None = None, *, missing_ok: bool = False,
+                     lease_grace_s: float = LEASE_GRACE_S) -> list[CheckpointInfo]:
     """Every ``step-N`` directory under ``root``, oldest first, with its status and size.
 
-    Raises StorageError when ``root`` is a local path that is not a directory, or does not exist
-    (unless ``missing_ok``: a manager's root before its first save).
+    ``lease_grace_s``: how long a lease gc cannot check (written on another machine) counts as live
+    (:mod:`ckpt.lease`). Raises StorageError when ``root`` is a local path that is not a directory, or
+    does not exist (unless ``missing_ok``: a manager's root before its first save).
     """
     storage = get_storage(root, **(storage_options or {}))
     try:
         if not (missing_ok and _local_dir(storage, "") is not None and not os.path.lexists(storage.url)):
             _check_root(storage)
-        return _list(storage, root)
+        return _list(storage, root, lease_grace_s)
     finally:
         storage.close()
 
@@ -125,7 +109,7 @@ def _local_dir(storage: Storage, name: str) -> str | None:
     return None
 
 
-def _list(storage: Storage, root: str) -> list[CheckpointInfo]:
+def _list(storage: Storage, root: str, grace_s: float = LEASE_GRACE_S) -> list[CheckpointInfo]:
     groups: dict[str, list[str]] = {}
     links: set[str] = set()
     local_root = getattr(storage, "root", None)
@@ -158,7 +142,10 @@ def _list(storage: Storage, root: str) -> list[CheckpointInfo]:
             out.append(info)
             continue
         info.bytes = sum(_size(storage, f) for f in fs)
-        if f"{name}/{MANIFEST_NAME}" in fs:
+        rel = [f[len(name) + 1:] for f in fs]
+        held = leases.storage_survey(storage, name, rel, grace_s=grace_s)
+        info.live, info.note = held.busy, held.note()
+        if MANIFEST_NAME in rel:
             try:
                 decode_manifest(storage.read_file(f"{name}/{MANIFEST_NAME}"))
                 info.committed, info.status = True, "committed"
@@ -166,12 +153,7 @@ def _list(storage: Storage, root: str) -> list[CheckpointInfo]:
                 info.status, info.note = "unreadable", f"kept: {e}"
         else:
             info.status = "incomplete"
-            if f"{name}/{LEASE}" in fs:
-                try:
-                    info.live = _lease_live(storage.read_file(f"{name}/{LEASE}"))
-                except CheckpointError:
-                    info.live = False
-            odd = transaction.foreign_files([f[len(name) + 1:] for f in fs], None)
+            odd = transaction.foreign_files([f for f in rel if not leases.is_lease(f)], None)
             if odd:
                 info.status, info.note = "foreign", f"kept: holds files no ckpt writer makes ({', '.join(odd[:3])})"
         out.append(info)
@@ -206,33 +188,69 @@ def _mtime(storage: Storage, name: str) -> float:
     return 0.0
 
 
-def _remove(storage: Storage, info: CheckpointInfo) -> None:
+def _files_of(storage: Storage, name: str) -> list[str]:
+    """Paths (relative to the step directory) of every file under it, now."""
+    if _local_dir(storage, name) is not None:
+        return [f[len(name) + 1:] for f in _walk(storage, name)]
+    return [f[len(name) + 1:] for f in storage.list(name + "/")]
+
+
+def _newcomers(storage: Storage, name: str, seen: set[str]) -> bool:
+    """Whether a lease, a temp file or a manifest not in ``seen`` is in the directory now: a writer
+    arrived after gc looked (its lease comes before its first byte), so gc backs off."""
+    d = _local_dir(storage, name)
+    if d is not None:
+        try:
+            now = os.listdir(d)
+        except OSError:
+            return False
+    else:
+        now = [f[len(name) + 1:] for f in storage.list(name + "/")]
+    return any((leases.is_protected_name(f) or f == MANIFEST_NAME) and f not in seen for f in now)
+
+
+def _remove(storage: Storage, info: CheckpointInfo, grace_s: float = LEASE_GRACE_S) -> bool:
     """Delete one of our entries: the manifest first (what is left is an unfinished save), then only
-    the files the manifest lists and our writers' scaffolding, then empty directories. Anything
-    else in the directory stays."""
+    the files the manifest lists and our writers' data and scaffolding, then the stale leases, then
+    empty directories. Anything else in the directory stays. Returns whether it was removed.
+
+    Leases make this safe against writers running now: every writer's lease exists before its first
+    byte, so after taking the listing gc looks again; a lease (or manifest) it did not see means a
+    writer came, and gc leaves the directory. A live lease or temp file is never deleted."""
     name = info.name
     if not info.removable:
-        return
-    files = _walk(storage, name) if _local_dir(storage, name) is not None else storage.list(name + "/")
-    rel = [f[len(name) + 1:] for f in files]
+        return False
+    rel = _files_of(storage, name)
+    held = leases.storage_survey(storage, name, rel, grace_s=grace_s)
+    seen = set(rel)
+    if held.busy or _newcomers(storage, name, seen) or (MANIFEST_NAME in seen) != (info.status == "committed"):
+        return False  # a save holds it, or it changed since it was listed: leave it for the next gc
     listed: set[str] = set()
     if info.status == "committed":
         try:
             listed = set(decode_manifest(storage.read_file(f"{name}/{MANIFEST_NAME}")).files)
         except CheckpointError:
-            return  # changed since it was listed: leave it for the next gc
+            return False  # changed since it was listed: leave it for the next gc
         storage.delete(f"{name}/{MANIFEST_NAME}")
-    ours = set(rel) - set(transaction.foreign_files(rel, None)) - {MANIFEST_NAME}
-    for f in sorted((listed & set(rel)) | ours):
+    plain = [f for f in rel if not leases.is_protected_name(f)]
+    ours = set(plain) - set(transaction.foreign_files(plain, None)) - {MANIFEST_NAME}
+    for f in sorted((listed & set(plain)) | ours):
         if f in listed and not transaction.in_data_area(f):
             continue  # a hostile manifest cannot make gc delete anything outside the data area
         with contextlib.suppress(CheckpointError):  # e.g. a symlink leading outside: left, reported by ls
             storage.delete(f"{name}/{f}")
+    # stale temp files, then stale leases: the lease of a dead writer goes last
+    for f in sorted(held.stale, key=leases.is_lease):
+        with contextlib.suppress(CheckpointError):
+            storage.delete(f"{name}/{f}")
     d = _local_dir(storage, name)
     if d is not None:
-        for dirpath, _dirs, _files in sorted(os.walk(d, topdown=False), key=lambda t: -len(t[0])):
+        for dirpath in sorted((t[0] for t in os.walk(d, topdown=False)), key=len, reverse=True):
+            if _newcomers(storage, name, set()):
+                break  # a save started here meanwhile: keep its directories
             with contextlib.suppress(OSError):
                 os.rmdir(dirpath)
+    return True
 
 
 def select_removals(infos: list[CheckpointInfo], keep_last: int | None, keep_every: int | None,
@@ -257,31 +275,34 @@ def select_removals(infos: list[CheckpointInfo], keep_last: int | None, keep_eve
 
 
 def gc(root: str, *, keep_last: int | None = None, keep_every: int | None = None, dry_run: bool = False,
-       storage_options: dict[str, Any] | None = None, spare_after_step: int | None = None) -> list[CheckpointInfo]:
+       storage_options: dict[str, Any] | None = None, spare_after_step: int | None = None,
+       lease_grace_s: float = LEASE_GRACE_S) -> list[CheckpointInfo]:
     """Remove unfinished saves (no manifest, no live lease, only our files) and, with ``keep_last``,
     old committed checkpoints; report-and-keep everything else (see :class:`CheckpointInfo`).
 
-    ``spare_after_step``: never touch steps above it (a save of a later step may be starting on
-    other ranks before its lease exists). Returns what was (or, with ``dry_run``, would be) removed.
-    Raises StorageError when ``root`` is a local path that does not exist.
+    A directory any live save holds a lease on is never touched, committed or not; a lease or temp
+    file is deleted only with a directory whose writers are all gone (:mod:`ckpt.lease` says how
+    that is decided; ``lease_grace_s``: how long a lease written on another machine counts as live).
+    ``spare_after_step``: never touch steps above it (retention after a commit spares later saves).
+    Returns what was removed (with ``dry_run``: what would be). Raises StorageError when ``root`` is
+    a local path that does not exist.
     """
     storage = get_storage(root, **(storage_options or {}))
     try:
         _check_root(storage)
-        return _gc(storage, root, keep_last, keep_every, dry_run, spare_after_step)
+        return _gc(storage, root, keep_last, keep_every, dry_run, spare_after_step, lease_grace_s)
     finally:
         storage.close()
 
 
 def _gc(storage: Storage, root: str, keep_last: int | None, keep_every: int | None, dry_run: bool,
-        spare_after_step: int | None) -> list[CheckpointInfo]:
-    infos = _list(storage, root)
+        spare_after_step: int | None, grace_s: float = LEASE_GRACE_S) -> list[CheckpointInfo]:
+    infos = _list(storage, root, grace_s)
     protect = {c.step for c in infos if spare_after_step is not None and c.step > spare_after_step}
     doomed = select_removals(infos, keep_last, keep_every, protect)
-    if not dry_run:
-        for c in doomed:
-            _remove(storage, c)
-    return doomed
+    if dry_run:
+        return doomed
+    return [c for c in doomed if _remove(storage, c, grace_s)]
 
 
 class CheckpointManager:
@@ -316,6 +337,9 @@ class CheckpointManager:
     nodes; default ``$CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE`` grouping), ``memory_timeout`` (s),
     ``memory_busy`` (``wait``: a memory checkpoint due while the previous one still runs waits for it;
     ``skip``: it is skipped, see :class:`ckpt.tier.TierConfig`).
+
+    ``lease_grace_s``: how long this manager's gc (at start and in retention) counts a lease written
+    on another machine as live (:mod:`ckpt.lease`; same-machine leases are checked exactly).
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = 3, keep_every: int | None = None,
@@ -324,7 +348,8 @@ class CheckpointManager:
                  max_staging_bytes: int | None = None,
                  memory_every: int | None = None, replicas: int = 1, memory_keep: int = 1,
                  shm_dir: str | None = None, run_id: str | None = None, node: int | None = None,
-                 nodes: int | None = None, memory_timeout: float = 120.0, memory_busy: str = "wait"):
+                 nodes: int | None = None, memory_timeout: float = 120.0, memory_busy: str = "wait",
+                 lease_grace_s: float = LEASE_GRACE_S):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
         self.root = root_url.rstrip("/")
@@ -334,6 +359,7 @@ class CheckpointManager:
         self.group = group
         self.policy = policy
         self.storage_options = storage_options or {}
+        self.lease_grace_s = lease_grace_s
         check_cap(max_staging_bytes)
         self.max_staging_bytes = max_staging_bytes  # async saves: host staging memory cap (a ring below it)
         self._saver = AsyncSaver(group)
@@ -360,7 +386,7 @@ class CheckpointManager:
             # save of a process plans collectively, so it waits for the coordinator to get here.
             storage = get_storage(self.root, **self.storage_options)
             try:
-                _gc(storage, self.root, None, None, False, None)
+                _gc(storage, self.root, None, None, False, None, lease_grace_s)
             finally:
                 storage.close()
 
@@ -380,58 +406,46 @@ class CheckpointManager:
         async one puts them on the handle (``h.stats``).
         """
         url = self.url_for(step)
-        if self._rank == 0:
-            self._write_lease(step)
+        # This rank's own lease, before it writes a byte there: gc leaves the directory alone from
+        # the first byte any rank writes, whatever the skew between ranks (no collective needed).
+        held = leases.acquire(url, self._rank, self.storage_options)
         if not self.async_save:
-            m = save(state, url, group=self.group, step=step, user_metadata=user_metadata, layout=layout,
-                     storage_options=self.storage_options, overwrite=overwrite, stats=stats)
-            self._after_commit(m)
+            try:
+                m = save(state, url, group=self.group, step=step, user_metadata=user_metadata, layout=layout,
+                         storage_options=self.storage_options, overwrite=overwrite, stats=stats)
+            except BaseException:
+                held.release(tidy=True)  # only this rank's lease: never another writer's
+                raise
+            if self._rank == 0:
+                self._after_commit(m, held)
+            else:
+                held.release()
             return m
         try:
             self._last = self._saver.save(state, url, step=step, user_metadata=user_metadata, layout=layout,
                                           overwrite=overwrite,
                                           storage_options=self.storage_options, policy=self.policy,
-                                          on_commit=self._after_commit, max_staging_bytes=self.max_staging_bytes,
-                                          on_error=lambda e: self._drop_lease(step) if self._rank == 0 else None)
+                                          on_commit=lambda m: self._after_commit(m, held),
+                                          max_staging_bytes=self.max_staging_bytes,
+                                          on_error=lambda e: held.release(tidy=True), on_done=held.release)
         except BaseException:
-            if self._rank == 0:
-                self._drop_lease(step)  # nothing is writing there: let gc collect what is left
+            held.release(tidy=True)  # nothing of this rank is writing there
             raise
-        if self._last.skipped and self._rank == 0:
-            self._drop_lease(step)
+        if self._last.skipped:
+            held.release(tidy=True)
         return self._last
 
-    def _drop_lease(self, step: int) -> None:
-        storage = get_storage(self.url_for(step), **self.storage_options)
-        try:
-            storage.delete(LEASE)
-        except CheckpointError:
-            pass
-        finally:
-            storage.close()
-
-    def _write_lease(self, step: int) -> None:
-        lease = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
-        storage = get_storage(self.url_for(step), **self.storage_options)
-        try:
-            storage.commit(LEASE, lease)
-        finally:
-            storage.close()
-
-    def _after_commit(self, m: Manifest) -> None:
-        """Drop the lease and apply retention. The checkpoint is committed already: a failure here
-        is a warning (kept in ``retention_errors``), never the save's failure."""
+    def _after_commit(self, m: Manifest, held: leases.Lease | None = None) -> None:
+        """Drop this rank's lease (``held``) and apply retention (the coordinator). The checkpoint
+        is committed already: a failure here is a warning (kept in ``retention_errors``), never the
+        save's failure."""
         assert m.step is not None
         try:
-            storage = get_storage(self.url_for(m.step), **self.storage_options)
-            try:
-                storage.delete(LEASE)
-            finally:
-                storage.close()
-            # Later steps may be starting already (with a cached plan, other ranks write before the
-            # coordinator's lease exists): spare them.
+            if held is not None:
+                held.release()
+            # Later steps may be starting already: spare them (their writers' leases protect them too).
             gc(self.root, keep_last=self.keep_last, keep_every=self.keep_every, storage_options=self.storage_options,
-               spare_after_step=m.step)
+               spare_after_step=m.step, lease_grace_s=self.lease_grace_s)
         except Exception as e:  # noqa: BLE001 - retention is best effort after a successful commit
             msg = f"step {m.step} is committed, but retention under {self.root} failed: {e}"
             self.retention_errors.append(msg)
@@ -446,7 +460,7 @@ class CheckpointManager:
 
     def list(self) -> list[CheckpointInfo]:
         """All checkpoint directories under the root, oldest first."""
-        return list_checkpoints(self.root, self.storage_options, missing_ok=True)
+        return list_checkpoints(self.root, self.storage_options, missing_ok=True, lease_grace_s=self.lease_grace_s)
 
     def latest(self) -> str | None:
         """URL of the newest committed checkpoint (manifest present and readable), or None."""

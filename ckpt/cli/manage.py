@@ -8,9 +8,12 @@ import typer
 from rich.table import Table
 
 from ckpt.cli.common import console, handle_errors, human_bytes, parse_storage_options, print_json
-from ckpt.manager import gc, list_checkpoints
+from ckpt.manager import LEASE_GRACE_S, gc, list_checkpoints
 
 StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
+LeaseGrace = typer.Option(LEASE_GRACE_S, "--lease-grace", min=0,
+                          help="seconds a save's lease written on another machine counts as live (same-machine "
+                               "leases are checked exactly: live while their process runs)")
 
 
 def _age(mtime: float) -> str:
@@ -32,10 +35,12 @@ def ls_cmd(
                                 help="also list the run's memory tier (node-local shared memory copies)"),
     shm_dir: str | None = typer.Option(None, "--shm-dir",
                                        help="memory tier base directory (default $CKPT_SHM_DIR or /dev/shm)"),
+    lease_grace: float = LeaseGrace,
 ) -> None:
-    """List checkpoints under ROOT: step, committed or not, size, age; then the memory tier's copies
-    of the runs saving to ROOT on this host (own copies and replicas kept for peer nodes)."""
-    infos = list_checkpoints(root, parse_storage_options(storage_option))
+    """List checkpoints under ROOT: step, committed or not (``writing``: a save holds a lease on it),
+    size, age; then the memory tier's copies of the runs saving to ROOT on this host (own copies and
+    replicas kept for peer nodes)."""
+    infos = list_checkpoints(root, parse_storage_options(storage_option), lease_grace_s=lease_grace)
     mem = []
     if memory:
         from ckpt.tier import list_memory
@@ -51,7 +56,10 @@ def ls_cmd(
         status = "writing" if c.live else c.status
         state = f"[{colors.get(status, 'yellow')}]{status}[/]"
         table.add_row(str(c.step), state, human_bytes(c.bytes), _age(c.mtime), c.url, c.note)
-    console.print(table)
+    if infos:
+        console.print(table)
+    else:  # an empty table says nothing: say what was looked for
+        console.print(f"no checkpoints under {root} (no step-N directories)", highlight=False, markup=False)
     if mem:
         mtable = Table("step", "node", "rank", "copy", "state", "size", "path", "note",
                        title=f"memory tier (run {', '.join(sorted({m.run_id for m in mem}))})")
@@ -76,14 +84,21 @@ def gc_cmd(
                                        help="memory tier base directory (default $CKPT_SHM_DIR or /dev/shm)"),
     min_age: float = typer.Option(300.0, "--min-age", min=0,
                                   help="with --memory: only what nothing touched for this many seconds"),
+    lease_grace: float = LeaseGrace,
 ) -> None:
     """Remove unfinished saves of ours and, with --keep-last, old committed ones. Entries gc cannot
-    prove are ours (unreadable manifest, foreign files, symlinks) are reported and kept. With
-    --memory: memory-tier copies of a root emptied or replaced since, of another run id or world
-    size, incomplete ones and leftover views (see ckpt.tier.gc_memory)."""
+    prove are ours (unreadable manifest, foreign files, symlinks) are reported and kept, and so is
+    every directory a running save holds a lease on (safe to run while jobs save). With
+    --memory: memory-tier copies of a root emptied or replaced since, of another run id, of another
+    world size once a newer step of the run's newest job is complete (until then a resharding
+    restore can use them), incomplete ones and leftover views; never a run whose job is alive on
+    this host, never through a link (see ckpt.tier.gc_memory)."""
     opts = parse_storage_options(storage_option)
-    doomed = gc(root, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run, storage_options=opts)
-    kept = [c for c in list_checkpoints(root, opts) if not c.removable]
+    doomed = gc(root, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run, storage_options=opts,
+                lease_grace_s=lease_grace)
+    after = list_checkpoints(root, opts, lease_grace_s=lease_grace)
+    kept = [c for c in after if c.status not in ("committed", "incomplete")]
+    live = [c for c in after if c.live and c.status in ("committed", "incomplete")]
     mem = []
     if memory:
         from ckpt.tier import gc_memory
@@ -91,11 +106,14 @@ def gc_cmd(
         mem = gc_memory(root, shm_dir, min_age=min_age, dry_run=dry_run)
     if json_out:
         print_json({"dry_run": dry_run, "removed": [c.to_dict() for c in doomed],
-                    "kept_not_ours": [c.to_dict() for c in kept], "memory_removed": [m.to_dict() for m in mem]})
+                    "kept_not_ours": [c.to_dict() for c in kept], "kept_writing": [c.to_dict() for c in live],
+                    "memory_removed": [m.to_dict() for m in mem]})
         return
     verb = "would remove" if dry_run else "removed"
     for c in kept:
         console.print(f"kept {c.url} ({c.status}: {c.note})", highlight=False, markup=False)
+    for c in live:
+        console.print(f"kept {c.url} (writing: {c.note})", highlight=False, markup=False)
     for c in doomed:
         console.print(f"{verb} {c.url} ({'committed' if c.committed else 'incomplete'}, {human_bytes(c.bytes)})",
                       highlight=False)

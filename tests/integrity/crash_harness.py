@@ -235,8 +235,10 @@ def _instrument(p: _Probe) -> None:
 
     _wrap(manager_mod.CheckpointManager, "_after_commit", retention)
 
+    lease_mod = importlib.import_module("ckpt.lease")
+
     def delete(_self: Any, path: str) -> None:
-        if path == manager_mod.LEASE:
+        if lease_mod.is_lease(path):  # each rank's own lease (ckpt.lease), dropped after the commit
             p.point("lease-delete")
 
     _wrap(local_mod.LocalStorage, "delete", delete)
