@@ -199,6 +199,10 @@ class Prepared:
     cached: bool = False
     stats: dict[str, float] = field(default_factory=dict)
     compression: Codec | None = None  # this rank's data file codec (ckpt.codec); None: safetensors
+    # coordinator on the cached path: an error found before any write (the checkpoint exists, the
+    # old manifest is damaged); it writes nothing and delivers it in the commit exchange, the one
+    # exchange the other ranks (also cached) take, so every rank raises it at once
+    refused: dict[str, Any] | None = None
 
 
 def resolve_compression(compression: Any, data_format: str) -> Codec | None:
@@ -233,23 +237,25 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
     except Exception as e:  # noqa: BLE001 - any failure reaches every rank as a typed error naming this one
         err = error_payload(e, comm.who)
     previous: Manifest | None = None
+    refused: dict[str, Any] | None = None
     if comm.rank == 0 and err is None:
         try:
             previous = transaction.begin(storage, overwrite=overwrite)
         except Exception as e:  # noqa: BLE001
-            err = error_payload(e, None)
+            err = refused = error_payload(e, None)
     common = dict(decl=decl, fingerprint=fp, previous=previous, step=step, user_metadata=user_metadata,
                   layout=layout, overwrite=overwrite, data_format=data_format, compression=compression)
     # zarr chunk names are fixed by zarr; each save gets a fresh tree chosen by the coordinator, so
     # zarr saves always plan (no cached plan to skip the exchange).
-    if (err is None and cache is not None and cache.fingerprint == fp and cache.assignment is not None
-            and data_format != "zarr"):
+    if ((err is None or err is refused) and cache is not None and cache.fingerprint == fp
+            and cache.assignment is not None and data_format != "zarr"):
         # Steady state: same structure as last time on this rank; no exchange. The commit report
-        # carries the fingerprint so the coordinator can refuse a mismatch.
+        # carries the fingerprint so the coordinator can refuse a mismatch. A refusal found by the
+        # coordinator alone takes this path too: the other ranks cannot know of it before the commit.
         cache.hits += 1
         common["decl"], keep = tied.without(decl, cache.aliases)
         return Prepared(cache.assignment, [sources[i] for i in keep], plan=cache.plan, cached=True,
-                        aliases=cache.aliases, **common)  # type: ignore[arg-type]
+                        aliases=cache.aliases, refused=refused, **common)  # type: ignore[arg-type]
     if cache is not None:
         cache.clear()
     payload = err or {"phase": "plan", "decl": decl.to_wire(), "fp": fp}
@@ -313,6 +319,8 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
     The file gets a fresh name chosen here (``data/<rank>-<random>.safetensors``), so a save never
     writes into a file that a committed checkpoint may reference (overwrite stays crash-safe).
     """
+    if prep.refused is not None:
+        return prep.refused  # nothing written: the commit exchange delivers it to every rank
     a = prep.assignment
     base = persisted(prep, None)["ok"]
     try:
@@ -402,6 +410,8 @@ def persist_staged(storage: Storage, prep: Prepared, stager: Stager, who: int | 
 def _persist_from_gpu(storage: Storage, prep: Prepared, who: int | None) -> dict[str, Any]:
     """A synchronous save of GPU tensors: device-to-host copies into a small pinned ring
     (``SYNC_RING`` bytes) on a staging thread, overlapped with writing what is already on the host."""
+    if prep.refused is not None:
+        return prep.refused
     views = staged_views(prep)
     stager = Stager(StagingPool(), views, [e.piece for e in prep.assignment.entries], cap=SYNC_RING)
     thread = threading.Thread(target=stager.run, args=({},), name="ckpt-stage", daemon=True)

@@ -582,8 +582,6 @@ _OP = st.tuples(st.sampled_from(["save", "save", "fail0", "fail1", "exists", "ov
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(_OP, min_size=2, max_size=5), async_save=st.booleans())
 def test_two_ranks_with_random_skew_and_a_concurrent_gc(tmp_path, ops, async_save):
-    if async_save:  # an async save into an existing step hangs with a cached plan: see the xfail below
-        ops = [("overwrite" if k == "exists" else k, a, b) for k, a, b in ops]
     root = str(tmp_path / f"r{uuid.uuid4().hex}")  # tmp_path is shared by the examples
     report = root + ".json"
     run_ranks(2, _program_ranks, root, ops, async_save, report)
@@ -603,13 +601,18 @@ def _exists_async(rank: int, world: int, root: str) -> None:
     saver = AsyncSaver(timeout=3)
     piece = ckpt.Shard(torch.ones(4, 8), (8, 8), (rank * 4, 0))
     saver.save({"w": piece}, root, step=1).done()
-    with pytest.raises(ckpt.CheckpointExistsError):  # with the bug: CollectiveError after the timeout
+    with pytest.raises(ckpt.CheckpointExistsError):  # not a CollectiveError after the timeout
         saver.save({"w": piece}, root, step=1).done()
+    with pytest.raises(ckpt.CheckpointExistsError):  # the synchronous path, cached too
+        ckpt.save({"w": piece}, root, step=1)
 
 
 @pytest.mark.multiproc
-@pytest.mark.xfail(strict=True, reason="open (save.prepare, not the lease's): with a cached plan only the "
-                   "coordinator sees the existing checkpoint; it re-plans while the other ranks go straight to "
-                   "the commit on the async side group, and both wait out the timeout")
 def test_async_save_into_an_existing_step_with_a_cached_plan_fails_fast(tmp_path):
-    run_ranks(2, _exists_async, str(tmp_path / "a"))
+    """Only the coordinator sees the existing checkpoint; with a cached plan the other ranks go
+    straight to the commit, so the coordinator delivers its refusal there (save.Prepared.refused):
+    every rank raises CheckpointExistsError at once and no rank's file is left in the step."""
+    root = str(tmp_path / "a")
+    run_ranks(2, _exists_async, root)
+    m = ckpt.inspect(root)
+    assert sorted(os.listdir(os.path.join(root, "data"))) == sorted(f.split("/", 1)[1] for f in m.files)
