@@ -75,7 +75,7 @@ def machine_id() -> str:
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=4).hexdigest()
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (Linux), or None when unknown."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -85,7 +85,9 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _pid_alive(pid: int, start: int | None) -> bool:
+def process_alive(pid: int, start: int | None) -> bool:
+    """Whether process ``pid`` of this machine still runs (False once gone, or its pid taken by a
+    process started after ``start``, in clock ticks since boot; None: not checked)."""
     if pid <= 0:
         return False
     try:
@@ -95,7 +97,7 @@ def _pid_alive(pid: int, start: int | None) -> bool:
     except PermissionError:
         pass  # exists, another user's
     if start is not None:
-        now = _start_time(pid)
+        now = start_time(pid)
         if now is not None and now != start:
             return False  # the pid was reused by a process started later
     return True
@@ -138,7 +140,7 @@ def acquire(url: str, rank: int, storage_options: dict[str, Any] | None = None) 
     opts = dict(storage_options or {})
     name = f"{PREFIX}{rank:05d}-{os.getpid()}-{machine_id()}-{uuid.uuid4().hex[:8]}"
     data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "rank": rank,
-                       "start": _start_time(os.getpid()), "machine": machine_id()}).encode()
+                       "start": start_time(os.getpid()), "machine": machine_id()}).encode()
     storage = get_storage(url, **opts)
     try:
         for attempt in range(_ACQUIRE_TRIES):
@@ -214,7 +216,7 @@ def judge(name: str, data: bytes | None, mtime: float | None, *, now: float | No
         pid, machine = int(m.group(2)), m.group(3)
         if machine == machine_id():
             start = lease.get("start") if lease else None
-            alive = _pid_alive(pid, start if isinstance(start, int) else None)
+            alive = process_alive(pid, start if isinstance(start, int) else None)
             return alive, True, f"pid {pid} on this machine {'runs' if alive else 'is gone'}"
         live, why = _by_age(written, now, grace_s, f"pid {pid} on another machine")
         return live, False, why
@@ -224,7 +226,7 @@ def judge(name: str, data: bytes | None, mtime: float | None, *, now: float | No
         return live, False, why
     pid = int(_num(lease, "pid") or 0)
     if lease["host"] == socket.gethostname():
-        alive = _pid_alive(pid, None)
+        alive = process_alive(pid, None)
         return alive, True, f"pid {pid} on this host {'runs' if alive else 'is gone'}"
     live, why = _by_age(written, now, grace_s, f"pid {pid} on {lease['host']}")
     return live, False, why

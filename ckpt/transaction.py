@@ -40,6 +40,7 @@ from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ckpt import lease
 from ckpt.errors import CheckpointError, CheckpointExistsError, ManifestError, ManifestIntegrityError, StateError
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest, check_relpath
 from ckpt.storage import Storage
@@ -53,7 +54,7 @@ OUR_SCAFFOLD = re.compile(
     r"^(\.reshard/[0-9a-f]{12}-\d{5}(-[0-9a-f]{12})?\.done|\.writing(-\d+-\d+-[0-9a-f]{8}-[0-9a-f]{8})?"
     r"|(.*/)?[^/]+\.tmp\.\d+(\.\d+)?)$")  # leases: ckpt.lease (one per writer since issue 36)
 ID_LEN = 12  # hex digits of a random id: 48 bits, no collision between writers in practice
-WRITER_GRACE_S = 3600.0  # a writer on another host counts as alive this long after its record's time
+WRITER_GRACE_S = lease.LEASE_GRACE_S  # a writer on another machine counts as alive this long
 
 
 def new_id() -> str:
@@ -128,13 +129,16 @@ _LIVE_LOCK = threading.Lock()
 
 @contextmanager
 def live_writer() -> Iterator[dict[str, Any]]:
-    """This process's identity as one writer (``{"host", "pid", "token", "time"}``) for records it
-    leaves on storage (reshard markers): while the block runs, :func:`writer_gone` says False for it."""
+    """This process's identity as one writer (``{"host", "machine", "pid", "start", "token", "time"}``)
+    for records it leaves on storage (reshard markers): while the block runs, :func:`writer_gone`
+    says False for it. The liveness rules are the leases' (:mod:`ckpt.lease`): one check, two users."""
     token = new_id()
     with _LIVE_LOCK:
         _LIVE.add(token)
     try:
-        yield {"host": socket.gethostname(), "pid": os.getpid(), "token": token, "time": time.time()}
+        pid = os.getpid()
+        yield {"host": socket.gethostname(), "machine": lease.machine_id(), "pid": pid,
+               "start": lease.start_time(pid), "token": token, "time": time.time()}
     finally:
         with _LIVE_LOCK:
             _LIVE.discard(token)
@@ -142,25 +146,23 @@ def live_writer() -> Iterator[dict[str, Any]]:
 
 def writer_gone(record: Any) -> bool:
     """True only when the writer of ``record`` (from :func:`live_writer`) provably cannot touch its
-    files again: a writer of this process that has returned, or a process of this host that no longer
-    exists; a writer on another host after ``WRITER_GRACE_S``. Anything unreadable: False (keep hands off).
+    files again: a writer of this process that has returned, a process of this machine that no longer
+    runs (:func:`ckpt.lease.process_alive`, pid reuse included); a writer elsewhere once its record
+    is older than ``lease.LEASE_GRACE_S``. Anything unreadable: False (keep hands off).
     """
     try:
         host, pid, token, t = record["host"], int(record["pid"]), str(record["token"]), float(record["time"])
     except (TypeError, KeyError, ValueError):
         return False
-    if host != socket.gethostname():
+    machine, start = record.get("machine"), record.get("start")
+    if machine is None and host == socket.gethostname():
+        machine = lease.machine_id()  # a record of an older version: same host taken as same machine
+    if machine != lease.machine_id():
         return time.time() - t > WRITER_GRACE_S
     if pid == os.getpid():
         with _LIVE_LOCK:
             return token not in _LIVE
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError, ValueError):
-        return False  # someone's process (or no valid pid): cannot tell
-    return False  # alive (or a zombie, or the pid reused): cannot tell
+    return not lease.process_alive(pid, start if isinstance(start, int) else None)
 
 
 def in_data_area(path: str) -> bool:

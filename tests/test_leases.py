@@ -178,10 +178,10 @@ def test_gc_never_touches_a_live_lease_or_temp_file(tmp_path):
 def test_lease_staleness_rule(tmp_path):
     now = time.time()
     mine = f"{lease.PREFIX}00000-{os.getpid()}-{lease.machine_id()}-00000000"
-    me = json.dumps({"pid": os.getpid(), "time": now, "start": lease._start_time(os.getpid())}).encode()
+    me = json.dumps({"pid": os.getpid(), "time": now, "start": lease.start_time(os.getpid())}).encode()
     assert lease.judge(mine, me, now)[:2] == (True, True)  # this machine: checked exactly, however old
     assert lease.judge(mine, me, now - 10 * lease.LEASE_GRACE_S, now=now)[0]
-    reused = json.dumps({"pid": os.getpid(), "start": (lease._start_time(os.getpid()) or 0) + 1}).encode()
+    reused = json.dumps({"pid": os.getpid(), "start": (lease.start_time(os.getpid()) or 0) + 1}).encode()
     assert lease.judge(mine, reused, now)[:2] == (False, True)  # the pid now belongs to a later process
     gone = f"{lease.PREFIX}00000-{DEAD_PID}-{lease.machine_id()}-00000000"
     assert lease.judge(gone, None, None)[:2] == (False, True)
