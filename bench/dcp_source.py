@@ -13,14 +13,12 @@ import argparse
 import json
 import math
 import os
-import socket
 import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ckpt
 from bench.common import (
@@ -35,12 +33,7 @@ from bench.common import (
     timed_collective,
 )
 from bench.multirank import _shapes
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from bench.ranks import gloo_ranks
 
 
 def _state(world: int, shapes: list[tuple[int, int]], dim: int, fill: bool) -> dict[str, Any]:
@@ -53,23 +46,18 @@ def _state(world: int, shapes: list[tuple[int, int]], dim: int, fill: bool) -> d
                                                  [Shard(dim)]) for i, s in enumerate(shapes)}}
 
 
-def _save_main(rank: int, world: int, port: int, shapes: list[tuple[int, int]], d: str) -> None:
+def _save_main(rank: int, world: int, shapes: list[tuple[int, int]], d: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     dcp.save(_state(world, shapes, 0, True), checkpoint_id=d)
     dist.destroy_process_group()
 
 
-def _load_main(rank: int, world: int, port: int, shapes: list[tuple[int, int]], d: str, repeats: int,
-               out: str) -> None:
+def _load_main(rank: int, world: int, shapes: list[tuple[int, int]], d: str, repeats: int, out: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     cols = _state(world, shapes, 1, False)
     times: dict[str, list[float]] = {k: [] for k in ("dcp warm", "ckpt warm", "dcp cold", "ckpt cold")}
     cold_ok: list[bool] = []
@@ -95,11 +83,10 @@ def run(size_gb: float, n: int, repeats: int, root: str, save_ranks: int, load_r
     shapes = _shapes(int(size_gb * 1e9), n)
     d = os.path.join(root, "dcp")
     t0 = time.perf_counter()
-    mp.start_processes(_save_main, args=(save_ranks, _port(), shapes, d), nprocs=save_ranks, start_method="fork")
+    gloo_ranks(save_ranks, _save_main, shapes, d)
     save_s = time.perf_counter() - t0
     out = os.path.join(root, "result.json")
-    mp.start_processes(_load_main, args=(load_ranks, _port(), shapes, d, repeats, out), nprocs=load_ranks,
-                       start_method="fork")
+    gloo_ranks(load_ranks, _load_main, shapes, d, repeats, out)
     with open(out) as f:
         res = json.load(f)
     nbytes = sum(math.prod(s) * 4 for s in shapes)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,17 +21,22 @@ import time
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from bench.common import dir_bytes, fmt, print_table
+from bench.ranks import gloo_ranks
 
 
-def _rank(rank: int, world: int, port: int, params_m: float, stage: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+def _deepspeed_init(device: str) -> torch.device:
+    """Join the group as DeepSpeed does, from the torchrun environment the launcher set."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
+    return torch.device(device)
+
+
+def _rank(rank: int, world: int, params_m: float, stage: int, out: str) -> None:
+    import deepspeed
+
     torch.manual_seed(0)
     width = 2048
     layers = max(1, int(params_m * 1e6 / (width * width)))
@@ -48,10 +52,7 @@ def _rank(rank: int, world: int, port: int, params_m: float, stage: int, out: st
 
 def make_checkpoint(out: str, params_m: float, stage: int) -> None:
     """A ZeRO checkpoint of about ``params_m`` million fp32 parameters, by DeepSpeed on 2 CPU ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(2, port, params_m, stage, out), nprocs=2, start_method="fork")
+    gloo_ranks(2, _rank, params_m, stage, out, init=_deepspeed_init, env={"DS_ACCELERATOR": "cpu"}, barrier=False)
 
 
 def _measure(code: str, env: dict[str, str]) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ckpt
 from bench.common import (
@@ -41,6 +40,7 @@ from bench.common import (
     same_bytes,
     timed_collective,
 )
+from bench.ranks import gloo_ranks
 
 DIM = 1024
 
@@ -235,9 +235,9 @@ def run(size_gb: float, repeats: int, root: str, device: str = "cpu", ranks: int
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = os.path.join(root, "result.json")
-    mp.start_processes(_rank_main, args=(ranks, port, layers, hidden, root, repeats, out, device, tp,
-                                         load_ranks or ranks, dtype, with_async),
-                       nprocs=ranks, start_method="fork")
+    # its own group: a CPU backend beside NCCL, for dcp.async_save
+    gloo_ranks(ranks, _rank_main, port, layers, hidden, root, repeats, out, device, tp, load_ranks or ranks, dtype,
+               with_async, group=False)
     with open(out) as f:
         res = json.load(f)
     dd = run_dd(os.path.join(root, "dd.bin"), count=max(1, int(res["bytes"] / (16 << 20))))

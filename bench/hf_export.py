@@ -70,7 +70,7 @@ def bench_config(size_gb: float) -> Any:
 # the source checkpoint: 4 forked ranks, tp=2 x ep=2
 
 
-def _save_rank(rank: int, world: int, init: str, path: str, cfg_dict: dict[str, Any]) -> None:
+def _save_rank(rank: int, world: int, path: str, cfg_dict: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import ckpt
@@ -79,7 +79,6 @@ def _save_rank(rank: int, world: int, init: str, path: str, cfg_dict: dict[str, 
     from ckpt.trainer.model import ModelConfig, MoEForCausalLM
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         cfg = ModelConfig.from_dict(cfg_dict)
         layout = Layout.parse(LAYOUT)
@@ -103,9 +102,8 @@ def _save_rank(rank: int, world: int, init: str, path: str, cfg_dict: dict[str, 
 
 def make_source(path: str, cfg: Any) -> float:
     """Write the source checkpoint at ``path`` (kept if it already matches ``cfg``); returns seconds."""
-    import torch.multiprocessing as mp
-
     import ckpt
+    from bench.ranks import gloo_ranks
 
     try:
         if ckpt.inspect(path).user_metadata.get("model_config") == cfg.to_dict():
@@ -113,15 +111,8 @@ def make_source(path: str, cfg: Any) -> float:
     except ckpt.CheckpointError:
         pass
     remove(path)
-    fd, store = tempfile.mkstemp(prefix="ckpt-bench-pg-")
-    os.close(fd)
-    os.unlink(store)
     t0 = time.perf_counter()
-    try:
-        mp.start_processes(_save_rank, args=(4, f"file://{store}", path, cfg.to_dict()), nprocs=4,
-                           start_method="fork", join=True)
-    finally:
-        remove(store)
+    gloo_ranks(4, _save_rank, path, cfg.to_dict())
     return time.perf_counter() - t0
 
 

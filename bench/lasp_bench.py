@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.common import machine_info, markdown_table, median, print_table
+from bench.ranks import gloo_ranks
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,12 +68,11 @@ def _timed(fn: Any, repeats: int) -> float:
     return median(times)
 
 
-def _rank(rank: int, world: int, init: str, cfg: dict[str, Any], out_path: str) -> None:
+def _rank(rank: int, world: int, cfg: dict[str, Any], out_path: str) -> None:
     from ckpt.trainer.hybrid import slope_rates
     from ckpt.trainer.lasp import CommStats, chunk_ids, lasp2_linear_attention, shard_sequence
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 
     class _G:
         pg, size, index, trivial = dist.group.WORLD, world, rank, False
@@ -115,8 +114,8 @@ def _rank(rank: int, world: int, init: str, cfg: dict[str, Any], out_path: str) 
 
 def _run(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="ckpt-lasp-") as tmp:
-        init, out = f"file://{tmp}/pg", os.path.join(tmp, "rows.json")
-        mp.start_processes(_rank, args=(world, init, cfg, out), nprocs=world, start_method="fork", join=True)
+        out = os.path.join(tmp, "rows.json")
+        gloo_ranks(world, _rank, cfg, out)
         with open(out) as f:
             rows: list[dict[str, Any]] = json.load(f)
             return rows

@@ -101,7 +101,7 @@ def _shm_base() -> str:
 
 # --- 1. peer fetch -------------------------------------------------------------------------------
 
-def _peer_rank(rank: int, init: str, shm: str, nbytes: int, n_tensors: int, repeats: int, out: str) -> None:
+def _peer_rank(rank: int, world: int, shm: str, nbytes: int, n_tensors: int, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
     import ckpt
@@ -110,7 +110,6 @@ def _peer_rank(rank: int, init: str, shm: str, nbytes: int, n_tensors: int, repe
     from ckpt.tier.transfer import exchange, package
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     src = os.path.join(shm, "node-0", "rank-0", "step-1")
     if rank == 0:
         ckpt.save(make_state(nbytes, n_tensors), src, group=dist.new_group([0], use_local_synchronization=True))
@@ -151,14 +150,12 @@ def _peer_rank(rank: int, init: str, shm: str, nbytes: int, n_tensors: int, repe
 
 
 def run_peer(size_gb: float, n_tensors: int, repeats: int) -> dict[str, Any]:
-    import torch.multiprocessing as mp
+    from bench.ranks import gloo_ranks
 
     base = _shm_base()
     try:
         out = os.path.join(base, "peer.json")
-        init = f"file://{os.path.join(base, 'pg')}"
-        mp.start_processes(_peer_rank, args=(init, base, int(size_gb * (1 << 30)), n_tensors, repeats, out),
-                           nprocs=2, start_method="fork")
+        gloo_ranks(2, _peer_rank, base, int(size_gb * (1 << 30)), n_tensors, repeats, out)
         with open(out) as f:
             res: dict[str, Any] = json.load(f)
     finally:

@@ -14,13 +14,11 @@ import json
 import math
 import os
 import shutil
-import socket
 import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ckpt
 from bench.common import (
@@ -34,6 +32,7 @@ from bench.common import (
     run_dd,
     timed_collective,
 )
+from bench.ranks import gloo_ranks
 
 
 def _shapes(total: int, n: int) -> list[tuple[int, int]]:
@@ -41,15 +40,13 @@ def _shapes(total: int, n: int) -> list[tuple[int, int]]:
     return [(side + (i % 7) * 8, side - (i % 5) * 8) for i in range(n)]
 
 
-def _rank_main(rank: int, world: int, port: int, shapes: list[tuple[int, int]], root: str, repeats: int,
+def _rank_main(rank: int, world: int, shapes: list[tuple[int, int]], root: str, repeats: int,
                gap: int | None, workers: int | None, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=g) for s in shapes]
@@ -103,12 +100,8 @@ def _rank_main(rank: int, world: int, port: int, shapes: list[tuple[int, int]], 
 def run(ranks: int, size_gb: float, n: int, repeats: int, root: str, gap: int | None,
         workers: int | None = None) -> dict[str, Any]:
     shapes = _shapes(int(size_gb * 1e9), n)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = os.path.join(root, "result.json")
-    mp.start_processes(_rank_main, args=(ranks, port, shapes, root, repeats, gap, workers, out), nprocs=ranks,
-                       start_method="fork")
+    gloo_ranks(ranks, _rank_main, shapes, root, repeats, gap, workers, out)
     with open(out) as f:
         res = json.load(f)
     dd = run_dd(os.path.join(root, "dd.bin"), count=max(1, int(res["bytes"] / (16 << 20))))

@@ -1,6 +1,7 @@
 """Forked trainer ranks on CPU (gloo) or GPUs (NCCL), joined as torchrun joins them, for the GPU
 benches (``trainer-gpu``, ``memtier-gpu``); a rank's death ends the whole group without a hang.
 
+A thin layer over the one rank launcher of tests and benches, :func:`ckpt.testing.ranks.launch`.
 Ranks are forked (no new interpreter, no ``import torch`` per rank), so the parent must not have
 touched CUDA: forking after CUDA initialization breaks the children. Each rank gets the environment
 torchrun would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) and joins
@@ -8,63 +9,56 @@ through :func:`ckpt.trainer.parallel.init_distributed` (gloo on CPU, NCCL with `
 exactly as ``ckpt train``'s workers do.
 
 When any rank exits abnormally (a SIGKILL from fault injection, :data:`OOM_EXIT` after an
-out-of-memory error) the others may be blocked in a collective with it: torch.multiprocessing
-terminates them, and :func:`fork_ranks` returns the first failing exit code instead of raising.
+out-of-memory error, through :func:`exit_rank`) the others may be blocked in a collective with it:
+the launcher terminates them, and :func:`fork_ranks` returns the first failing rank's exit code
+instead of raising (the first by when it failed, not by when the parent noticed).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from ckpt.testing.ranks import RankDied, exit_rank, free_port, launch
+
+__all__ = ["BENCH_TIMEOUT_S", "OOM_EXIT", "cuda_sync", "exit_rank", "fork_ranks", "free_port", "gloo_ranks",
+           "in_child", "nccl_version", "scratch_dir"]
+
 OOM_EXIT = 17  # a rank's exit code after torch.OutOfMemoryError: the group stops, the parent records it
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+BENCH_TIMEOUT_S = 6 * 3600.0  # bounds a hung bench (and its gloo collectives), never a slow one
 
 
-def _entry(rank: int, world: int, port: int, device_name: str, threads: int, env: dict[str, str],
-           fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    import torch.distributed as dist
+def gloo_ranks(world: int, fn: Callable[..., Any], *args: Any, **launch_kw: Any) -> None:
+    """``fn(rank, world, *args)`` on ``world`` forked ranks of one gloo group (:func:`ckpt.testing.ranks.launch`
+    with a bench's deadline); the first failing rank's error is raised."""
+    launch_kw.setdefault("timeout", BENCH_TIMEOUT_S)
+    launch(world, fn, *args, **launch_kw)
 
+
+def _trainer_init(device_name: str) -> torch.device:
     from ckpt.trainer.parallel import init_distributed
 
-    os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(threads)
-    device = init_distributed(device_name)
-    try:
-        fn(rank, world, device, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return init_distributed(device_name)
 
 
 def fork_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", threads: int = 1,
-               env: dict[str, str] | None = None) -> int:
+               env: dict[str, str] | None = None, timeout: float = 3600.0) -> int:
     """Run ``fn(rank, world, device, *args)`` on ``world`` forked ranks in one process group.
 
     Returns 0 when every rank returned, else the exit code of the first rank that died (negative:
     killed by that signal, e.g. -9; :data:`OOM_EXIT`); an exception in a rank is re-raised here.
     """
-    if torch.cuda.is_initialized():
-        raise RuntimeError("fork_ranks: CUDA is initialized in the parent; forked ranks could not use it")
-    ctx = mp.start_processes(_entry, args=(world, free_port(), device, threads, dict(env or {}), fn, args),
-                             nprocs=world, start_method="fork", join=False)
     try:
-        while not ctx.join(grace_period=1.0):  # peers of a dead rank: SIGTERM after 1 s, SIGKILL after 2
-            pass
-    except mp.ProcessExitedException as e:
+        launch(world, fn, *args, device=device, threads=threads, env=env, timeout=timeout, pass_device=True,
+               barrier=False, init=_trainer_init, grace=2.0)
+    except RankDied as e:
         return int(e.exit_code)
     return 0
 

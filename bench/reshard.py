@@ -163,13 +163,12 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _dcp_rank(rank: int, world: int, init: str, job: dict[str, Any]) -> None:
+def _dcp_rank(rank: int, world: int, job: dict[str, Any]) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         manifest = ckpt.inspect(job["ckpt_src"])
         layout = Layout.parse(job["layout"])
@@ -204,15 +203,11 @@ def _dcp_rank(rank: int, world: int, init: str, job: dict[str, Any]) -> None:
 
 def run_dcp(job: dict[str, Any], world: int) -> list[dict[str, Any]]:
     """Run ``_dcp_rank`` on ``world`` forked ranks; returns each rank's result."""
-    import torch.multiprocessing as mp
+    from bench.ranks import gloo_ranks
 
-    fd, path = tempfile.mkstemp(prefix="bench-pg-")
-    os.close(fd)
-    os.unlink(path)
     out = tempfile.mkdtemp(prefix="bench-dcp-")
     try:
-        mp.start_processes(_dcp_rank, args=(world, f"file://{path}", {**job, "out": out}), nprocs=world,
-                           start_method="fork", join=True)
+        gloo_ranks(world, _dcp_rank, {**job, "out": out})
         res = []
         for r in range(world):
             with open(os.path.join(out, f"{r}.json")) as f:
@@ -220,8 +215,6 @@ def run_dcp(job: dict[str, Any], world: int) -> list[dict[str, Any]]:
         return res
     finally:
         remove(out)
-        if os.path.exists(path):
-            os.unlink(path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -200,15 +200,13 @@ def rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
-def _distribution_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
+def _distribution_rank(rank: int, world: int, root: str, out: str) -> None:
     import torch.distributed as dist
 
     from ckpt.comm import Comm
     from ckpt.load import fetch_manifest
     from ckpt.storage import get_storage
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     comm, storage = Comm(None), get_storage(root)
     times: dict[str, float] = {}
     for mode in ("broadcast", "each"):
@@ -230,20 +228,16 @@ def manifest_distribution(data: bytes, ranks: int, root: str) -> dict[str, Any]:
     ``ranks`` local processes (fork) on this machine; the file is in the page cache, so "each" is
     the best case of a storage that serves many readers well.
     """
-    import socket
     import tempfile
 
-    import torch.multiprocessing as tmp_mp
+    from bench.ranks import gloo_ranks
 
     d = tempfile.mkdtemp(prefix="ckpt-scale-manifest-", dir=root)
     try:
         with open(os.path.join(d, "manifest.msgpack"), "wb") as f:
             f.write(data)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         out = os.path.join(d, "times.json")
-        tmp_mp.start_processes(_distribution_rank, args=(ranks, port, d, out), nprocs=ranks, start_method="fork")
+        gloo_ranks(ranks, _distribution_rank, d, out)
         with open(out) as f:
             times = json.load(f)
     finally:

@@ -58,10 +58,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ckpt
 from bench.common import fmt, machine_info, markdown_table, median, print_table
+from bench.ranks import gloo_ranks
 from ckpt import comm as comm_mod
 from ckpt.comm import Comm
 
@@ -511,8 +511,8 @@ def run_one(cfg: Config, root: str) -> dict[str, Any]:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     t0 = time.perf_counter()
     try:
-        mp.start_processes(_rank_main, args=(cfg.world, store.port, asdict(cfg), work, out_dir), nprocs=cfg.world,
-                           start_method="fork")
+        # the ranks join through the parent's store themselves (group=False)
+        gloo_ranks(cfg.world, _rank_main, store.port, asdict(cfg), work, out_dir, group=False, barrier=False)
         per_rank = []
         for r in range(cfg.world):
             with open(os.path.join(out_dir, f"{r}.json")) as f:

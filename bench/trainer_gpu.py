@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from bench.common import activation_bytes, fmt, median, print_tables, write_json_atomic
-from bench.ranks import OOM_EXIT, cuda_sync, fork_ranks, in_child, nccl_version, scratch_dir
+from bench.ranks import OOM_EXIT, cuda_sync, exit_rank, fork_ranks, in_child, nccl_version, scratch_dir
 
 CASES = ("sp=1", "sp=2", "sp=4", "ep=4 dedup", "ep=4 per-expert")
 
@@ -282,7 +282,7 @@ def _case_worker(rank: int, world: int, device: torch.device, spec: dict[str, An
             raise
         print(f"  [{spec['case']}] rank {rank}: out of memory ({str(e).splitlines()[0][:120]}); "
               "ending the case's group", flush=True)
-        os._exit(OOM_EXIT)  # the parent terminates the peers (they may wait in a collective with us)
+        exit_rank(OOM_EXIT)  # reported as this rank's failure; the launcher terminates the peers (in a collective)
 
 
 # ----------------------------------------------------------------------------- the parent

@@ -19,16 +19,15 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.common import fmt, machine_info, markdown_table, median, print_table
+from bench.ranks import gloo_ranks
 
 # (layout, top-k, dispatch, sequence_shard)
 CASES: list[tuple[str, int, str, bool]] = [
@@ -36,7 +35,7 @@ CASES: list[tuple[str, int, str, bool]] = [
 ] + [("tp=2,ep=2", k, "dedup", s) for k in (2, 8) for s in (False, True)]
 
 
-def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], layout: str, steps: int,
+def _rank_main(rank: int, world: int, cfg_dict: dict[str, Any], layout: str, steps: int,
                out: str) -> None:
     from ckpt.layout import Layout
     from ckpt.trainer.config import TrainConfig
@@ -46,8 +45,6 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], layou
     from ckpt.trainer.train import build
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = TrainConfig.from_dict(cfg_dict)
     ctx, pm, opt, schedule = build(cfg, Layout.parse(layout))
     blocks = [m for m in pm.module.modules() if isinstance(m, ParallelMoEBlock)]
@@ -77,14 +74,10 @@ def run_case(cfg_dict: dict[str, Any], layout: str, steps: int) -> dict[str, Any
     """One layout and config on forked gloo ranks; per-step sums over ranks and rank 0's step time."""
     from ckpt.layout import Layout
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     fd, out = tempfile.mkstemp(prefix="ckpt-bench-xmoe-", suffix=".json")
     os.close(fd)
     try:
-        mp.start_processes(_rank_main, args=(Layout.parse(layout).world_size, port, cfg_dict, layout, steps, out),
-                           nprocs=Layout.parse(layout).world_size, start_method="fork")
+        gloo_ranks(Layout.parse(layout).world_size, _rank_main, cfg_dict, layout, steps, out)
         with open(out) as f:
             result: dict[str, Any] = json.load(f)
     finally:

@@ -3,7 +3,7 @@
 Format 2 wraps the manifest in a checksummed envelope and stores shards as columns; tests that
 damage single fields on purpose read the manifest as the equivalent format-1 map, edit it, and
 write it back as format 1 (which ckpt still reads, with the same validation of every field). The
-format-2 envelope and columns have their own tests (tests/test_manifest_columns.py).
+format-2 envelope and columns have their own tests (tests/core/test_manifest_columns.py).
 """
 
 from __future__ import annotations

@@ -155,6 +155,7 @@ def test_export_from_sharded_layout_loads_in_transformers(sharded: str, tmp_path
         _assert_rel(_logits(hf, ids), _logits(trainer, ids))
 
 
+@pytest.mark.multiproc
 def test_export_bf16(sharded: str, tmp_path: Path, transformers: ModuleType) -> None:
     out = tmp_path / "hf"
     r = export_hf(sharded, str(out), dtype="bf16")
@@ -167,6 +168,8 @@ def test_export_bf16(sharded: str, tmp_path: Path, transformers: ModuleType) -> 
     assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_export_check_reloads_and_records_the_logits_difference(sharded: str, tmp_path: Path,
                                                                  transformers: ModuleType, dtype: str) -> None:
@@ -192,6 +195,7 @@ def test_export_check_reloads_and_records_the_logits_difference(sharded: str, tm
     assert check_export(sharded, str(out))["max_abs_logits_diff"] > 1e-2
 
 
+@pytest.mark.multiproc
 def test_export_streams_within_memory_budget(sharded: str, tmp_path: Path) -> None:
     largest = TINY.vocab_size * TINY.hidden_size * 4  # embed_tokens / lm_head, fp32
     budget = 16 * 1024
@@ -229,6 +233,7 @@ def test_export_from_zarr_data_format(tmp_path: Path) -> None:
         assert torch.equal(tensors[k], v), k
 
 
+@pytest.mark.multiproc
 def test_export_and_import_through_fsspec(sharded: str, tmp_path: Path) -> None:
     url = f"memory://hf-{tmp_path.name}"
     r = export_hf(sharded, url, max_shard_size="300KB")
@@ -268,6 +273,7 @@ def _write_hf(hf: nn.Module, d: Path, form: str) -> None:
         hf.config.to_json_file(str(d / "config.json"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["index", "single", "fused"])
 def test_import_train_zero_steps_export_is_bitwise(form: str, tmp_path: Path, transformers: ModuleType) -> None:
     hf = _hf_model(transformers)
@@ -386,6 +392,7 @@ def test_export_bad_input_fails_before_writing(tmp_path: Path) -> None:
         assert not out.exists(), what
 
 
+@pytest.mark.multiproc
 def test_export_refuses_existing_model(sharded: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     export_hf(sharded, str(out), max_shard_size=200_000)
@@ -485,6 +492,7 @@ def test_import_refuses_committed_checkpoint(hf_dir: Path, tmp_path: Path) -> No
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.multiproc
 def test_cli_export_and_import(sharded: str, hf_dir: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
@@ -522,6 +530,7 @@ def test_param_shapes_match_the_module(cfg: ModelConfig) -> None:
     assert param_shapes(cfg) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
+@pytest.mark.multiproc
 def test_tokenizer_and_generation_files_are_copied_to_the_export(sharded: str, tmp_path: Path) -> None:
     src = tmp_path / "ck"
     shutil.copytree(sharded, src)

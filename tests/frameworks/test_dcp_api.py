@@ -21,6 +21,7 @@ import ckpt.dcp as cdcp
 from ckpt.dcp_compat import UnsupportedCompressionError, UnsupportedDCPObjectError
 from ckpt.errors import CheckpointExistsError, MismatchError
 from tests.dist_utils import run_ranks
+from tests.helpers import assert_same_state, zeros_like_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -29,22 +30,6 @@ def _state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     return {"w": torch.randn(4, 3, generator=g), "b": torch.arange(5, dtype=torch.int64), "step": 7,
             "sub": {"x": torch.randn(2, generator=g).to(torch.bfloat16), "name": "run"}}
-
-
-def _zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
-    return {k: _zeros_like(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor)
-            else None for k, v in sd.items()}
-
-
-def _assert_same(a: Any, b: Any) -> None:
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b)
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    else:
-        assert type(a) is type(b) and a == b
 
 
 def test_every_public_dcp_name_is_there_and_save_load_are_ckpts():
@@ -65,18 +50,18 @@ def test_legacy_names_with_filesystem_writer_and_reader_write_a_ckpt_checkpoint(
     cdcp.save_state_dict(sd, storage_writer=w, no_dist=True, planner=cdcp.DefaultSavePlanner())
     m = ckpt.inspect(path)  # a ckpt checkpoint, at the writer's path
     assert set(m.tensors) == {"w", "b", "sub.x"} and not any(f.endswith(".distcp") for f in os.listdir(path))
-    out = _zeros_like(sd)
+    out = zeros_like_state(sd)
     cdcp.load_state_dict(out, storage_reader=cdcp.FileSystemReader(path), no_dist=True,
                          planner=cdcp.DefaultLoadPlanner())
-    _assert_same(out, sd)
+    assert_same_state(out, sd)
 
 
 def test_checkpoint_id_wins_over_the_writers_path_as_in_dcp(tmp_path):
     cdcp.save(_state(), checkpoint_id=str(tmp_path / "id"), storage_writer=cdcp.FileSystemWriter(str(tmp_path / "w")))
     assert os.path.isdir(tmp_path / "id") and not os.path.exists(tmp_path / "w")
-    out = _zeros_like(_state())
+    out = zeros_like_state(_state())
     cdcp.load(out, checkpoint_id=str(tmp_path / "id"), storage_reader=cdcp.FileSystemReader(str(tmp_path / "w")))
-    _assert_same(out, _state())
+    assert_same_state(out, _state())
 
 
 def test_fsspec_writer_and_reader_go_to_ckpts_fsspec_backend():
@@ -84,9 +69,9 @@ def test_fsspec_writer_and_reader_go_to_ckpts_fsspec_backend():
     sd = _state()
     cdcp.save(sd, storage_writer=FsspecWriter(url), planner=tdcp.DefaultSavePlanner())
     assert set(ckpt.inspect(url).tensors) == {"w", "b", "sub.x"}
-    out = _zeros_like(sd)
+    out = zeros_like_state(sd)
     cdcp.load(out, storage_reader=FsspecReader(url), planner=tdcp.DefaultLoadPlanner())
-    _assert_same(out, sd)
+    assert_same_state(out, sd)
 
 
 def test_writer_overwrite_false_refuses_an_existing_checkpoint_and_keeps_it(tmp_path):
@@ -209,8 +194,8 @@ def test_loaded_top_level_keys_are_assigned_exactly_as_dcp_does(tmp_path_factory
         results.append(target)
     theirs, ours = results
     assert sorted(ours.log) == sorted(theirs.log) == sorted(sd) and len(set(ours.log)) == len(ours.log)
-    _assert_same(dict(ours), dict(theirs))
-    _assert_same(dict(ours), sd)
+    assert_same_state(dict(ours), dict(theirs))
+    assert_same_state(dict(ours), sd)
 
 
 # --- ShardedTensor (FSDP1 SHARDED_STATE_DICT) on a real 2-rank gloo group ---------------------------

@@ -222,6 +222,7 @@ def check_key(path: tuple[str, ...], v: Any, url: str, ref: Any, expect_refused:
     assert same(got, ref), (key, got, ref)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(state_dicts)
 def test_ckpt_dcp_gives_back_what_dcp_gives_back(sd: dict[str, Any]) -> None:

@@ -51,6 +51,8 @@ def test_the_switch_is_one_line():
     assert diff == [(DCP_IMPORT, CKPT_IMPORT)]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_dcp_script_on_ckpt_matches_dcp_and_an_uninterrupted_run(tmp_path):
     out = str(tmp_path)
     for switch in (False, True):
@@ -141,5 +143,6 @@ def _no_dist(rank: int, world: int, out: str) -> None:
         assert decode_manifest(f.read()).world_size == 1  # this process's state alone
 
 
+@pytest.mark.multiproc
 def test_no_dist_inside_a_process_group_saves_this_process_alone(tmp_path):
     run_ranks(2, _no_dist, str(tmp_path / "rank0-only"))

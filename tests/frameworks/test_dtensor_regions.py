@@ -33,6 +33,7 @@ def _brute(n: int, spec: list[tuple[str, int, int, int]], coords: list[int]) -> 
     return x.tolist()
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(n=st.integers(0, 40), data=st.data())
 def test_intervals_match_dtensor_splitting(n, data):
@@ -75,6 +76,8 @@ def _real(rank: int, world: int, seed: int) -> None:
     assert strided_seen >= 2  # the strided placements were built and checked, not skipped
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("seed", [0, 1])
 def test_real_dtensor_pieces_hold_the_right_elements(seed):
     run_ranks(4, _real, seed)

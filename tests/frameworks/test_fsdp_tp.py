@@ -13,6 +13,8 @@ import ckpt
 from tests.dist_utils import run_ranks
 from tests.frameworks import fsdp_tp as F
 
+pytestmark = pytest.mark.multiproc
+
 LAYOUTS = {
     "dp2_tp2": ((2, 2), ("dp", "tp")),
     "hsdp_tp": ((1, 2, 2), ("dp_replicate", "dp_shard", "tp")),
@@ -62,6 +64,7 @@ def _world(layout: str) -> int:
     return n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src", ["dp2_tp2", "hsdp_tp"])
 def test_fsdp_tp_saved_on_4_loads_on_other_layouts_bitwise(tmp_path, src):
     out = str(tmp_path)
@@ -73,6 +76,7 @@ def test_fsdp_tp_saved_on_4_loads_on_other_layouts_bitwise(tmp_path, src):
         run_ranks(_world(dst), _load, out, dst, "ckpt")
 
 
+@pytest.mark.slow
 def test_dcp_side_by_side_gives_identical_tensors(tmp_path):
     out = str(tmp_path)
     run_ranks(4, _save, out, "dp2_tp2", "dcp")
@@ -97,6 +101,7 @@ def _ep(rank: int, world: int, out: str, save: bool) -> None:
     assert torch.equal(dt.full_tensor(), full)
 
 
+@pytest.mark.slow
 def test_ep_sharded_experts_round_trip(tmp_path):
     url = str(tmp_path / "ep")
     run_ranks(4, _ep, url, True)
@@ -114,6 +119,7 @@ def _partial(rank: int, world: int, out: str) -> None:
         ckpt.save({"p": dt}, out)
 
 
+@pytest.mark.slow
 def test_partial_placement_is_refused_naming_the_tensor(tmp_path):
     run_ranks(2, _partial, str(tmp_path / "p"))
 
@@ -151,6 +157,7 @@ def _shared_bytes(url: str) -> None:
     assert ckpt.verify(url, deep=True).ok
 
 
+@pytest.mark.slow
 def test_tied_embedding_and_flattened_optimizer_state(tmp_path):
     url = str(tmp_path / "tied")
     run_ranks(2, _tied, url, True)
@@ -161,6 +168,7 @@ def test_tied_embedding_and_flattened_optimizer_state(tmp_path):
     run_ranks(1, _tied, url, False)
 
 
+@pytest.mark.slow
 def test_tied_weights_on_a_2d_mesh_save_once_and_load_tied_or_untied(tmp_path):
     url = str(tmp_path / "tied2d")
     run_ranks(4, _tied, url, True, "dp2_tp2")

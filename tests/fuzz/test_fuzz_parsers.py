@@ -29,6 +29,7 @@ def _cases() -> list[tuple[str, str]]:
     return [(t, s) for t, ss in names.items() for s in ss]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("target", "strategy"), _cases(), ids=[f"{t}-{s}" for t, s in _cases()])
 def test_only_checkpoint_errors_escape(seeds: Seeds, tmp_path, target: str, strategy: str):
     strat = dict(strategies(seeds, big=False)[target])[strategy]

@@ -164,6 +164,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
     return out
 
 
+@pytest.mark.slow
 def test_every_family_imports_and_exports_from_its_config(models, tmp_path):
     """The configs the hostile cases start from are valid: each family imports (the qwen3_moe one as
     the embedded MoE) and exports with --config."""
@@ -175,6 +176,7 @@ def test_every_family_imports_and_exports_from_its_config(models, tmp_path):
         assert (tmp_path / family / "model.safetensors.index.json").exists()
 
 
+@pytest.mark.slow
 def test_real_transformers_configs_of_every_family_still_import(tmp_path):
     transformers = pytest.importorskip("transformers")
     classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
@@ -222,6 +224,8 @@ def _import(hf: str, dst: str, names: str = "ckpt") -> None:
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=hostile_config(), entry=st.sampled_from(["import", "export", "inspect"]), names=st.sampled_from(
     ["ckpt", "torchtitan", "megatron"]))
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_hostile_config_fields_give_a_typed_error_or_succeed(models, tmp_path_factory, case, entry, names):
     family, cfg, changed = case
     d = tmp_path_factory.mktemp("case")
@@ -268,6 +272,7 @@ def test_hostile_config_fields_give_a_typed_error_or_succeed(models, tmp_path_fa
     ("llama", "hidden_size", 2, "hidden_size=2 < num_attention_heads=4"),
     ("llama", "tie_word_embeddings", "false", "'tie_word_embeddings' is 'false'"),
 ])
+@pytest.mark.multiproc
 def test_the_audits_configs_are_refused_naming_the_field(models, tmp_path, family, field, value, match):
     hf, _ = models[family]
     cfg = dict(CONFIGS[family], **{field: value})
@@ -351,6 +356,7 @@ def test_an_oversized_config_is_refused_before_it_is_read(models, tmp_path):
     b'{"weight_map": {"model.norm.weight": "absent.safetensors"}}',
     b'{"weight_map": ' + b'{"a": [' * 10 + b"]}" * 10 + b"}",
 ])
+@pytest.mark.multiproc
 def test_hostile_indexes_are_refused(models, tmp_path, index):
     hf, _ = models["llama"]
     (tmp_path / "config.json").write_bytes((hf / "config.json").read_bytes())
@@ -370,6 +376,7 @@ def test_hostile_indexes_are_refused(models, tmp_path, index):
     b'{"rename": [["model", "\\\\9"]]}',
     b'{"rename": [["a", "b"]], "pad": "' + b"x" * (5 << 20) + b'"}',
 ])
+@pytest.mark.multiproc
 def test_hostile_names_files_are_refused(models, tmp_path, spec):
     hf, _ = models["llama"]
     (tmp_path / "names.json").write_bytes(spec)

@@ -320,6 +320,7 @@ def test_hostile_values_in_a_torch_save_file(tmp_path_factory, value):
     assert bounded(lambda: _import_pt(d / "m.pt", d / "out")) in ("ForeignFormatError", "IntegrityError")
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(data=deep_pickles)
 def test_deep_nesting_in_every_pickle_reader(tmp_path_factory, data):

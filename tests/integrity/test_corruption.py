@@ -75,6 +75,7 @@ def two_rank(scratch: str) -> Sample:
 # exhaustive single-byte flips of the single-file sample
 
 
+@pytest.mark.slow
 def test_every_tensor_byte_flip_is_detected_by_verify_and_verified_load(single: Sample):
     rel = data_file(single)
     _, hi = header_span(single.raw[rel])
@@ -83,6 +84,7 @@ def test_every_tensor_byte_flip_is_detected_by_verify_and_verified_load(single: 
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.slow
 def test_every_header_byte_flip_is_reported_unless_harmless(single: Sample):
     rel = data_file(single)
     _, hi = header_span(single.raw[rel])
@@ -94,6 +96,7 @@ def test_every_header_byte_flip_is_reported_unless_harmless(single: Sample):
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.slow
 def test_header_dtype_or_shape_flip_is_reported(single: Sample):
     # Found by the corruption census: verify compared header names and byte ranges, not dtype and shape; fixed since.
     rel = data_file(single)
@@ -138,6 +141,7 @@ def test_object_value_flip_is_caught_by_verified_load(single: Sample):
     assert not missed, f"{len(missed)} object flips pass load(verify=True): " + "; ".join(missed[:5])
 
 
+@pytest.mark.multiproc
 def test_per_rank_object_flip_is_caught(two_rank: Sample):
     raw = two_rank.raw[MANIFEST_NAME]
     missed, flips = [], 0
@@ -180,6 +184,7 @@ def test_verified_load_checks_every_shard_even_when_offsets_collide(tmp_path):
         ckpt.load(dst, url, verify=True)  # before the fix: returned a == b, both "verified"
 
 
+@pytest.mark.multiproc
 def test_verified_load_refuses_shards_that_do_not_tile(tmp_path):
     # Found by the corruption census: load did not check that shards tile their tensor; fixed since.
     url = str(tmp_path / "two")
@@ -209,7 +214,7 @@ def _write_manifest(url: str, d: dict) -> None:
 # truncation and deletion of every file
 
 
-@pytest.mark.parametrize("which", ["single", "two_rank"])
+@pytest.mark.parametrize("which", ["single", pytest.param("two_rank", marks=pytest.mark.multiproc)])
 def test_truncating_any_file_is_detected(which: str, request: pytest.FixtureRequest):
     s: Sample = request.getfixturevalue(which)
     for rel in s.files:
@@ -228,7 +233,7 @@ def test_truncating_any_file_is_detected(which: str, request: pytest.FixtureRequ
                 assert "size" in out.verify_kinds
 
 
-@pytest.mark.parametrize("which", ["single", "two_rank"])
+@pytest.mark.parametrize("which", ["single", pytest.param("two_rank", marks=pytest.mark.multiproc)])
 def test_deleting_any_file_is_detected(which: str, request: pytest.FixtureRequest):
     s: Sample = request.getfixturevalue(which)
     for rel in s.files:
@@ -252,6 +257,7 @@ PROPERTY = settings(max_examples=200, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.multiproc
 @PROPERTY
 @given(data=st.data())
 def test_random_byte_flip_in_any_file_is_caught_or_harmless(two_rank: Sample, data: st.DataObject):
@@ -263,6 +269,7 @@ def test_random_byte_flip_in_any_file_is_caught_or_harmless(two_rank: Sample, da
     assert not bad, f"{rel} byte {pos} ^ {mask:#04x} ({kind}): {bad}"
 
 
+@pytest.mark.multiproc
 @PROPERTY
 @given(data=st.data())
 def test_random_truncation_of_any_file_is_detected(two_rank: Sample, data: st.DataObject):
@@ -272,6 +279,7 @@ def test_random_truncation_of_any_file_is_detected(two_rank: Sample, data: st.Da
     assert not out.verify_ok and out.verified_load_failed, f"{rel} truncated to {n}: {out}"
 
 
+@pytest.mark.multiproc
 def test_plain_load_refuses_shards_that_overlap_and_leave_a_gap(tmp_path):
     # issue 13: without verify the element count matched (overlap = gap) and rows were never written
     url = str(tmp_path / "two")

@@ -15,6 +15,8 @@ from tests.integrity.sample import memory_dir
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the crash harness forks the saving process")
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_sigkill_at_random_moments_and_at_every_save_step():
     base = memory_dir("ckpt-crash-")  # tmpfs: a SIGKILL loses nothing a disk would keep
     try:

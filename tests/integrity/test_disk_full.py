@@ -17,6 +17,9 @@ import torch
 
 import ckpt
 from ckpt.manifest import MANIFEST_NAME
+from tests.helpers import assert_same_state, load_like, random_state
+
+pytestmark = pytest.mark.multiproc
 
 PAGE = 4096
 
@@ -71,15 +74,11 @@ def _leftovers(url: str) -> list[str]:
 
 
 def _state(step: int, n: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(n, generator=g), "b": torch.randn(n // 8, generator=g).bfloat16(), "step": step}
+    return random_state(step, {"w": (n,), "b": ((n // 8,), torch.bfloat16)}, step=step)
 
 
 def _assert_same(url: str, state: dict) -> None:
-    dst = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
-    out = ckpt.load(dst, url, verify=True)
-    for k, v in state.items():
-        assert torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v
+    assert_same_state(load_like(url, state, verify=True), state)
 
 
 def _stage(err: ckpt.StorageError) -> str:

@@ -227,6 +227,7 @@ def test_a_live_writers_finished_files_are_never_adopted(tmp_path, env, monkeypa
     assert ckpt.verify(dst, deep=True).ok and _data(dst) == set(m.files)
 
 
+@pytest.mark.multiproc
 def test_writer_gone():
     with transaction.live_writer() as me:
         assert not transaction.writer_gone(me)  # this process, still writing
@@ -261,6 +262,7 @@ def test_fresh_names_never_repeat():
 
 # --- convert outputs: DCP export ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_dcp_exports_into_one_directory(tmp_path, env):
     import torch.distributed.checkpoint as dcp
 

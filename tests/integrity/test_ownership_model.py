@@ -132,4 +132,4 @@ TestOwnershipModel.settings = settings(max_examples=10, stateful_step_count=4, d
                                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestOwnershipModel = pytest.mark.multiproc(pytest.mark.slow(TestOwnershipModel))
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [pytest.mark.multiproc, pytest.mark.filterwarnings("ignore::RuntimeWarning")]

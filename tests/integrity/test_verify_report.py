@@ -1,7 +1,7 @@
 """``ckpt verify``: every kind of problem it promises to find, in the library report, in ``--json`` and
 in the human summary; all problems at once, not only the first; exit codes.
 
-(tests/test_cli.py covers the basics: a good checkpoint, a flipped byte, truncation, deletion, overlap.)
+(tests/cli/test_cli.py covers the basics: a good checkpoint, a flipped byte, truncation, deletion, overlap.)
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import ckpt
 from ckpt.cli.app import app
 from ckpt.manifest import MANIFEST_NAME
 from tests.integrity.sample import save_two_rank_sample
+
+pytestmark = pytest.mark.multiproc
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -118,6 +120,7 @@ DAMAGE: dict[str, tuple[Callable[[str], None], str, bool]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DAMAGE))
 def test_each_kind_of_problem_is_reported(two: str, name: str):
     damage, kind, shallow = DAMAGE[name]

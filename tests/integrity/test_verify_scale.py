@@ -91,6 +91,7 @@ SCALE = {"3d": ((4, 500, 1000), [2, 210, 100]), "2d": ((420, 1000), [420, 100]),
          "4d": ((3, 14, 20, 300), [3, 14, 10, 100])}
 
 
+@pytest.mark.slow
 def test_verify_proves_42000_non_grid_shards(tmp_path):
     shape, pieces = SCALE["3d"]
     boxes = brick_wall(random.Random(36), shape, pieces)

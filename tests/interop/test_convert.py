@@ -90,6 +90,8 @@ def _dcp_load_back(rank: int, world: int, out: str, src: str) -> None:
     F.equal(F.full(sd), torch.load(os.path.join(out, "ref.pt")))
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_dcp_import_then_export_back_to_dcp_is_bitwise(tmp_path):
     out = str(tmp_path)
     run_ranks(4, _dcp_save, out)

@@ -66,6 +66,8 @@ def _ckpt_load(rank: int, world: int, out: str, layout: str, saved_by: int = 4) 
     # DCP's safetensors serialization: per data file the bytes items, then one safetensors file
     ("dp2_tp2", "dp3", "safetensors"),
 ])
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_fsdp_tp_dcp_checkpoint_loads_resharded_by_ckpt(tmp_path, src, dst, fmt):
     out = str(tmp_path)
     saved_by = 4 if src == "dp2_tp2" else 2

@@ -78,6 +78,7 @@ def _save_fused(rank: int, world: int, url: str) -> None:
     ckpt.save(split_fused(fused_local(qkv(), world, rank, True), spec, tp=world, tp_rank=rank), url)
 
 
+@pytest.mark.multiproc
 def test_saved_fused_on_two_ranks_loads_unfused(tmp_path):
     url = str(tmp_path / "c")
     run_ranks(2, _save_fused, url)

@@ -163,6 +163,7 @@ def _crash_midway(src: str, dst: str, text: str) -> None:
     reshard(src, dst, Layout.parse(text), progress=progress, workers=2)
 
 
+@pytest.mark.multiproc
 def test_hard_crash_then_restart(tmp_path):
     save_single(str(tmp_path / "orig"))
     src, dst = str(tmp_path / "orig"), str(tmp_path / "dst")

@@ -19,6 +19,8 @@ from tests.dist_utils import run_ranks
 from tests.layouts import assert_bitwise
 from tests.resharders.moe_states import TINY, full_state, metadata, save_single
 
+pytestmark = pytest.mark.multiproc
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -30,6 +32,7 @@ def _save_under(rank: int, world: int, url: str, text: str) -> None:
     ckpt.save(state, url, step=10, user_metadata=metadata(TINY, lay), layout=lay.to_dict())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ["tp=2,ep=2", "dp=2,tp=2,zero=1"])
 def test_multirank_save_reshards_bitwise(tmp_path, text):
     src = str(tmp_path / "ranks")
@@ -66,6 +69,7 @@ def test_multirank_save_reshards_bitwise(tmp_path, text):
 HAS_TRAINER = os.path.exists(os.path.join(REPO, "ckpt", "trainer", "train.py"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRAINER, reason="ckpt/trainer/train.py does not exist: needs the trainer")
 def test_trainer_checkpoint_chain_and_resume(tmp_path):
     """A checkpoint the trainer wrote on 4 ranks (tp=2, ep=2, ZeRO-1) goes through a chain of offline

@@ -43,6 +43,7 @@ def empty_like_state(state: dict[str, Any]) -> dict[str, Any]:
 # -- the Storage protocol ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_write_read_list_delete_commit(backend: Backend) -> None:
     url, opts = backend
     st = get_storage(url, **opts)

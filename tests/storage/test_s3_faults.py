@@ -63,6 +63,7 @@ def closed_port() -> int:
     return port
 
 
+@pytest.mark.slow
 def test_save_and_load_survive_20_percent_faults(s3_bucket: tuple[str, dict[str, Any]], moto_endpoint: str,
                                                  proxies: list[FaultProxy]) -> None:
     bucket, opts = s3_bucket
@@ -142,14 +143,15 @@ def test_non_retryable_errors_fail_at_once(s3_bucket: tuple[str, dict[str, Any]]
         ckpt.load(empty_like(state_of(3)), url, storage_options=denied, workers=1)
     data_gets = [p for m, p, _ in proxy.log if m == "GET" and "/data/" in p]
     assert len(data_gets) == 1  # not retried
-    st = get_storage(url, **{**opts, "retries": 5})
+    # a missing file is not retried either: counted at a clean proxy (not timed, which flakes on a loaded box)
+    counter, plain = through(proxies, moto_endpoint, opts)
+    st = get_storage(url, **{**plain, "retries": 5})
     try:
-        t0 = time.monotonic()
         with pytest.raises(ckpt.StorageError, match="does not exist"):
             st.read_file("data/nope.safetensors")
-        assert time.monotonic() - t0 < 1
     finally:
         st.close()
+    assert len([p for _, p, _ in counter.log if "nope" in p]) == 1, counter.log
 
 
 def test_multipart_upload_with_faults(s3_bucket: tuple[str, dict[str, Any]], moto_endpoint: str,
@@ -201,6 +203,7 @@ def test_multipart_abort(s3_bucket: tuple[str, dict[str, Any]], s3_admin: Any) -
         st.close()
 
 
+@pytest.mark.slow
 def test_coalesce_gap_bounds_the_number_of_gets(s3_bucket: tuple[str, dict[str, Any]], moto_endpoint: str,
                                                proxies: list[FaultProxy]) -> None:
     """Column halves of a row-major tensor: by default only the needed bytes (unneeded bytes are

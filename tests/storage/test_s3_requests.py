@@ -29,6 +29,7 @@ import torch
 import ckpt
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.storage.s3 import crc32_b64
+from tests.helpers import random_state
 
 MiB = 1024 * 1024
 CREDS = {"key": "testing", "secret": "testing"}
@@ -333,8 +334,7 @@ def test_upload_checksums_can_be_turned_off(s3: S3) -> None:
 
 
 def _state(seed: int, numel: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(numel, generator=g), "b": torch.randn(100, generator=g).to(torch.bfloat16)}
+    return random_state(seed, {"w": (numel,), "b": ((100,), torch.bfloat16)})
 
 
 def test_a_part_corrupted_on_the_way_is_refused_and_sent_again(

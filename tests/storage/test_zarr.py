@@ -25,6 +25,7 @@ def _save(rank: int, world: int, url: str) -> None:
     ckpt.save(_grid_state(rank, world), url, data_format="zarr", step=4)
 
 
+@pytest.mark.multiproc
 def test_zarr_from_four_ranks_reshards_and_reads_with_plain_zarr(tmp_path):
     url = str(tmp_path / "z")
     run_ranks(4, _save, url)
@@ -72,6 +73,7 @@ def _uneven(rank: int, world: int, url: str) -> None:
         ckpt.save({"w": ckpt.Shard(t, (5, 4), (rows[0], 0))}, url, data_format="zarr")
 
 
+@pytest.mark.multiproc
 def test_irregular_and_flat_shardings_are_refused(tmp_path):
     run_ranks(2, _uneven, str(tmp_path / "u"))
     with pytest.raises(ckpt.LayoutError, match="flat"):

@@ -59,6 +59,7 @@ def _ids(n: int = 64, vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (2, n), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow
 def test_export_hf_output_loads_in_minimax_and_reproduces_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     from typer.testing import CliRunner
@@ -203,6 +204,7 @@ def _hybrid_model_on_zigzag_chunks(rank: int, world: int, group: _Group) -> None
     torch.testing.assert_close(local, shard_sequence(ref, 1, rank, world, "zigzag"), rtol=0, atol=2e-5)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("sp", [2, 4])
 def test_lasp2_forward_and_grads_equal_single_process(sp):
     run_ranks(sp, _sp_ranks)
@@ -227,6 +229,7 @@ def _bytes_ranks(rank: int, world: int) -> None:
             assert stats.reduce_scatter_bytes == world * per_rank * state, (layout, n)
 
 
+@pytest.mark.multiproc
 def test_allgather_bytes_per_layer_do_not_depend_on_sequence_length():
     run_ranks(2, _bytes_ranks)
 
@@ -297,6 +300,7 @@ def _tp_ranks(rank: int, world: int) -> None:
         torch.testing.assert_close(p.grad, want, rtol=0, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.multiproc
 def test_tensor_parallel_lightning_layer_equals_the_unsplit_one():
     run_ranks(2, _tp_ranks)
 

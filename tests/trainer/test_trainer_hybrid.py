@@ -81,11 +81,14 @@ def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None
     "sp=2", "sp=4,zero=1", "tp=2", "ep=2,zero=1", "pp=2", "sp=2,tp=2,zero=1", "sp=2,ep=2,zero=1",
     "sp=2,pp=2,zero=1", "sp=2,dp=2,zero=0",
 ])
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_gradients_equal_single_process_blocks(layout: str) -> None:
     lay = Layout.parse(layout)
     run_ranks(lay.world_size, _grad_check, GRAD_CFG, lay)
 
 
+@pytest.mark.multiproc
 def test_gradients_with_sequence_sharded_moe_under_sp_and_tp() -> None:
     cfg = dataclasses.replace(GRAD_CFG, moe_sequence_shard=True)
     run_ranks(4, _grad_check, cfg, Layout(sp=2, tp=2, zero=1))
@@ -98,6 +101,8 @@ def single() -> dict[int, float]:
 
 @pytest.mark.parametrize("layout", ["sp=2,zero=1", "tp=2,zero=1", "ep=2,zero=1", "sp=2,tp=2,zero=1",
                                     "sp=2,pp=2,zero=1"])
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_losses_match_single_process(layout: str, single: dict[int, float]) -> None:
     losses_close(run_training(CFG, Layout.parse(layout))["losses"], single)
 
@@ -116,12 +121,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.multiproc
 def test_checkpoint_records_the_hybrid_rules_and_adapter(runs: Path) -> None:
     meta = ckpt.inspect(str(runs / "cut" / step_dir(CUT))).user_metadata
     assert meta["rules"] == "hf-decoder" and meta["hf_adapter"] == "minimax" and meta["names"] == "ckpt"
     assert meta["model_config"] == TINY.to_dict() and meta["hf_config"] == TINY.to_hf_config()
 
 
+@pytest.mark.multiproc
 def test_resume_under_another_layout(runs: Path, tmp_path: Path) -> None:
     shutil.copytree(runs / "cut" / step_dir(CUT), tmp_path / "run" / step_dir(CUT))
     cfg = dataclasses.replace(CFG, steps=8, save_every=CUT, ckpt_dir=str(tmp_path / "run"))
@@ -134,6 +141,7 @@ def test_resume_under_another_layout(runs: Path, tmp_path: Path) -> None:
         _check_model_config(ckpt.inspect(str(tmp_path / "run" / step_dir(CUT))), TrainConfig(), "run")
 
 
+@pytest.mark.multiproc
 def test_reshard_needs_no_rules_file(runs: Path, tmp_path: Path) -> None:
     src = str(runs / "cut" / step_dir(CUT))
     r = CliRunner().invoke(app, ["reshard", src, str(tmp_path / "tp2"), "--to", "tp=2,ep=2,zero=1", "--json"])
@@ -146,6 +154,7 @@ def test_reshard_needs_no_rules_file(runs: Path, tmp_path: Path) -> None:
     assert r.exit_code != 0 and "choose tp in [1, 2]" in r.output
 
 
+@pytest.mark.multiproc
 def test_export_hf_reproduces_the_trainers_logits(runs: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     url = str(runs / "full" / step_dir(8))
@@ -171,6 +180,8 @@ def test_export_hf_reproduces_the_trainers_logits(runs: Path, tmp_path: Path) ->
     assert first == pytest.approx(want, rel=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_killed_sp_rank_restarts_and_resumes_bitwise(tmp_path: Path) -> None:
     assert_killed_cli_run_resumes_bitwise(
         tmp_path, ["--config", "hybrid-tiny", "--sp", "2", "--seq-len", "64"],

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import ckpt
 from ckpt.async_save import SaveHandle
 from ckpt.errors import StorageError
@@ -39,6 +41,7 @@ def _check_checkpoint(r: dict[str, Any], root: Path) -> None:
         assert 0 <= a["min_ms"] <= a["median_ms"] <= a["max_ms"] and a["slowest_rank"] in (0, 1)
 
 
+@pytest.mark.multiproc
 def test_metrics_log_save_and_load_figures(tmp_path: Path) -> None:
     root = tmp_path / "run"
     cfg = TrainConfig(steps=3, save_every=1, ckpt_dir=str(root), device="cpu")

@@ -65,6 +65,8 @@ def _stage(name: str, cfg: TrainConfig, layout: Layout) -> int:
     ("tp=2,ep=2,zero=1", CFG),
     ("dp=2,pp=2,zero=1", CFG),
 ], ids=["dp2", "tp2", "tp2-padded-vocab", "ep2", "pp2-gpipe", "pp2-1f1b", "tp2-ep2", "dp2-pp2"])
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_gradients_equal_single_process_blocks(layout: str, cfg: TrainConfig) -> None:
     lay = Layout.parse(layout)
     run_ranks(lay.world_size, _grad_check, cfg, lay)
@@ -118,12 +120,16 @@ def single() -> dict[int, float]:
     "dp=2,zero=1", "dp=2,zero=0", "tp=2", "ep=2", "pp=2", "tp=2,ep=2,zero=1", "dp=2,pp=2,zero=1", "ep=2,pp=2",
     "tp=2,ep=2,pp=2,zero=1",
 ])
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_losses_match_single_process(layout: str, single: dict[int, float]) -> None:
     lay = Layout.parse(layout)
     cfg = dataclasses.replace(CFG, schedule="gpipe") if layout == "ep=2,pp=2" else CFG
     losses_close(run_training(cfg, lay)["losses"], single)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_padded_vocab_losses_match_single_process() -> None:
     losses_close(run_training(PADDED, Layout(tp=2, dp=2, zero=1))["losses"],
                  run_training(PADDED, Layout())["losses"])

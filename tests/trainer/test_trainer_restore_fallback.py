@@ -17,6 +17,8 @@ from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.metrics import read_metrics
 from tests.trainer.trainer_utils import run_training
 
+pytestmark = pytest.mark.multiproc
+
 LAYOUT = Layout(dp=2, zero=1)
 
 
@@ -47,6 +49,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: P
     assert ckpt.verify(str(root / step_dir(4)), deep=True).ok
 
 
+@pytest.mark.slow
 def test_when_no_checkpoint_restores_the_run_stops(tmp_path: Path) -> None:
     root = tmp_path / "run"
     cfg = TrainConfig(steps=3, save_every=1, keep_last=2, ckpt_dir=str(root), device="cpu", async_save=False)

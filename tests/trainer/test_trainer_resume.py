@@ -36,6 +36,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {"root": root, "full": full["losses"], "cut": cut["losses"]}
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_checkpoint_keys_regions_and_metadata(runs: dict[str, object]) -> None:
     url = str(Path(str(runs["root"])) / "cut" / step_dir(CUT))
     m = ckpt.inspect(url)
@@ -75,6 +77,8 @@ def test_checkpoint_keys_regions_and_metadata(runs: dict[str, object]) -> None:
     assert ckpt.verify(url, deep=True).ok
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_same_layout_resume_is_bitwise(runs: dict[str, object], tmp_path: Path) -> None:
     root = Path(str(runs["root"]))
     shutil.copytree(root / "cut", tmp_path / "run")
@@ -90,6 +94,8 @@ def test_same_layout_resume_is_bitwise(runs: dict[str, object], tmp_path: Path) 
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("target", ["ep=2,zero=1", "dp=2,zero=1", "single", "pp=2,dp=2,zero=0"])
 def test_resume_under_another_layout(runs: dict[str, object], tmp_path: Path, target: str) -> None:
     root = Path(str(runs["root"]))
@@ -107,6 +113,7 @@ def test_resume_under_another_layout(runs: dict[str, object], tmp_path: Path, ta
         torch.testing.assert_close(p, q, rtol=0, atol=5e-4, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.multiproc
 def test_init_from_weights_only_checkpoint(tmp_path: Path) -> None:
     """A checkpoint with only model.* keys (as an import from Hugging Face writes), resharded to tp2."""
     source = MoEForCausalLM(CONFIGS["tiny"])
@@ -122,6 +129,7 @@ def test_init_from_weights_only_checkpoint(tmp_path: Path) -> None:
     assert got[1] == pytest.approx(first, rel=1e-6)
 
 
+@pytest.mark.multiproc
 def test_init_from_a_bf16_export_imported_back_casts_the_weights(tmp_path: Path) -> None:
     """export-hf --dtype bf16 -> import-hf -> train --init-from: the bf16 weights are cast to the
     model's float32 (a resume would refuse the dtype; a weights-only init casts)."""
@@ -161,6 +169,7 @@ def test_init_from_refuses_a_non_float_dtype_change(tmp_path: Path) -> None:
         load_full_model(url, CONFIGS["tiny"])
 
 
+@pytest.mark.multiproc
 def test_restore_refuses_another_model_and_init_from_needs_every_weight(runs: dict[str, object],
                                                                          tmp_path: Path) -> None:
     root = Path(str(runs["root"]))
@@ -175,6 +184,8 @@ def test_restore_refuses_another_model_and_init_from_needs_every_weight(runs: di
         train(TrainConfig(steps=1, init_from=partial), Layout())
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_checkpoint_every_step_leaves_only_complete_checkpoints(tmp_path: Path) -> None:
     """Back-to-back async saves with retention: the previous save's gc never eats the next one."""
     cfg = TrainConfig(steps=12, save_every=1, keep_last=4, ckpt_dir=str(tmp_path / "run"))

@@ -56,11 +56,14 @@ def _grad_check(rank: int, world: int, cfg: TrainConfig, layout: Layout) -> None
     "sp=2,dp=2,zero=1", "sp=2,tp=2,ep=2,zero=1", "sp=2,dp=2,zero=0", "sp=4,tp=2,zero=1", "sp=4,ep=2,zero=1",
     "sp=4,pp=2,zero=1",
 ])
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_gradients_equal_single_process_blocks(layout: str) -> None:
     lay = Layout.parse(layout)
     run_ranks(lay.world_size, _grad_check, CFG, lay)
 
 
+@pytest.mark.multiproc
 def test_sp_with_sequence_sharded_moe_under_tp() -> None:
     """The sp and X-MoE branches together: under sp=2, tp=2 each TP rank routes and dispatches 1/tp of
     its sp slice's tokens (``moe_sequence_shard``); the reduced gradients still equal one process's."""
@@ -75,6 +78,8 @@ def single() -> dict[int, float]:
 
 @pytest.mark.parametrize("layout", ["sp=2", "sp=4,zero=1", "sp=2,tp=2,zero=1", "sp=2,ep=2,zero=1",
                                     "sp=2,pp=2,dp=2,zero=1"])
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_losses_match_single_process(layout: str, single: dict[int, float]) -> None:
     losses_close(run_training(CFG, Layout.parse(layout))["losses"], single)
 
@@ -103,6 +108,7 @@ def _attention_check(rank: int, world: int, seq: int) -> None:
                                    msg=lambda m, n=name: f"d{n}: {m}")
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
 def test_lasp2h_attention_equals_unsplit_causal_attention(world: int) -> None:
     run_ranks(world, _attention_check, 16)

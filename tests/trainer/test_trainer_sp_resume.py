@@ -41,6 +41,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {"root": root, "full": full["losses"]}
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_sp_checkpoint_is_a_global_one(runs: dict[str, object]) -> None:
     url = str(Path(str(runs["root"])) / "cut" / step_dir(CUT))
     m = ckpt.inspect(url)
@@ -54,6 +56,8 @@ def test_sp_checkpoint_is_a_global_one(runs: dict[str, object]) -> None:
     assert ckpt.verify(url, deep=True).ok
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("source,target", [("cut", "single"), ("cut", "sp=4,zero=0"), ("tp", "sp=2,zero=1")])
 def test_resume_across_sp(runs: dict[str, object], tmp_path: Path, source: str, target: str) -> None:
     root = Path(str(runs["root"]))
@@ -69,6 +73,8 @@ def test_resume_across_sp(runs: dict[str, object], tmp_path: Path, source: str, 
         torch.testing.assert_close(p, q, rtol=0, atol=5e-4, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_killed_sp_rank_restarts_and_resumes_bitwise(tmp_path: Path) -> None:
     assert_killed_cli_run_resumes_bitwise(tmp_path, ["--config", "tiny", "--sp", "2"],
                                           TrainConfig(steps=8, save_every=3, device="cpu"), Layout(sp=2, zero=1),

@@ -28,6 +28,8 @@ from tests.trainer.trainer_utils import checkpoint_tensors, run_training
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_killed_rank_restarts_and_resumes_bitwise(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # the console script, as a user runs it (``python -m`` would itself import a cwd ckpt/ folder)
@@ -82,6 +84,8 @@ def test_train_cli_rejects_a_layout_before_starting_processes() -> None:
     assert result.exit_code == 5 and "--fail-rank 2 is outside the 2 ranks" in result.output
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_a_deterministic_error_stops_the_job_without_restarts(tmp_path: Path) -> None:
     """A worker's MismatchError (an --init-from checkpoint missing weights) would recur on every
     restart: the worker exits with FINAL_EXIT_CODE, the launcher stops after one attempt."""
@@ -103,6 +107,8 @@ def test_a_deterministic_error_stops_the_job_without_restarts(tmp_path: Path) ->
     assert "error: rank 0: MismatchError" in proc.stderr and "gave up" not in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_demo_main_job(tmp_path: Path) -> None:
     """`ckpt demo` (shortened): 4 ranks, a kill, a same-layout resume, 2 ranks resharded, verify."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -268,6 +268,8 @@ def _block_check(rank: int, world: int, layout: str, top_k: int, num_experts: in
     ("tp=2,ep=2", 8, 8),
     ("tp=2,ep=4", 8, 8),
 ])
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_block_equals_unsplit_and_counts_are_exact(layout: str, top_k: int, num_experts: int) -> None:
     run_ranks(Layout.parse(layout).world_size, _block_check, layout, top_k, num_experts)
 
@@ -285,6 +287,8 @@ def test_block_rejects_unknown_dispatch() -> None:
 
 @pytest.mark.parametrize("dispatch,shard", [("per-expert", False), ("dedup", True), ("per-expert", True)],
                          ids=["per-expert", "dedup-shard", "per-expert-shard"])
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_trainer_gradients_with_each_dispatch(dispatch: str, shard: bool) -> None:
     """The whole model's reduced gradients after one step equal the unsplit model's under tp=2, ep=2
     for the non-default switches (the defaults run in test_trainer_parallel)."""
@@ -294,6 +298,8 @@ def test_trainer_gradients_with_each_dispatch(dispatch: str, shard: bool) -> Non
     run_ranks(4, _grad_check, cfg, Layout(tp=2, ep=2))
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_sequence_sharded_losses_match_single_process() -> None:
     """Ten steps under tp=2, ep=2 with sequence-sharded MoE blocks: losses within fp32 tolerance of
     one process (the router's TP-summed gradient and the sharded experts' updates are right)."""

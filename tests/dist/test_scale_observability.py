@@ -16,6 +16,8 @@ from ckpt.cli.app import app
 from ckpt.save import _SYNC_CACHES
 from tests.dist_utils import run_ranks
 
+pytestmark = pytest.mark.multiproc
+
 
 def _pieces(rank: int, world: int, n: int = 6) -> dict:
     return {f"w{i}": ckpt.Shard(torch.full((4, 8), float(rank + i)), (4 * world, 8), (4 * rank, 0)) for i in range(n)}
@@ -85,14 +87,19 @@ def test_metadata_traffic_of_a_rank_does_not_grow_with_world(tmp_path):
 
 
 def _slow(rank: int, world: int, root: str) -> None:
-    if rank == 2:
-        time.sleep(3)
+    gave_up = [f"{root}.gave-up.{r}" for r in range(world) if r != 2]
+    if rank == 2:  # late: arrives once the others have given up on it (not after a sleep racing them)
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not all(os.path.exists(p) for p in gave_up):
+            time.sleep(0.05)
     t0 = time.monotonic()
     with pytest.raises(ckpt.CollectiveError) as ei:
         ckpt.save(_pieces(rank, world), root, timeout=1.0)
     if rank == 0:
         assert "rank(s) [2] did not report within 1 s" in str(ei.value)
     assert time.monotonic() - t0 < 30
+    if rank != 2:
+        open(f"{root}.gave-up.{rank}", "w").close()
     os._exit(0)  # the metadata group is unusable after a timeout: skip the harness's final barrier
 
 

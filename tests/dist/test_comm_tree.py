@@ -6,7 +6,6 @@ of 2 so that a few ranks make a tree of depth 2: 0 -> 1, 2; 1 -> 3, 4; 2 -> 5, 6
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import ckpt
 from ckpt import comm as comm_mod
 from ckpt.comm import Comm, tree_below, tree_children, tree_parent
-from tests.test_rank_failures import SLACK, _assert_typed, outcome, run_forked
+from tests.dist.forked import SLACK, assert_typed, outcome, run_forked, stall
 
 
 @pytest.mark.parametrize("fanin", [0, 1, 2, 3, 8])
@@ -55,10 +54,11 @@ def _happy(rank: int, world: int, fanin: int, timeout: float) -> dict[str, Any]:
             "same": same == verdict, "bcast_sent": bcast_sent, "verdict_sent": verdict_sent}
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("fanin", [2, 0])
 def test_tree_gives_the_flat_results_with_fewer_coordinator_bytes(fanin: int) -> None:
     world = 7
-    res = run_forked(world, _happy, fanin, 10.0, limit=60.0)
+    res = run_forked(world, _happy, fanin, 10.0)
     for r, x in enumerate(res):
         assert x["got"] == {"to": r, "from": r} and x["big"] == 100_000 and x["off_root"] and x["same"]
         assert x["all"] == ([10 * i for i in range(world)] if r == 0 else None)
@@ -76,20 +76,22 @@ def _stall_or_crash(rank: int, world: int, culprit: int, how: str, timeout: floa
     if rank == culprit:
         if how == "crash":
             os._exit(0)  # gone without a word
-        time.sleep(timeout + 1.5)  # alive but silent past everyone's deadline
+        stall(rank, world)  # alive but silent past everyone's deadline (until they have all reported)
         return {}
     return outcome(lambda: c.exchange({"r": rank}, lambda objs: objs, timeout=timeout, what="save test"))
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("culprit,how", [(5, "stall"), (6, "crash"), (1, "stall"), (2, "crash")])
 def test_a_failure_in_the_tree_reaches_every_rank_within_the_timeout(culprit: int, how: str) -> None:
     timeout = 1.5
-    res = run_forked(7, _stall_or_crash, culprit, how, timeout, limit=timeout + 1.5 + 3 * SLACK)
+    res = run_forked(7, _stall_or_crash, culprit, how, timeout)
     for r, x in enumerate(res):
         if r == culprit:
             continue
         # a rank waits at most one timeout per half of the exchange
-        _assert_typed(x, 2 * timeout + SLACK, cls="CollectiveError", has=("restart the job",))
+        assert_typed(x, 2 * timeout + SLACK, cls="CollectiveError", has=("restart the job",))
     parent = (culprit - 1) // 2
     # the culprit is named by the rank waiting for it; the coordinator names it, or the rank that
     # relays it (with the ranks it relays)
@@ -107,10 +109,11 @@ def _lost_leaf_reported_by_its_relay(rank: int, world: int, timeout: float) -> d
     return outcome(lambda: c.gather({"r": rank}, timeout=timeout, what="save test"))
 
 
+@pytest.mark.multiproc
 def test_a_dead_leaf_is_named_on_the_coordinator() -> None:
-    res = run_forked(7, _lost_leaf_reported_by_its_relay, 5.0, limit=30.0)
+    res = run_forked(7, _lost_leaf_reported_by_its_relay, 5.0)
     assert res[6].get("crashed")
-    _assert_typed(res[2], 5.0 + SLACK, cls="CollectiveError", has=("rank(s) [6] did not report",))
+    assert_typed(res[2], 5.0 + SLACK, cls="CollectiveError", has=("rank(s) [6] did not report",))
     # the coordinator gets the relay's own words (or, when the relay's send failed too, names the relay)
     assert "[6]" in res[0]["msg"] or "rank 2 relays rank(s) [5, 6]" in res[0]["msg"], res[0]
     assert res[0]["type"] == "CollectiveError"
@@ -134,15 +137,17 @@ def _save_load_on_tree(rank: int, world: int, path: str, bad: int | None) -> dic
     return {"ok": True}
 
 
+@pytest.mark.multiproc
 def test_ckpt_save_and_resharded_load_over_a_tree(tmp_path) -> None:
-    res = run_forked(5, _save_load_on_tree, str(tmp_path / "c"), None, limit=60.0)
+    res = run_forked(5, _save_load_on_tree, str(tmp_path / "c"), None)
     assert all(x == {"ok": True} for x in res)
     assert ckpt.verify(str(tmp_path / "c"), deep=True).ok
 
 
+@pytest.mark.multiproc
 def test_a_bad_state_on_a_relayed_rank_fails_every_rank_typed(tmp_path) -> None:
-    res = run_forked(5, _save_load_on_tree, str(tmp_path / "c"), 4, limit=60.0)  # rank 4's parent is rank 1
+    res = run_forked(5, _save_load_on_tree, str(tmp_path / "c"), 4)  # rank 4's parent is rank 1
     for x in res:
-        _assert_typed(x, 20.0, has=("rank 4",))
+        assert_typed(x, 20.0, has=("rank 4",))
         assert x["typed"] and x["type"] != "CollectiveError", x
     assert not os.path.exists(tmp_path / "c" / "manifest.msgpack")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "ckpt"
+ROOT = Path(__file__).resolve().parents[2] / "ckpt"
 ALLOWED = {"cli/train.py"}  # `ckpt train` / `ckpt demo`: the trainer's own commands
 
 
@@ -43,6 +43,7 @@ def _library_modules() -> list[Path]:
                   if p.relative_to(ROOT).parts[0] != "trainer" and p.relative_to(ROOT).as_posix() not in ALLOWED)
 
 
+@pytest.mark.slow
 def test_the_library_does_not_import_the_trainer() -> None:
     bad = []
     for path in _library_modules():
@@ -62,6 +63,8 @@ def test_the_scan_sees_every_spelling(src: str) -> None:
     assert _trainer_imports(ast.parse(src), "ckpt.hf"), src
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_importing_the_library_loads_no_trainer_module() -> None:
     import subprocess
     import sys

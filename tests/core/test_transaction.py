@@ -21,6 +21,7 @@ from ckpt.manager import gc, list_checkpoints, step_dir
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.resharders.reshard import reshard
 from tests.dist_utils import run_ranks
+from tests.helpers import random_state
 from tests.manifest_edit import edit_manifest, read_manifest, write_manifest
 
 
@@ -35,8 +36,7 @@ def _files(d: str) -> dict[str, bytes]:
 
 
 def _state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(4, 6, generator=g), "b": torch.randn(6, generator=g), "step": seed}
+    return random_state(seed, {"w": (4, 6), "b": (6,)}, step=seed)
 
 
 def _assert_loads(url: str, seed: int) -> None:
@@ -107,6 +107,7 @@ def _per_rank_keys(rank: int, world: int, url: str) -> None:
         assert not [f for f in _files(url + "-bad") if f.startswith("data/")]
 
 
+@pytest.mark.multiproc
 def test_union_of_rank_specific_global_keys_and_conflicts_refused(tmp_path):
     url = str(tmp_path / "c")
     run_ranks(2, _per_rank_keys, url)
@@ -213,6 +214,7 @@ def _racer(url: str, seed: int, go, out) -> None:
         out.put((seed, repr(e)))
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("trial", range(5))
 def test_two_processes_saving_one_url_exactly_one_wins(tmp_path, trial):
     url = str(tmp_path / "c")

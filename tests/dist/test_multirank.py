@@ -12,6 +12,8 @@ import ckpt
 from tests.dist_utils import run_ranks
 from tests.layouts import assert_bitwise, empty_like_piece, expected_local, local_of, piece, reference
 
+pytestmark = pytest.mark.multiproc
+
 SAVE_KINDS = {"w32": "rows", "wbf16": "cols", "i64": "flat", "f8": "grid", "vec": "replicated", "cube": "cols"}
 LOAD_KINDS = {"w32": "cols", "wbf16": "flat", "i64": "rows", "f8": "rows", "vec": "flat", "cube": "grid"}
 
@@ -117,6 +119,7 @@ def _dtensor_load(rank: int, world: int, path: str) -> None:
         assert_bitwise(t.full_tensor(), expect[k], k)  # collective: every rank calls it
 
 
+@pytest.mark.slow
 def test_dtensor_shard0_saved_loaded_as_2d_mesh(tmp_path):
     path = str(tmp_path / "c")
     run_ranks(4, _dtensor_save, path)
@@ -229,5 +232,6 @@ def _side_group_alone(rank: int, world: int) -> None:
         assert time.monotonic() - t < 30
 
 
+@pytest.mark.slow
 def test_a_side_group_whose_member_never_arrives_is_a_typed_error_in_time():
     run_ranks(2, _side_group_alone)

@@ -36,11 +36,13 @@ def test_unknown_protocol_is_one_line(tmp_path):
     assert len(r.output.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_install_hint_keeps_the_extra_name():
     p = subprocess.run([CKPT, "ls", "gs://bucket/x"], capture_output=True, text=True, timeout=60)
     if "gcsfs" in p.stderr:  # gcsfs absent here: the hint must name the extra, which must exist
         assert "ckpt[gcs]" in p.stderr
-        with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as f:
+        with open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml")) as f:
             assert 'gcs = ["gcsfs' in f.read()
 
 
@@ -49,6 +51,8 @@ def test_version():
     assert r.exit_code == 0 and r.output.strip() == f"ckpt {ckpt.__version__}"
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_piped_tables_show_full_values(tmp_path):
     root = tmp_path / ("a-rather-long-directory-name-" * 4)
     ckpt.save({"w": torch.zeros(2)}, str(root / step_dir(1)), step=1)
@@ -71,6 +75,8 @@ def test_gc_json_reports_removed_and_kept(tmp_path):
     assert {c["step"]: c["status"] for c in json.loads(r.output)} == {1: "committed", 2: "foreign"}
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_verify_deep_reports_progress(tmp_path):
     url = str(tmp_path / "c")
     ckpt.save({"a": torch.arange(1000.0), "b": torch.ones(3, 300), "c": torch.zeros(0)}, url)

@@ -250,23 +250,14 @@ def _save_and_load(rank: int, world: int, root: str, device: str) -> None:
     assert pool.allocations == allocations
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_split_replicas_round_trip_bitwise(tmp_path):
     run_ranks(3, _save_and_load, str(tmp_path), "cpu")
 
 
-def _spawned(rank: int, world: int, init: str, root: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    _save_and_load(rank, world, root, "cuda")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.multiproc
 def test_split_replicas_round_trip_from_cuda(tmp_path):
     # Spawned, not forked: CUDA cannot be used in a child forked after the parent touched it.
-    import torch.multiprocessing as mp
-
-    init = f"file://{tmp_path}/pg"
-    mp.start_processes(_spawned, args=(3, init, str(tmp_path)), nprocs=3, start_method="spawn", join=True)
+    run_ranks(3, _save_and_load, str(tmp_path), "cuda", start_method="spawn")

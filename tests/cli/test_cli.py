@@ -79,6 +79,7 @@ def test_verify_catches_deleted_file(good):
     assert probs[0]["kind"] == "missing-file" and probs[0]["file"].endswith(os.path.basename(path))
 
 
+@pytest.mark.multiproc
 def test_verify_catches_overlapping_shard(tmp_path):
     url = str(tmp_path / "c")
     # Build a valid 2-shard checkpoint, then edit the manifest so the second shard overlaps the first.

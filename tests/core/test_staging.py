@@ -47,6 +47,7 @@ def _check_plan(pieces: list[tuple[int, int]], cap: int | None) -> staging.Plan:
     return p
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(0, 20_000), max_size=30), cap=st.none() | st.integers(1024, 60_000))
 def test_generated_plans_tile_every_piece_exactly(small_slabs, sizes, cap):
@@ -86,6 +87,7 @@ def _same(url: str, ref: dict[str, torch.Tensor]) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=12), cap=st.none() | st.integers(1024, 20_000),
        data=st.data())
+@pytest.mark.slow
 def test_generated_async_saves_through_a_ring_are_bitwise(small_slabs, tmp_path_factory, sizes, cap, data):
     """Whatever the cap, what is committed is what the tensors held at the call, even though the
     caller changes them right after ``staged()`` and the ring reuses its slabs many times over."""
@@ -180,7 +182,7 @@ def test_first_save_returns_before_its_memory_is_allocated(tmp_path, monkeypatch
     _same(str(tmp_path / "c"), {"w": ref})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_cuda_sources_stage_through_a_pinned_ring(tmp_path):
     g = torch.Generator().manual_seed(3)
     state = {f"t{i}": torch.randn(1 + i * 100_000, generator=g).to("cuda", torch.bfloat16) for i in range(12)}
@@ -211,6 +213,8 @@ def test_manager_passes_its_cap_to_every_async_save(small_slabs, tmp_path):
     _same(mgr.url_for(2), state)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_trainer_checkpoints_through_a_capped_ring_equal_uncapped_ones(small_slabs, tmp_path):
     """``ckpt train --max-staging-bytes``: TrainConfig -> CheckpointManager -> every async save; the
     forked ranks inherit the shrunk slabs, so the tiny model's state goes round a ring many times."""

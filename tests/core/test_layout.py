@@ -36,6 +36,7 @@ def test_coord_rank_round_trip_and_order(lay: Layout) -> None:
     assert Layout.parse(str(lay)) == lay == Layout.from_dict(lay.to_dict())
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(layouts)
 def test_group_index_is_the_position_in_the_sorted_group(lay: Layout) -> None:

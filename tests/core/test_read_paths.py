@@ -134,6 +134,7 @@ def _run(storage: Any, plan: ReadPlan, like: torch.Tensor, workers: int) -> torc
     return out
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case(), st.sampled_from([0, 4096, MAP_GAP]), st.sampled_from([64, 4096, 1 << 20]), st.sampled_from([1, 3]))
 def test_mapped_buffered_and_plain_reads_agree_bitwise(c, gap, max_read, workers):

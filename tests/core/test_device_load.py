@@ -101,7 +101,7 @@ def test_a_read_failure_in_a_bounce_thread_is_raised_typed(bounce_everything, tm
         ckpt.load(dst, str(tmp_path / "c"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_cuda_targets_load_bitwise(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(3)
     ref = {f"t{i}": torch.randn(1 + i * 50_000, generator=g).bfloat16() for i in range(20)}

@@ -36,6 +36,8 @@ def test_growth_per_doubling() -> None:
     assert g[0] == pytest.approx(2.0) and g[1] == pytest.approx(4.0)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("layout,fanin", [("2d", None), ("cols", 1)])  # fan-in 1: ckpt's exchange is a chain
 def test_scaling_bench_runs_on_two_rank_counts(tmp_path, layout: str, fanin: int | None) -> None:
     res = scaling.run([2, 4], mb_per_rank=0.05, tensors=3, repeats=1, warmup=0, load_layout=layout,
@@ -58,6 +60,8 @@ def test_scaling_bench_runs_on_two_rank_counts(tmp_path, layout: str, fanin: int
     assert scaling.time_rows(res) and scaling.phase_rows(res) and scaling.growth_rows(res)[1]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_a_wrong_load_fails_the_bench(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ckpt
 

@@ -56,6 +56,7 @@ def _case(draw):
     return shape, regions
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(_case())
 def test_check_tiling_matches_painting(case):

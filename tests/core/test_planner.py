@@ -7,6 +7,7 @@ import math
 import struct
 from unittest import mock
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -136,6 +137,7 @@ def test_save_plan_writes_each_piece_once_balanced_and_consistent(c):
                 assert (e.start, e.length) == (s.offset, s.length)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case(), st.sampled_from([64, 1 << 20]))
 def test_load_plan_reshards_bitwise(c, max_read):
@@ -171,6 +173,7 @@ def replicated_case(draw):
     return shape, src, dst, dtype, ranks, draw(st.integers(2, ranks))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(st.one_of(case(), replicated_case()), st.sampled_from([1, 8, 64]))
 def test_split_replicas_tile_and_load_bitwise(c, min_part):

@@ -163,6 +163,7 @@ def test_bad_columns_are_refused_naming_tensor_and_shard(edit, match):
         decode_manifest(_wrap(body))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_mutated_bodies_with_a_valid_checksum_raise_only_manifest_errors(data):
