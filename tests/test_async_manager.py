@@ -17,6 +17,8 @@ from ckpt.manager import CheckpointInfo, select_removals, step_dir
 from ckpt.manifest import MANIFEST_NAME
 from tests.dist_utils import run_ranks
 
+pytestmark = pytest.mark.multiproc
+
 runner = CliRunner(env={"COLUMNS": "200"})
 
 

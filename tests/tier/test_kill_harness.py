@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.tier.kill_harness import KILL_POINTS, run_trials, summarize
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 def test_kill_9_during_the_memory_tier_never_restores_a_torn_state(shm: str) -> None:

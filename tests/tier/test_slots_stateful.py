@@ -31,6 +31,7 @@ import shutil
 import tempfile
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -277,7 +278,7 @@ class SlotMachine(RuleBasedStateMachine):
         assert [s for s, _ in self.tier.store.own_steps()] == steps  # no uncommitted leftovers
 
 
-TestSlotMachine = SlotMachine.TestCase
+TestSlotMachine = pytest.mark.slow(SlotMachine.TestCase)
 TestSlotMachine.settings = settings(max_examples=30, stateful_step_count=20, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 

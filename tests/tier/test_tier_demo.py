@@ -8,8 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ckpt.manager import step_dir
 from ckpt.trainer.metrics import read_metrics
+
+pytestmark = pytest.mark.multiproc
 
 ROOT = Path(__file__).resolve().parents[2]
 

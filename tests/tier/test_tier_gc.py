@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 import ckpt
@@ -20,6 +21,8 @@ from ckpt.tier import gc_memory, list_memory
 from ckpt.tier.nodes import run_id_for, step_name
 from tests.dist_utils import run_ranks
 from tests.tier.kill_harness import state_of
+
+pytestmark = pytest.mark.multiproc
 
 ROOT = Path(__file__).resolve().parents[2]
 

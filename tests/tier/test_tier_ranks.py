@@ -21,6 +21,8 @@ from ckpt.tier.nodes import step_name
 from tests.dist_utils import run_ranks
 from tests.tier.kill_harness import state_of
 
+pytestmark = pytest.mark.multiproc
+
 ROOT = "/tier-tests/run"
 
 

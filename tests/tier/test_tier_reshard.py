@@ -8,12 +8,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import ckpt
 from ckpt.tier.nodes import run_id_for
 from tests.dist_utils import run_ranks
 from tests.tier.kill_harness import WORLD, state_of
+
+pytestmark = pytest.mark.multiproc
 
 
 def _global(step: int) -> dict[str, torch.Tensor]:

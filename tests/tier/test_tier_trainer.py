@@ -30,6 +30,8 @@ from ckpt.trainer.train import train
 from tests.dist_utils import run_ranks
 from tests.trainer.trainer_utils import checkpoint_tensors, run_training
 
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
 LAYOUT = Layout(tp=2, ep=2, zero=1)
 STEPS, SAVE_EVERY = 10, 5
 
