@@ -5,11 +5,14 @@ One step, on every rank::
 
     ids = rank_batch(...)            # this rank's samples of the global batch at sample_index
     local = forward_backward(ids)    # pipeline schedule when pp > 1
-    handle.staged()                  # the previous async save has copied the state out
+    mgr.maybe_wait_for_staging()     # the saves in flight have copied the state out
     opt.step(lr)                     # reduce grads, clip, AdamW on the ZeRO range, all-gather
-    save every N steps (async)       # CheckpointManager: plan now, stage + write in the background
-    memory checkpoint every M steps  # copy to host buffers; /dev/shm + a peer node's copy in the background
+    mgr.maybe_save(step, state, last_step=...)  # the manager's policy: every N steps persistent (async),
+                                     # every M steps to the memory tier; the last step waits for its commit
     log the previous save's figures  # once its handle is done (never waited for): "checkpoint" record
+
+The trainer holds no checkpoint policy of its own: :class:`ckpt.manager.CheckpointManager` decides
+what is due, and ``mgr.restore(..., fallback=True)`` is the whole restart.
 
 Resume takes the newest step complete across tiers: the memory tier (each rank's own copy, else the
 copy a peer node keeps, every checksum checked) when it is at least as new as the newest persistent
@@ -29,21 +32,15 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ckpt.async_save import SaveHandle
-from ckpt.comm import Comm
-from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StorageError
+from ckpt import Manifest, SaveHandle
 from ckpt.layout import Layout
-from ckpt.manager import CheckpointManager
-from ckpt.manifest import Manifest
-from ckpt.tier import MemoryHandle
-from ckpt.tier.nodes import node_identity
-from ckpt.tier.restore import clobbered_message
-from ckpt.tier.store import pieces_digest
+from ckpt.manager import CheckpointManager, Restored, SaveReport, node_of
 from ckpt.trainer.checkpoint import (
     Resume,
     load_weights,
@@ -106,18 +103,9 @@ def build_model(cfg: TrainConfig, ctx: ParallelContext) -> tuple[ParallelModel, 
     return pm, opt, schedule
 
 
-def _committed(mgr: CheckpointManager) -> list[tuple[int, str]]:
-    # Rank 0 lists (newest first), so that every rank tries the same checkpoints in the same order
-    # even if one commits meanwhile.
-    comm = Comm(None)
-    found = [(c.step, c.url) for c in reversed(mgr.list()) if c.committed] if comm.rank == 0 else None
-    return [tuple(x) for x in comm.broadcast(found)] if comm.enabled and comm.world > 1 else (found or [])
-
-
 @dataclass(slots=True)
 class Found:
-    """What :func:`_resume` restored: from where (``tier``: ``storage``, ``memory`` or ``memory-peer``),
-    the time it took, the newest persistent step skipped as damaged (-1: none) and tier figures."""
+    """What the restart restored (:class:`ckpt.manager.Restored`) and the trainer's own :class:`Resume`."""
 
     url: str
     resume: Resume
@@ -127,77 +115,29 @@ class Found:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def _resume_memory(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, cfg: TrainConfig,
-                   ctx: ParallelContext, log: MetricsLog, newest: int | None) -> Found | None:
-    """The newest complete memory step at or above ``newest`` (the newest persistent step), restored
-    on every rank (own copies, else peers' copies; checksums checked), or None; failed sources are
-    logged (``restore_failed`` with ``tier: memory``). Collective."""
-    tier = mgr.memory
-    assert tier is not None
-    t = time.perf_counter()
+def _resume(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, cfg: TrainConfig,
+            ctx: ParallelContext, log: MetricsLog) -> Found | None:
+    """Restore the newest checkpoint every rank restores, across tiers, skipping damaged persistent
+    ones for older ones (:meth:`CheckpointManager.restore` with ``fallback``); None when there is
+    none. Failed sources are logged (``restore_failed``). Raises CheckpointError when every
+    committed checkpoint failed."""
 
     def failed(rec: dict[str, Any]) -> None:
         log.write(rec)
-        if ctx.rank == 0:
-            print(f"[rank 0] memory tier: {rec.get('error') or rec.get('notes')}", file=sys.stderr)
+        if "tier" in rec:  # the memory tier's (own, peer or resharded copies)
+            if ctx.rank == 0:
+                print(f"[rank 0] memory tier: {rec.get('error') or rec.get('notes')}", file=sys.stderr)
+        else:
+            print(f"[rank {ctx.rank}] cannot restore {rec['from']} ({rec['error']}); trying an older checkpoint",
+                  file=sys.stderr)
 
-    digest = pieces_digest({"model": model_state(pm), "optim": optim_state(opt)})
-    got = tier.restore_with(lambda url: restore(url, pm, opt, schedule, cfg, load=tier.load_local), digest=digest,
-                            min_step=newest, on_failure=failed)
-    if got is None:  # written under another layout: the resharding load, when every piece is reachable
-        got = tier.restore_resharded_with(lambda url: restore(url, pm, opt, schedule, cfg, load=tier.load_view),
-                                          min_step=newest, on_failure=failed)
-    # what the run does not continue from goes (all of it after a resharded restore: another layout's)
-    tier.reset(got.step if got is not None and got.tier != "memory-reshard" else None)
+    wanted = {"model": model_state(pm), "optim": optim_state(opt)}  # the pieces this rank restores
+    mgr.restore(wanted, loader=lambda url, read: restore(url, pm, opt, schedule, cfg, load=read), fallback=True,
+                on_failure=failed)
+    got: Restored | None = mgr.restored
     if got is None:
         return None
-    pin = tier.pin_stats  # this rank's mapping ahead of the restore: how long, and how much of it waited
-    detail = {"peer_ranks": got.peer_ranks, "fetched_bytes": got.fetched_bytes, "memory_bytes": got.bytes,
-              "failures": got.failures[:8], "pin_ahead_bytes": pin.get("bytes", 0),
-              "pin_ahead_pinned": bool(pin.get("pinned")), "pin_ahead_ms": pin.get("ms", 0.0),
-              "pin_ahead_wait_ms": pin.get("wait_ms", 0.0)}
-    return Found(got.url, got.value, time.perf_counter() - t, -1, got.tier, detail)
-
-
-def _resume(mgr: CheckpointManager, pm: ParallelModel, opt: Any, schedule: Any, cfg: TrainConfig,
-            ctx: ParallelContext, log: MetricsLog) -> Found | None:
-    """Restore the newest checkpoint that every rank restores; None when there is none: the memory
-    tier's newest complete step when it is at least as new as storage's (:func:`_resume_memory`),
-    else the newest committed persistent checkpoint. Returns what was restored (:class:`Found`).
-
-    A checkpoint that fails on any rank with damaged or missing data (IntegrityError with
-    ``verify_restore``, StorageError, ManifestError) is skipped for the next older one, and a
-    ``restore_failed`` record says why: a damaged newest checkpoint must not cost the run the good
-    one before it. Ranks agree through a one-element all-reduce after each attempt (a load raises
-    on one rank only). Raises CheckpointError when every committed checkpoint failed.
-    """
-    urls = _committed(mgr)
-    if mgr.memory is not None:
-        found = _resume_memory(mgr, pm, opt, schedule, cfg, ctx, log, urls[0][0] if urls else None)
-        if found is not None:
-            return found
-    skipped = -1
-    for ckpt_step, url in urls:
-        t = time.perf_counter()
-        err: CheckpointError | None = None
-        try:
-            res: Resume | None = restore(url, pm, opt, schedule, cfg)
-        except (IntegrityError, StorageError, ManifestError) as e:
-            err, res = e, None
-        failed = all_reduce_(torch.tensor([0.0 if err is None else 1.0], device=ctx.device), ctx.groups["world"])
-        if float(failed.item()) == 0 and res is not None:
-            return Found(url, res, time.perf_counter() - t, skipped)
-        skipped = max(skipped, ckpt_step)
-        why = f"{type(err).__name__}: {err}" if err is not None else "failed on another rank"
-        print(f"[rank {ctx.rank}] cannot restore {url} ({why}); trying an older checkpoint", file=sys.stderr)
-        log.write({"event": "restore_failed", "from": url, "error": why, "ranks_failed": int(failed.item())})
-    if urls:
-        raise CheckpointError(f"{cfg.ckpt_dir}: none of the {len(urls)} committed checkpoint(s) could be restored "
-                              "(see the restore_failed records and the errors above); run `ckpt verify --deep` on "
-                              "them, or pass verify_restore=False / --no-verify-restore to load them as they are")
-    if mgr.memory is not None and mgr.memory.restore_clobbered:
-        raise IntegrityError(clobbered_message(mgr.root))
-    return None
+    return Found(got.url, got.value, got.seconds, got.skipped, got.tier, got.detail)
 
 
 def _prior(path: str | None) -> dict[str, float]:
@@ -246,9 +186,16 @@ def _recovery_record(found: Found, prior: dict[str, float], resume_wall: float, 
     return rec
 
 
-def _log_memory(log: MetricsLog, h: MemoryHandle | None, rank0: bool, *, wait: bool = False) -> MemoryHandle | None:
-    """Write the ``memory_checkpoint`` record of ``h`` once its background work is over (``wait``:
-    wait for it). Returns ``h`` while it is still running, else None; raises its error."""
+def _state_of(pm: ParallelModel, opt: ZeroAdamW, step: int, sample_index: int, schedule: LRSchedule
+              ) -> Callable[[], dict[str, Any]]:
+    """This step's training state, built only when a checkpoint asks for it."""
+    return lambda: training_state(pm, opt, step, sample_index, schedule)
+
+
+def _log_memory(log: MetricsLog, h: Any, rank0: bool, *, wait: bool = False) -> Any:
+    """Write the ``memory_checkpoint`` record of ``h`` (a :class:`ckpt.tier.MemoryHandle` or None)
+    once its background work is over (``wait``: wait for it). Returns ``h`` while it is still
+    running, else None; raises its error."""
     if h is None or not (wait or h.done):
         return h
     mc = h.result()
@@ -256,6 +203,45 @@ def _log_memory(log: MetricsLog, h: MemoryHandle | None, rank0: bool, *, wait: b
     if mc.skipped and rank0:
         print(f"[rank 0] warning: {mc.warning}", file=sys.stderr)
     return None
+
+
+class _Records:
+    """The metrics records of the checkpoints the manager runs: ``save`` when one starts, then
+    ``checkpoint`` (or ``save_failed``) once it is over, and ``memory_checkpoint`` per memory
+    checkpoint, each written without waiting for anything the loop does not wait for."""
+
+    def __init__(self, log: MetricsLog, rank: int, result: TrainResult, mgr: CheckpointManager | None):
+        self.log, self.rank, self.result, self.mgr = log, rank, result, mgr
+        self.pending: SaveHandle | None = None  # the async save whose "checkpoint" record is not written yet
+        self.seen: SaveHandle | None = None  # the newest async save this knows of
+        self.mem: Any = None  # the memory checkpoint whose record is not written yet
+
+    def saved(self, rep: SaveReport | None) -> None:
+        """After ``maybe_save`` returned (``rep``) or raised (None): the previous save is over when a
+        save was due (written now), then the new save's records."""
+        if rep is None or rep.saved is not None:
+            self.pending = _log_finished(self.log, self.pending, self.rank)  # done now (or failed: recorded)
+        if rep is None:
+            last = self.mgr.last_save if self.mgr is not None else None
+            if last is not None and last is not self.seen:  # started, then failed in the last step's wait
+                self.seen = _log_finished(self.log, last, self.rank) or last
+            return
+        if rep.saved is not None and rep.url is not None:
+            self.result.last_checkpoint = rep.url
+            self.log.write({"event": "save", "step": rep.step, "url": rep.url})
+            if isinstance(rep.saved, SaveHandle):
+                self.pending = self.seen = rep.saved
+            elif self.rank == 0 and isinstance(rep.saved, Manifest):
+                self.log.write(save_record(rep.step, rep.url, self.rank, rep.saved, rep.stats, async_save=False,
+                                           save_s=rep.save_s))
+        if rep.memory is not None:  # it started: the previous one (one in flight) is over
+            _log_memory(self.log, self.mem, self.rank == 0, wait=True)
+            self.mem = rep.memory
+
+    def poll(self, *, wait: bool = False) -> None:
+        """Write the records of what has finished (``wait``: wait for the memory checkpoint)."""
+        self.pending = _log_finished(self.log, self.pending, self.rank)
+        self.mem = _log_memory(self.log, self.mem, self.rank == 0, wait=wait)
 
 
 def _lose(cfg: TrainConfig, ctx: ParallelContext, mgr: CheckpointManager | None, step: int, node: int) -> None:
@@ -276,14 +262,10 @@ def _manager(cfg: TrainConfig) -> CheckpointManager | None:
     if not cfg.ckpt_dir:
         return None
     return CheckpointManager(cfg.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_save,
+                             save_every=cfg.save_every,
                              max_staging_bytes=cfg.max_staging_bytes, memory_every=cfg.memory_every,
                              replicas=cfg.replicas, memory_keep=cfg.memory_keep, shm_dir=cfg.shm_dir,
                              run_id=cfg.run_id, nodes=cfg.nodes, memory_busy=cfg.memory_busy)
-
-
-def _barrier(ctx: ParallelContext) -> None:
-    # A one-element all-reduce: a barrier on the training group's backend (gloo or NCCL alike).
-    all_reduce_(torch.zeros(1, device=ctx.device), ctx.groups["world"])
 
 
 def _global_loss(ctx: ParallelContext, local: torch.Tensor | None) -> float:
@@ -335,15 +317,14 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     log.write({"event": "start", "layout": layout.to_dict(), "layout_text": str(layout), "world": layout.world_size,
                "restart": restart_count(), "device": str(ctx.device)})
     node = (memory.node if memory is not None else
-            node_identity(ctx.rank, layout.world_size, nodes=cfg.nodes) if cfg.fail_node is not None else 0)
+            node_of(ctx.rank, layout.world_size, nodes=cfg.nodes) if cfg.fail_node is not None else 0)
     result = TrainResult(pm=pm, opt=opt)
     step, sample_index = 0, 0
     resume_wall = time.time()
     found = _resume(mgr, pm, opt, schedule, cfg, ctx, log) if mgr is not None else None
-    redo_upto = -1  # steps up to this hold checkpoints skipped as damaged: saving them replaces them
     restored_bytes = 0
-    if found is not None:
-        result.resumed, redo_upto = found.resume, found.skipped
+    if found is not None:  # (the manager overwrites the damaged checkpoints it skipped when it saves them again)
+        result.resumed = found.resume
         restore_ms = round(found.seconds * 1e3, 3)
         step, sample_index = result.resumed.step, result.resumed.sample_index
         mine = int(result.resumed.load_stats.get("bytes_read", 0))
@@ -362,28 +343,20 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     source = SampleSource(cfg.seq_len, cfg.seed)
     fb = ForwardBackward(pm, cfg.microbatches, cfg.schedule)
     metadata = save_metadata(cfg, layout)
-    handle: SaveHandle | None = None  # the save to wait for (staged) before the next optimizer step
-    pending: SaveHandle | None = None  # the async save whose "checkpoint" record is not written yet
+    records = _Records(log, ctx.rank, result, mgr)
     t_start = time.perf_counter()
     first_step = found is not None  # the recovery record is written once the first step is done
-    mem: MemoryHandle | None = None  # the memory checkpoint running in the background
     while step < cfg.last_step:
         if cfg.fail_at_step == step and restart_count() == 0 and (
                 node == cfg.fail_node if cfg.fail_node is not None else ctx.rank == cfg.fail_rank):
-            mem = _log_memory(log, mem, rank0, wait=True)
+            records.mem = _log_memory(log, records.mem, rank0, wait=True)
             _lose(cfg, ctx, mgr, step, node)
         t0 = time.perf_counter()
         ids = rank_batch(source, sample_index, cfg.global_batch, ctx.data_rank, ctx.data_world).to(ctx.device)
         # Under sp each rank trains on its zigzag slice of the same samples (labels shifted first).
         local = fb(*split_batch(ids, ctx.sp)) if layout.sp > 1 else fb(ids)
-        stall = 0.0
-        if handle is not None:
-            t = time.perf_counter()
-            handle.staged()  # the optimizer is about to change what the save is copying
-            stall += time.perf_counter() - t
-            handle = None
-        if mem is not None:
-            mem.staged()  # ... and what the memory checkpoint copies (a stream wait: the host goes on)
+        # the optimizer is about to change what the saves in flight are copying
+        stall = mgr.maybe_wait_for_staging() if mgr is not None else 0.0
         lr = schedule.lr(step)
         grad_norm = opt.step(lr)
         step += 1
@@ -391,59 +364,24 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
         schedule.last_step = step
         loss = _global_loss(ctx, local)
         result.losses[step] = loss
-        state: dict[str, Any] | None = None  # this step's training state, when a save asked for it
-        if mgr is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.last_step):
-            t = time.perf_counter()
-            # Every rank starts a save only once the previous one (and its retention) is over
-            # everywhere. The manager itself spares later steps from retention (a rank with a cached
-            # plan may create the new step directory before rank 0's lease exists); this barrier
-            # keeps save starts aligned anyway, at the cost of one tiny all-reduce per save.
+        commit_wait = 0.0
+        if mgr is not None:
+            rep = None
             try:
-                mgr.wait()
+                rep = mgr.maybe_save(step, _state_of(pm, opt, step, sample_index, schedule),
+                                     last_step=step == cfg.last_step, user_metadata=metadata, layout=layout.to_dict())
+                stall, commit_wait = stall + rep.stall_s, rep.commit_wait_s
             finally:
-                pending = _log_finished(log, pending, ctx.rank)  # done now (or failed: recorded, then raised)
-            _barrier(ctx)
-            state = training_state(pm, opt, step, sample_index, schedule)
-            t_save = time.perf_counter()
-            own: dict[str, float] = {}  # a synchronous save's figures for this rank
-            saved = mgr.save(step, state, user_metadata=metadata, layout=layout.to_dict(),
-                             overwrite=step <= redo_upto, stats=own)
-            t_end = time.perf_counter()
-            handle = saved if isinstance(saved, SaveHandle) else None  # None: --sync-save committed it
-            stall += t_end - t
-            result.last_checkpoint = mgr.url_for(step)
-            log.write({"event": "save", "step": step, "url": result.last_checkpoint})
-            if handle is not None:
-                pending = handle
-            elif rank0 and isinstance(saved, Manifest):
-                log.write(save_record(step, result.last_checkpoint, ctx.rank, saved, own, async_save=False,
-                                      save_s=t_end - t_save))
-        if mgr is not None and mgr.memory_due(step) and step < cfg.last_step:
-            t = time.perf_counter()
-            # deferred: its device-to-host copies overlap the next forward and backward (mem.staged() above)
-            new = mgr.save_memory(step, state or training_state(pm, opt, step, sample_index, schedule),
-                                  user_metadata=metadata, layout=layout.to_dict(), deferred=True)
-            if not new.busy:  # it started: the previous one (one in flight) is over
-                _log_memory(log, mem, rank0, wait=True)
-                mem = new
-            stall += time.perf_counter() - t
-        dt = time.perf_counter() - t0
+                records.saved(rep)
+        dt = time.perf_counter() - t0 - commit_wait
         log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": round(cfg.global_batch * cfg.seq_len / dt, 1),
                    "ckpt_stall_ms": round(stall * 1e3, 3), "step_ms": round(dt * 1e3, 3)})
-        pending = _log_finished(log, pending, ctx.rank)  # only if it already committed: no waiting
-        mem = _log_memory(log, mem, rank0)
+        records.poll()  # only what is already over: no waiting
         if first_step and found is not None:
             first_step = False
             log.write(_recovery_record(found, prior, resume_wall, dt, restored_bytes))
-    if mgr is not None:
-        try:
-            mgr.wait()  # the last checkpoint is committed before this returns
-        finally:
-            pending = _log_finished(log, pending, ctx.rank)
-        if memory is not None:
-            mem = _log_memory(log, mem, rank0, wait=True)
-            memory.clear()  # the last step is persistent now: give the shared memory back
+    records.poll(wait=True)
     result.final_step = step
     log.write({"event": "end", "step": step, "wall_s": round(time.perf_counter() - t_start, 3)})
     return result
