@@ -206,7 +206,8 @@ def launch(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", 
     first failing rank's :class:`RankError` or :class:`RankDied` after terminating the others (SIGTERM,
     SIGKILL after ``grace`` seconds), or :class:`RanksTimedOut` past ``timeout`` seconds.
     """
-    if start_method == "fork" and torch.cuda.is_initialized():
+    if start_method == "fork" and device != "cpu" and torch.cuda.is_initialized():
+        # CPU ranks forked from a parent that used CUDA are fine (they never touch it); CUDA ranks are not
         raise RuntimeError("launch: CUDA is initialized in the parent; forked ranks could not use it "
                            "(use start_method='spawn')")
     ctx: Any = mp.get_context(start_method)  # typeshed's BaseContext lacks Process

@@ -43,6 +43,8 @@ def _worker(rank: int, world: int, cfg: TrainConfig, layout: Layout, out: str) -
 def run_training(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     """Train on ``layout.world_size`` forked gloo ranks (also for one rank, so that every run has
     the same process and thread setup); rank 0's ``{"losses": {step: loss}, "start", "resharded"}``."""
+    if cfg.device == "auto":  # forked ranks on gloo: CPU even on a GPU machine (CUDA does not survive a fork)
+        cfg = dataclasses.replace(cfg, device="cpu")
     fd, out = tempfile.mkstemp(prefix="ckpt-train-", suffix=".json")
     os.close(fd)
     try:
