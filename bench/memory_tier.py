@@ -298,7 +298,10 @@ def run_restore(size_gb: float, n_tensors: int, repeats: int, dev: torch.device,
                     v.zero_()
                 if "cold" in name:
                     evict(url)
-                fresh = MemoryTier(cfg) if "restart" in name else tier
+                fresh = tier
+                if "restart" in name:  # a new job: the old one gives the run id back first (one job per run id)
+                    tier.close()
+                    fresh = MemoryTier(cfg)
                 if name == restart_pinned:
                     t0 = time.perf_counter()
                     fresh.pin_ahead(dev)
@@ -319,6 +322,7 @@ def run_restore(size_gb: float, n_tensors: int, repeats: int, dev: torch.device,
                     assert all(torch.equal(target[k], state[k]) for k in state), f"{name}: not bitwise equal"
                 if fresh is not tier:
                     fresh.close()
+                    tier = MemoryTier(cfg)
         tier.clear()
     finally:
         shutil.rmtree(shm, ignore_errors=True)
