@@ -123,8 +123,8 @@ class Lease:
         try:
             with contextlib.suppress(CheckpointError):
                 storage.delete(self.name)
-            local = getattr(storage, "root", None)
-            if tidy and isinstance(local, str) and "://" not in storage.url:
+            local = storage.local_dir
+            if tidy and local is not None:
                 with contextlib.suppress(OSError):
                     os.rmdir(local)  # only when empty; a writer starting there retries its lease
         finally:
@@ -296,8 +296,7 @@ def storage_survey(storage: Storage, prefix: str, files: Iterable[str], *, grace
                    now: float | None = None) -> Holders:
     """:func:`survey` of the directory ``prefix`` of ``storage`` (``files`` relative to it)."""
     pre = f"{prefix}/" if prefix else ""
-    local = getattr(storage, "root", None)
-    local = local if isinstance(local, str) and "://" not in storage.url else None
+    local = storage.local_dir
 
     def read(f: str) -> bytes | None:
         size = storage.size(pre + f)

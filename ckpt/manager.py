@@ -147,15 +147,15 @@ def list_checkpoints(root: str, storage_options: dict[str, Any] | None = None, *
 
 
 def _check_root(storage: Storage) -> None:
-    local_root = getattr(storage, "root", None)
-    if isinstance(local_root, str) and "://" not in storage.url and not os.path.isdir(local_root):
+    local_root = storage.local_dir
+    if local_root is not None and not os.path.isdir(local_root):
         what = "is not a directory" if os.path.exists(local_root) else "does not exist"
         raise StorageError(f"{local_root}: {what}; pass the directory that holds the step-N checkpoints")
 
 
 def _local_dir(storage: Storage, name: str) -> str | None:
-    root = getattr(storage, "root", None)
-    if isinstance(root, str) and "://" not in storage.url:
+    root = storage.local_dir
+    if root is not None:
         return os.path.join(root, name)
     return None
 
@@ -163,8 +163,8 @@ def _local_dir(storage: Storage, name: str) -> str | None:
 def _list(storage: Storage, root: str, grace_s: float = LEASE_GRACE_S) -> list[CheckpointInfo]:
     groups: dict[str, list[str]] = {}
     links: set[str] = set()
-    local_root = getattr(storage, "root", None)
-    if isinstance(local_root, str) and "://" not in storage.url:
+    local_root = storage.local_dir
+    if local_root is not None:
         if not os.path.isdir(local_root):
             return []
         for name in os.listdir(local_root):

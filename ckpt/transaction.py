@@ -276,10 +276,8 @@ def commit_manifest(storage: Storage, data: bytes, *, overwrite: bool,
         except ManifestError as e:
             raise StateError(f"refusing to commit a manifest this ckpt cannot read back ({e}); nothing was "
                              "committed and any previous checkpoint is intact") from None
-        sync_dir = getattr(storage, "sync_dir", None)
-        if sync_dir is not None:  # data file names durable before the commit
-            for d in sorted({posixpath.dirname(f) for f in manifest.files}):
-                sync_dir(d)
+        for d in sorted({posixpath.dirname(f) for f in manifest.files}):
+            storage.sync_dir(d)  # data file names durable before the commit (a no-op where not needed)
         previous = read_current(storage, overwrite=True) if overwrite else None  # what we actually replace
         storage.commit(MANIFEST_NAME, data, exclusive=not overwrite)
     except BaseException:

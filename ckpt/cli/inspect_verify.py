@@ -24,7 +24,7 @@ def require_checkpoint(url: str, opts: dict) -> None:
     try:
         if detect(st) is not None:  # ours, or a DCP / DeepSpeed checkpoint read in place
             return
-        root = getattr(st, "root", None)
+        root = st.local_dir
     finally:
         st.close()
     if isinstance(root, str) and "://" not in url and not os.path.exists(root):

@@ -419,7 +419,7 @@ def import_hf(hf_dir: str, dst_url: str, *, to: str | Layout | None = None, dtyp
             dst = get_storage(dst_url, **opts)
             try:
                 transaction.begin(dst, overwrite=overwrite)
-                local_root = getattr(dst, "root", None)
+                local_root = dst.local_dir
             finally:
                 dst.close()
             parent = tmp_dir or (os.path.dirname(local_root) if isinstance(local_root, str) else None)
@@ -514,7 +514,7 @@ def _cleanup(storage: Storage, paths: list[str], created_root: str | None) -> No
 
 def _new_local_root(storage: Storage) -> str | None:
     """The local directory ``storage`` would create, or None (exists already, or not local)."""
-    root = getattr(storage, "root", None)
-    return root if isinstance(root, str) and not os.path.exists(root) else None
+    root = storage.local_dir  # None for object stores and other fsspec URLs: nothing local to create
+    return root if root is not None and not os.path.exists(root) else None
 
 

@@ -357,8 +357,8 @@ class _Rewrite:
     def _drop_markers(self, markers: list[str]) -> None:
         for marker in markers:
             _quiet_delete(self.dst, marker)
-        root = getattr(self.dst, "root", None)
-        if isinstance(root, str):
+        root = self.dst.local_dir
+        if root is not None:
             try:
                 os.rmdir(os.path.join(root, MARKER_DIR))
             except OSError:

@@ -225,7 +225,7 @@ class _Reader:
 
     def __init__(self, storage: Storage, manifest: Manifest, *, readers: int, max_read: int):
         self.storage, self.manifest, self.readers, self.max_read = storage, manifest, readers, max_read
-        self.gap = getattr(storage, "coalesce_gap", 4096)
+        self.gap = storage.coalesce_gap
         self.scratch = ScratchReader(storage, max_read) if readers <= 1 else None
 
     def fill(self, batch: list[_Part], buf: torch.Tensor) -> list[torch.Tensor]:
