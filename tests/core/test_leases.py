@@ -217,7 +217,7 @@ def test_gc_removes_a_dead_writers_leftovers_with_its_lease_and_temp_files(tmp_p
 
 
 def test_gc_backs_off_when_a_writer_arrives_during_its_pass(tmp_path, monkeypatch):
-    import ckpt.manager as manager_mod
+    import ckpt.retention as manager_mod  # gc and its helpers
 
     root = tmp_path / "r"
     d = root / step_dir(1)
