@@ -7,6 +7,7 @@ installed transformers ships in the slow sweep (its counts are in docs/HF.md).""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -195,13 +196,13 @@ def test_recorded_layout_is_checked() -> None:
         g.complete({"model_type": "x", LAYOUT_KEY: bad}, where="w")
 
 
-SWEEP_RESULT = Path(__file__).with_name("generic_sweep.json")
-
-
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("CKPT_HF_SWEEP"), reason="the whole sweep (~190 families, tens of minutes, "
+                    "many GB) runs on request: CKPT_HF_SWEEP=1 [CKPT_HF_SWEEP_OUT=result.json]")
 def test_sweep_every_causal_lm(tmp_path: Path) -> None:
     """Every causal LM of the installed transformers without an explicit adapter: buildable ones
-    round-trip (>= 95%); the counts are written next to this file for docs/HF.md."""
+    round-trip (>= 95%); the counts go to ``$CKPT_HF_SWEEP_OUT`` (default: the test's tmp dir) for
+    docs/HF.md. Opt-in: it does not fit CI's time and memory (the fast sample above runs always)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from ckpt.hf.adapters import ADAPTERS
@@ -220,7 +221,8 @@ def test_sweep_every_causal_lm(tmp_path: Path) -> None:
             passed.append(mt)
         except Exception as e:  # noqa: BLE001 - counted and listed
             failed[mt] = f"{type(e).__name__}: {str(e)[:200]}"
-    SWEEP_RESULT.write_text(json.dumps({"passed": passed, "failed": failed, "unbuildable": unbuildable}, indent=1))
+    out = Path(os.environ.get("CKPT_HF_SWEEP_OUT") or tmp_path / "generic_sweep.json")
+    out.write_text(json.dumps({"passed": passed, "failed": failed, "unbuildable": unbuildable}, indent=1))
     buildable = len(passed) + len(failed)
     assert len(passed) >= 0.95 * buildable, failed
 
