@@ -29,7 +29,6 @@ from ckpt.retention import (  # noqa: F401 - re-exported: retention and gc were 
     STEP_DIR,
     CheckpointInfo,
     _gc,
-    _list,
     gc,
     list_checkpoints,
     select_removals,

@@ -48,11 +48,9 @@ from ckpt.storage import Storage
 ZARR_AREA = re.compile(r"^zarr(-[0-9a-f]{6,32})?$")
 # Names only our writers give data files (``planner.data_file_name`` and the fresh names of saves).
 OUR_DATA_FILE = re.compile(r"^data/\d{5}-[0-9a-f]{12}\.(safetensors|zst)$")  # .zst: compressed (ckpt.codec)
-# Scaffolding of our writers: reshard markers (``<plan id>-<rank>[-<writer token>].done``), the
-# manager's lease, temp names of atomic commits.
-OUR_SCAFFOLD = re.compile(
-    r"^(\.reshard/[0-9a-f]{12}-\d{5}(-[0-9a-f]{12})?\.done|\.writing(-\d+-\d+-[0-9a-f]{8}-[0-9a-f]{8})?"
-    r"|(.*/)?[^/]+\.tmp\.\d+(\.\d+)?)$")  # leases: ckpt.lease (one per writer since issue 36)
+# Scaffolding of our writers: reshard markers (``<plan id>-<rank>[-<writer token>].done``); leases and
+# the temp names of atomic commits are ckpt.lease's to name (``lease.is_protected_name``).
+OUR_SCAFFOLD = re.compile(r"^\.reshard/[0-9a-f]{12}-\d{5}(-[0-9a-f]{12})?\.done$")
 ID_LEN = 12  # hex digits of a random id: 48 bits, no collision between writers in practice
 WRITER_GRACE_S = lease.LEASE_GRACE_S  # a writer on another machine counts as alive this long
 
@@ -188,7 +186,8 @@ def foreign_files(listing: Iterable[str], previous: Manifest | None) -> list[str
     write of ours explains: a user's files. Writers refuse such a destination rather than mix in."""
     known = set(previous.files) if previous is not None else set()
     return sorted(f for f in listing
-                  if f != MANIFEST_NAME and f not in known and not OUR_DATA_FILE.match(f) and not OUR_SCAFFOLD.match(f)
+                  if f != MANIFEST_NAME and f not in known and not OUR_DATA_FILE.match(f)
+                  and not OUR_SCAFFOLD.match(f) and not lease.is_protected_name(f)
                   and not (in_data_area(f) and f.split("/", 1)[0] != DATA_DIR))
 
 

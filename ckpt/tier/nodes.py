@@ -21,20 +21,16 @@ import os
 import re
 
 from ckpt.errors import StateError
+from ckpt.retention import STEP_DIR  # noqa: F401 - a memory step is named as a manager's step
+from ckpt.retention import step_dir as step_name  # noqa: F401
 
 NODE_ENV = "CKPT_NODE"  # this process's node index (overrides the LOCAL_WORLD_SIZE grouping)
 SHM_ENV = "CKPT_SHM_DIR"  # base directory of memory tiers (default /dev/shm)
 RUN_ID_ENV = "CKPT_RUN_ID"  # the run's identity (default: derived from the persistent root)
 DEFAULT_SHM = "/dev/shm"
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-STEP_DIR = re.compile(r"^step-(\d+)$")
 RANK_DIR = re.compile(r"^rank-(\d+)$")
 NODE_DIR = re.compile(r"^node-(\d+)$")
-
-
-def step_name(step: int) -> str:
-    """Directory name of a memory checkpoint of ``step`` (as the manager's ``step-<step:010d>``)."""
-    return f"step-{step:010d}"
 
 
 def shm_base(shm_dir: str | None = None) -> str:
