@@ -265,9 +265,11 @@ def _case_worker(rank: int, world: int, device: torch.device, spec: dict[str, An
                   f"{rec['a2a_s'] * 1e3:.1f} ms, lasp {rec['lasp_bytes_per_rank'] / 1e6:.2f} MB "
                   f"{rec['lasp_s'] * 1e3:.1f} ms", flush=True)
 
+    trying: int | None = None  # the sweep length in progress: a rank out of memory names it itself
     try:
         say(measure(spec["seq"], spec["warmup"], spec["steps"], "throughput"))
         for seq in spec["sweep"]:
+            trying = seq
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
@@ -282,6 +284,8 @@ def _case_worker(rank: int, world: int, device: torch.device, spec: dict[str, An
             raise
         print(f"  [{spec['case']}] rank {rank}: out of memory ({str(e).splitlines()[0][:120]}); "
               "ending the case's group", flush=True)
+        if trying is not None:  # rank 0's record of this try may never be written: the group ends now
+            _emit(out, {"kind": "sweep_try", "case": spec["case"], "seq": trying})
         exit_rank(OOM_EXIT)  # reported as this rank's failure; the launcher terminates the peers (in a collective)
 
 
