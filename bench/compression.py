@@ -83,7 +83,7 @@ def trained_state(steps: int) -> dict[str, torch.Tensor]:
 
 def _save(case: str, state: dict[str, torch.Tensor], path: str, level: int) -> None:
     import ckpt
-    from ckpt.codec import Codec
+    from ckpt._codec import Codec
 
     if case.startswith("ckpt"):
         comp = None if case == "ckpt" else Codec(level=level, planes=case.endswith("planes"))

@@ -76,7 +76,7 @@ def run(root: str, params_m: float, stage: int, budget: str) -> dict[str, Any]:
     ds = _measure("from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as c\n"
                   f"c({src!r}, {zfp!r}, safe_serialization=False)", env)
     out = os.path.join(root, "ckpt")
-    ck = _measure("from ckpt.formats.convert import import_checkpoint\nfrom ckpt.cli.reshard import parse_size\n"
+    ck = _measure("from ckpt.convert import import_checkpoint\nfrom ckpt.cli.reshard import parse_size\n"
                   f"import_checkpoint({src!r}, {out!r}, memory_budget=parse_size({budget!r}), overwrite=True)", env)
     import ckpt
 

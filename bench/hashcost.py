@@ -1,7 +1,7 @@
 """What checksumming costs a save: ``ckpt.save`` with and without CRC-32, on the same state.
 
 Three modes: ``isal`` (what ckpt uses: ISA-L's CRC-32, same values as zlib), ``zlib`` (the standard
-library's, what ckpt used before) and ``none`` (``ckpt.io.crc32`` replaced by a stand-in that returns
+library's, what ckpt used before) and ``none`` (``ckpt._io.crc32`` replaced by a stand-in that returns
 at once; this process only: the checkpoints written that way carry wrong checksums and are deleted).
 Runs alternate (with, without, without, with, ...) so drift in the disk or the page cache hits both
 sides alike; figures are medians, and the best (minimum) times are given too: on a shared machine
@@ -40,7 +40,7 @@ def _noop_crc32(data: Any, value: int = 0) -> int:
 
 
 class _CRC:
-    """``ckpt.io.crc32`` replaced by ``fn`` (None: left as is) for the duration of a block."""
+    """``ckpt._io.crc32`` replaced by ``fn`` (None: left as is) for the duration of a block."""
 
     def __init__(self, fn: Any):
         self.fn = fn
@@ -48,7 +48,7 @@ class _CRC:
     def __enter__(self) -> None:
         import importlib
 
-        self.io = importlib.import_module("ckpt.io")
+        self.io = importlib.import_module("ckpt._io")
         self.real = self.io.crc32
         if self.fn is not None:
             self.io.crc32 = self.fn
@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _crc_throughput(state: dict[str, Any], fn: Any) -> float:
-    from ckpt.io import byte_view
+    from ckpt._io import byte_view
 
     nbytes = 0
     t0 = time.perf_counter()
@@ -91,7 +91,7 @@ def _crc_throughput(state: dict[str, Any], fn: Any) -> float:
 def run(size_gb: float, n_tensors: int, repeats: int, places: dict[str, str], modes: list[str]) -> dict[str, Any]:
     import ckpt
     from bench.save_load import make_state, state_bytes
-    from ckpt.checksum import crc32
+    from ckpt._checksum import crc32
 
     state = make_state(int(size_gb * (1 << 30)), n_tensors)
     nbytes = state_bytes(state)

@@ -7,7 +7,7 @@ repeat runs every contender in a fresh subprocess and measures the export's wall
 is fsynced by every contender) and the process's peak RSS (VmHWM, which includes the ~0.3-0.5 GB of
 Python + torch that every contender pays; the baseline column is VmRSS just before the export):
 
-- ``ckpt``: :func:`ckpt.formats.hf.export_hf` with ``--budget`` bytes of buffers;
+- ``ckpt``: :func:`ckpt.hf.convert.export_hf` with ``--budget`` bytes of buffers;
 - ``naive-safetensors``: ``ckpt.load`` of every weight into the trainer's model in one process,
   ``to_hf_state_dict`` (per-expert copies), cast, ``safetensors.torch.save_file`` per 5 GB shard;
 - ``naive-save-pretrained``: the same load, then transformers' ``Qwen3MoeForCausalLM`` (built on the
@@ -198,7 +198,7 @@ def _naive_save_pretrained(src: str, out: str, dtype: torch.dtype | None) -> Non
 
 
 def _ckpt(src: str, out: str, dtype: torch.dtype | None, budget: int) -> None:
-    from ckpt.formats.hf import export_hf
+    from ckpt.hf.convert import export_hf
 
     export_hf(src, out, dtype=dtype, memory_budget=budget, max_shard_size=MAX_SHARD)
 
@@ -342,7 +342,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ckpt.formats.hf import parse_size
+    from ckpt.hf.convert import parse_size
 
     root = args.dir or os.path.join(tempfile.gettempdir(), "ckpt-bench-hf")
     os.makedirs(root, exist_ok=True)

@@ -91,7 +91,7 @@ def worker(name: str, src: str, ck: str, out: str) -> dict[str, Any]:
     import torch
     import transformers
 
-    from ckpt.formats.hf import export_hf, import_hf
+    from ckpt.hf.convert import export_hf, import_hf
 
     t0 = time.perf_counter()
     if name == "ckpt-import":

@@ -356,8 +356,8 @@ def run_snapshot(size_gb: float, n_tensors: int, repeats: int, dev: torch.device
     (paired ratios): the GPU's clocks drift by more than the effect over a run, and neighbouring
     blocks share it."""
     from bench.save_load import state_bytes
-    from ckpt.checksum import crc32_parallel
-    from ckpt.io import byte_view
+    from ckpt._checksum import crc32_parallel
+    from ckpt._io import byte_view
     from ckpt.tier import MemoryTier, TierConfig
     from ckpt.tier.fastload import workers_for_restore
     from ckpt.tier.inplace import CRC_NICE

@@ -127,7 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-gb", type=float, default=2.0)
     p.add_argument("--tensors", type=int, default=100)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--gap", type=int, default=None, help="ckpt.load max_gap (default: ckpt.io.read_gap)")
+    p.add_argument("--gap", type=int, default=None, help="ckpt.load max_gap (default: ckpt._io.read_gap)")
     p.add_argument("--workers", type=int, default=None, help="ckpt.load workers (default: ckpt.load's)")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)

@@ -376,7 +376,7 @@ def _check_dcp(src: str, dcp_dst: str, layout: Layout) -> None:
 
     m = ckpt.inspect(src)
     keys = sorted(m.tensors, key=lambda k: -m.tensors[k].nbytes)[:2] + sorted(m.tensors)[::25]
-    from ckpt.dtypes import dtype_from_name
+    from ckpt._dtypes import dtype_from_name
 
     want = {k: torch.zeros(m.tensors[k].shape, dtype=dtype_from_name(m.tensors[k].dtype)) for k in keys}
     got = {k: torch.zeros_like(v) for k, v in want.items()}

@@ -28,9 +28,10 @@ from typing import Any
 import msgpack
 
 from bench.common import print_table
+from ckpt._load_plan import LoadRequest, plan_load
+from ckpt._save_plan import PieceDecl, RankDecl, plan_save
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
 from ckpt.layout import Layout
-from ckpt.planner import LoadRequest, PieceDecl, RankDecl, plan_load, plan_save
 from ckpt.resharders.rules import Placement, Rule, RuleSet, param_box, zero_range
 from ckpt.shards import Box, Flat
 
@@ -203,7 +204,7 @@ def rss_gb() -> float:
 def _distribution_rank(rank: int, world: int, root: str, out: str) -> None:
     import torch.distributed as dist
 
-    from ckpt.comm import Comm
+    from ckpt._comm import Comm
     from ckpt.load import fetch_manifest
     from ckpt.storage import get_storage
 

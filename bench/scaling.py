@@ -31,7 +31,7 @@ object collectives carry to or from rank 0). The growth factor per doubling of r
                             [--warmup 1] [--load-layout 2d|cols] [--exchange-iters 5]
                             [--fanin K] [--timeout 600] [--json PATH] [--out DIR]
 
-``--fanin`` sets ckpt's exchange tree fan-in in the ranks (``ckpt.comm.FANIN``; 0: the flat star
+``--fanin`` sets ckpt's exchange tree fan-in in the ranks (``ckpt._comm.FANIN``; 0: the flat star
 that every exchange used before the tree), to draw the curve before and after. CPU only (gloo);
 CUDA is never touched, so it runs the same on GPU machines. Rank counts that would not fit in the
 memory available are skipped (and listed).
@@ -62,8 +62,8 @@ import torch.distributed as dist
 import ckpt
 from bench.common import fmt, machine_info, markdown_table, median, print_table
 from bench.ranks import gloo_ranks
-from ckpt import comm as comm_mod
-from ckpt.comm import Comm
+from ckpt import _comm as comm_mod
+from ckpt._comm import Comm
 
 MiB = 1 << 20
 OPS = ("save", "save, plan cached", "async", "load", "exchange")
@@ -81,7 +81,7 @@ class Config:
     load_layout: str = "2d"
     exchange_iters: int = 5
     timeout: float = 600.0
-    fanin: int | None = None  # ckpt's exchange tree fan-in (ckpt.comm.FANIN); None: ckpt's default, 0: flat
+    fanin: int | None = None  # ckpt's exchange tree fan-in (ckpt._comm.FANIN); None: ckpt's default, 0: flat
 
     def __post_init__(self) -> None:
         if self.world < 2:
@@ -314,7 +314,7 @@ def _rank_body(rank: int, world: int, port: int, cfg: Config, root: str, out_dir
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     if cfg.fanin is not None:
-        importlib.import_module("ckpt.comm").FANIN = cfg.fanin
+        importlib.import_module("ckpt._comm").FANIN = cfg.fanin
     probe = Probe(rank, world)
     probe.install()
     save_mod = importlib.import_module("ckpt.save")
@@ -700,7 +700,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exchange-iters", type=int, default=5, help="rounds of the exchange-alone figure")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds: gloo group and ckpt timeouts")
     p.add_argument("--fanin", type=int, default=None,
-                   help="ckpt's exchange tree fan-in in the ranks (ckpt.comm.FANIN; 0: flat star; default: ckpt's)")
+                   help="ckpt's exchange tree fan-in in the ranks (ckpt._comm.FANIN; 0: flat star; default: ckpt's)")
     p.add_argument("--json", default=None, help="write the full results here")
     p.add_argument("--out", default=None, help="directory for the checkpoints (default: a temp dir, removed)")
 

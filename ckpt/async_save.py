@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ckpt import stateful
-from ckpt.comm import Comm, side_group
+from ckpt._comm import Comm, side_group
+from ckpt._staging import Stager, StagingPool, check_cap
 from ckpt.errors import CheckpointError
 from ckpt.manifest import Manifest
 from ckpt.save import (
@@ -35,14 +36,13 @@ from ckpt.save import (
     resolve_compression,
     staged_views,
 )
-from ckpt.staging import Stager, StagingPool, check_cap
 from ckpt.storage import get_storage
 
 
 def _commit_comm(comm: Comm, timeout: float | None) -> Comm:
     """A Comm over a separate gloo group, so the background commit never shares a group with the
     training thread's collectives (and never uses NCCL off the main thread). Created once, by the
-    members only (:func:`ckpt.comm.side_group`)."""
+    members only (:func:`ckpt._comm.side_group`)."""
     if not comm.enabled or comm.world == 1:
         return comm
     import torch.distributed as dist
@@ -126,7 +126,7 @@ class AsyncSaver:
         if policy not in ("wait", "skip"):
             raise ValueError(f"policy must be 'wait' or 'skip', got {policy!r}")
         check_cap(max_staging_bytes, data_format)
-        codec = resolve_compression(compression, data_format)  # ckpt.codec; as ckpt.save's
+        codec = resolve_compression(compression, data_format)  # ckpt._codec; as ckpt.save's
         prev = self.inflight
         comm = Comm(self.group)
         if prev is not None:
@@ -239,7 +239,7 @@ def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int 
     returns as fast as later ones. ``max_staging_bytes`` caps it: below the size of what this rank
     writes, data is staged and written through a ring of that many bytes, and ``staged()`` returns
     when the last of it has been copied (at about the write speed). ``compression``: as for
-    :func:`ckpt.save` (``"zstd"``: compressed data files, ``ckpt.codec``).
+    :func:`ckpt.save` (``"zstd"``: compressed data files, ``ckpt._codec``).
     """
     with _DEFAULT_LOCK:
         saver = _DEFAULT.get(id(group))

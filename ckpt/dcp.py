@@ -20,7 +20,7 @@ DCP's objects: its ``FileSystemWriter`` / ``FileSystemReader`` / ``FsspecWriter`
 give the location (and ``overwrite``), its ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` are the
 default behaviour (``allow_partial_load`` honoured); custom planners or storage classes and
 stagers are refused with ``UnsupportedDCPObjectError``; ``_extensions=[ZStandard()]`` saves with
-ckpt's own zstd compression, other ``_extensions`` are refused (see :mod:`ckpt.dcp_compat`). The
+ckpt's own zstd compression, other ``_extensions`` are refused (see :mod:`ckpt._dcp_compat`). The
 legacy ``save_state_dict`` / ``load_state_dict`` are here, and DCP's
 other public names (``Metadata``, ``FileSystemWriter``, ``DefaultSavePlanner``, its submodules, ...)
 are re-exported from ``torch.distributed.checkpoint`` so ``from ckpt.dcp import X`` works as before.
@@ -37,9 +37,7 @@ import os
 from concurrent.futures import Future
 from typing import Any
 
-from ckpt.async_save import SaveHandle
-from ckpt.async_save import async_save as _async_save
-from ckpt.dcp_compat import (
+from ckpt._dcp_compat import (
     Target,
     UnsupportedCompressionError,
     UnsupportedDCPObjectError,
@@ -47,12 +45,14 @@ from ckpt.dcp_compat import (
     load_target,
     save_target,
 )
+from ckpt._state import ObjectItem, flatten_state, rebuild_state
+from ckpt.async_save import SaveHandle
+from ckpt.async_save import async_save as _async_save
 from ckpt.formats.objects import encode_value
 from ckpt.load import load as _load
 from ckpt.manifest import Manifest
 from ckpt.save import save as _save
 from ckpt.shards import PerRank
-from ckpt.state import ObjectItem, flatten_state, rebuild_state
 from ckpt.stateful import expand
 
 
@@ -147,9 +147,9 @@ def _group(process_group: Any, no_dist: bool) -> Any:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        # a group of this process alone, made by it alone (ckpt.comm.side_group; new_group would need
+        # a group of this process alone, made by it alone (ckpt._comm.side_group; new_group would need
         # every rank to call it): no collective, as DCP's no_dist promises
-        from ckpt.comm import side_group
+        from ckpt._comm import side_group
 
         return side_group([dist.get_rank()], "dcp-no-dist")
     return None

@@ -9,19 +9,19 @@ from typing import Any
 import torch
 
 from ckpt import stateful
-from ckpt.checksum import crc32
-from ckpt.codec_reads import data_storage
-from ckpt.comm import Comm, error_payload, raise_payload
-from ckpt.device_load import load_into_device
+from ckpt._checksum import crc32
+from ckpt._codec_reads import data_storage
+from ckpt._comm import Comm, error_payload, raise_payload
+from ckpt._device_load import load_into_device
+from ckpt._io import default_workers, read_gap, run_read_plan, verify_shards
+from ckpt._load_plan import DEFAULT_MAX_READ, LoadRequest, ReadPlan, plan_load
+from ckpt._regions import check_tiling
+from ckpt._state import ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest
 from ckpt.formats.objects import decode_value
-from ckpt.formats.sources import LOOKED_FOR, foreign_manifest
-from ckpt.io import default_workers, read_gap, run_read_plan, verify_shards
+from ckpt.interop.sources import LOOKED_FOR, foreign_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest
-from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, ReadPlan, plan_load
-from ckpt.regions import check_tiling
-from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.storage import Storage, get_storage
 
 
@@ -96,7 +96,7 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
     ``stats``, when given a dict, receives this rank's phase durations in seconds (manifest, plan,
     verify, read, copy) and byte counts. ``manifest_read`` picks how ranks get the manifest (see
     :func:`fetch_manifest`). ``workers``: this rank's reader threads (default 4; fewer from local
-    files when the ranks on this host outnumber its cores: :func:`ckpt.io.default_workers`).
+    files when the ranks on this host outnumber its cores: :func:`ckpt._io.default_workers`).
 
     With ``verify=True`` every stored shard this rank touches is read whole and its checksum
     checked before any destination tensor is written (a verification pass, then the copy pass).
@@ -141,7 +141,7 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
             phases: dict[str, Any] = {"manifest": t_manifest}
             # Stateful values (DCP's protocol) are asked through state_dict() and restored in place
             request = stateful.expand(state)
-            # compressed data files are read through their frames (ckpt.codec), every other file as is
+            # compressed data files are read through their frames (ckpt._codec), every other file as is
             reader = data_storage(storage, manifest)
             gap = max_gap if max_gap is not None else read_gap(reader)
             out = _load(manifest, reader, request, comm.rank, strict, workers, max_read, verify, gap, phases)
@@ -271,7 +271,7 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
 
 
 def through_bounce(dst: torch.Tensor) -> bool:
-    """Whether target ``dst`` is filled through :mod:`ckpt.device_load`'s pinned ring (GPU tensors)."""
+    """Whether target ``dst`` is filled through :mod:`ckpt._device_load`'s pinned ring (GPU tensors)."""
     return dst.device.type == "cuda"
 
 

@@ -2,7 +2,7 @@
 
 Layout: ``<root>/step-<step:010d>/`` per checkpoint. ``latest`` is found by listing and reading
 manifests, never from a pointer file that could lie. Every rank of a save takes its own lease
-(``<dir>/.writing-<rank>-...``, :mod:`ckpt.lease`) before it writes anything there and drops it when
+(``<dir>/.writing-<rank>-...``, :mod:`ckpt._lease`) before it writes anything there and drops it when
 the save is over, so ``gc`` never touches a directory a live save is writing, however skewed the ranks.
 """
 
@@ -17,14 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpt import lease as leases
-from ckpt.async_save import AsyncSaver, SaveHandle
-from ckpt.comm import Comm
-from ckpt.errors import CheckpointError, CheckpointExistsError, IntegrityError, ManifestError, StorageError
-from ckpt.formats.msgpack_codec import decode_manifest
-from ckpt.load import load
-from ckpt.manifest import MANIFEST_NAME, Manifest
-from ckpt.retention import (  # noqa: F401 - re-exported: retention and gc were part of this module
+from ckpt import _lease as leases
+from ckpt._comm import Comm
+from ckpt._retention import (  # noqa: F401 - re-exported: retention and gc were part of this module
     LEASE_GRACE_S,
     STEP_DIR,
     CheckpointInfo,
@@ -34,8 +29,13 @@ from ckpt.retention import (  # noqa: F401 - re-exported: retention and gc were 
     select_removals,
     step_dir,
 )
+from ckpt._staging import check_cap
+from ckpt.async_save import AsyncSaver, SaveHandle
+from ckpt.errors import CheckpointError, CheckpointExistsError, IntegrityError, ManifestError, StorageError
+from ckpt.formats.msgpack_codec import decode_manifest
+from ckpt.load import load
+from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.save import save
-from ckpt.staging import check_cap
 from ckpt.storage import get_storage, join_url
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class CheckpointManager:
     ``skip``: it is skipped, see :class:`ckpt.tier.TierConfig`).
 
     ``lease_grace_s``: how long this manager's gc (at start and in retention) counts a lease written
-    on another machine as live (:mod:`ckpt.lease`; same-machine leases are checked exactly).
+    on another machine as live (:mod:`ckpt._lease`; same-machine leases are checked exactly).
     """
 
     def __init__(self, root_url: str, *, keep_last: int | None = 3, keep_every: int | None = None,
@@ -269,7 +269,7 @@ class CheckpointManager:
         root gets a new token, so the old run's memory tier is never restored into it."""
         import uuid
 
-        from ckpt.comm import error_payload, raise_payload
+        from ckpt._comm import error_payload, raise_payload
 
         comm = Comm(self.group, timeout=timeout)
         got: dict[str, Any] | None = None

@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.codec import FileCodec
-from ckpt.columns import ShardColumns, ShardEntry
-from ckpt.dtypes import dtype_from_name, itemsize
+from ckpt._codec import FileCodec
+from ckpt._columns import ShardColumns, ShardEntry
+from ckpt._dtypes import dtype_from_name, itemsize
 from ckpt.errors import FormatVersionError, ManifestError
 from ckpt.shards import Box, Flat, Region
 
 FORMAT_NAME = "ckpt"
 FORMAT_VERSION = (2, 0)
-# Written when a data file is compressed (ckpt.codec): its ``files`` entry gets a third element,
+# Written when a data file is compressed (ckpt._codec): its ``files`` entry gets a third element,
 # the codec record, which a 2.0 reader refuses ("files is not a list of [path, size]") instead of
 # reading compressed bytes as raw ones.
 CODEC_VERSION = (2, 1)
@@ -163,11 +163,11 @@ class Manifest:
     version: tuple[int, int] = FORMAT_VERSION
     stats: dict[str, Any] | None = None
     data_format: str = "safetensors"  # or "zarr" (docs/FORMAT.md)
-    # compressed data files (ckpt.codec): path -> codec record; ``files`` keeps their stored sizes
+    # compressed data files (ckpt._codec): path -> codec record; ``files`` keeps their stored sizes
     codecs: dict[str, FileCodec] = field(default_factory=dict)
     partial: bool = False  # not stored: a non-coordinator rank's view of a save (its own pieces only)
     # not stored: where the manifest came from: "ckpt", or a foreign format read in place ("dcp",
-    # "deepspeed"; ckpt.formats.sources), whose shards carry no checksums
+    # "deepspeed"; ckpt.interop.sources), whose shards carry no checksums
     source_format: str = "ckpt"
     _file_list: list[str] | None = field(default=None, repr=False, compare=False)  # as decoded (columns index it)
 

@@ -23,21 +23,22 @@ from typing import Any
 import msgpack
 import torch
 
-from ckpt import aliases as tied
-from ckpt import stateful, transaction
-from ckpt.checksum import crc32
-from ckpt.codec import Codec, FileCodec
-from ckpt.codec import resolve as resolve_codec
-from ckpt.comm import Comm, error_payload, raise_payload
+from ckpt import _aliases as tied
+from ckpt import _transaction as transaction
+from ckpt import _zarr_layout as zarr_layout
+from ckpt import stateful
+from ckpt._checksum import crc32
+from ckpt._codec import Codec, FileCodec
+from ckpt._codec import resolve as resolve_codec
+from ckpt._comm import Comm, error_payload, raise_payload
+from ckpt._io import entry_source, write_assignment, write_compressed
+from ckpt._regions import sub_region
+from ckpt._save_plan import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
+from ckpt._staging import Stager, StagingPool
+from ckpt._state import ObjectItem, TensorItem, flatten_state
 from ckpt.errors import CollectiveError, StateError
-from ckpt.formats import zarr_layout
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest, encode_object
-from ckpt.io import entry_source, write_assignment, write_compressed
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
-from ckpt.planner import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
-from ckpt.regions import sub_region
-from ckpt.staging import Stager, StagingPool
-from ckpt.state import ObjectItem, TensorItem, flatten_state
 from ckpt.storage import Storage, get_storage
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -131,9 +132,9 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
     pieces they wrote (``manifest.partial``), so no rank receives O(world) metadata.
 
     ``data_format="zarr"`` writes each tensor as a zarr v3 array (one chunk per shard; needs a
-    uniform shard grid) instead of one safetensors file per rank; see :mod:`ckpt.formats.zarr_layout`.
+    uniform shard grid) instead of one safetensors file per rank; see :mod:`ckpt._zarr_layout`.
 
-    ``compression="zstd"`` (or a :class:`ckpt.codec.Codec`) stores each data file as zstd frames,
+    ``compression="zstd"`` (or a :class:`ckpt._codec.Codec`) stores each data file as zstd frames,
     byte planes split first (docs/FORMAT.md "Compressed data files"; needs ``pip install
     'ckpt[zstd]'``, else ImportError); loading needs nothing more. Default: uncompressed safetensors.
 
@@ -198,7 +199,7 @@ class Prepared:
     aliases: dict[str, str] = field(default_factory=dict)  # tied keys stored as their target's shards
     cached: bool = False
     stats: dict[str, float] = field(default_factory=dict)
-    compression: Codec | None = None  # this rank's data file codec (ckpt.codec); None: safetensors
+    compression: Codec | None = None  # this rank's data file codec (ckpt._codec); None: safetensors
     # coordinator on the cached path: an error found before any write (the checkpoint exists, the
     # old manifest is damaged); it writes nothing and delivers it in the commit exchange, the one
     # exchange the other ranks (also cached) take, so every rank raises it at once
@@ -337,7 +338,7 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
             return {"ok": {**base, "file": None,
                            "chunks": [list(by_shard.get((e.key, e.shard), ("", 0, 0))) for e in a.entries]}}
         name = fresh_file_name(a)
-        if prep.compression is not None:  # the frames of ckpt.codec: no safetensors header, a name saying so
+        if prep.compression is not None:  # the frames of ckpt._codec: no safetensors header, a name saying so
             name = name.removesuffix(".safetensors") + ".zst"
             size, sums, fc = write_compressed(storage, WriteAssignment(name, a.header, a.entries), sources,
                                               prep.compression, wait_piece=wait_piece, segments=segments)
@@ -353,7 +354,7 @@ def persist(storage: Storage, prep: Prepared, sources: list[torch.Tensor], who: 
 
 def fresh_file_name(a: WriteAssignment) -> str:
     """A new name for this rank's data file (``data/<rank>-<random>.safetensors``,
-    :func:`ckpt.transaction.fresh_data_file`): no other writer can produce it, so a save never writes
+    :func:`ckpt._transaction.fresh_data_file`): no other writer can produce it, so a save never writes
     into a file that a committed checkpoint or another writer uses."""
     assert a.file is not None
     rank = transaction.data_file_rank(a.file)
@@ -548,7 +549,7 @@ def merge_globals(per_rank: list[dict[str, bytes]]) -> dict[str, bytes]:
 def _write_zarr_metadata(storage: Storage, manifest: Manifest, root: str, written: transaction.WrittenSet) -> None:
     """The coordinator writes each array's ``zarr.json`` (and the group's) under this save's zarr
     tree; they are listed in the manifest's files and recorded in the save's ``written`` set."""
-    from ckpt.dtypes import dtype_from_name, itemsize
+    from ckpt._dtypes import dtype_from_name, itemsize
 
     docs = {f"{root}/zarr.json": zarr_layout.group_metadata()}
     for key, t in manifest.tensors.items():

@@ -2,12 +2,12 @@
 
 The load planner's question (which held pieces overlap which wanted pieces) answered between
 running processes: senders declare what they hold as ``ckpt.save`` does, receivers what they want as
-``ckpt.load`` does, the coordinator plans (:mod:`ckpt.transfer_plan`, pure), and every rank runs its
-part (:mod:`ckpt.transfer_exec`): local copies, then rounds of point-to-point buckets.
+``ckpt.load`` does, the coordinator plans (:mod:`ckpt._transfer_plan`, pure), and every rank runs its
+part (:mod:`ckpt._transfer_exec`): local copies, then rounds of point-to-point buckets.
 
 One transfer is one version. Receivers fill staging copies and copy them into the destination
 tensors only after every rank reported that every bucket arrived (and checked, with ``checksum``):
-the agreement runs over :class:`ckpt.comm.Comm` with its timeouts, exactly as a save commits. Any
+the agreement runs over :class:`ckpt._comm.Comm` with its timeouts, exactly as a save commits. Any
 failure on any rank (an exception, a CRC mismatch, a rank that never answers) is raised on every rank
 as a typed error naming that rank, and no destination tensor changed (unless ``in_place=True``).
 """
@@ -23,13 +23,13 @@ from typing import Any
 import msgpack
 import torch
 
+from ckpt import _transfer_exec as ex
 from ckpt import stateful
-from ckpt import transfer_exec as ex
-from ckpt.comm import Comm, describe, raise_payload, side_group
+from ckpt._comm import Comm, describe, raise_payload, side_group
+from ckpt._save_plan import PieceDecl
+from ckpt._state import TensorItem, flatten_state
+from ckpt._transfer_plan import MIN_PART, Schedule, plan_transfer
 from ckpt.errors import CheckpointError, StateError
-from ckpt.planner import PieceDecl
-from ckpt.state import TensorItem, flatten_state
-from ckpt.transfer_plan import MIN_PART, Schedule, plan_transfer
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 DEFAULT_WINDOW = 4

@@ -7,15 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt.checksum import crc32
-from ckpt.codec_reads import data_storage
+from ckpt._checksum import crc32
+from ckpt._codec_reads import data_storage
+from ckpt._io import crc_of_range
+from ckpt._regions import check_tiling
 from ckpt.errors import CheckpointError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object
 from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, parse_header
-from ckpt.formats.sources import detect, foreign_manifest
-from ckpt.io import crc_of_range
+from ckpt.interop.sources import detect, foreign_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest, entry_name
-from ckpt.regions import check_tiling
 from ckpt.shards import Box
 from ckpt.storage import Storage, get_storage
 
@@ -124,7 +124,7 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool,
                                            "(truncated or overwritten)", file=path))
             continue
         if path in m.codecs or not path.endswith(".safetensors"):
-            # zarr chunks and metadata: raw bytes, sizes checked; compressed files (ckpt.codec): frames,
+            # zarr chunks and metadata: raw bytes, sizes checked; compressed files (ckpt._codec): frames,
             # checked through their stored CRCs and the shards' raw ones (deep)
             good_files.add(path)
             continue
@@ -142,7 +142,7 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool,
             good_files.add(path)
         except CheckpointError as e:
             report.problems.append(Problem("header", str(e), file=path))
-    # shard checksums are of raw bytes: compressed files are read through their frames (ckpt.codec)
+    # shard checksums are of raw bytes: compressed files are read through their frames (ckpt._codec)
     storage = data_storage(storage, m)
     names_at: dict[tuple[str, int, int], list[str]] = {}  # built on the first shard not named after itself
     to_hash = sum(s.length for t in m.tensors.values() for s in t.shards if s.file in good_files) if deep else 0
@@ -153,7 +153,7 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool,
                 continue
             he = headers[s.file].get(entry_name(key, i)) if s.file in headers else None
             if he is None and s.file in headers:
-                # a tied key's shard lists the very bytes of the key it shares (ckpt.aliases): the
+                # a tied key's shard lists the very bytes of the key it shares (ckpt._aliases): the
                 # header names them after one of the shards at that exact range, never another name
                 if not names_at:
                     for k2, t2 in m.tensors.items():
@@ -246,6 +246,6 @@ def _header_type(dtype: str, s: Any) -> tuple[str, tuple[int, ...]]:
 def _st_dtype(dtype: str) -> str | None:
     """The safetensors name of a manifest dtype (None: stored as raw bytes); once per dtype, not per
     shard (a tensor of 42,000 shards is checked shard by shard)."""
-    from ckpt.dtypes import dtype_from_name, safetensors_dtype
+    from ckpt._dtypes import dtype_from_name, safetensors_dtype
 
     return safetensors_dtype(dtype_from_name(dtype))

@@ -35,7 +35,7 @@ def import_cmd(
 ) -> None:
     """Convert another tool's checkpoint into a ckpt checkpoint (with checksums), streaming.
     Pickled metadata is read with an allowlist: nothing from the files runs."""
-    from ckpt.formats.convert import import_checkpoint
+    from ckpt.convert import import_checkpoint
 
     opts = parse_storage_options(storage_option)
     layout = _layout(to) if to else None
@@ -72,7 +72,7 @@ def export_cmd(
 ) -> None:
     """Write a checkpoint in another tool's format: --format dcp gives a directory that
     torch.distributed.checkpoint.load (and torchtitan) loads on any layout."""
-    from ckpt.formats.convert import export_dcp
+    from ckpt.convert import export_dcp
 
     if fmt != "dcp":
         raise StateError(f"--format {fmt!r}: ckpt exports 'dcp' here; for Hugging Face use `ckpt export-hf`")

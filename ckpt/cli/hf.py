@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from ckpt.cli.common import byte_bar, console, handle_errors, human_bytes, parse_storage_options, print_json
-from ckpt.formats.hf import export_hf, import_hf
+from ckpt.hf.convert import export_hf, import_hf
 
 StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option key=value (repeatable)")
 BudgetOpt = typer.Option("512MiB", "--memory-budget",
@@ -51,7 +51,7 @@ def export_hf_cmd(
                       source_names=source_names)
     checked = None
     if check:
-        from ckpt.formats.hf_check import check_export
+        from ckpt.hf.check import check_export
 
         checked = check_export(src, out, config=config, source_names=source_names)
     if json_out:

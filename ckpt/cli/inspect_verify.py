@@ -17,7 +17,7 @@ StorageOpt = typer.Option(None, "--storage-option", "-o", help="backend option k
 def require_checkpoint(url: str, opts: dict) -> None:
     """ManifestError when ``url`` holds no manifest (saying so when the path does not exist at all)."""
     from ckpt.errors import ManifestError
-    from ckpt.formats.sources import LOOKED_FOR, detect
+    from ckpt.interop.sources import LOOKED_FOR, detect
     from ckpt.storage import get_storage
 
     st = get_storage(url, **opts)

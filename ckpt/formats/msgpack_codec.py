@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ckpt.checksum import crc32
+from ckpt._checksum import crc32
 from ckpt.errors import ManifestError, ManifestIntegrityError, StateError
 from ckpt.manifest import CODEC_VERSION, FORMAT_NAME, HASH_ALGORITHM, Manifest, parse_version
 

@@ -13,8 +13,8 @@
 - :mod:`~ckpt.hf.directory`: the model directory on disk (names, dtypes, index and headers, the
   split into ``model-k-of-n`` files).
 
-The copying is :mod:`ckpt.resharders.stream`'s; the entry points are :func:`ckpt.formats.hf.export_hf`
-and :func:`ckpt.formats.hf.import_hf`."""
+The copying is :mod:`ckpt._stream`'s; the entry points are :func:`ckpt.hf.convert.export_hf`
+and :func:`ckpt.hf.convert.import_hf`."""
 
 from ckpt.hf.registry import register_adapter
 

@@ -3,7 +3,7 @@ safetensors headers (no tensor data), and cutting an export into ``model-0000k-o
 files with their headers and ``model.safetensors.index.json``.
 
 Shared by the embedded MoE (:mod:`ckpt.hf.embedded`) and the adapter families (:mod:`ckpt.hf.engine`);
-the streaming itself is :mod:`ckpt.resharders.stream`'s.
+the streaming itself is :mod:`ckpt._stream`'s.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ckpt.dtypes import safetensors_dtype
+from ckpt._dtypes import safetensors_dtype
+from ckpt._stream import Item, OutFile
 from ckpt.errors import IntegrityError, ManifestError, MismatchError, StateError
 from ckpt.formats import foreign_json
 from ckpt.formats.safetensors_header import MAX_HEADER_BYTES, HeaderEntry, build_header, parse_header
 from ckpt.manifest import check_relpath
-from ckpt.resharders.stream import Item, OutFile
 from ckpt.storage import Storage
 
 CONFIG_NAME = "config.json"

@@ -1,6 +1,6 @@
 """Export and import plans, for the adapter families (:mod:`ckpt.hf.adapters`) and the adapters that
 store their parameters whole (``Adapter.by_params``: the trainer's embedded MoE);
-:mod:`ckpt.resharders.stream` copies what they describe.
+:mod:`ckpt._stream` copies what they describe.
 
 Export: Hugging Face tensor -> runs over canonical parameters (the adapter) -> runs over the
 checkpoint's names (:mod:`ckpt.hf.names`) -> stored keys (prefix, alternative spelling, or a layer
@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ckpt.dtypes import dtype_from_name, dtype_name
+from ckpt._dtypes import dtype_from_name, dtype_name
+from ckpt._stream import Item
 from ckpt.errors import ConfigError, IntegrityError, MismatchError
 from ckpt.formats.safetensors_header import HeaderEntry
 from ckpt.hf.adapters import ADAPTER_KEY, Adapter, Config
@@ -31,7 +32,6 @@ from ckpt.hf.mapping import Map, compose, invert, whole
 from ckpt.hf.names import naming, resolve
 from ckpt.hf.registry import adapter_for, adapter_of_checkpoint
 from ckpt.manifest import Manifest, ShardEntry, TensorEntry
-from ckpt.resharders.stream import Item
 from ckpt.shards import Box, Flat, full_box
 
 __all__ = ["ADAPTER_KEY", "FUSED_EXPERT", "HF_GATE_UP", "HF_PER_EXPERT", "PREFIX", "check_scale", "export_items",

@@ -32,9 +32,10 @@ from ckpt.errors import ConfigError, MismatchError
 from ckpt.formats import foreign_json
 from ckpt.hf.adapters import Adapter, Config
 from ckpt.hf.mapping import Map, Run, Target, invert, merged, rows, whole
+from ckpt.interop.names import AUTO, NAMINGS, PATTERNS, key_schemes, scheme_of_keys  # noqa: F401 - API
+from ckpt.interop.names import TITAN as _TITAN
+from ckpt.interop.names import TITAN_03 as _TITAN_03
 
-NAMINGS = ("ckpt", "hf", "torchtitan", "megatron")
-AUTO = "auto"
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # dim 0 may carry the trainer's vocab padding
 
 
@@ -114,40 +115,7 @@ def _layer(name: str) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
-_TITAN = [
-    ("input_layernorm.weight", "attention_norm.weight"),
-    ("post_attention_layernorm.weight", "ffn_norm.weight"),
-    ("self_attn.q_proj.weight", "attention.wq.weight"),
-    ("self_attn.k_proj.weight", "attention.wk.weight"),
-    ("self_attn.v_proj.weight", "attention.wv.weight"),
-    ("self_attn.o_proj.weight", "attention.wo.weight"),
-    ("self_attn.q_norm.weight", "attention.q_norm.weight"),
-    ("self_attn.k_norm.weight", "attention.k_norm.weight"),
-    ("self_attn.q_a_proj.weight", "attention.wq_a.weight"),
-    ("self_attn.q_a_layernorm.weight", "attention.q_norm.weight"),
-    ("self_attn.q_b_proj.weight", "attention.wq_b.weight"),
-    ("self_attn.kv_a_proj_with_mqa.weight", "attention.wkv_a.weight"),
-    ("self_attn.kv_a_layernorm.weight", "attention.kv_norm.weight"),
-    ("self_attn.kv_b_proj.weight", "attention.wkv_b.weight"),
-    ("mlp.gate_proj.weight", "feed_forward.w1.weight"),
-    ("mlp.down_proj.weight", "feed_forward.w2.weight"),
-    ("mlp.up_proj.weight", "feed_forward.w3.weight"),
-    ("mlp.gate.weight", "moe.router.gate.weight"),
-    ("mlp.gate.e_score_correction_bias", "moe.expert_bias"),
-    ("mlp.experts.gate_proj", "moe.experts.w1"),
-    ("mlp.experts.down_proj", "moe.experts.w2"),
-    ("mlp.experts.up_proj", "moe.experts.w3"),
-    ("mlp.shared_experts.gate_proj.weight", "moe.shared_experts.w1.weight"),
-    ("mlp.shared_experts.down_proj.weight", "moe.shared_experts.w2.weight"),
-    ("mlp.shared_experts.up_proj.weight", "moe.shared_experts.w3.weight"),
-]
 
-
-# torchtitan 0.3 spells some tensors differently (same shapes, same row order): old -> new
-_TITAN_03 = {"attention.wq.weight": "attention.qkv_linear.wq.weight",
-             "attention.wk.weight": "attention.qkv_linear.wk.weight",
-             "attention.wv.weight": "attention.qkv_linear.wv.weight",
-             "output.weight": "lm_head.weight"}
 
 
 def _titan_alternatives(shapes: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
@@ -322,29 +290,6 @@ class AmbiguousNamesError(MismatchError):
     """The checkpoint's keys fit more than one naming scheme: ``--source-names`` must say which."""
 
 
-# What each scheme's keys look like (matched at the start of a key): detection's first pass, and
-# the only one when no model config is known. HF and ckpt differ by ckpt's extra ``model.`` prefix.
-PATTERNS = {
-    "ckpt": re.compile(r"model\.(model\.(embed_tokens|norm|layers\.\d+)\.|lm_head\.weight$)"),
-    "hf": re.compile(r"(model\.(embed_tokens|norm)\.weight$|model\.layers\.\d+\.(self_attn|mlp|input_layernorm|"
-                     r"post_attention_layernorm)\.|lm_head\.weight$)"),
-    "torchtitan": re.compile(r"(model\.)?(tok_embeddings\.weight$|output\.weight$|layers\.\d+\.(attention|"
-                             r"attention_norm|feed_forward|ffn_norm|moe)\.)"),
-    "megatron": re.compile(r"(model\.|module\.)?(embedding\.word_embeddings\.|decoder\.(layers|final_layernorm)\.|"
-                           r"output_layer\.)"),
-}
-
-
-def key_schemes(keys: object) -> dict[str, int]:
-    """Scheme -> how many of ``keys`` look like its names (schemes no key fits are left out)."""
-    counts: dict[str, int] = {}
-    for k in keys:  # type: ignore[attr-defined]
-        for kind, rx in PATTERNS.items():
-            if rx.match(k):
-                counts[kind] = counts.get(kind, 0) + 1
-    return counts
-
-
 def detect(stored: dict[str, tuple[int, ...]], adapter: Adapter | None = None, cfg: Config | None = None, *,
            where: str) -> str:
     """The naming scheme of a checkpoint holding ``stored`` (key -> shape).
@@ -359,7 +304,7 @@ def detect(stored: dict[str, tuple[int, ...]], adapter: Adapter | None = None, c
     seen = key_schemes(stored)
     flag = "pass --source-names " + " | ".join(NAMINGS) + " | a JSON names file"
     if adapter is None or cfg is None:
-        return max(seen, key=lambda k: seen[k]) if seen else "ckpt"
+        return scheme_of_keys(stored)
     fits: list[str] = []
     for kind in NAMINGS:
         try:

@@ -8,7 +8,7 @@ the middle of the key), so without this every rank of a resharded checkpoint hel
 :func:`derive_rules` binds a rules table to the checkpoint's keys instead (a
 :class:`~ckpt.resharders.rules.KeyedRules`):
 
-1. the naming scheme is detected from the keys (:func:`ckpt.hf.names.detect`: ``ckpt``, ``hf``,
+1. the naming scheme is detected from the keys (:func:`ckpt.interop.names.scheme_of_keys`: ``ckpt``, ``hf``,
    ``torchtitan`` old and 0.3, ``megatron``);
 2. each parameter key maps to its canonical (Hugging Face) name (:func:`canonical_name`), whose
    placement the adapters' table knows (:data:`~ckpt.resharders.rules.HF_RULES`; names every adapter
@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping
 
 from ckpt.errors import LayoutError
-from ckpt.hf import names as hf_names
+from ckpt.interop import names as key_names
 from ckpt.manifest import Manifest
 from ckpt.resharders.rules import HF_RULES, HF_WHOLE, REPLICATED, KeyedRules, Placement, RuleSet
 
@@ -50,8 +50,8 @@ class UnmatchedTensorsError(LayoutError):
 
 def _titan_table() -> dict[str, str]:
     """torchtitan name (old and 0.3 spellings) -> canonical, layer part only (``attention.wq.weight``)."""
-    out = {titan: canon for canon, titan in hf_names._TITAN}  # noqa: SLF001 - one table, owned by names
-    for old, new in hf_names._TITAN_03.items():  # noqa: SLF001
+    out = {titan: canon for canon, titan in key_names.TITAN}
+    for old, new in key_names.TITAN_03.items():
         if old in out:
             out[new] = out[old]
     return out
@@ -186,12 +186,12 @@ def derive_rules(specs: Mapping[str, tuple[str, tuple[int, ...]]], scheme: str, 
 
 def scheme_of(manifest: Manifest) -> str:
     """The naming scheme of a checkpoint's keys: the one ``import-hf`` recorded, else the one most
-    parameter keys look like (:func:`ckpt.hf.names.key_schemes`; ``ckpt`` when none)."""
+    parameter keys look like (:func:`ckpt.interop.names.scheme_of_keys`)."""
     recorded = manifest.user_metadata.get("names")
-    if isinstance(recorded, str) and recorded in hf_names.NAMINGS:
+    if isinstance(recorded, str) and recorded in key_names.NAMINGS:
         return recorded
     stored = {k: tuple(t.shape) for k, t in manifest.tensors.items() if not k.startswith(OPTIM_STATE)}
-    return hf_names.detect(stored, where="reshard")
+    return key_names.scheme_of_keys(stored)
 
 
 def is_foreign(manifest: Manifest) -> bool:

@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from ckpt.dtypes import dtype_from_name, itemsize
+from ckpt._chunks import split_region
+from ckpt._dtypes import dtype_from_name, itemsize
+from ckpt._io import ScratchReader, verify_shards
+from ckpt._load_plan import LoadRequest, plan_load
 from ckpt.errors import IntegrityError, StateError
 from ckpt.formats.msgpack_codec import decode_object
-from ckpt.io import ScratchReader, verify_shards
 from ckpt.load import fetch_manifest
 from ckpt.manifest import Manifest, ObjectEntry
-from ckpt.planner import LoadRequest, plan_load
-from ckpt.resharders.chunks import split_region
 from ckpt.resharders.plan import narrowed
 from ckpt.shards import Box, full_box
 from ckpt.storage import get_storage

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckpt.dtypes import dtype_from_name
+from ckpt._dtypes import dtype_from_name
 from ckpt.errors import LayoutError
 from ckpt.layout import Layout
 from ckpt.manifest import Manifest

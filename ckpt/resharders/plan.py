@@ -6,7 +6,7 @@ source files each piece comes from; with totals (bytes read and written, files t
 single read). No I/O, no process group: resharding 8 -> 3 ranks is a unit test.
 
 How the new checkpoint is laid out: every target rank declares its regions (from the rules), and
-the ordinary save planner (:func:`ckpt.planner.plan_save`) lays out the files, exactly as if the
+the ordinary save planner (:func:`ckpt._save_plan.plan_save`) lays out the files, exactly as if the
 target ranks had saved. So each piece is stored once: a replicated piece (norms, routers, and
 every dense tensor under DP) is written by one of its holders, chosen to balance bytes across
 ranks; a target rank reads its own sharded pieces from one file, contiguously, and replicated pieces
@@ -21,17 +21,18 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt.dtypes import dtype_from_name, itemsize
+from ckpt._dtypes import dtype_from_name, itemsize
+from ckpt._load_plan import LoadRequest, plan_load
+from ckpt._regions import may_overlap
+from ckpt._save_plan import PieceDecl, RankDecl, SavePlan, plan_save
 from ckpt.errors import LayoutError
 from ckpt.layout import Coord, Layout
 from ckpt.manifest import Manifest, ObjectEntry, TensorEntry
-from ckpt.planner import LoadRequest, PieceDecl, RankDecl, SavePlan, plan_load, plan_save
-from ckpt.regions import intersect_boxes, strides
 from ckpt.resharders.derive import PREFIX as DERIVED
 from ckpt.resharders.derive import check_strict, derive_rules, is_foreign, scheme_of, unmatched_keys
 from ckpt.resharders.placement import coord_str, num_layers_of, regions_for_ranks, specs_of, stage_layers
 from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet, load_rules, registered_rules, rules_named
-from ckpt.shards import Box, Flat, Region
+from ckpt.shards import Box, Region
 
 UNMATCHED_SHOWN = 20  # names of whole tensors a JSON plan lists
 _NO_SPLIT = 1 << 62  # plan reads as whole contiguous ranges; the executor cuts them to its buffers
@@ -306,45 +307,6 @@ def plan(manifest: Manifest, target: Layout, rules: RuleSet = MOE_RULES, *, stag
                        source_layout(manifest), manifest.world_size, ranks, sp, decls, whole)
 
 
-def flat_span(region: Region, shape: tuple[int, ...]) -> tuple[int, int]:
-    """``[first, last + 1)`` of the global flat indices ``region`` touches (a superset for boxes)."""
-    if isinstance(region, Flat) and region.box is None:
-        return region.start, region.stop
-    box = region if isinstance(region, Box) else region.box
-    assert box is not None
-    if box.numel == 0:
-        return 0, 0
-    st = strides(shape)
-    first = sum(o * s for o, s in zip(box.offsets, st, strict=True))
-    last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.lengths, st, strict=True))
-    return first, last + 1
-
-
-def bounding_box(region: Region, shape: tuple[int, ...]) -> Box:
-    """A box containing every element of ``region`` (the region itself for a box; for a flat range,
-    the rows of its box, or of the whole tensor, that the range spans)."""
-    if isinstance(region, Box):
-        return region
-    box = region.box if region.box is not None else Box(tuple(0 for _ in shape), tuple(shape))
-    if not box.lengths or region.numel == 0:
-        return box
-    row = strides(box.lengths)[0]
-    lo, hi = region.start // row, (region.stop - 1) // row + 1
-    return Box((box.offsets[0] + lo, *box.offsets[1:]), (hi - lo, *box.lengths[1:]))
-
-
-def may_overlap(a: Region, b: Region, shape: tuple[int, ...]) -> bool:
-    """False when ``a`` and ``b`` certainly share no element (exact for two boxes)."""
-    if len(shape) == 0:
-        return True
-    if intersect_boxes(bounding_box(a, shape), bounding_box(b, shape)) is None:
-        return False
-    if isinstance(a, Box) and isinstance(b, Box):
-        return True
-    (a0, a1), (b0, b1) = flat_span(a, shape), flat_span(b, shape)
-    return a0 < b1 and b0 < a1
-
-
 def narrowed(manifest: Manifest, key: str, region: Region) -> Manifest:
     """A manifest holding only tensor ``key`` with only the shards that may overlap ``region``, so
     that planning a small read does not visit every shard of a many-shard tensor."""
@@ -429,5 +391,4 @@ def parse_stages(text: str | None) -> list[int] | None:
 
 
 __all__ = ["PieceMove", "RankPlan", "ReshardPlan", "plan", "plan_id", "check_model", "source_reads", "rules_for",
-           "parse_stages", "region_dict", "source_layout", "coord_str", "narrowed", "may_overlap", "flat_span",
-           "bounding_box"]
+           "parse_stages", "region_dict", "source_layout", "coord_str", "narrowed"]

@@ -3,7 +3,7 @@
 ``reshard(src, dst, target)`` executes a :func:`~ckpt.resharders.plan.plan` as a streaming copy:
 
 1. **Plan** (pure): the new files, their headers and offsets, and the pieces each one holds.
-2. **Stream** (:func:`ckpt.resharders.stream.copy_files`, the engine every converter uses):
+2. **Stream** (:func:`ckpt._stream.copy_files`, the engine every converter uses):
    ``workers`` threads each write one new data file at a time, largest first. A piece is cut into
    parts of at most one buffer (in the order of its bytes); each batch of parts is read from the
    source with the ordinary load planner into a reused buffer, hashed (CRC32) and handed to the
@@ -13,7 +13,7 @@
 3. **Commit**: the manifest is written last, atomically, exactly as ``ckpt.save`` does. Until then
    ``dst`` is not a checkpoint.
 
-Ownership (:mod:`ckpt.transaction`): every new file gets a fresh random name
+Ownership (:mod:`ckpt._transaction`): every new file gets a fresh random name
 (``data/<rank>-<random>.safetensors``) recorded in this run's written set; a run removes nothing but
 that set (all of it when it loses the commit or reads a corrupted source; its unfinished files on
 any other failure), never files it merely finds in ``dst``: two runs into one destination, or a run
@@ -23,7 +23,7 @@ Crash safety and restart: each finished file leaves a small marker
 ``.reshard/<plan id>-<rank>-<writer token>.done`` (the plan id: a hash of the source manifest, the
 target layout, the rules and the stages) holding the file's random name, size, checksums and its
 writer (host, pid, token). Running the same command again adopts every finished file of the same plan
-whose writer is provably gone (:func:`ckpt.transaction.writer_gone`) and whose bytes still match the
+whose writer is provably gone (:func:`ckpt._transaction.writer_gone`) and whose bytes still match the
 marker's checksums (re-read and re-hashed), writes the others under fresh names, and commits. Adopted
 files are never in the re-run's written set; files of an interrupted run that are not adopted are
 left for ``ckpt gc`` to report. A committed ``dst`` is never touched unless ``overwrite=True``; then
@@ -41,18 +41,18 @@ from typing import Any
 
 import msgpack
 
-from ckpt import transaction
-from ckpt.checksum import crc32
+from ckpt import _transaction as transaction
+from ckpt._checksum import crc32
+from ckpt._regions import sub_region
+from ckpt._save_plan import WriteAssignment
+from ckpt._stream import Item, OutFile, Progress, copy_files
 from ckpt.errors import CheckpointError, IntegrityError, StateError, StorageError
 from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.layout import Layout
 from ckpt.load import _few, fetch_manifest
 from ckpt.manifest import Manifest
-from ckpt.planner import WriteAssignment
-from ckpt.regions import sub_region
 from ckpt.resharders.plan import ReshardPlan, plan
 from ckpt.resharders.rules import MOE_RULES, RuleSet
-from ckpt.resharders.stream import Item, OutFile, Progress, copy_files
 from ckpt.storage import Storage, get_storage
 
 DEFAULT_MEMORY_BUDGET = 2 * 10**9  # bytes ("2GB")
@@ -265,7 +265,7 @@ class _Rewrite:
 
     def run(self, verify_source: bool) -> None:
         """Write every new data file not already finished, ``workers`` at a time, largest first, with
-        the streaming engine (:mod:`ckpt.resharders.stream`); with ``verify_source``, check every source
+        the streaming engine (:mod:`ckpt._stream`); with ``verify_source``, check every source
         shard's checksum from the bytes read (and read what finished files of an earlier attempt hold).
 
         Raises IntegrityError when the source is corrupted (before the bad bytes' batch is written).

@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-from ckpt.checksum import crc32
+from ckpt._checksum import crc32
 from ckpt.errors import CheckpointExistsError, StorageError
 from ckpt.storage.base import Storage
 from ckpt.storage.retry import RetryPolicy, describe, http_error, is_not_found, is_retryable
@@ -54,7 +54,7 @@ INSTALL_HINT = "s3:// URLs need s3fs: pip install 'ckpt[s3]'"
 
 def crc32_b64(crc: int) -> str:
     """S3's encoding of a CRC32 checksum (``x-amz-checksum-crc32``): base64 of the 4 big-endian
-    bytes of the same value as ``zlib.crc32`` (which ``ckpt.checksum.crc32`` computes)."""
+    bytes of the same value as ``zlib.crc32`` (which ``ckpt._checksum.crc32`` computes)."""
     return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
 
 

@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from ckpt.checksum import crc32, crc32_combine
-from ckpt.dtypes import dtype_from_name
+from ckpt._checksum import crc32, crc32_combine
+from ckpt._dtypes import dtype_from_name
+from ckpt._io import byte_view, cpus_per_rank
 from ckpt.errors import CheckpointError, IntegrityError, UnsafePathError
 from ckpt.formats.msgpack_codec import decode_manifest
-from ckpt.io import byte_view, cpus_per_rank
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.shards import Box
 from ckpt.tier import safefs

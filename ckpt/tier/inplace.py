@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ckpt.checksum import crc32_parallel
-from ckpt.comm import Comm, error_payload
-from ckpt.io import byte_view
+from ckpt._checksum import crc32_parallel
+from ckpt._comm import Comm, error_payload
+from ckpt._io import byte_view
 from ckpt.manifest import Manifest
 from ckpt.save import PlanCache, Prepared, commit, fresh_file_name, persisted, prepare
 from ckpt.storage import get_storage

@@ -20,9 +20,9 @@ import hashlib
 import os
 import re
 
+from ckpt._retention import STEP_DIR  # noqa: F401 - a memory step is named as a manager's step
+from ckpt._retention import step_dir as step_name  # noqa: F401
 from ckpt.errors import StateError
-from ckpt.retention import STEP_DIR  # noqa: F401 - a memory step is named as a manager's step
-from ckpt.retention import step_dir as step_name  # noqa: F401
 
 NODE_ENV = "CKPT_NODE"  # this process's node index (overrides the LOCAL_WORLD_SIZE grouping)
 SHM_ENV = "CKPT_SHM_DIR"  # base directory of memory tiers (default /dev/shm)

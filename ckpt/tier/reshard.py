@@ -22,7 +22,8 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckpt.comm import describe
+from ckpt._comm import describe
+from ckpt._transaction import commit_manifest
 from ckpt.errors import CheckpointError, CollectiveError, ManifestError
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
@@ -149,7 +150,7 @@ def build_view(copies: dict[int, str], dest: str) -> Manifest:
     merged.world_size = len(copies)
     storage = LocalStorage(dest)
     try:
-        storage.commit(MANIFEST_NAME, encode_manifest(merged))
+        commit_manifest(storage, encode_manifest(merged), overwrite=False)  # dest is fresh: nothing to replace
     finally:
         storage.close()
     return merged

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpt.comm import describe
+from ckpt._comm import describe
 from ckpt.errors import CollectiveError, IntegrityError
 from ckpt.tier.store import data_bytes, remove_step
 from ckpt.tier.transfer import exchange, failed, package

@@ -62,7 +62,7 @@ def plan_layout(flat: dict[str, Any]) -> SlotLayout:
     """The data file ``ckpt.save`` writes for ``flat`` on a single rank (header and entry offsets),
     planned by ckpt's own planner. Tensors sharing memory are laid out apart (a slot's views never
     alias, so the save of the snapshot finds no tied keys either)."""
-    from ckpt.planner import plan_save
+    from ckpt._save_plan import plan_save
     from ckpt.save import build_decl
 
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}

@@ -2,7 +2,7 @@
 are allocated once and reused, so that the write to shared memory and the copy to a peer can run on a
 background thread while training changes its tensors.
 
-Why not :class:`ckpt.staging.Stager`: it stages byte *segments* into power-of-two slabs for a writer
+Why not :class:`ckpt._staging.Stager`: it stages byte *segments* into power-of-two slabs for a writer
 that streams them into files, filling them on its own thread while the caller waits for
 ``staged()``. The tier's background writer is ``ckpt.save`` of whole tensors (one ordinary
 checkpoint per rank), so the natural buffer here is one host tensor per piece, shaped like it,

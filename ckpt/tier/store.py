@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from ckpt import stateful
+from ckpt._state import ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.errors import CheckpointError, ManifestError
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.shards import Flat, PerRank
-from ckpt.state import ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.tier import fastload, safefs
 from ckpt.tier.fastload import read_manifest
 from ckpt.tier.nodes import RANK_DIR, STEP_DIR, node_dir, step_name

@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ckpt.comm import Comm, describe, error_payload, raise_payload, side_group
+from ckpt._comm import Comm, describe, error_payload, raise_payload, side_group
 from ckpt.errors import CheckpointError, CollectiveError, StateError
 from ckpt.save import PlanCache
 from ckpt.tier import reshard as _reshard
@@ -71,7 +71,7 @@ BACKGROUND_NICE = 10  # the background thread's niceness with busy="skip" (see M
 class MemoryTier:
     """Memory checkpoints of one job, on this rank. Create it on every rank of ``group`` (default:
     the world), in the same order (it creates ckpt's own gloo group of those ranks, see
-    :func:`ckpt.comm.side_group`: collective over them only), after ``torch.distributed`` is
+    :func:`ckpt._comm.side_group`: collective over them only), after ``torch.distributed`` is
     initialized (or in a single process).
 
     Example::

@@ -27,7 +27,8 @@ from typing import Any
 import msgpack
 import torch
 
-from ckpt.comm import describe
+from ckpt._comm import describe
+from ckpt._transaction import commit_manifest
 from ckpt.errors import CheckpointError, CollectiveError, IntegrityError, ManifestError, StorageError
 from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.manifest import MANIFEST_NAME
@@ -125,7 +126,7 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
     are; an OSError from it (shared memory full) fails that copy like a failed write.
 
     ``pg``: the gloo group (None: not distributed, then both maps must be empty), registered with
-    torch or one of ckpt's own (:func:`ckpt.comm.side_group`); peers are ranks of that group, and
+    torch or one of ckpt's own (:func:`ckpt._comm.side_group`); peers are ranks of that group, and
     the bytes go through its own ``send`` / ``recv``. Returns what arrived, by sender. Local write
     failures are reported in the result, never raised.
 
@@ -277,7 +278,7 @@ def _commit(storage: LocalStorage, dest: str, header: dict[str, Any], files: lis
         if sorted(m.files.items()) != sorted(files):
             raise ManifestError(f"{dest}: the manifest received does not list the files received; the copy is "
                                 "not kept")
-        storage.commit(MANIFEST_NAME, data, exclusive=True)
+        commit_manifest(storage, data, overwrite=False)  # the one commit: checked, data names durable, exclusive
         return None
     except (CheckpointError, OSError) as e:
         return e if isinstance(e, CheckpointError) else StorageError(f"{dest}: {e}")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckpt.errors import StateError
 
 if TYPE_CHECKING:
-    from ckpt.comm import Comm
+    from ckpt._comm import Comm
     from ckpt.tier.store import NodeStore
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 import ckpt
-from ckpt.dtypes import dtype_from_name, dtype_name
+from ckpt._dtypes import dtype_from_name, dtype_name
 from ckpt.errors import MismatchError
 from ckpt.layout import Layout
 from ckpt.manifest import Manifest
@@ -160,7 +160,7 @@ def _check_model_config(manifest: Manifest, cfg: TrainConfig, url: str) -> None:
 
 
 def _require(manifest: Manifest, state: dict[str, Any], url: str, prefixes: tuple[str, ...]) -> None:
-    from ckpt.state import TensorItem, flatten_state
+    from ckpt._state import TensorItem, flatten_state
 
     wanted = [it.key for it in flatten_state(state) if isinstance(it, TensorItem) and it.key.startswith(prefixes)]
     missing = [k for k in wanted if k not in manifest.tensors]

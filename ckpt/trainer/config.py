@@ -120,7 +120,7 @@ class TrainConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrainConfig.schedule={self.schedule!r}: choose one of {SCHEDULES}")
         if self.max_staging_bytes is not None:
-            from ckpt.staging import check_cap
+            from ckpt._staging import check_cap
 
             try:
                 check_cap(self.max_staging_bytes)

@@ -5,7 +5,7 @@
    committed checkpoint (same layout: bitwise the same trajectory);
 3. stop, then continue on 2 ranks under another layout (``pp=2``, 1F1B), resharding at load;
 4. verify the final checkpoint (structure, coverage, checksums) and evaluate it in one process;
-5. export to Hugging Face and reload in transformers when the exporter (``ckpt.formats.hf``) exists;
+5. export to Hugging Face and reload in transformers when the exporter (``ckpt.hf.convert``) exists;
 6. plot the loss curve with the saves, the failure and the resume marked (matplotlib optional).
 
 ``node_loss`` (``ckpt demo --node-loss``): phase 1 keeps a memory checkpoint every step (node-local
@@ -90,12 +90,12 @@ def evaluate(url: str, config: ModelConfig | HybridConfig, samples: int = 32, se
 
 
 def hf_roundtrip(url: str, out: str, config: ModelConfig | HybridConfig) -> tuple[str | None, str]:
-    """Export with ``ckpt.formats.hf.export_hf(url, out)`` and reload in transformers, comparing
+    """Export with ``ckpt.hf.convert.export_hf(url, out)`` and reload in transformers, comparing
     logits with this package's model; ``(path, note)``, path None when skipped."""
     try:
-        from ckpt.formats.hf import export_hf
+        from ckpt.hf.convert import export_hf
     except ImportError:
-        return None, "skipped: the Hugging Face exporter (ckpt.formats.hf.export_hf) is not installed yet"
+        return None, "skipped: the Hugging Face exporter (ckpt.hf.convert.export_hf) is not installed yet"
     try:
         import transformers
     except ImportError:

@@ -20,10 +20,18 @@ blocks of 5 steps, ABC/CBA order over REPS repeats; printed: the median of each 
 
 Results are written to $OUT/decomp_<MM>.json ($OUT defaults to /tmp).
 """
-import json, os, statistics, sys, threading, time, shutil, tempfile
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+
 import torch
+
 from bench.save_load import make_state
-from ckpt.checksum import crc32_parallel
+from ckpt._checksum import crc32_parallel
 from ckpt.tier import MemoryTier, TierConfig
 
 dev = torch.device("cuda")
@@ -148,6 +156,7 @@ def step(mode, carry):
 
 # paced variant: copies gated by events inside next step's work; implement by hooking
 from ckpt.tier import snapshot as SN
+
 _new = (SN.Snapshot.first_landed, SN.Snapshot.wait_piece)
 def _poll(ev):
     while not ev.query(): time.sleep(0.0005)

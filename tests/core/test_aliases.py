@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt.aliases import agree, find_aliases
-from ckpt.planner import PieceDecl, RankDecl
+from ckpt._aliases import agree, find_aliases
+from ckpt._save_plan import PieceDecl, RankDecl
 from ckpt.save import build_decl
 from ckpt.shards import Box
 

@@ -69,7 +69,7 @@ def test_importing_the_library_loads_no_trainer_module() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, ckpt, ckpt.hf, ckpt.formats.hf, ckpt.resharders.plan; "
+    code = ("import sys, ckpt, ckpt.hf, ckpt.hf.convert, ckpt.resharders.plan; "
             "print(sorted(m for m in sys.modules if m.startswith('ckpt.trainer')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

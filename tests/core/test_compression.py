@@ -1,4 +1,4 @@
-"""Compressed data files (ckpt.codec): bitwise round trips over dtypes and layouts, the manifest
+"""Compressed data files (ckpt._codec): bitwise round trips over dtypes and layouts, the manifest
 record and its version, integrity of frames (flipped, truncated, hostile), and DCP's ZStandard."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import ckpt
-import ckpt.codec as codec
-from ckpt.codec import UnsupportedCodecError
+import ckpt._codec as codec
+from ckpt._codec import UnsupportedCodecError
 from ckpt.errors import IntegrityError, ManifestError, StateError
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
 from ckpt.manifest import MANIFEST_NAME
@@ -172,7 +172,7 @@ def _forge_frame(url: str, data: bytes) -> tuple[int, torch.Tensor]:
     assert len(fc.raw_offset) == 1
     with open(f"{url}/{path}", "wb") as f:
         f.write(data)
-    from ckpt.checksum import crc32
+    from ckpt._checksum import crc32
 
     fc.length[:] = len(data)
     fc.checksum[:] = crc32(data)
@@ -229,7 +229,7 @@ def _edit_envelope(url: str, edit) -> None:
         env = msgpack.unpackb(f.read())
     body = msgpack.unpackb(env["body"], strict_map_key=False)
     edit(env, body)
-    from ckpt.checksum import crc32
+    from ckpt._checksum import crc32
 
     env["body"] = msgpack.packb(body, use_bin_type=True)
     env["checksum"] = crc32(env["body"])
@@ -352,8 +352,8 @@ def test_frame_table_round_trips_through_the_wire(tmp_path, small_frames):
 
 
 def test_streaming_readers_reshard_and_diff_a_compressed_checkpoint(tmp_path, small_frames):
-    """Readers that plan from the manifest and execute through ckpt.io (reshard, diff, exports)
-    read raw bytes of compressed files too (ckpt.codec.decoding), in parts of one element."""
+    """Readers that plan from the manifest and execute through ckpt._io (reshard, diff, exports)
+    read raw bytes of compressed files too (ckpt._codec.decoding), in parts of one element."""
     from ckpt.layout import Layout
     from ckpt.resharders.diff import EQUAL, diff
     from ckpt.resharders.reshard import reshard

@@ -1,4 +1,4 @@
-"""Loads into GPU tensors go through ckpt/device_load.py's ring of pinned bounce buffers.
+"""Loads into GPU tensors go through ckpt/_device_load.py's ring of pinned bounce buffers.
 
 On a CPU-only machine the same code runs with host targets (``load.through_bounce`` patched to
 send every tensor through it) and tiny slabs, so that tensors are cut into many batches, rows and
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt import device_load
-from ckpt.planner import LoadRequest
+from ckpt import _device_load as device_load
+from ckpt._load_plan import LoadRequest
 from ckpt.shards import Box, Flat
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from ckpt.resharders.layout import Layout as ReExported
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt.errors import LayoutError
 from ckpt.layout import AXES, RANK_ORDER, Coord, Layout
-from ckpt.resharders.layout import Layout as ReExported
 from ckpt.resharders.rules import DENSE_REPLICAS, EXPERT_REPLICAS, zero_range
 
 layouts = st.builds(Layout, dp=st.integers(1, 3), tp=st.integers(1, 3), pp=st.integers(1, 3),

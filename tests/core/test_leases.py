@@ -1,4 +1,4 @@
-"""Write leases (ckpt/lease.py): a step directory is protected from the first byte any rank writes.
+"""Write leases (ckpt/_lease.py): a step directory is protected from the first byte any rank writes.
 
 Issue 36, class 2: only rank 0 wrote ``.writing``, at its own call, so with rank skew a concurrent
 ``ckpt gc`` deleted other ranks' data files (a committed step then missed a file) and even the lease's
@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from typer.testing import CliRunner
 
 import ckpt
-from ckpt import lease
+from ckpt import _lease as lease
 from ckpt.cli.app import app
 from ckpt.manager import gc, list_checkpoints, step_dir
 from ckpt.manifest import MANIFEST_NAME
@@ -217,7 +217,7 @@ def test_gc_removes_a_dead_writers_leftovers_with_its_lease_and_temp_files(tmp_p
 
 
 def test_gc_backs_off_when_a_writer_arrives_during_its_pass(tmp_path, monkeypatch):
-    import ckpt.retention as manager_mod  # gc and its helpers
+    import ckpt._retention as manager_mod  # gc and its helpers
 
     root = tmp_path / "r"
     d = root / step_dir(1)

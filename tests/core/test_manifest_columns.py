@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import ckpt
-from ckpt.checksum import crc32
+from ckpt._checksum import crc32
+from ckpt._columns import decode_column, encode_column
+from ckpt._load_plan import LoadRequest, plan_load
 from ckpt.cli.app import app
-from ckpt.columns import decode_column, encode_column
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
 from ckpt.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardEntry, TensorEntry
-from ckpt.planner import LoadRequest, plan_load
 from ckpt.shards import Box, Flat
 
 

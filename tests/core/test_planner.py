@@ -12,13 +12,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt.dtypes import dtype_name
+from ckpt._dtypes import dtype_name
+from ckpt._io import byte_view, entry_source, run_read_plan
+from ckpt._load_plan import LoadRequest, plan_load
+from ckpt._regions import check_tiling, sub_region
+from ckpt._save_plan import PieceDecl, RankDecl, plan_save
 from ckpt.errors import LayoutError
 from ckpt.formats.safetensors_header import build_header, parse_header
-from ckpt.io import byte_view, entry_source, run_read_plan
 from ckpt.manifest import entry_name
-from ckpt.planner import LoadRequest, PieceDecl, RankDecl, plan_load, plan_save
-from ckpt.regions import check_tiling, sub_region
 from ckpt.shards import Box, Flat, Region
 from ckpt.storage.base import Storage
 
@@ -183,7 +184,7 @@ def test_split_replicas_tile_and_load_bitwise(c, min_part):
     shape, src, dst, dtype, ranks, replicas = c
     g = torch.randn(shape, dtype=torch.float64).to(dtype) if dtype.is_floating_point else \
         torch.randint(0, 100, shape, dtype=dtype)
-    with mock.patch("ckpt.planner.SPLIT_MIN_PART_BYTES", min_part):
+    with mock.patch("ckpt._save_plan.SPLIT_MIN_PART_BYTES", min_part):
         plan, files = _save_in_memory(g, src, ranks, replicas, split=True)
     t = plan.manifest.tensors["t"]
     check_tiling("t", tuple(shape), [s.region for s in t.shards])

@@ -24,13 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt.dtypes import dtype_name
+from ckpt._dtypes import dtype_name
+from ckpt._io import MAP_GAP, _mapper, byte_view, default_workers, entry_source, read_gap, run_read_plan
+from ckpt._load_plan import LoadRequest, ReadPlan, plan_load
+from ckpt._save_plan import PieceDecl, RankDecl, plan_save
+from ckpt._source_checks import SourceChecks, VerifyingReads
 from ckpt.errors import StorageError
-from ckpt.io import MAP_GAP, _mapper, byte_view, default_workers, entry_source, read_gap, run_read_plan
 from ckpt.load import fetch_manifest
-from ckpt.planner import LoadRequest, PieceDecl, RankDecl, ReadPlan, plan_load, plan_save
 from ckpt.shards import Box, Flat, Region
-from ckpt.source_checks import SourceChecks, VerifyingReads
 from ckpt.storage.base import Storage
 from ckpt.storage.local import LocalStorage
 

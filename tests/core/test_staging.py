@@ -1,4 +1,4 @@
-"""Async-save staging (ckpt/staging.py): exact-size slabs, the capped ring, background allocation.
+"""Async-save staging (ckpt/_staging.py): exact-size slabs, the capped ring, background allocation.
 
 The slab sizes are shrunk (``SLAB`` 4 KiB, ``GRAIN`` 256 B, ``MIN_CAP`` 1 KiB) so that small
 generated states exercise segments spanning slabs and rings of many turns.
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt import staging
+from ckpt import _staging as staging
 from ckpt.async_save import AsyncSaver
 from ckpt.errors import StateError
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckpt._regions import check_tiling
 from ckpt.errors import LayoutError
-from ckpt.regions import check_tiling
 from ckpt.shards import Box, Flat
 
 

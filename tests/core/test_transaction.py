@@ -1,4 +1,4 @@
-"""The commit transaction's rules (ckpt/transaction.py), one regression test per way the audit lost data.
+"""The commit transaction's rules (ckpt/_transaction.py), one regression test per way the audit lost data.
 
 1. validate and encode everything before writing any byte; 2. create exclusively; 3. write new data
 under fresh names; 4. commit by one atomic step; 5. delete only replaced data-area files, after it.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import transaction
+from ckpt import _transaction as transaction
 from ckpt.errors import CheckpointExistsError, StateError
 from ckpt.layout import Layout
 from ckpt.manager import gc, list_checkpoints, step_dir

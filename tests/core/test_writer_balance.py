@@ -12,11 +12,11 @@ import torch
 
 import ckpt
 from bench.scale import DSV3_RULES, dsv3_params, rank_pieces, replica_balance, replica_groups
+from ckpt._io import entry_source, write_assignment
+from ckpt._regions import check_tiling, sub_region
+from ckpt._save_plan import SPLIT_MIN_PART_BYTES, PieceDecl, RankDecl, WriteAssignment, plan_save
 from ckpt.formats.safetensors_header import parse_header
-from ckpt.io import entry_source, write_assignment
 from ckpt.layout import Layout
-from ckpt.planner import SPLIT_MIN_PART_BYTES, PieceDecl, RankDecl, WriteAssignment, plan_save
-from ckpt.regions import check_tiling, sub_region
 from ckpt.shards import Box, Flat
 from ckpt.storage import get_storage
 from tests.dist_utils import run_ranks

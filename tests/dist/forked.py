@@ -1,4 +1,4 @@
-"""A small fork runner for the failure tests of ckpt.comm / save / load that never hangs, and what
+"""A small fork runner for the failure tests of ckpt._comm / save / load that never hangs, and what
 those tests share: :func:`outcome`, :func:`assert_typed`, :func:`stall`.
 
 Unlike :func:`tests.dist_utils.run_ranks` it collects one result per rank and allows a rank to crash

@@ -1,4 +1,4 @@
-"""The metadata exchange tree (ckpt.comm, fan-in ``FANIN``): its shape, the same results as the flat
+"""The metadata exchange tree (ckpt._comm, fan-in ``FANIN``): its shape, the same results as the flat
 star, fewer coordinator bytes for what every rank gets, and the failure semantics kept (every wait
 bounded by ``timeout``, a missing rank named). Real gloo groups on forked processes, with a fan-in
 of 2 so that a few ranks make a tree of depth 2: 0 -> 1, 2; 1 -> 3, 4; 2 -> 5, 6."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import comm as comm_mod
-from ckpt.comm import Comm, tree_below, tree_children, tree_parent
+from ckpt import _comm as comm_mod
+from ckpt._comm import Comm, tree_below, tree_children, tree_parent
 from tests.dist.forked import SLACK, assert_typed, outcome, run_forked, stall
 
 

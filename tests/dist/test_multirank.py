@@ -222,7 +222,7 @@ def test_saves_on_a_subgroup_need_no_call_from_other_ranks(tmp_path):
 def _side_group_alone(rank: int, world: int) -> None:
     import time
 
-    from ckpt.comm import side_group
+    from ckpt._comm import side_group
 
     if rank == 0:  # rank 1 never joins: a typed error naming the ranks, within the timeout
         t = time.monotonic()

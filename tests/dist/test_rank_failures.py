@@ -20,7 +20,7 @@ import torch
 
 import ckpt
 from ckpt import errors
-from ckpt.comm import Comm, error_payload, raise_payload
+from ckpt._comm import Comm, error_payload, raise_payload
 from ckpt.save import _SYNC_CACHES
 from tests.dist.forked import SLACK, assert_typed, outcome, run_forked, stall
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import ckpt
-from ckpt.formats.hf import export_hf, import_hf, param_shapes, parse_size
+from ckpt.hf.convert import export_hf, import_hf, param_shapes, parse_size
 from ckpt.layout import Layout
 from ckpt.resharders.rules import MOE_RULES, param_box
 from ckpt.trainer.hf_adapters import from_hf_state_dict, to_hf_state_dict
@@ -185,7 +185,7 @@ def test_export_check_reloads_and_records_the_logits_difference(sharded: str, tm
     assert json.loads((out / "ckpt_check.json").read_text()) == check
     assert check["exported_dtype"] == ("bfloat16" if dtype == "bf16" else "float32")
     # a broken export is caught: flip one weight and check again
-    from ckpt.formats.hf_check import check_export
+    from ckpt.hf.check import check_export
 
     f = out / "model-00001-of-00001.safetensors"
     tensors = safetensors.torch.load_file(str(f))

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 import ckpt
 from ckpt.cli.app import app
-from ckpt.formats.hf import export_hf, import_hf
-from ckpt.formats.hf_files import PREFIX, SIDE_FILES
+from ckpt.hf.convert import export_hf, import_hf
+from ckpt.hf.files import PREFIX, SIDE_FILES
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore")

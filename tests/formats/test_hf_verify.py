@@ -20,10 +20,11 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import ckpt
-import ckpt.formats.hf as hf
-from ckpt import checksum, source_checks
+import ckpt.hf.convert as hf
+from ckpt import _checksum as checksum
+from ckpt import _source_checks as source_checks
 from ckpt.cli.app import app
-from ckpt.formats.hf import export_hf
+from ckpt.hf.convert import export_hf
 from ckpt.layout import Layout
 from ckpt.manifest import Manifest, ShardEntry, TensorEntry
 from ckpt.resharders.reshard import reshard

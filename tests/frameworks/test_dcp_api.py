@@ -18,7 +18,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 import ckpt
 import ckpt.dcp as cdcp
-from ckpt.dcp_compat import UnsupportedCompressionError, UnsupportedDCPObjectError
+from ckpt._dcp_compat import UnsupportedCompressionError, UnsupportedDCPObjectError
 from ckpt.errors import CheckpointExistsError, MismatchError
 from tests.dist_utils import run_ranks
 from tests.helpers import assert_same_state, zeros_like_state

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt.dcp as cdcp
-from ckpt.dtypes import _TORCH_DTYPES
+from ckpt._dtypes import _TORCH_DTYPES
 from ckpt.errors import CheckpointError, ManifestError, StateError
 from ckpt.formats import torch_pickle
 from ckpt.formats.objects import TAG, decode_value, encode_value

@@ -1,4 +1,4 @@
-"""Global regions of DTensor local tensors (ckpt/dtensor.py): pure checks against torch.chunk, and
+"""Global regions of DTensor local tensors (ckpt/_dtensor.py): pure checks against torch.chunk, and
 real DTensors (Shard, _StridedShard in any nesting, Replicate, uneven sizes) on 4 gloo ranks."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.dtensor import local_intervals
+from ckpt._dtensor import local_intervals
 from tests.dist_utils import run_ranks
 
 
@@ -51,7 +51,7 @@ def _real(rank: int, world: int, seed: int) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from ckpt.dtensor import dtensor_pieces
+    from ckpt._dtensor import dtensor_pieces
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     rng = random.Random(seed)

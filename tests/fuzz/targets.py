@@ -37,7 +37,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt.checksum import crc32
+from ckpt._checksum import crc32
 from ckpt.errors import CheckpointError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_object
 from ckpt.formats.safetensors_header import parse_header
@@ -396,7 +396,7 @@ def _drop(d: dict[str, Any]) -> dict[str, Any]:
 def _tensor(draw: st.DrawFn, chaos: int, files: dict[str, int], big: bool) -> dict[str, Any]:
     """A tensor entry that is consistent unless chaos strikes (so validation runs deep and verify
     reaches the coverage and header checks), with hostile dimensions mixed in when ``big``."""
-    from ckpt.dtypes import dtype_from_name, itemsize
+    from ckpt._dtypes import dtype_from_name, itemsize
 
     dtype = _maybe(draw, chaos, draw(st.sampled_from(["float32", "bfloat16", "int64", "bool", "uint8",
                                                       "complex128", "float4_e2m1fn_x2"])), _DTYPES)

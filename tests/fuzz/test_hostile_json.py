@@ -31,9 +31,9 @@ from safetensors.torch import save_file
 import ckpt
 from ckpt.errors import CheckpointError, ConfigError, IntegrityError
 from ckpt.formats import foreign_json
-from ckpt.formats.hf import export_hf, import_hf
 from ckpt.formats.safetensors_header import build_header, parse_header
 from ckpt.hf.adapters import ADAPTERS
+from ckpt.hf.convert import export_hf, import_hf
 
 pytestmark = [pytest.mark.filterwarnings("ignore")]
 

@@ -39,10 +39,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ckpt
+from ckpt.convert import import_checkpoint, torch_save_manifest
 from ckpt.errors import CheckpointError, ForeignFormatError
 from ckpt.formats import torch_pickle as tp
 from ckpt.formats.budget import Budget, check
-from ckpt.formats.convert import import_checkpoint, torch_save_manifest
 from ckpt.storage import get_storage
 
 REFUSED = ("ManifestError", "ForeignFormatError", "IntegrityError")  # typed, naming the file and field

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 import ckpt
-from ckpt.formats.hf import export_hf, import_hf
+from ckpt.hf.convert import export_hf, import_hf
 
 SHRINK = {  # field -> tiny value (only fields the default config has)
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "n_embed": 64, "dim": 64, "model_dim": 64, "embed_dim": 64,

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 import ckpt
 from ckpt.errors import ManifestError, MismatchError
-from ckpt.formats.hf import export_hf, import_hf
 from ckpt.hf.adapters import ADAPTERS, transformers_defaults
+from ckpt.hf.convert import export_hf, import_hf
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -127,7 +127,7 @@ def test_torchtitan_names_match_torchtitans_layout_and_a_real_dcp_checkpoint_exp
     out = tmp_path / "out"
     export_hf(str(tmp_path / "dcp"), str(out), config=str(hf), source_names="torchtitan")
     assert torch.equal(_logits(out), _logits(model))
-    from ckpt.formats.hf_check import check_export
+    from ckpt.hf.check import check_export
 
     rec = check_export(str(tmp_path / "dcp"), str(out), config=str(hf), source_names="torchtitan")
     assert rec["max_abs_logits_diff"] == 0.0

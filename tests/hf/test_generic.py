@@ -62,7 +62,7 @@ def test_experts_are_stacked_and_split_over_ep(built: dict[str, tuple[Path, Any,
     """olmoe's per-expert files become one (E, out, in) tensor per projection, split over ep on dim 0
     and over tp on the dim its plan names; attention q is colwise (dim 0), o rowwise (dim 1)."""
     tmp, _model, _ = built["olmoe"]
-    from ckpt.formats.hf import read_hf_source
+    from ckpt.hf.convert import read_hf_source
     from ckpt.storage import get_storage
 
     src = read_hf_source(get_storage(str(tmp / "hf")))
@@ -88,7 +88,7 @@ def test_reshard_and_export_from_the_recorded_table(built: dict[str, tuple[Path,
                                                      tmp_path: Path) -> None:
     """A reshard (tp=2 -> tp=1) of a generic checkpoint finds its rules in the checkpoint itself
     (user_metadata['rules_table']), and the result still exports bitwise."""
-    from ckpt.formats.hf import export_hf, import_hf
+    from ckpt.hf.convert import export_hf, import_hf
     from ckpt.resharders.reshard import reshard
     from ckpt.resharders.rules import _NAMED
 
@@ -230,7 +230,7 @@ def test_sweep_every_causal_lm(tmp_path: Path) -> None:
 def test_fused_experts_on_disk_split_over_ep(built: dict[str, tuple[Path, Any, torch.Tensor]]) -> None:
     """gpt_oss keeps its experts fused on disk (E, ...): weights and biases split over ep on dim 0
     (its ep plan's grouped_gemm), as transformers shards them."""
-    from ckpt.formats.hf import read_hf_source
+    from ckpt.hf.convert import read_hf_source
     from ckpt.storage import get_storage
 
     tmp, _model, _ = built["gpt_oss"]

@@ -235,10 +235,10 @@ def _instrument(p: _Probe) -> None:
 
     _wrap(manager_mod.CheckpointManager, "_after_commit", retention)
 
-    lease_mod = importlib.import_module("ckpt.lease")
+    lease_mod = importlib.import_module("ckpt._lease")
 
     def delete(_self: Any, path: str) -> None:
-        if lease_mod.is_lease(path):  # each rank's own lease (ckpt.lease), dropped after the commit
+        if lease_mod.is_lease(path):  # each rank's own lease (ckpt._lease), dropped after the commit
             p.point("lease-delete")
 
     _wrap(local_mod.LocalStorage, "delete", delete)

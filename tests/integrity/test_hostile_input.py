@@ -191,7 +191,7 @@ def test_manifest_integers_beyond_int64_are_rejected(tmp_path):
 def test_verify_allocation_is_bounded_by_the_file_sizes(tmp_path):
     # Found by the fuzzer (verify's coverage check materialized one int64 per contiguous run of a
     # flat-within-box shard: a 400-byte manifest allocated gigabytes); fixed since in
-    # ckpt/regions.py check_tiling (flat pieces checked as ranges of their box).
+    # ckpt/_regions.py check_tiling (flat pieces checked as ranges of their box).
     url, d = _saved(tmp_path)
     (f,) = d["files"]
     r = 2**11  # 4 Mi runs: ~300 MiB of int64 arrays today; 2**14 would exhaust this machine

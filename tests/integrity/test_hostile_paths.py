@@ -179,7 +179,7 @@ def test_verify_reports_a_symlink_escape(tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from ckpt.formats.hf import INDEX_NAME, export_hf
+    from ckpt.hf.convert import INDEX_NAME, export_hf
     from tests.resharders.moe_states import save_single
 
     base = tmp_path_factory.mktemp("hf")
@@ -192,7 +192,7 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _edit_index(model: str, edit: Any) -> None:
     import json
 
-    from ckpt.formats.hf import INDEX_NAME
+    from ckpt.hf.convert import INDEX_NAME
 
     p = os.path.join(model, INDEX_NAME)
     with open(p) as f:
@@ -207,7 +207,7 @@ def _edit_index(model: str, edit: Any) -> None:
 def test_hf_index_paths_are_rejected_before_io(hf_model: str, tmp_path, spy: list[str], bad: str):
     import shutil
 
-    from ckpt.formats.hf import import_hf
+    from ckpt.hf.convert import import_hf
 
     model = str(tmp_path / "model")
     shutil.copytree(hf_model, model)
@@ -223,7 +223,7 @@ def test_hf_weights_symlinked_out_of_the_model_dir_are_rejected(hf_model: str, t
     import json
     import shutil
 
-    from ckpt.formats.hf import INDEX_NAME, import_hf
+    from ckpt.hf.convert import INDEX_NAME, import_hf
 
     model = str(tmp_path / "model")
     shutil.copytree(hf_model, model)

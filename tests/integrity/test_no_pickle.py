@@ -107,7 +107,7 @@ def violations(path: Path) -> list[str]:
 FOREIGN_FORMATS = {
     "ckpt/formats/torch_pickle.py": {"imports pickle", "defines find_class (a pickle hook)",
                                      "defines __setstate__ (a pickle hook)"},
-    "ckpt/formats/convert.py": {"imports pickle", "torch.save (a pickle-based format)"},
+    "ckpt/convert.py": {"imports pickle", "torch.save (a pickle-based format)"},
 }
 
 

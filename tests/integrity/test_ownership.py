@@ -1,4 +1,4 @@
-"""Ownership (ckpt/transaction.py): a writer creates only names no other writer can produce and removes
+"""Ownership (ckpt/_transaction.py): a writer creates only names no other writer can produce and removes
 only its own written set; one regression test per way the audit lost data, plus the resume rules.
 """
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import transaction
+from ckpt import _transaction as transaction
+from ckpt.convert import export_dcp, import_checkpoint
 from ckpt.errors import CheckpointExistsError
-from ckpt.formats.convert import export_dcp, import_checkpoint
 from ckpt.layout import Layout
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.resharders import reshard as reshard_mod

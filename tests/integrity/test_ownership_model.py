@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
 import ckpt
-from ckpt import transaction
+from ckpt import _transaction as transaction
 from ckpt.manifest import MANIFEST_NAME
 from tests.integrity import writers as W
 

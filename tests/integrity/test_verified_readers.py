@@ -64,7 +64,7 @@ def test_reshard_refuses_a_corrupted_source(corrupted: str, tmp_path):
 def test_export_hf_refuses_a_corrupted_source(corrupted: str, tmp_path):
     # Found while writing these tests (export-hf copied the corrupted bytes into the model); fixed
     # since (verify_source=True by default).
-    from ckpt.formats.hf import export_hf
+    from ckpt.hf.convert import export_hf
 
     out = tmp_path / "hf"
     with pytest.raises(ckpt.IntegrityError, match=r"model\.model\.embed_tokens\.weight.*verify --deep"):

@@ -21,13 +21,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt import regions
-from ckpt.checksum import crc32
+from ckpt import _regions as regions
+from ckpt._checksum import crc32
+from ckpt._regions import check_disjoint, check_tiling, flat_boxes, separate
 from ckpt.errors import LayoutError
 from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.formats.safetensors_header import build_header
 from ckpt.manifest import MANIFEST_NAME, Manifest, ShardEntry, TensorEntry, entry_name
-from ckpt.regions import check_disjoint, check_tiling, flat_boxes, separate
 from ckpt.shards import Box, Flat
 
 # --- layouts -----------------------------------------------------------------------------------

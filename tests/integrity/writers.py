@@ -57,7 +57,7 @@ def expected(kind: str, seed: int) -> dict[str, torch.Tensor]:
 
 def write(kind: str, seed: int, env: Env, dst: str, overwrite: bool) -> Any:
     """One writer, in this process."""
-    from ckpt.formats.convert import import_checkpoint
+    from ckpt.convert import import_checkpoint
     from ckpt.resharders.reshard import reshard
 
     if kind == "save":

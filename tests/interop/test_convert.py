@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 import ckpt
 from ckpt.cli.app import app
+from ckpt.convert import export_dcp, import_checkpoint
 from ckpt.errors import CheckpointExistsError, IntegrityError, ManifestError, StateError
-from ckpt.formats.convert import export_dcp, import_checkpoint
 from ckpt.layout import Layout
 from tests.dist_utils import run_ranks
 from tests.frameworks import fsdp_tp as F

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 import ckpt
 from ckpt.cli.app import app
-from ckpt.formats.convert import import_checkpoint
+from ckpt.convert import import_checkpoint
 
 runner = CliRunner()
 

@@ -20,9 +20,9 @@ import safetensors.torch
 import torch
 
 import ckpt
+from ckpt.convert import import_checkpoint
 from ckpt.errors import CheckpointError, IntegrityError, ManifestError
-from ckpt.formats.convert import import_checkpoint
-from ckpt.formats.deepspeed import deepspeed_manifest
+from ckpt.interop.deepspeed import deepspeed_manifest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed"
 STAGES = (1, 2, 3)
@@ -139,7 +139,7 @@ def test_manifest_offsets_stay_inside_the_files():
 def test_deepspeed_to_dcp_loads_in_dcp(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from ckpt.formats.convert import export_dcp
+    from ckpt.convert import export_dcp
 
     src = str(FIXTURES / "zero3")
     export_dcp(src, str(tmp_path / "d"))

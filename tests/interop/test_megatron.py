@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 import ckpt
-from ckpt.formats.convert import import_checkpoint
+from ckpt.convert import import_checkpoint
 
 URL = str(Path(__file__).resolve().parents[1] / "fixtures" / "megatron" / "gpt")
 # Megatron's sharded keys (transformer-engine compatible) -> the local spec's module names, per layer
@@ -76,7 +76,7 @@ def test_megatron_llama_exports_to_hf_and_transformers_reproduces_megatrons_logi
     transformers = __import__("pytest").importorskip("transformers")
     import json
 
-    from ckpt.formats.hf import export_hf
+    from ckpt.hf.convert import export_hf
 
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 64,

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 import ckpt
 from ckpt.cli.app import app
 from ckpt.errors import ManifestError, MismatchError
-from ckpt.formats.hf import export_hf, import_hf
+from ckpt.hf.convert import export_hf, import_hf
 from ckpt.hf.names import AmbiguousNamesError, detect, key_schemes
 
 transformers = pytest.importorskip("transformers")

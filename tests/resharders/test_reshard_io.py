@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt._transaction import data_file_rank
 from ckpt.errors import CheckpointExistsError, LayoutError, StateError, StorageError
 from ckpt.layout import Layout
 from ckpt.manifest import DATA_DIR
@@ -21,7 +22,6 @@ from ckpt.resharders.reshard import MARKER_DIR, reshard
 from ckpt.resharders.rules import MOE_RULES
 from ckpt.shards import FlatShard, Shard
 from ckpt.storage.local import LocalStorage
-from ckpt.transaction import data_file_rank
 from tests.layouts import assert_bitwise
 from tests.resharders.moe_states import TINY, config, objects, save_single
 

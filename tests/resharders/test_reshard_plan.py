@@ -11,13 +11,13 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ckpt.dtypes import dtype_from_name, itemsize
+from ckpt._chunks import split_region
+from ckpt._dtypes import dtype_from_name, itemsize
+from ckpt._regions import check_tiling
+from ckpt._save_plan import PieceDecl, RankDecl, plan_save
 from ckpt.errors import LayoutError
 from ckpt.layout import Layout
 from ckpt.manifest import Manifest
-from ckpt.planner import PieceDecl, RankDecl, plan_save
-from ckpt.regions import check_tiling
-from ckpt.resharders.chunks import split_region
 from ckpt.resharders.placement import (
     GLOBAL,
     OPTIM,

@@ -1,4 +1,4 @@
-"""The streaming copy engine (ckpt.resharders.stream) on its own: random element ranges of sharded
+"""The streaming copy engine (ckpt._stream) on its own: random element ranges of sharded
 sources copied under tiny budgets equal the reference bitwise; failures leave nothing of the engine's
 but the finished files it reports (which the caller's clean-up removes), and never touch other files."""
 
@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt
+from ckpt._io import byte_view
+from ckpt._stream import Item, OutFile, copy_files, read_items
 from ckpt.errors import StorageError
-from ckpt.io import byte_view
 from ckpt.manifest import Manifest, ShardEntry, TensorEntry
-from ckpt.resharders.stream import Item, OutFile, copy_files, read_items
 from ckpt.shards import Box, Flat
 from ckpt.storage.local import LocalStorage
 

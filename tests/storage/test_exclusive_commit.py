@@ -42,7 +42,7 @@ def test_second_save_without_overwrite_loses_and_leaves_nothing(backend, monkeyp
     """The winner commits between the loser's early check and its commit: the loser's exclusive
     commit refuses, and the loser removes its own data files."""
     url, opts = backend
-    import ckpt.transaction as txn
+    import ckpt._transaction as txn
 
     real_begin = txn.begin
 

@@ -7,7 +7,7 @@ import torch
 import zarr
 
 import ckpt
-from ckpt.formats.zarr_layout import tree_of
+from ckpt._zarr_layout import tree_of
 from tests.dist_utils import run_ranks
 
 

@@ -96,7 +96,7 @@ def _set_phase(buf: mmap.mmap, rank: int, phase: str) -> None:
 
 def _instrument(buf: mmap.mmap, rank: int, point: str | None, nth: int) -> None:
     """Record phases (and, for the victim of a targeted trial, die at the n-th arrival at ``point``)."""
-    import ckpt.comm
+    import ckpt._comm
     import ckpt.tier.snapshot as snapshot_mod
     import ckpt.tier.tier as tier_mod
     import ckpt.tier.transfer as transfer_mod
@@ -111,7 +111,7 @@ def _instrument(buf: mmap.mmap, rank: int, point: str | None, nth: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     save, exchange, commit_replica = save_mod.save, tier_mod.exchange, transfer_mod._commit
-    comm_exchange, remove, write, commit = ckpt.comm.Comm.exchange, tier_mod.remove_step, LocalWriter.write, \
+    comm_exchange, remove, write, commit = ckpt._comm.Comm.exchange, tier_mod.remove_step, LocalWriter.write, \
         LocalStorage.commit
     take, background = snapshot_mod.HostSnapshots.take, tier_mod.MemoryTier._background
     save_linked = tier_mod.save_linked
@@ -175,7 +175,7 @@ def _instrument(buf: mmap.mmap, rank: int, point: str | None, nth: int) -> None:
     tier_mod.MemoryTier._background = background_  # type: ignore[method-assign]
     tier_mod.exchange = exchange_
     transfer_mod._commit = commit_replica_
-    ckpt.comm.Comm.exchange = comm_exchange_  # type: ignore[method-assign]
+    ckpt._comm.Comm.exchange = comm_exchange_  # type: ignore[method-assign]
     tier_mod.remove_step = remove_
     LocalWriter.write = write_  # type: ignore[method-assign]
     LocalStorage.commit = commit_  # type: ignore[method-assign]

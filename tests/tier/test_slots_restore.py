@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt.checksum import crc32_parallel
+from ckpt._checksum import crc32_parallel
 from ckpt.errors import IntegrityError, MismatchError
 from ckpt.tier import MemoryTier, TierConfig, fastload
 from ckpt.tier.slots import Slot, plan_layout
@@ -98,7 +98,7 @@ def test_a_plan_that_does_not_match_the_slot_writes_an_ordinary_file(shm: str, m
 
 
 def test_matches_refuses_tensors_that_are_not_the_slots_bytes(shm: str) -> None:
-    from ckpt.comm import Comm
+    from ckpt._comm import Comm
     from ckpt.save import prepare
     from ckpt.storage import get_storage
     from ckpt.tier.inplace import matches

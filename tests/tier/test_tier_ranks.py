@@ -272,7 +272,7 @@ def _tier_on(rank: int, shm: str, sub: Any) -> None:
 
 
 def test_a_tier_on_a_subgroup_needs_no_call_from_the_other_ranks(shm: str) -> None:
-    # the tier makes its group from its members alone (ckpt.comm.side_group); new_group would have
+    # the tier makes its group from its members alone (ckpt._comm.side_group); new_group would have
     # waited for ranks 2 and 3, which never create a tier
     run_ranks(4, _subgroup_tier, shm)
 
@@ -364,7 +364,7 @@ def _busy_skip(rank: int, world: int, shm: str, out: str) -> None:
         return exchange(*a, **k)
 
     tier_mod.exchange = slow  # type: ignore[assignment]
-    from ckpt.comm import Comm
+    from ckpt._comm import Comm
 
     agree = Comm.exchange
 

@@ -65,7 +65,7 @@ def test_export_hf_output_loads_in_minimax_and_reproduces_logits(tmp_path):
     from typer.testing import CliRunner
 
     from ckpt.cli.app import app
-    from ckpt.formats.hf import import_hf
+    from ckpt.hf.convert import import_hf
 
     model = _hybrid()
     src = tmp_path / "ck"

@@ -134,7 +134,7 @@ def test_init_from_a_bf16_export_imported_back_casts_the_weights(tmp_path: Path)
     """export-hf --dtype bf16 -> import-hf -> train --init-from: the bf16 weights are cast to the
     model's float32 (a resume would refuse the dtype; a weights-only init casts)."""
     pytest.importorskip("transformers")
-    from ckpt.formats.hf import export_hf, import_hf
+    from ckpt.hf.convert import export_hf, import_hf
 
     source = MoEForCausalLM(CONFIGS["tiny"])
     source.init_weights(seed=7)

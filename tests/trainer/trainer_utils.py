@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import ckpt
-from ckpt.dtypes import dtype_from_name
+from ckpt._dtypes import dtype_from_name
 from ckpt.layout import Layout
 from ckpt.manager import step_dir
 from ckpt.trainer.config import TrainConfig

@@ -1,5 +1,5 @@
-"""The pure transfer planner (ckpt.transfer_plan), executed in one process through the real pack /
-unpack code of ckpt.transfer_exec: random source and destination layouts (boxes, flat ranges, flat
+"""The pure transfer planner (ckpt._transfer_plan), executed in one process through the real pack /
+unpack code of ckpt._transfer_exec: random source and destination layouts (boxes, flat ranges, flat
 ranges of boxes, replicas on several ranks), every destination element filled exactly once from a
 rank that holds it, bitwise."""
 
@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
 import ckpt
-from ckpt import transfer_exec as ex
+from ckpt import _transfer_exec as ex
+from ckpt._regions import global_runs
+from ckpt._save_plan import PieceDecl
+from ckpt._transfer_plan import ALIGN, Schedule, TransferPlan, plan_transfer
 from ckpt.errors import LayoutError, MismatchError, StateError
-from ckpt.planner import PieceDecl
-from ckpt.regions import global_runs
 from ckpt.shards import Box, Flat, Region
-from ckpt.transfer_plan import ALIGN, Schedule, TransferPlan, plan_transfer
 
 DTYPES = {"float32": torch.float32, "int16": torch.int16, "float64": torch.float64}
 

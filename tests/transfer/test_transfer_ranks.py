@@ -14,7 +14,7 @@ from tests.dist_utils import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
-from ckpt import transfer_exec as EX  # noqa: E402,N812
+from ckpt import _transfer_exec as EX  # noqa: E402,N812
 
 
 def _ref(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

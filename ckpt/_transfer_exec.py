@@ -1,4 +1,4 @@
-"""The executor of :func:`ckpt.transfer`: runs one rank's :class:`~ckpt.transfer_plan.Schedule`.
+"""The executor of :func:`ckpt.transfer`: runs one rank's :class:`~ckpt._transfer_plan.Schedule`.
 
 Bytes move as buckets: a header message ``[status, crc32]`` (int64) and a payload message. A sender
 that fails while packing a bucket still sends it, with status FAILED, so that its receiver is never
@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.checksum import crc32
-from ckpt.dtypes import dtype_from_name
+from ckpt._checksum import crc32
+from ckpt._dtypes import dtype_from_name
+from ckpt._transfer_plan import Bucket, Copy, Schedule
 from ckpt.errors import CollectiveError, IntegrityError
 from ckpt.shards import Box, Region
-from ckpt.transfer_plan import Bucket, Copy, Schedule
 
 OK, FAILED = 1, 2
 SMALL = 32  # up to this many segments a copy loops over slices; beyond, one index_select / index_copy_

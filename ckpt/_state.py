@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ckpt.dtypes import dtype_name
+from ckpt._dtypes import dtype_name
+from ckpt._sharded_tensor import is_sharded_tensor, sharded_tensor_pieces
 from ckpt.errors import StateError
-from ckpt.sharded_tensor import is_sharded_tensor, sharded_tensor_pieces
 from ckpt.shards import Box, FlatShard, PerRank, Region, Shard, check_region, full_box
 
 
@@ -106,7 +106,7 @@ def _sharded_tensor_items(key: str, v: Any) -> list[TensorItem]:
 
 
 def _dtensor_items(key: str, v: Any) -> list[TensorItem]:
-    from ckpt.dtensor import dtensor_pieces
+    from ckpt._dtensor import dtensor_pieces
 
     gshape = tuple(v.shape)
     dtype = dtype_name(v.dtype, key=key)

@@ -45,8 +45,7 @@ def deepspeed_root(storage: Storage) -> str | None:
 
 def detect(storage: Storage) -> str | None:
     """``"ckpt"``, ``"dcp"``, ``"deepspeed"`` or None: what ``storage`` holds (a few probes, no listing)."""
-    from ckpt.formats import dcp_source
-
+    from ckpt.interop import dcp_source as dcp_source
     if storage.size(MANIFEST_NAME) is not None:
         return "ckpt"
     if dcp_source.is_dcp(storage):
@@ -71,13 +70,12 @@ def foreign_manifest(storage: Storage) -> Manifest | None:
 
 
 def _foreign_manifest(storage: Storage) -> Manifest | None:
-    from ckpt.formats import dcp_source
-
+    from ckpt.interop import dcp_source as dcp_source
     if dcp_source.is_dcp(storage):
         return dcp_source.dcp_manifest(storage)
     tag = deepspeed_root(storage)
     if tag is not None:
-        from ckpt.formats import deepspeed
+        from ckpt.interop import deepspeed as deepspeed
         from ckpt.storage.local import LocalStorage
 
         if not isinstance(storage, LocalStorage):

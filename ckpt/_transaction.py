@@ -40,16 +40,16 @@ from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ckpt import lease
+from ckpt import _lease as lease
 from ckpt.errors import CheckpointError, CheckpointExistsError, ManifestError, ManifestIntegrityError, StateError
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest, check_relpath
 from ckpt.storage import Storage
 
 ZARR_AREA = re.compile(r"^zarr(-[0-9a-f]{6,32})?$")
 # Names only our writers give data files (``planner.data_file_name`` and the fresh names of saves).
-OUR_DATA_FILE = re.compile(r"^data/\d{5}-[0-9a-f]{12}\.(safetensors|zst)$")  # .zst: compressed (ckpt.codec)
+OUR_DATA_FILE = re.compile(r"^data/\d{5}-[0-9a-f]{12}\.(safetensors|zst)$")  # .zst: compressed (ckpt._codec)
 # Scaffolding of our writers: reshard markers (``<plan id>-<rank>[-<writer token>].done``); leases and
-# the temp names of atomic commits are ckpt.lease's to name (``lease.is_protected_name``).
+# the temp names of atomic commits are ckpt._lease's to name (``lease.is_protected_name``).
 OUR_SCAFFOLD = re.compile(r"^\.reshard/[0-9a-f]{12}-\d{5}(-[0-9a-f]{12})?\.done$")
 ID_LEN = 12  # hex digits of a random id: 48 bits, no collision between writers in practice
 WRITER_GRACE_S = lease.LEASE_GRACE_S  # a writer on another machine counts as alive this long
@@ -129,7 +129,7 @@ _LIVE_LOCK = threading.Lock()
 def live_writer() -> Iterator[dict[str, Any]]:
     """This process's identity as one writer (``{"host", "machine", "pid", "start", "token", "time"}``)
     for records it leaves on storage (reshard markers): while the block runs, :func:`writer_gone`
-    says False for it. The liveness rules are the leases' (:mod:`ckpt.lease`): one check, two users."""
+    says False for it. The liveness rules are the leases' (:mod:`ckpt._lease`): one check, two users."""
     token = new_id()
     with _LIVE_LOCK:
         _LIVE.add(token)
@@ -145,7 +145,7 @@ def live_writer() -> Iterator[dict[str, Any]]:
 def writer_gone(record: Any) -> bool:
     """True only when the writer of ``record`` (from :func:`live_writer`) provably cannot touch its
     files again: a writer of this process that has returned, a process of this machine that no longer
-    runs (:func:`ckpt.lease.process_alive`, pid reuse included); a writer elsewhere once its record
+    runs (:func:`ckpt._lease.process_alive`, pid reuse included); a writer elsewhere once its record
     is older than ``lease.LEASE_GRACE_S``. Anything unreadable: False (keep hands off).
     """
     try:

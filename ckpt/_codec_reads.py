@@ -1,7 +1,7 @@
 """Reading compressed checkpoints: :class:`DecodingReads` serves the raw byte layout of the
-compressed data files a manifest records (:mod:`ckpt.codec` holds the frame format and the writer).
+compressed data files a manifest records (:mod:`ckpt._codec` holds the frame format and the writer).
 
-Kept apart from :mod:`ckpt.codec` because it reads manifests, which themselves carry codec records:
+Kept apart from :mod:`ckpt._codec` because it reads manifests, which themselves carry codec records:
 the codec stays below the manifest, this module above it.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ckpt import codec as _codec
-from ckpt.checksum import crc32
-from ckpt.codec import FileCodec, decompress_frame
+from ckpt import _codec as _codec
+from ckpt._checksum import crc32
+from ckpt._codec import FileCodec, decompress_frame
 from ckpt.errors import IntegrityError
 from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.manifest import MANIFEST_NAME
@@ -157,12 +157,12 @@ _FOUND_LOCK = threading.Lock()
 
 def decoding(storage: Storage, files: Iterable[str]) -> Storage:
     """The storage to execute reads of ``files`` with: ``storage`` itself unless one of them is a
-    compressed data file (``.zst``: :func:`ckpt.transaction.fresh_data_file` names) and ``storage``
+    compressed data file (``.zst``: :func:`ckpt._transaction.fresh_data_file` names) and ``storage``
     does not decode it. Then a :class:`DecodingReads` over the codec records of the checkpoint
     ``storage`` is rooted at (its manifest, read once per storage object): data file names are
     unique, so the record found for a name is that file's. The executors of read plans
-    (``ckpt.io``) call this, so a reader that got its storage elsewhere than :func:`data_storage`
-    (reshard, diff, exports: ``ckpt.resharders.stream``) still reads raw bytes, never frames."""
+    (``ckpt._io``) call this, so a reader that got its storage elsewhere than :func:`data_storage`
+    (reshard, diff, exports: ``ckpt._stream``) still reads raw bytes, never frames."""
     zst = [f for f in files if f.endswith(".zst")]
     if not zst:
         return storage

@@ -8,7 +8,7 @@
   ``torch.distributed.checkpoint.load`` reads on any layout; one ``__<r>_0.distcp`` per target rank
   of ``to`` (or per source data file), each tensor piece a ``torch.save`` blob as DCP writes it.
 
-Both read through the one streaming engine, :mod:`ckpt.resharders.stream` (``copy_files`` under
+Both read through the one streaming engine, :mod:`ckpt._stream` (``copy_files`` under
 ``reshard``; ``read_items`` for the DCP blobs), so memory stays within the budget.
 
 Nothing from a foreign file is unpickled outside the allowlist (:mod:`ckpt.formats.torch_pickle`).
@@ -25,22 +25,22 @@ from typing import Any
 
 import torch
 
-from ckpt import transaction
-from ckpt.checksum import crc32
-from ckpt.dtypes import dtype_from_name, dtype_name, itemsize
+from ckpt import _transaction as transaction
+from ckpt._checksum import crc32
+from ckpt._chunks import split_region
+from ckpt._dtypes import dtype_from_name, dtype_name, itemsize
+from ckpt._io import byte_view
+from ckpt._stream import Item, Progress, read_items
 from ckpt.errors import CheckpointError, CheckpointExistsError, ManifestError, StateError
 from ckpt.formats import torch_pickle
-from ckpt.formats.dcp_source import METADATA_NAME, read_metadata, reader
 from ckpt.formats.msgpack_codec import decode_object, encode_object
-from ckpt.io import byte_view
+from ckpt.interop.dcp_source import METADATA_NAME, read_metadata, reader
 from ckpt.layout import Layout
 from ckpt.load import fetch_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
-from ckpt.resharders.chunks import split_region
 from ckpt.resharders.plan import plan as reshard_plan
 from ckpt.resharders.reshard import DEFAULT_MEMORY_BUDGET, reshard
 from ckpt.resharders.rules import MOE_RULES, RuleSet
-from ckpt.resharders.stream import Item, Progress, read_items
 from ckpt.shards import Box, Flat, Region
 from ckpt.storage import Storage, get_storage
 

@@ -11,7 +11,7 @@ them is parsed.
 
 from __future__ import annotations
 
-from ckpt.checksum import crc32
+from ckpt._checksum import crc32
 from ckpt.errors import CheckpointError, StateError
 from ckpt.formats.msgpack_codec import decode_object, encode_object
 from ckpt.manifest import Manifest, ObjectEntry

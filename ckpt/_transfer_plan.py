@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.dtypes import dtype_from_name, itemsize
+from ckpt._dtypes import dtype_from_name, itemsize
+from ckpt._regions import check_disjoint, flat_boxes, flat_segments, intersect_boxes
+from ckpt._save_plan import PieceDecl
 from ckpt.errors import LayoutError, MismatchError, StateError
-from ckpt.planner import PieceDecl
-from ckpt.regions import check_disjoint, flat_boxes, flat_segments, intersect_boxes
 from ckpt.shards import Box, Flat, Region
 
 ALIGN = 16  # byte alignment of each copy inside a bucket (complex128 is 16 bytes)

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.checksum import crc32
-from ckpt.columns import decode_column, encode_column
+from ckpt._checksum import crc32
+from ckpt._columns import decode_column, encode_column
 from ckpt.errors import FormatVersionError, IntegrityError, ManifestError, StateError
 
 CODECS = ("zstd",)  # codec names this ckpt reads and writes
@@ -77,7 +77,7 @@ def resolve(compression: Any) -> Codec | None:
             raise StateError(f"compression={compression!r} is unknown; use None or one of {', '.join(CODECS)}")
         compression = Codec(name=compression)
     if not isinstance(compression, Codec):
-        raise StateError(f"compression must be None, 'zstd' or a ckpt.codec.Codec, got {type(compression).__name__}")
+        raise StateError(f"compression must be None, 'zstd' or a ckpt._codec.Codec, got {type(compression).__name__}")
     if compression.name not in CODECS:
         raise StateError(f"compression codec {compression.name!r} is unknown; use one of {', '.join(CODECS)}")
     if not isinstance(compression.level, int) or not -7 <= compression.level <= 22:

@@ -10,7 +10,7 @@ built-in families and the registered ones (the trainer's embedded MoE, Qwen3-MoE
 
 Both directions validate all that metadata can tell (architecture, names, shapes, dtypes, files)
 before writing a byte (the plans: :mod:`ckpt.hf.engine`; the directory: :mod:`ckpt.hf.directory`),
-then stream with :func:`ckpt.resharders.stream.copy_files`: each output tensor is read with ckpt's
+then stream with :func:`ckpt._stream.copy_files`: each output tensor is read with ckpt's
 load planner into one of two reusable buffers, cast there if asked, and written by a background
 thread while the next buffer fills. Memory stays at the budget, whatever the size of a tensor.
 """
@@ -28,11 +28,14 @@ from typing import Any
 
 import torch
 
-from ckpt import transaction
-from ckpt.dtypes import dtype_from_name, dtype_name
+from ckpt import _transaction as transaction
+from ckpt._dtypes import dtype_from_name, dtype_name
+from ckpt._save_plan import PieceDecl, RankDecl, plan_save
+from ckpt._stream import Item, OutFile, Progress, copy_files
 from ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, LayoutError, ManifestError, StateError
-from ckpt.formats import foreign_json, hf_files
+from ckpt.formats import foreign_json
 from ckpt.formats.msgpack_codec import encode_manifest
+from ckpt.hf import files as hf_files
 from ckpt.hf.directory import (
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
@@ -54,9 +57,7 @@ from ckpt.hf.names import names_of
 from ckpt.hf.registry import adapter_named, adapter_of_checkpoint, importer_for
 from ckpt.layout import Layout
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
-from ckpt.planner import PieceDecl, RankDecl, plan_save
 from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet
-from ckpt.resharders.stream import Item, OutFile, Progress, copy_files
 from ckpt.save import read_manifest
 from ckpt.shards import full_box
 from ckpt.storage import Storage, get_storage
@@ -199,7 +200,7 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
     """Export the model weights of the checkpoint at ``src_url`` (any layout) as a Hugging Face model.
 
     Tokenizer and generation-config files found next to the source's manifest, or in the directory
-    ``tokenizer`` (they win), are written next to the weights (:mod:`ckpt.formats.hf_files`).
+    ``tokenizer`` (they win), are written next to the weights (:mod:`ckpt.hf.files`).
 
     Writes ``model-0000k-of-0000n.safetensors`` (each at most ``max_shard_size`` bytes unless one
     tensor alone is larger), then ``model.safetensors.index.json``, then ``config.json`` (the
@@ -245,7 +246,7 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
     try:
         manifest = read_manifest(src)
         if manifest is None:
-            from ckpt.formats.sources import LOOKED_FOR, foreign_manifest
+            from ckpt.interop.sources import LOOKED_FOR, foreign_manifest
 
             manifest = foreign_manifest(src)  # a DCP / Megatron / DeepSpeed directory, read in place
             if manifest is None:
@@ -458,12 +459,12 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
     layout = Layout()
     meta = dict(source.meta)
     meta |= {"layout": layout.to_dict(), "source": {"format": "huggingface", "url": source_url}}
-    try:  # the recorded config must encode and decode before any byte is written (ckpt.transaction)
+    try:  # the recorded config must encode and decode before any byte is written (ckpt._transaction)
         _, meta = transaction.check_header(0, meta, layout.to_dict())
     except StateError as bad:
         raise ConfigError(f"{source_url}/config.json: a value cannot be recorded in the checkpoint ({bad}); fix "
                           "the config (e.g. an integer beyond 64 bits)") from None
-    # a random save id: the data file's name is one no other writer can produce (ckpt.transaction)
+    # a random save id: the data file's name is one no other writer can produce (ckpt._transaction)
     plan = plan_save([decl], save_id=transaction.new_id(), step=0, user_metadata=meta, layout=layout.to_dict())
     manifest, (assignment,) = plan.manifest, plan.assignments
     assert assignment.file is not None

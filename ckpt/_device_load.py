@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ckpt.dtypes import dtype_from_name
-from ckpt.planner import LoadRequest, ReadPlan
-from ckpt.regions import sub_region
+from ckpt._dtypes import dtype_from_name
+from ckpt._load_plan import LoadRequest, ReadPlan
+from ckpt._regions import sub_region
 
 BOUNCE = 32 << 20  # bytes per pinned slab (a power of two: the pinned allocator does not round it up)
 ALIGN = 64

@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-from ckpt.checksum import crc32
-from ckpt.codec import Codec, FileCodec, FrameWriter, StorageFault
-from ckpt.codec_reads import decoding
-from ckpt.dtypes import dtype_from_name
+from ckpt._checksum import crc32
+from ckpt._codec import Codec, FileCodec, FrameWriter, StorageFault
+from ckpt._codec_reads import decoding
+from ckpt._dtypes import dtype_from_name
+from ckpt._load_plan import ReadOp, ReadPlan, SegmentCopy, StridedCopy
+from ckpt._save_plan import WriteAssignment
 from ckpt.errors import StorageError
-from ckpt.planner import ReadOp, ReadPlan, SegmentCopy, StridedCopy, WriteAssignment
 from ckpt.storage.base import Storage
 
 CHUNK = 16 * 1024 * 1024
@@ -128,7 +129,7 @@ def write_compressed(storage: Storage, a: WriteAssignment, sources: list[torch.T
                      pool: ThreadPoolExecutor | None = None,
                      wait_piece: Callable[[int], None] | None = None,
                      segments: Callable[[int], Iterator[memoryview]] | None = None) -> tuple[int, list[int], FileCodec]:
-    """:func:`write_assignment` for a compressed data file (``ckpt.codec``): each entry's bytes go
+    """:func:`write_assignment` for a compressed data file (``ckpt._codec``): each entry's bytes go
     out as zstd frames (no safetensors header: the file is the frames back to back), the CRC-32 of
     each entry's RAW bytes computed in the same pass. Returns ``(stored size, raw checksums in entry
     order, the file's codec record)``. Raises StorageError; on failure the partial file is removed."""
@@ -279,7 +280,7 @@ def run_read_plan(storage: Storage, plan: ReadPlan, targets: list[torch.Tensor],
     memory map of the op's span, so that the only copy is the one from the page cache into the
     target (no read call per run, no buffer; plan with :func:`read_gap`).
     """
-    storage = decoding(storage, plan.files)  # compressed files: raw bytes from their frames (ckpt.codec)
+    storage = decoding(storage, plan.files)  # compressed files: raw bytes from their frames (ckpt._codec)
     local = _Buffers()
     tdt = [dtype_from_name(d) for d in dtypes]
     isz = [torch.empty((), dtype=d).element_size() for d in tdt]
@@ -361,8 +362,8 @@ def verify_shards(storage: Storage, manifest: Any, requests: list[Any], *, worke
     Raises IntegrityError naming tensor, file and byte range on the first mismatch (or a shard
     without a checksum: nothing to verify against).
     """
+    from ckpt._regions import global_runs
     from ckpt.errors import IntegrityError
-    from ckpt.regions import global_runs
 
     todo: list[tuple[str, int, Any]] = []
     for req in requests:

@@ -11,14 +11,14 @@ tensor in the region's row-major order, cast to another dtype if asked.
 :func:`copy_files`:
 
 1. **Parts.** An item longer than a buffer is cut into parts of at most one buffer
-   (:func:`~ckpt.resharders.chunks.split_region`, in the order of its bytes); consecutive parts fill
-   a buffer (a *batch*) and are read with one read plan (:func:`~ckpt.planner.plan_load`).
+   (:func:`~ckpt._chunks.split_region`, in the order of its bytes); consecutive parts fill
+   a buffer (a *batch*) and are read with one read plan (:func:`~ckpt._load_plan.plan_load`).
 2. **Lanes.** ``lanes`` threads each write one file at a time (with one lane, all files in order on
    the calling thread). A lane owns two buffers: a batch is read into one (``readers`` threads, or
    one reused scratch buffer when 1), cast, hashed (CRC32 of each item's output bytes), and handed
    to the lane's writer thread while the next batch is read into the other.
 3. **Source checks** (``verify``): every stored shard of the named tensors is checked against its
-   CRC32 from the bytes the reads bring in (:mod:`ckpt.source_checks`; each byte hashed once), once
+   CRC32 from the bytes the reads bring in (:mod:`ckpt._source_checks`; each byte hashed once), once
    the last batch reading its tensor is read and before that batch is written; the parts no batch
    reads (vocab padding, files another attempt finished) are read at the end through one more
    buffer of at most ``VERIFY_CHUNK``.
@@ -28,7 +28,7 @@ the lanes; each holds two buffers of at most 3/8 of its share and the read plann
 quarter of it); whatever the size of the largest tensor.
 
 Files: the engine opens only the paths of ``files``, recording each in ``written`` (the caller's
-:class:`~ckpt.transaction.WrittenSet`) just before; on a failure it aborts the files it has open and
+:class:`~ckpt._transaction.WrittenSet`) just before; on a failure it aborts the files it has open and
 raises, and removes nothing else: what to do with the finished files (remove them through the written
 set, or keep them for a resumed run) is the caller's decision.
 """
@@ -45,19 +45,19 @@ from typing import Any, cast
 
 import torch
 
-from ckpt.checksum import crc32
-from ckpt.codec_reads import data_storage
-from ckpt.dtypes import dtype_from_name
+from ckpt._checksum import crc32
+from ckpt._chunks import split_region
+from ckpt._codec_reads import data_storage
+from ckpt._dtypes import dtype_from_name
+from ckpt._io import ScratchReader, byte_view, run_read_plan
+from ckpt._load_plan import DEFAULT_MAX_READ, LoadRequest, plan_load
+from ckpt._regions import may_overlap
+from ckpt._source_checks import VERIFY_CHUNK, SourceChecks, VerifyingReads
+from ckpt._transaction import WrittenSet
 from ckpt.errors import IntegrityError, MismatchError
-from ckpt.io import ScratchReader, byte_view, run_read_plan
 from ckpt.manifest import Manifest, TensorEntry
-from ckpt.planner import DEFAULT_MAX_READ, LoadRequest, plan_load
-from ckpt.resharders.chunks import split_region
-from ckpt.resharders.plan import may_overlap
 from ckpt.shards import Box, Region
-from ckpt.source_checks import VERIFY_CHUNK, SourceChecks, VerifyingReads
 from ckpt.storage import Storage
-from ckpt.transaction import WrittenSet
 
 __all__ = ["Item", "OutFile", "Copied", "Progress", "copy_files", "read_items"]
 
@@ -433,7 +433,7 @@ def copy_files(src: Storage, manifest: Manifest, dst: Storage, files: Sequence[O
     cover an item).
     """
     written = written if written is not None else WrittenSet()
-    src = data_storage(src, manifest)  # compressed data files (ckpt.codec) read as their raw bytes, checks included
+    src = data_storage(src, manifest)  # compressed data files (ckpt._codec) read as their raw bytes, checks included
     job = _Copy(src, manifest, dst, files, checksums=checksums, progress=progress, file_done=file_done,
                 written=written)
     reader_storage: Storage = src

@@ -14,7 +14,7 @@ import builtins
 import threading
 from collections.abc import Sequence
 
-from ckpt.checksum import crc32, crc32_combine
+from ckpt._checksum import crc32, crc32_combine
 from ckpt.errors import IntegrityError
 from ckpt.manifest import Manifest, ShardEntry
 from ckpt.storage.base import Storage

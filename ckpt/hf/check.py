@@ -80,7 +80,7 @@ def _reference(src_url: str, exported_config: dict[str, Any], config: str | dict
     import transformers
 
     import ckpt
-    from ckpt.formats.hf import _config_arg
+    from ckpt.hf.convert import _config_arg
     from ckpt.hf.engine import hf_state_dict, source_adapter
 
     manifest = ckpt.inspect(src_url)

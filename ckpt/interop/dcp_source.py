@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from ckpt.checksum import crc32
-from ckpt.dtypes import dtype_name, itemsize, safetensors_dtype
+from ckpt._checksum import crc32
+from ckpt._dtypes import dtype_name, itemsize, safetensors_dtype
 from ckpt.errors import CheckpointError, IntegrityError, ManifestError
 from ckpt.formats import torch_pickle as safe_pickle
 from ckpt.formats.msgpack_codec import encode_object

@@ -3,7 +3,7 @@
 A ShardedTensor holds this rank's local shards (zero, one or several), each with its offsets in
 the global tensor (``shard.metadata.shard_offsets``). Each local shard is one box of the global
 tensor, exactly what a ``ckpt.Shard`` declares: saving writes the pieces, loading fills each local
-shard in place from whatever layout was saved (resharding). :func:`ckpt.state.flatten_state` calls
+shard in place from whatever layout was saved (resharding). :func:`ckpt._state.flatten_state` calls
 :func:`sharded_tensor_pieces` for every ShardedTensor value, so ``ckpt.save`` / ``ckpt.load`` and
 ``ckpt.dcp`` take them alike.
 """

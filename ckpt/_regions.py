@@ -84,11 +84,43 @@ def global_runs(region: Region, shape: tuple[int, ...]) -> tuple[np.ndarray, np.
     return (starts + lo)[keep], (hi - lo)[keep]
 
 
+def flat_span(region: Region, shape: tuple[int, ...]) -> tuple[int, int]:
+    """``[first, last + 1)`` of the global flat indices ``region`` touches (a superset for boxes)."""
+    if isinstance(region, Flat) and region.box is None:
+        return region.start, region.stop
+    box = region if isinstance(region, Box) else region.box
+    assert box is not None
+    if box.numel == 0:
+        return 0, 0
+    st = strides(shape)
+    first = sum(o * s for o, s in zip(box.offsets, st, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.lengths, st, strict=True))
+    return first, last + 1
+
+
 def bounding_box(region: Region, shape: tuple[int, ...]) -> Box:
-    """A box that contains ``region`` (a flat range: its box, or the whole tensor)."""
+    """A box containing every element of ``region`` (the region itself for a box; for a flat range,
+    the rows of its box, or of the whole tensor, that the range spans)."""
     if isinstance(region, Box):
         return region
-    return region.box if region.box is not None else Box(tuple(0 for _ in shape), tuple(shape))
+    box = region.box if region.box is not None else Box(tuple(0 for _ in shape), tuple(shape))
+    if not box.lengths or region.numel == 0:
+        return box
+    row = strides(box.lengths)[0]
+    lo, hi = region.start // row, (region.stop - 1) // row + 1
+    return Box((box.offsets[0] + lo, *box.offsets[1:]), (hi - lo, *box.lengths[1:]))
+
+
+def may_overlap(a: Region, b: Region, shape: tuple[int, ...]) -> bool:
+    """False when ``a`` and ``b`` certainly share no element (exact for two boxes)."""
+    if len(shape) == 0:
+        return True
+    if intersect_boxes(bounding_box(a, shape), bounding_box(b, shape)) is None:
+        return False
+    if isinstance(a, Box) and isinstance(b, Box):
+        return True
+    (a0, a1), (b0, b1) = flat_span(a, shape), flat_span(b, shape)
+    return a0 < b1 and b0 < a1
 
 
 def flat_segments(src: Region, dst: Region, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt.planner import PieceDecl, RankDecl
-from ckpt.state import TensorItem
+from ckpt._save_plan import PieceDecl, RankDecl
+from ckpt._state import TensorItem
 
 
 def _identity(item: TensorItem) -> tuple[Any, ...] | None:

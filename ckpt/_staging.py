@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from ckpt._io import byte_view
 from ckpt.errors import CheckpointError, StateError
-from ckpt.io import byte_view
 
 SLAB = 64 << 20  # bytes per slab (a power of two: never rounded up by the pinned allocator)
 GRAIN = 64 << 10  # smallest slab of the remainder

@@ -12,7 +12,7 @@ so it takes from DCP's objects exactly what it can honour and refuses the rest, 
   ckpt writes one safetensors file per writing rank with its own threads, and always makes the
   commit durable (fsync), so it never writes less safely than asked.
 * ``_extensions``: ``[ZStandard()]`` (DCP's zstd stream transform) becomes ckpt's own compression,
-  ``compression="zstd"`` (:mod:`ckpt.codec`: per-piece zstd frames with byte planes, recorded in
+  ``compression="zstd"`` (:mod:`ckpt._codec`: per-piece zstd frames with byte planes, recorded in
   the manifest, read back by any ckpt load); any other transform is refused
   (:class:`UnsupportedCompressionError`).
 * ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` (exactly those classes): the default behaviour
@@ -57,7 +57,7 @@ class Target:
     storage_options: dict[str, Any] = field(default_factory=dict)
     overwrite: bool = True  # DCP's save replaces what is there unless its writer says overwrite=False
     strict: bool = True  # load: every requested key must be in the checkpoint
-    compression: str | None = None  # save: "zstd" for DCP's _extensions=[ZStandard()] (ckpt.codec)
+    compression: str | None = None  # save: "zstd" for DCP's _extensions=[ZStandard()] (ckpt._codec)
 
 
 def _dcp_classes() -> dict[str, tuple[type, ...]]:

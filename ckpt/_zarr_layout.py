@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ckpt.checksum import crc32
+from ckpt._checksum import crc32
 from ckpt.errors import LayoutError, StateError
 from ckpt.shards import Box, Region
 from ckpt.storage.base import Storage
@@ -51,11 +51,11 @@ def check_key(key: str) -> None:
 
 
 def fresh_root(storage: Storage | None = None) -> str:
-    """The zarr tree for a new save: always ``zarr-<random>`` (:func:`ckpt.transaction.fresh_zarr_root`),
+    """The zarr tree for a new save: always ``zarr-<random>`` (:func:`ckpt._transaction.fresh_zarr_root`),
     whatever the destination holds. Chunk names are fixed by zarr, so a tree shared by two writers
     (two saves racing into one new step) would let the loser's clean-up delete the winner's chunks.
     ``storage`` is not consulted (kept for callers that pass it)."""
-    from ckpt.transaction import fresh_zarr_root
+    from ckpt._transaction import fresh_zarr_root
 
     return fresh_zarr_root()
 
@@ -123,8 +123,8 @@ def write_chunks(storage: Storage, pieces: list[tuple[str, Box, torch.Tensor]],
     """Write each ``(key, region, tensor)`` as its own chunk file under the zarr tree ``root``;
     returns ``(path, size, crc32)`` each. ``tensor`` may be a callable returning it when it is ready
     (an async save's staged copy)."""
-    from ckpt.io import host_bytes
-    from ckpt.transaction import WrittenSet, remove_files
+    from ckpt._io import host_bytes
+    from ckpt._transaction import WrittenSet, remove_files
 
     out: list[tuple[str, int, int]] = []
     written = WrittenSet()  # this rank's own chunks: the only files its failure may remove

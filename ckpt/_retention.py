@@ -1,7 +1,7 @@
 """Retention and garbage collection under a manager's root: list the ``step-N`` checkpoints, choose
 what retention drops, and remove only what is provably ours and finished with.
 
-gc never deletes inside a directory that holds a live lease or temporary file (:mod:`ckpt.lease`),
+gc never deletes inside a directory that holds a live lease or temporary file (:mod:`ckpt._lease`),
 keeps what it cannot read (damaged, newer format, symlinked, foreign entries are reported), and
 removes a committed checkpoint manifest first, then the data files that manifest lists.
 """
@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt import lease as leases
-from ckpt import transaction
+from ckpt import _lease as leases
+from ckpt import _transaction as transaction
 from ckpt.errors import CheckpointError, StorageError
 from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.manifest import MANIFEST_NAME
@@ -46,7 +46,7 @@ class CheckpointInfo:
     name: str
     url: str
     committed: bool
-    live: bool  # a running save holds a lease on it (see ckpt.lease): gc leaves it alone
+    live: bool  # a running save holds a lease on it (see ckpt._lease): gc leaves it alone
     bytes: int
     mtime: float
     status: str = ""  # derived from ``committed`` when not given
@@ -72,7 +72,7 @@ def list_checkpoints(root: str, storage_options: dict[str, Any] | None = None, *
     """Every ``step-N`` directory under ``root``, oldest first, with its status and size.
 
     ``lease_grace_s``: how long a lease gc cannot check (written on another machine) counts as live
-    (:mod:`ckpt.lease`). Raises StorageError when ``root`` is a local path that is not a directory, or
+    (:mod:`ckpt._lease`). Raises StorageError when ``root`` is a local path that is not a directory, or
     does not exist (unless ``missing_ok``: a manager's root before its first save).
     """
     storage = get_storage(root, **(storage_options or {}))
@@ -270,7 +270,7 @@ def gc(root: str, *, keep_last: int | None = None, keep_every: int | None = None
     old committed checkpoints; report-and-keep everything else (see :class:`CheckpointInfo`).
 
     A directory any live save holds a lease on is never touched, committed or not; a lease or temp
-    file is deleted only with a directory whose writers are all gone (:mod:`ckpt.lease` says how
+    file is deleted only with a directory whose writers are all gone (:mod:`ckpt._lease` says how
     that is decided; ``lease_grace_s``: how long a lease written on another machine counts as live).
     ``spare_after_step``: never touch steps above it (retention after a commit spares later saves).
     Returns what was removed (with ``dry_run``: what would be). Raises StorageError when ``root`` is

@@ -50,8 +50,8 @@ import re
 import stat
 from typing import Any
 
-from ckpt.checksum import crc32
-from ckpt.dtypes import dtype_name
+from ckpt._checksum import crc32
+from ckpt._dtypes import dtype_name
 from ckpt.errors import CheckpointError, ForeignFormatError, IntegrityError, ManifestError, StorageError
 from ckpt.formats import torch_pickle as tp
 from ckpt.formats.msgpack_codec import encode_object

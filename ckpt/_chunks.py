@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from ckpt.regions import strides
+from ckpt._regions import strides
 from ckpt.shards import Box, Flat, Region
 
 
