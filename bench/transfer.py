@@ -36,11 +36,9 @@ def _cpu_main(rank: int, world: int, *args: Any) -> None:
     _rank_main(rank, world, torch.device("cpu"), *args)
 
 
-def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: list[tuple[int, int]], root: str,
-               repeats: int, out: str) -> None:
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    full = [torch.randn(s, generator=g).to(device) for s in shapes]
+def _layout_state(rank: int, world: int, device: torch.device, mode: str, full: list[torch.Tensor]
+                  ) -> tuple[list[int], list[int], dict[str, Any] | None, dict[str, Any] | None]:
+    """Senders, receivers, and this rank's rows (``src``) and zeroed columns (``dst``) of every tensor."""
     senders = list(range(world)) if mode == "same" else list(range(world // 2))
     receivers = list(range(world)) if mode == "same" else list(range(world // 2, world))
     src: dict[str, Any] | None = None
@@ -54,6 +52,15 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
         dst = {f"w{k}": ckpt.Shard(torch.zeros(t.shape[0], _cut(t.shape[1], n, i)[1] - _cut(t.shape[1], n, i)[0],
                                                device=device),
                                    tuple(t.shape), (0, _cut(t.shape[1], n, i)[0])) for k, t in enumerate(full)}
+    return senders, receivers, src, dst
+
+
+def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: list[tuple[int, int]], root: str,
+               repeats: int, out: str) -> None:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(s, generator=g).to(device) for s in shapes]
+    senders, receivers, src, dst = _layout_state(rank, world, device, mode, full)
 
     def check(what: str) -> None:
         if dst is not None:
@@ -88,9 +95,15 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
                 s.local.copy_(buf[:, s.offsets[1]: s.offsets[1] + s.local.shape[1]])
 
     def timed(fn: Any) -> float:
-        return timed_collective(lambda: (fn(), cuda_sync(device)))
+        def once() -> None:
+            fn()
+            cuda_sync(device)
 
-    times: dict[str, list[float]] = {"transfer": [], "save+load": [], "gather+broadcast": []}
+        return timed_collective(once)
+
+    raw = _raw_baselines(rank, world, device, full, senders, receivers)
+    times: dict[str, list[float]] = {"transfer": [], "save+load": [], "gather+broadcast": [],
+                                     **{k: [] for k in raw}}
     stats: dict[str, Any] = {}
     res: list[ckpt.TransferResult] = []
     for r in range(repeats):
@@ -109,9 +122,53 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
         times["gather+broadcast"].append(timed(gather_broadcast))
         if r == 0:
             check("gather+broadcast")
+        for name, fn in raw.items():  # the same bytes between the same pairs, contiguous, no planning
+            times[name].append(timed(fn))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times": times, "transfer": stats}, f)
+
+
+def _pair_bytes(full: list[torch.Tensor], senders: list[int], receivers: list[int], s: int, r: int) -> int:
+    """Bytes transfer moves from sender ``s`` to receiver ``r`` (rows of s that are columns of r)."""
+    if s == r:
+        return 0  # held locally: transfer copies it without the network
+    i, j = senders.index(s), receivers.index(r)
+    total = 0
+    for t in full:
+        a, b = _cut(t.shape[0], len(senders), i)
+        c, d = _cut(t.shape[1], len(receivers), j)
+        total += (b - a) * (d - c) * t.element_size()
+    return total
+
+
+def _raw_baselines(rank: int, world: int, device: torch.device, full: list[torch.Tensor], senders: list[int],
+                   receivers: list[int]) -> dict[str, Any]:
+    """The backend's own bandwidth for transfer's traffic: ``send/recv`` (one batch of point-to-point
+    messages per pair, preallocated contiguous buffers) and ``all_to_all`` (one all_to_all_single with
+    the same per-pair byte counts); on GPUs these are NCCL's figures the goal compares against."""
+    out_n = [_pair_bytes(full, senders, receivers, rank, r) if rank in senders and r in receivers else 0
+             for r in range(world)]
+    in_n = [_pair_bytes(full, senders, receivers, s, rank) if s in senders and rank in receivers else 0
+            for s in range(world)]
+    send = torch.ones(max(sum(out_n), 1), dtype=torch.uint8, device=device)
+    recv = torch.empty(max(sum(in_n), 1), dtype=torch.uint8, device=device)
+
+    def p2p() -> None:
+        ops, o, i = [], 0, 0
+        for peer in range(world):
+            if out_n[peer]:
+                ops.append(dist.P2POp(dist.isend, send[o: o + out_n[peer]], peer))
+            if in_n[peer]:
+                ops.append(dist.P2POp(dist.irecv, recv[i: i + in_n[peer]], peer))
+            o, i = o + out_n[peer], i + in_n[peer]
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+
+    def all_to_all() -> None:
+        dist.all_to_all_single(recv[: sum(in_n)], send[: sum(out_n)], in_n, out_n)
+
+    return {"send/recv": p2p, "all_to_all": all_to_all}
 
 
 def run(ranks: int, size_mb: float, n: int, repeats: int, root: str, device: str = "cpu") -> dict[str, Any]:
@@ -130,7 +187,7 @@ def run(ranks: int, size_mb: float, n: int, repeats: int, root: str, device: str
     return out
 
 
-COLUMNS = ["layout", "method", "median s", "GB/s", "vs transfer"]
+COLUMNS = ["layout", "method", "median s", "GB/s", "vs transfer"]  # GB/s: the model's bytes over the time
 
 
 def rows_for(res: dict[str, Any]) -> list[list[str]]:
@@ -138,7 +195,7 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
     for mode in ("same", "disjoint"):
         t = res[mode]["times"]
         base = median(t["transfer"])
-        for method in ("transfer", "save+load", "gather+broadcast"):
+        for method in ("transfer", "save+load", "gather+broadcast", "send/recv", "all_to_all"):
             m = median(t[method])
             rows.append([mode, method, fmt(m, 3), fmt(gbps(res["bytes"], m)), fmt(m / base, 2) + "x"])
     return rows

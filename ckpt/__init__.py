@@ -35,6 +35,7 @@ from ckpt.manifest import Manifest
 from ckpt.save import save
 from ckpt.shards import FlatShard, PerRank, Shard
 from ckpt.transfer import TransferResult, TransferState, transfer
+from ckpt.transfer_stream import transfer_iter
 from ckpt.verify import Problem, VerifyReport, inspect, verify
 
 __version__ = "0.1.0"
@@ -59,6 +60,6 @@ __all__ = [
     "LayoutError", "ManifestError", "ManifestIntegrityError", "MismatchError", "StateError", "StorageError",
     "Shard", "FlatShard", "PerRank", "Manifest", "VerifyReport", "Problem",
     "save", "load", "inspect", "verify", "async_save", "SaveHandle", "CheckpointManager",
-    "transfer", "TransferResult", "TransferState",
+    "transfer", "TransferResult", "TransferState", "transfer_iter",
     "reshard", "diff", "import_checkpoint", "export_dcp", "export_hf", "import_hf",
 ]

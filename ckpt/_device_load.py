@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,76 +83,108 @@ def load_into_device(requests: list[LoadRequest], targets: list[torch.Tensor],
     if not todo:
         return
     threads = max(1, min(threads, len(todo)))
-    pin = torch.cuda.is_available()
-    free: queue.Queue[tuple[torch.Tensor, list[Any] | None]] = queue.Queue()
+    ring = _Ring(requests, targets, plan_reads, run_reads, dts, isz, pin=torch.cuda.is_available())
     for _ in range(min(2 * threads, len(todo))):
-        free.put((torch.empty(slab, dtype=torch.uint8, pin_memory=pin), None))
-    streams: dict[int, Any] = {}
-    lock = threading.Lock()
-    failed = threading.Event()
+        ring.free.put((torch.empty(slab, dtype=torch.uint8, pin_memory=ring.pin), None))
     devices = {t.device.index for t in targets if t.device.type == "cuda"}
-    starts = {d: torch.cuda.current_stream(d) for d in devices}  # copies follow the caller's work so far
-
-    def stream(dev: torch.device) -> Any:
-        with lock:
-            s = streams.get(dev.index)
-            if s is None:
-                s = streams[dev.index] = torch.cuda.Stream(device=dev)
-                s.wait_stream(starts[dev.index])
-            return s
-
-    def one(batch: list[Part]) -> None:
-        if failed.is_set():
-            return
-        buf, done = free.get()
-        work, events = buf, {}
-        try:
-            for ev in done or ():
-                ev.synchronize()
-            need = batch[-1].offset + batch[-1].count * isz[batch[-1].req]
-            if need > buf.numel():  # one row larger than a slab: a buffer of its own
-                work = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
-            reqs, views = [], []
-            for p in batch:
-                r = requests[p.req]
-                region = r.region if p.count == r.region.numel else sub_region(r.region, p.start, p.count)
-                reqs.append(LoadRequest(r.key, r.dtype, r.shape, region))
-                shape = getattr(region, "lengths", None)
-                view = work[p.offset : p.offset + p.count * isz[p.req]].view(dts[p.req])
-                views.append(view.view(shape if shape is not None else (p.count,)))
-            run_reads(plan_reads(reqs), views, [r.dtype for r in reqs])
-            for p, view in zip(batch, views, strict=True):
-                dst = targets[p.req]
-                part = dst if p.count == requests[p.req].region.numel else _part(dst, requests[p.req], p)
-                if dst.device.type == "cuda":
-                    s = stream(dst.device)
-                    with torch.cuda.stream(s):
-                        part.copy_(view.view(part.shape), non_blocking=True)
-                    events[dst.device.index] = s
-                else:
-                    part.copy_(view.view(part.shape))
-        except BaseException:
-            failed.set()
-            raise
-        finally:
-            recorded = []
-            for s in events.values():  # copies run in order on each device's side stream
-                ev = torch.cuda.Event()
-                ev.record(s)
-                recorded.append(ev)
-            if work is not buf:
-                for ev in recorded:
-                    ev.synchronize()  # the one-off buffer may be freed only after its copies
-            free.put((buf, recorded))
+    ring.starts = {d: torch.cuda.current_stream(d) for d in devices}  # copies follow the caller's work so far
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-h2d") as ex:
-        futures = [ex.submit(one, b) for b in todo]
+        futures = [ex.submit(ring.fill, b) for b in todo]
         errors = [f.exception() for f in futures]
-    for s in streams.values():
+    for s in ring.streams.values():
         s.synchronize()
     for e in errors:
         if e is not None:
             raise e
+
+
+@dataclass
+class _Ring:
+    """What the threads of one :func:`load_into_device` share: the free slabs and each device's side stream."""
+
+    requests: list[LoadRequest]
+    targets: list[torch.Tensor]
+    plan_reads: Callable[[list[LoadRequest]], ReadPlan]
+    run_reads: Callable[[ReadPlan, list[torch.Tensor], list[str]], None]
+    dts: list[torch.dtype]
+    isz: list[int]  # bytes per element of each request
+    pin: bool
+    # (slab, events of its last copies: the slab is free once they are done)
+    free: queue.Queue[tuple[torch.Tensor, list[Any] | None]] = field(default_factory=queue.Queue)
+    streams: dict[int, Any] = field(default_factory=dict)  # device index -> its side stream
+    starts: dict[int, Any] = field(default_factory=dict)  # device index -> the caller's stream
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    failed: threading.Event = field(default_factory=threading.Event)
+
+    def stream(self, dev: torch.device) -> Any:
+        """The side stream of ``dev``, created on first use after the caller's work so far."""
+        with self.lock:
+            s = self.streams.get(dev.index)
+            if s is None:
+                s = self.streams[dev.index] = torch.cuda.Stream(device=dev)
+                s.wait_stream(self.starts[dev.index])
+            return s
+
+    def fill(self, batch: list[Part]) -> None:
+        """Read ``batch`` into a free slab and queue its copies into the targets (one pool thread's job)."""
+        if self.failed.is_set():
+            return
+        buf, done = self.free.get()
+        work = buf
+        events: dict[int, Any] = {}  # device index -> the side stream this batch's copies were queued on
+        try:
+            for ev in done or ():
+                ev.synchronize()
+            last = batch[-1]
+            need = last.offset + last.count * self.isz[last.req]
+            if need > buf.numel():  # one row larger than a slab: a buffer of its own
+                work = torch.empty(need, dtype=torch.uint8, pin_memory=self.pin)
+            reqs, views = self._views(batch, work)
+            self.run_reads(self.plan_reads(reqs), views, [r.dtype for r in reqs])
+            self._copy(batch, views, events)
+        except BaseException:
+            self.failed.set()
+            raise
+        finally:
+            self._release(buf, work, events)
+
+    def _views(self, batch: list[Part], work: torch.Tensor) -> tuple[list[LoadRequest], list[torch.Tensor]]:
+        """The requests of ``batch``'s parts, and the views of ``work`` their reads fill."""
+        reqs, views = [], []
+        for p in batch:
+            r = self.requests[p.req]
+            region = r.region if p.count == r.region.numel else sub_region(r.region, p.start, p.count)
+            reqs.append(LoadRequest(r.key, r.dtype, r.shape, region))
+            shape = getattr(region, "lengths", None)
+            view = work[p.offset : p.offset + p.count * self.isz[p.req]].view(self.dts[p.req])
+            views.append(view.view(shape if shape is not None else (p.count,)))
+        return reqs, views
+
+    def _copy(self, batch: list[Part], views: list[torch.Tensor], events: dict[int, Any]) -> None:
+        """Copy each part into its target: queued on the device's side stream (noted in ``events``) for GPU ones."""
+        for p, view in zip(batch, views, strict=True):
+            dst = self.targets[p.req]
+            part = dst if p.count == self.requests[p.req].region.numel else _part(dst, self.requests[p.req], p)
+            if dst.device.type == "cuda":
+                s = self.stream(dst.device)
+                with torch.cuda.stream(s):
+                    part.copy_(view.view(part.shape), non_blocking=True)
+                events[dst.device.index] = s
+            else:
+                part.copy_(view.view(part.shape))
+
+    def _release(self, buf: torch.Tensor, work: torch.Tensor, events: dict[int, Any]) -> None:
+        """Give slab ``buf`` back with events for the copies queued from it (waited here for a one-off ``work``)."""
+        recorded = []
+        for s in events.values():  # copies run in order on each device's side stream
+            ev = torch.cuda.Event()
+            ev.record(s)
+            recorded.append(ev)
+        if work is not buf:
+            for ev in recorded:
+                ev.synchronize()  # the one-off buffer may be freed only after its copies
+        self.free.put((buf, recorded))
 
 
 def _part(dst: torch.Tensor, req: LoadRequest, p: Part) -> torch.Tensor:

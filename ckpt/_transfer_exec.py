@@ -254,6 +254,24 @@ class NcclTransport(Transport):
         torch.cuda.current_stream().synchronize()
 
 
+Post = tuple[torch.Tensor, int, int]  # (buffer, peer, tag)
+
+
+class _Pool:
+    """Payload buffers of one schedule, reused across rounds: at most ``2 * window`` of them."""
+
+    def __init__(self, cap: int, device: torch.device):
+        self.cap, self.device = cap, device
+        self.bufs: list[torch.Tensor] = []
+        self.used = 0
+
+    def next(self, nbytes: int) -> torch.Tensor:
+        while len(self.bufs) <= self.used:
+            self.bufs.append(torch.empty(self.cap, dtype=torch.uint8, device=self.device))
+        self.used += 1
+        return self.bufs[self.used - 1][:nbytes]
+
+
 def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
                  targets: list[torch.Tensor], dst_regions: list[Region], transport: Transport | None, *,
                  rank: int, checksum: bool, deadline: float | None, timeout: float | None) -> Failure:
@@ -274,72 +292,19 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
         return fail
     assert transport is not None
     dev = transport.device
-    rounds = sorted({b.round for b in sched.sends} | {b.round for b in sched.recvs})
-    by_round: dict[int, tuple[list[Bucket], list[Bucket]]] = {k: ([], []) for k in rounds}
+    by_round: dict[int, tuple[list[Bucket], list[Bucket]]] = {}
     for b in sched.sends:
-        by_round[b.round][0].append(b)
+        by_round.setdefault(b.round, ([], []))[0].append(b)
     for b in sched.recvs:
-        by_round[b.round][1].append(b)
-    cap = max(b.nbytes for b in sched.sends + sched.recvs)
-    pool: list[torch.Tensor] = []  # payload buffers reused across rounds: at most 2 * window of them
-
-    def buffer(i: int) -> torch.Tensor:
-        while len(pool) <= i:
-            pool.append(torch.empty(cap, dtype=torch.uint8, device=dev))
-        return pool[i]
-
-    for k in rounds:
+        by_round.setdefault(b.round, ([], []))[1].append(b)
+    pool = _Pool(max(b.nbytes for b in sched.sends + sched.recvs), dev)
+    for k in sorted(by_round):
         sends, recvs = by_round[k]
+        pool.used = 0
         heads = torch.zeros(len(sends) + len(recvs), 2, dtype=torch.int64, device=dev)
-        posts_s: list[tuple[torch.Tensor, int, int]] = []
-        posts_r: list[tuple[torch.Tensor, int, int]] = []
-        used = 0
-        for i, b in enumerate(sends):
-            view = None
-            if len(b.copies) == 1:
-                c = b.copies[0]
-                view = direct_view(sources[c.src], src_regions[c.src], c, True, dev)
-            direct = view is not None
-            if view is None:
-                view, used = buffer(used)[: b.nbytes], used + 1
-            try:
-                if fail.primary is not None:
-                    raise RuntimeError("this rank failed earlier")  # keep the protocol; send nothing of value
-                pack(b, view, heads[i], sources, src_regions, checksum, direct=direct)
-            except Exception as e:  # noqa: BLE001 - the bucket still goes, marked failed: no receiver waits
-                if fail.primary is None:
-                    fail.add(e)
-                mark_failed(heads[i])
-            posts_s += [(heads[i], b.receiver, 2 * b.tag), (view, b.receiver, 2 * b.tag + 1)]
-        rviews: list[tuple[torch.Tensor, bool]] = []
-        for i, b in enumerate(recvs, start=len(sends)):
-            view = None
-            if len(b.copies) == 1:
-                c = b.copies[0]
-                view = direct_view(targets[c.dst], dst_regions[c.dst], c, False, dev)
-            rviews.append((view if view is not None else buffer(used)[: b.nbytes], view is not None))
-            used += view is None
-            posts_r += [(heads[i], b.sender, 2 * b.tag), (rviews[-1][0], b.sender, 2 * b.tag + 1)]
-        try:
-            works = transport.post(posts_s, posts_r)
-            peers = [p for _, p, _ in posts_r] + [p for _, p, _ in posts_s]
-            # NCCL may hand back one work for the whole batch
-            pairs = list(zip(works, peers, strict=True)) if len(works) == len(peers) else [(w, peers[0]) for w in works]
-            for w, peer in pairs:
-                try:
-                    transport.wait(w, deadline)
-                except Exception as e:  # noqa: BLE001 - gloo: timed out or the peer is gone
-                    fail.timed_out = "timed out" in str(e).lower()
-                    how = (f"within {timeout:g} s" if timeout is not None and fail.timed_out
-                           else f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
-                    raise CollectiveError(f"rank {rank}: transfer data: no message to or from rank {peer} {how}; "
-                                          f"rank {peer} is slow, hung or dead. Nothing was committed") from e
-        except CollectiveError as e:
-            fail.add(e, primary=False)
-            return fail
-        except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
-            fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
-                                     f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
+        posts_s = _pack_sends(sends, heads, pool, sources, src_regions, checksum, fail, dev)
+        posts_r, rviews = _post_recvs(recvs, heads, len(sends), pool, targets, dst_regions, dev)
+        if not _exchange(transport, posts_s, posts_r, deadline, timeout, rank, fail):
             return fail
         for i, (b, (view, direct)) in enumerate(zip(recvs, rviews, strict=True), start=len(sends)):
             try:
@@ -349,3 +314,72 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
             except Exception as e:  # noqa: BLE001 - an IntegrityError (CRC) or a copy failure: this rank's own
                 fail.add(e)
     return fail
+
+
+def _pack_sends(sends: list[Bucket], heads: torch.Tensor, pool: _Pool, sources: list[torch.Tensor],
+                src_regions: list[Region], checksum: bool, fail: Failure, dev: torch.device) -> list[Post]:
+    """Pack a round's outgoing buckets (a one-copy bucket that is a contiguous run of its source goes
+    from the source itself); a bucket that cannot be packed still goes, marked FAILED."""
+    posts: list[Post] = []
+    for i, b in enumerate(sends):
+        view = None
+        if len(b.copies) == 1:
+            c = b.copies[0]
+            view = direct_view(sources[c.src], src_regions[c.src], c, True, dev)
+        direct = view is not None
+        if view is None:
+            view = pool.next(b.nbytes)
+        try:
+            if fail.primary is not None:
+                raise RuntimeError("this rank failed earlier")  # keep the protocol; send nothing of value
+            pack(b, view, heads[i], sources, src_regions, checksum, direct=direct)
+        except Exception as e:  # noqa: BLE001 - the bucket still goes, marked failed: no receiver waits
+            if fail.primary is None:
+                fail.add(e)
+            mark_failed(heads[i])
+        posts += [(heads[i], b.receiver, 2 * b.tag), (view, b.receiver, 2 * b.tag + 1)]
+    return posts
+
+
+def _post_recvs(recvs: list[Bucket], heads: torch.Tensor, first: int, pool: _Pool, targets: list[torch.Tensor],
+                dst_regions: list[Region], dev: torch.device) -> tuple[list[Post], list[tuple[torch.Tensor, bool]]]:
+    """Where a round's incoming buckets land: the target itself for a one-copy bucket that is a
+    contiguous run of it, else a pool buffer; the posts and ``(view, direct)`` per bucket."""
+    posts: list[Post] = []
+    rviews: list[tuple[torch.Tensor, bool]] = []
+    for i, b in enumerate(recvs, start=first):
+        view = None
+        if len(b.copies) == 1:
+            c = b.copies[0]
+            view = direct_view(targets[c.dst], dst_regions[c.dst], c, False, dev)
+        rviews.append((view if view is not None else pool.next(b.nbytes), view is not None))
+        posts += [(heads[i], b.sender, 2 * b.tag), (rviews[-1][0], b.sender, 2 * b.tag + 1)]
+    return posts, rviews
+
+
+def _exchange(transport: Transport, posts_s: list[Post], posts_r: list[Post], deadline: float | None,
+              timeout: float | None, rank: int, fail: Failure) -> bool:
+    """Post a round's messages and wait for all of them; False (the failure recorded) when a wait
+    failed or posting did: the data group is closed then and the rounds stop."""
+    try:
+        works = transport.post(posts_s, posts_r)
+        peers = [p for _, p, _ in posts_r] + [p for _, p, _ in posts_s]
+        # NCCL may hand back one work for the whole batch
+        pairs = list(zip(works, peers, strict=True)) if len(works) == len(peers) else [(w, peers[0]) for w in works]
+        for w, peer in pairs:
+            try:
+                transport.wait(w, deadline)
+            except Exception as e:  # noqa: BLE001 - gloo: timed out or the peer is gone
+                fail.timed_out = "timed out" in str(e).lower()
+                how = (f"within {timeout:g} s" if timeout is not None and fail.timed_out
+                       else f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+                raise CollectiveError(f"rank {rank}: transfer data: no message to or from rank {peer} {how}; "
+                                      f"rank {peer} is slow, hung or dead. Nothing was committed") from e
+    except CollectiveError as e:
+        fail.add(e, primary=False)
+        return False
+    except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
+        fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
+                                 f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
+        return False
+    return True

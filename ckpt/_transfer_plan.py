@@ -169,58 +169,12 @@ def plan_transfer(srcs: list[list[PieceDecl]], dsts: list[list[PieceDecl]], *, b
     groups = _source_groups(srcs)  # key -> (dtype, shape, [(region, [(rank, piece)])])
     sched = [Schedule() for _ in range(world)]
     plan = TransferPlan(sched, sender_bytes=[0] * world)
-    mandatory: list[tuple[int, int, Copy]] = []  # (sender, receiver, copy)
-    shared: list[tuple[list[int], int, Copy, list[tuple[int, int]]]] = []  # (holder ranks, receiver, copy, holders)
+    mandatory: list[Assigned] = []
+    shared: list[Shared] = []
     for rank, wants in enumerate(dsts):
         for j, want in enumerate(wants):
-            if want.region.numel == 0:
-                continue
-            g = groups.get(want.key)
-            if g is None:
-                if strict:
-                    raise MismatchError(f"tensor {want.key!r}: rank {rank} wants it but no sender holds it; check the "
-                                        "name mapping, or pass strict=False to skip keys nobody sends")
-                continue
-            dtype, shape, pieces = g
-            if tuple(want.shape) != tuple(shape):
-                raise MismatchError(f"tensor {want.key!r}: rank {rank} wants global shape {list(want.shape)} but the "
-                                    f"senders hold {list(shape)}; the shapes must match")
-            if want.dtype != dtype and not cast:
-                raise MismatchError(f"tensor {want.key!r}: rank {rank} wants {want.dtype} but the senders hold "
-                                    f"{dtype}; pass cast=True to convert on receive")
-            covered = 0
-            for region, holders in pieces:
-                geo = _intersect(region, want.region, shape)
-                if geo is None:
-                    continue
-                covered += geo.numel
-                here = [h for h in holders if h[0] == rank]
-                if here:  # the receiver holds these elements itself
-                    sched[rank].local.append(Copy(want.key, here[0][1], j, dtype, geo))
-                elif len(holders) == 1:
-                    mandatory.append((holders[0][0], rank, Copy(want.key, holders[0][1], j, dtype, geo)))
-                else:
-                    shared.append(([h[0] for h in holders], rank, Copy(want.key, -1, j, dtype, geo), holders))
-            if covered != want.region.numel:
-                raise LayoutError(f"tensor {want.key!r}: rank {rank} wants {want.region.numel} elements "
-                                  f"({_describe(want.region)}) but the senders hold only {covered} of them; every "
-                                  "requested element must be held by some sender")
-    load = [0] * world
-    for s, _r, c in mandatory:
-        load[s] += c.nbytes
-    assigned = list(mandatory)
-    # Replicas, largest first (stable: ties keep the plan order); each to its least-loaded holder,
-    # or cut over several when it is large enough to be worth it.
-    shared.sort(key=lambda t: -t[2].nbytes)
-    for ranks, recv, c, holders in shared:
-        n = c.nbytes
-        k = min(len(ranks), max(1, n // max(1, min_part)))
-        parts = _divide(c.geo, k) if k > 1 else [c.geo]
-        for geo in sorted(parts, key=lambda g: -g.numel):
-            h = min(holders, key=lambda h: (load[h[0]], h[0]))
-            part = Copy(c.key, h[1], c.dst, c.dtype, geo)
-            load[h[0]] += part.nbytes
-            assigned.append((h[0], recv, part))
+            _intersect_want(groups, rank, j, want, strict, cast, sched[rank], mandatory, shared)
+    assigned = _assign(mandatory, shared, world, min_part)
     skip = unchanged is not None and clean is not None
     for s, r, c in assigned:
         if skip and unchanged[s][c.src] and clean[r][c.dst]:  # type: ignore[index]
@@ -238,6 +192,73 @@ def plan_transfer(srcs: list[list[PieceDecl]], dsts: list[list[PieceDecl]], *, b
         sched[rank].local = local
     _bucket(plan, bucket_bytes, window)
     return plan
+
+
+Assigned = tuple[int, int, Copy]  # (sender, receiver, copy)
+Shared = tuple[list[int], int, Copy, list[tuple[int, int]]]  # (holder ranks, receiver, copy, holders)
+
+
+def _intersect_want(groups: dict[str, tuple[str, tuple[int, ...], Held]], rank: int, j: int, want: PieceDecl,
+                    strict: bool, cast: bool, sched: Schedule, mandatory: list[Assigned],
+                    shared: list[Shared]) -> None:
+    """Intersect rank ``rank``'s wanted piece ``j`` with every distinct held region of its key: local
+    copies into ``sched``, single-holder copies into ``mandatory``, replicated ones into ``shared``.
+
+    Raises MismatchError (nobody holds the key, with ``strict``; shape or dtype differ) and
+    LayoutError (some wanted element is held by nobody)."""
+    if want.region.numel == 0:
+        return
+    g = groups.get(want.key)
+    if g is None:
+        if strict:
+            raise MismatchError(f"tensor {want.key!r}: rank {rank} wants it but no sender holds it; check the "
+                                "name mapping, or pass strict=False to skip keys nobody sends")
+        return
+    dtype, shape, pieces = g
+    if tuple(want.shape) != tuple(shape):
+        raise MismatchError(f"tensor {want.key!r}: rank {rank} wants global shape {list(want.shape)} but the "
+                            f"senders hold {list(shape)}; the shapes must match")
+    if want.dtype != dtype and not cast:
+        raise MismatchError(f"tensor {want.key!r}: rank {rank} wants {want.dtype} but the senders hold "
+                            f"{dtype}; pass cast=True to convert on receive")
+    covered = 0
+    for region, holders in pieces:
+        geo = _intersect(region, want.region, shape)
+        if geo is None:
+            continue
+        covered += geo.numel
+        here = [h for h in holders if h[0] == rank]
+        if here:  # the receiver holds these elements itself
+            sched.local.append(Copy(want.key, here[0][1], j, dtype, geo))
+        elif len(holders) == 1:
+            mandatory.append((holders[0][0], rank, Copy(want.key, holders[0][1], j, dtype, geo)))
+        else:
+            shared.append(([h[0] for h in holders], rank, Copy(want.key, -1, j, dtype, geo), holders))
+    if covered != want.region.numel:
+        raise LayoutError(f"tensor {want.key!r}: rank {rank} wants {want.region.numel} elements "
+                          f"({_describe(want.region)}) but the senders hold only {covered} of them; every "
+                          "requested element must be held by some sender")
+
+
+def _assign(mandatory: list[Assigned], shared: list[Shared], world: int, min_part: int) -> list[Assigned]:
+    """Choose a sender for every copy: single-holder copies count first; then replicas, largest first
+    (stable: ties keep the plan order), each to its least-loaded holder, or cut over several when it
+    is large enough to be worth it."""
+    load = [0] * world
+    for s, _r, c in mandatory:
+        load[s] += c.nbytes
+    assigned = list(mandatory)
+    shared.sort(key=lambda t: -t[2].nbytes)
+    for ranks, recv, c, holders in shared:
+        n = c.nbytes
+        k = min(len(ranks), max(1, n // max(1, min_part)))
+        parts = _divide(c.geo, k) if k > 1 else [c.geo]
+        for geo in sorted(parts, key=lambda g: -g.numel):
+            h = min(holders, key=lambda h: (load[h[0]], h[0]))
+            part = Copy(c.key, h[1], c.dst, c.dtype, geo)
+            load[h[0]] += part.nbytes
+            assigned.append((h[0], recv, part))
+    return assigned
 
 
 Held = list[tuple[Region, list[tuple[int, int]]]]  # distinct regions of a key, each with its holders (rank, piece)

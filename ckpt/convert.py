@@ -21,6 +21,7 @@ import io
 import math
 import os
 import pickle
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -199,16 +200,43 @@ def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleS
             (also when another export commits there first; this one's files are removed).
         StateError: ``dst_dir`` holds other files.
     """
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint.metadata import Metadata
 
+    _check_dcp_destination(dst_dir, overwrite)
+    st = get_storage(src, **(storage_options or {}))
+    written: list[str] = []  # this export's own files: the only ones its failure removes
+    committed = False
+    try:
+        manifest = fetch_manifest(st)
+        pieces = _pieces(manifest, to, rules)
+        total = sum(b.numel * itemsize(dtype_from_name(manifest.tensors[k].dtype)) for ps in pieces.values()
+                    for k, b in ps)
+        writer = _DcpWriter(st, manifest, dst_dir, max(1 << 20, memory_budget // 4), workers, progress, total)
+        for f in sorted(pieces):
+            rel = f"__{f}_0-{transaction.new_id()}.distcp"  # a name no other writer can produce
+            written.append(rel)
+            writer.write_file(rel, pieces[f], objects=f == min(pieces) or not pieces)
+        # planner_data: the nesting DCP's own planners rebuild for an empty target (keys split on ".")
+        meta = Metadata(state_dict_metadata=writer.sdm, planner_data={k: tuple(k.split(".")) for k in writer.sdm},
+                        storage_data=writer.storage_data, version="1.0.0")
+        replaced = _dcp_files(dst_dir) if overwrite else set()  # what the commit replaces
+        _commit_dcp(dst_dir, meta, overwrite)
+        committed = True
+        _remove_quietly(dst_dir, sorted(replaced - set(writer.sizes)))  # the replaced export's, after the commit only
+        return {"dst": dst_dir, "files": len(writer.sizes), "bytes": sum(writer.sizes.values()),
+                "tensor_bytes": writer.done, "tensors": len([k for k in writer.sdm if k in manifest.tensors]),
+                "objects": len(manifest.objects)}
+    except BaseException:
+        if not committed:
+            _remove_quietly(dst_dir, written)
+        raise
+    finally:
+        st.close()
+
+
+def _check_dcp_destination(dst_dir: str, overwrite: bool) -> None:
+    """Create the local directory ``dst_dir``; refuse a URL, a DCP checkpoint there (unless
+    ``overwrite``: CheckpointExistsError) and files that are not a DCP checkpoint's (StateError)."""
     if "://" in dst_dir:
         raise StateError(f"{dst_dir}: DCP export writes to a local directory")
     os.makedirs(dst_dir, exist_ok=True)
@@ -218,77 +246,97 @@ def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleS
     stray = [n for n in present if n != METADATA_NAME and not (n.startswith("__") and n.endswith(".distcp"))]
     if stray:
         raise StateError(f"{dst_dir}: holds other files ({', '.join(sorted(stray)[:3])}); export to an empty directory")
-    st = get_storage(src, **(storage_options or {}))
-    written: list[str] = []  # this export's own files: the only ones its failure removes
-    committed = False
+
+
+@dataclass(slots=True)
+class _DcpWriter:
+    """Writes an export's DCP data files one at a time, collecting the ``.metadata`` that describes
+    them: ``sdm`` (key -> tensor or bytes metadata) and ``storage_data`` (chunk -> file byte range)."""
+
+    st: Storage
+    manifest: Manifest
+    dst_dir: str
+    chunk: int  # bytes: the largest DCP chunk, and the streaming engine's buffer
+    workers: int
+    progress: Progress | None
+    total: int  # tensor bytes of the whole export, for ``progress``
+    sdm: dict[str, Any] = field(default_factory=dict)
+    storage_data: dict[Any, Any] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)  # file written -> its size in bytes
+    done: int = 0  # tensor bytes written so far
+
+    def write_file(self, rel: str, pieces: list[tuple[str, Box]], *, objects: bool) -> None:
+        """Create ``rel`` exclusively and write ``pieces`` into it (and, with ``objects``, the
+        checkpoint's objects), then fsync it."""
+        items = self._items(pieces)
+        with open(os.path.join(self.dst_dir, rel), "xb") as out:
+            self._write_tensors(out, rel, items)
+            if objects:
+                self._write_objects(out, rel)
+            out.flush()
+            os.fsync(out.fileno())
+            self.sizes[rel] = out.tell()
+
+    def _items(self, pieces: list[tuple[str, Box]]) -> list[Item]:
+        """One item per DCP chunk: pieces larger than ``chunk`` go in several; declares each tensor."""
+        from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+        items: list[Item] = []
+        for key, box in pieces:
+            t = self.manifest.tensors[key]
+            dtype = dtype_from_name(t.dtype)
+            self.sdm.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(t.shape), []))
+            parts = [box] if box.numel == 0 else list(split_region(box, max(1, self.chunk // itemsize(dtype))))
+            items += [Item(key, t.dtype, tuple(t.shape), part) for part in parts]
+        return items
+
+    def _write_tensors(self, out: io.BufferedWriter, rel: str, items: list[Item]) -> None:
+        """Each item as a ``torch.save`` blob, as DCP writes a chunk, read through the streaming engine."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+        for i, part, value in read_items(self.st, self.manifest, items, buffer=self.chunk, readers=self.workers):
+            assert isinstance(part, Box)
+            key = items[i].key
+            offset = out.tell()
+            torch.save(_own_storage(value), out)
+            self.sdm[key].chunks.append(ChunkStorageMetadata(torch.Size(part.offsets), torch.Size(part.lengths)))
+            self.storage_data[MetadataIndex(key, torch.Size(part.offsets))] = _StorageInfo(
+                rel, offset, out.tell() - offset)
+            self.done += value.numel() * value.element_size()
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+
+    def _write_objects(self, out: io.BufferedWriter, rel: str) -> None:
+        """The checkpoint's objects as ``torch.save`` blobs; per-rank ones become ``{rank: value}``."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        for key, o in sorted(self.manifest.objects.items()):
+            obj = ({r: decode_object(b, key=key) for r, b in o.per_rank.items()}
+                   if o.per_rank is not None else decode_object(o.data or b"", key=key))
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            offset = out.tell()
+            out.write(buf.getbuffer())
+            self.sdm[key] = BytesStorageMetadata()
+            self.storage_data[MetadataIndex(key)] = _StorageInfo(rel, offset, out.tell() - offset)
+
+
+def _commit_dcp(dst_dir: str, meta: Any, overwrite: bool) -> None:
+    """Write ``meta`` as ``dst_dir``'s ``.metadata``: the commit, atomic, and exclusive unless replacing."""
+    out_st = get_storage(dst_dir)
     try:
-        manifest = fetch_manifest(st)
-        pieces = _pieces(manifest, to, rules)
-        total = sum(b.numel * itemsize(dtype_from_name(manifest.tensors[k].dtype)) for ps in pieces.values()
-                    for k, b in ps)
-        chunk = max(1 << 20, memory_budget // 4)
-        sdm: dict[str, Any] = {}
-        storage_data: dict[Any, Any] = {}
-        done = 0
-        sizes: dict[str, int] = {}
-        for f in sorted(pieces):
-            rel = f"__{f}_0-{transaction.new_id()}.distcp"  # a name no other writer can produce
-            written.append(rel)
-            items: list[Item] = []  # one per DCP chunk: pieces larger than ``chunk`` go in several
-            for key, box in pieces[f]:
-                t = manifest.tensors[key]
-                dtype = dtype_from_name(t.dtype)
-                sdm.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(t.shape), []))
-                parts = [box] if box.numel == 0 else list(split_region(box, max(1, chunk // itemsize(dtype))))
-                items += [Item(key, t.dtype, tuple(t.shape), part) for part in parts]
-            with open(os.path.join(dst_dir, rel), "xb") as out:
-                for i, part, value in read_items(st, manifest, items, buffer=chunk, readers=workers):
-                    assert isinstance(part, Box)
-                    key = items[i].key
-                    offset = out.tell()
-                    torch.save(_own_storage(value), out)
-                    sdm[key].chunks.append(ChunkStorageMetadata(torch.Size(part.offsets), torch.Size(part.lengths)))
-                    storage_data[MetadataIndex(key, torch.Size(part.offsets))] = _StorageInfo(
-                        rel, offset, out.tell() - offset)
-                    done += value.numel() * value.element_size()
-                    if progress is not None:
-                        progress(done, total)
-                if f == min(pieces) or not pieces:
-                    for key, o in sorted(manifest.objects.items()):
-                        obj = ({r: decode_object(b, key=key) for r, b in o.per_rank.items()}
-                               if o.per_rank is not None else decode_object(o.data or b"", key=key))
-                        buf = io.BytesIO()
-                        torch.save(obj, buf)
-                        offset = out.tell()
-                        out.write(buf.getbuffer())
-                        sdm[key] = BytesStorageMetadata()
-                        storage_data[MetadataIndex(key)] = _StorageInfo(rel, offset, out.tell() - offset)
-                out.flush()
-                os.fsync(out.fileno())
-                sizes[rel] = out.tell()
-        # planner_data: the nesting DCP's own planners rebuild for an empty target (keys split on ".")
-        meta = Metadata(state_dict_metadata=sdm, planner_data={k: tuple(k.split(".")) for k in sdm},
-                        storage_data=storage_data, version="1.0.0")
-        replaced = _dcp_files(dst_dir) if overwrite else set()  # what the commit replaces
-        out_st = get_storage(dst_dir)
-        try:  # the commit: atomic, and exclusive unless replacing
-            out_st.commit(METADATA_NAME, pickle.dumps(meta), exclusive=not overwrite)
-        finally:
-            out_st.close()
-        committed = True
-        for n in sorted(replaced - set(sizes)):  # the replaced export's files, after the commit only
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(dst_dir, n))
-        return {"dst": dst_dir, "files": len(sizes), "bytes": sum(sizes.values()), "tensor_bytes": done,
-                "tensors": len([k for k in sdm if k in manifest.tensors]), "objects": len(manifest.objects)}
-    except BaseException:
-        if not committed:
-            for n in written:
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(dst_dir, n))
-        raise
+        out_st.commit(METADATA_NAME, pickle.dumps(meta), exclusive=not overwrite)
     finally:
-        st.close()
+        out_st.close()
+
+
+def _remove_quietly(dst_dir: str, names: list[str]) -> None:
+    """Remove the files ``names`` of ``dst_dir``, in order, ignoring those already gone."""
+    for n in names:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(dst_dir, n))
 
 
 def _dcp_files(dst_dir: str) -> set[str]:

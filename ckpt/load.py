@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ from ckpt._device_load import load_into_device
 from ckpt._io import default_workers, read_gap, run_read_plan, verify_shards
 from ckpt._load_plan import DEFAULT_MAX_READ, LoadRequest, ReadPlan, plan_load
 from ckpt._regions import check_tiling
-from ckpt._state import ObjectItem, TensorItem, flatten_state, rebuild_state
+from ckpt._state import Item, ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest
 from ckpt.formats.objects import decode_value
@@ -159,13 +161,59 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
         raise CheckpointError(f"{where}loading {url}: {type(e).__name__}: {e}") from e
 
 
+@dataclass(slots=True)
+class _Targets:
+    """A load's state sorted by destination: object values, host reads, GPU reads."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    requests: list[LoadRequest] = field(default_factory=list)  # host targets, read by one plan
+    targets: list[torch.Tensor] = field(default_factory=list)
+    direct: list[bool] = field(default_factory=list)
+    device_reqs: list[LoadRequest] = field(default_factory=list)  # GPU targets, through the pinned ring
+    device_targets: list[torch.Tensor] = field(default_factory=list)
+    finals: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (target, its staging)
+
+
 def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int, strict: bool,
           workers: int, max_read: int, verify: bool = False, max_gap: int = 4096,
           phases: dict[str, Any] | None = None) -> dict[str, Any]:
     phases = phases if phases is not None else {}
     t0 = time.perf_counter()
     items = flatten_state(state)
-    keys = {i.key for i in items}
+    subtrees = _object_subtrees(manifest, items)
+    if strict:
+        _check_missing(manifest, storage, items, subtrees)
+    tg = _sort_targets(manifest, items, subtrees, rank, strict, verify)
+
+    def plan_reads(reqs: list[LoadRequest], contiguous: list[bool] | None = None) -> ReadPlan:
+        return plan_load(manifest, reqs, contiguous_targets=contiguous or [True] * len(reqs), max_read=max_read,
+                         max_gap=max_gap, max_waste=storage.coalesce_waste,
+                         merge_direct=storage.merge_direct)
+
+    plan = plan_reads(tg.requests, tg.direct)
+    t1 = time.perf_counter()
+    phases["plan"] = t1 - t0
+    if verify:
+        phases["bytes_verified"] = _verify_requested(manifest, storage, tg.requests + tg.device_reqs, workers)
+        phases["verify"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+    run_read_plan(storage, plan, tg.targets, [r.dtype for r in tg.requests], workers=workers, map_files=True)
+    t2 = time.perf_counter()
+    phases["read"] = t2 - t1  # reads and the copies into place, overlapped across reader threads
+    for dst, staging in tg.finals:
+        dst.copy_(staging)
+    bytes_read, ops = plan.bytes_read, len(plan.ops)
+    if tg.device_reqs:
+        more_bytes, more_ops = _load_device(storage, tg, plan_reads, workers)
+        bytes_read, ops = bytes_read + more_bytes, ops + more_ops
+    phases["copy"] = time.perf_counter() - t2  # GPU (reads overlapped with copies) / non-contiguous targets
+    phases["bytes_read"] = bytes_read
+    phases["ops"] = ops
+    return rebuild_state(state, tg.values)
+
+
+def _object_subtrees(manifest: Manifest, items: list[Item]) -> dict[str, list[str]]:
+    """The stored object keys each requested object leaf stands for, when it names a nested dict."""
     # An object leaf may stand for a whole nested dict of stored objects ("meta": None gets
     # back {"lr": ..., "name": ...}).
     subtrees: dict[str, list[str]] = {}
@@ -174,36 +222,30 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
             sub = [k for k in manifest.objects if k.startswith(it.key + ".")]
             if sub:
                 subtrees[it.key] = sub
-                keys.update(sub)
-    if strict:
-        # A rank loads what it asks for (as in DCP): stored keys it does not request are fine, ranks
-        # may request different key sets; a requested key the checkpoint lacks is an error.
-        missing = sorted(k for k in keys if k not in manifest.tensors and k not in manifest.objects
-                         and k not in subtrees)
-        if missing:
-            raise MismatchError(f"{storage.url}: requested but missing from the checkpoint: {_few(missing)} "
-                                "(pass strict=False to skip missing keys)")
-    values: dict[str, Any] = {}
-    requests: list[LoadRequest] = []
-    targets: list[torch.Tensor] = []
-    device_reqs: list[LoadRequest] = []
-    device_targets: list[torch.Tensor] = []
-    finals: list[tuple[torch.Tensor, torch.Tensor]] = []
-    direct: list[bool] = []
+    return subtrees
+
+
+def _check_missing(manifest: Manifest, storage: Storage, items: list[Item], subtrees: dict[str, list[str]]) -> None:
+    """Raise MismatchError (strict loads) naming the requested keys the checkpoint lacks."""
+    keys = {i.key for i in items}
+    for sub in subtrees.values():
+        keys.update(sub)
+    # A rank loads what it asks for (as in DCP): stored keys it does not request are fine, ranks
+    # may request different key sets; a requested key the checkpoint lacks is an error.
+    missing = sorted(k for k in keys if k not in manifest.tensors and k not in manifest.objects
+                     and k not in subtrees)
+    if missing:
+        raise MismatchError(f"{storage.url}: requested but missing from the checkpoint: {_few(missing)} "
+                            "(pass strict=False to skip missing keys)")
+
+
+def _sort_targets(manifest: Manifest, items: list[Item], subtrees: dict[str, list[str]], rank: int, strict: bool,
+                  verify: bool) -> _Targets:
+    """Decode the requested objects and sort the tensor targets, in state order (errors name the first bad key)."""
+    tg = _Targets()
     for it in items:
         if isinstance(it, ObjectItem):
-            if it.key in subtrees:
-                values[it.key] = _nest(it.key, {k: _object_value(manifest, k, rank, strict, verify)
-                                                for k in subtrees[it.key]})
-                continue
-            if it.key not in manifest.objects:
-                if it.key in manifest.tensors:
-                    raise MismatchError(f"key {it.key!r}: the checkpoint holds a tensor, the target is an object")
-                continue
-            o = manifest.objects[it.key]
-            if o.per_rank is not None and rank not in o.per_rank and not strict:
-                continue
-            values[it.key] = _object_value(manifest, it.key, rank, strict, verify)
+            _add_object(manifest, it, subtrees, rank, strict, verify, tg)
             continue
         assert isinstance(it, TensorItem)
         if it.key not in manifest.tensors:
@@ -211,63 +253,73 @@ def _load(manifest: Manifest, storage: Storage, state: dict[str, Any], rank: int
                 _object_value(manifest, it.key, rank, strict)  # a foreign tensor ckpt refused raises its own error
                 raise MismatchError(f"key {it.key!r}: the checkpoint holds an object, the target is a tensor")
             continue
-        dst = it.local
-        if dst.numel() and any(st == 0 and n > 1 for st, n in zip(dst.stride(), dst.shape, strict=True)):
-            raise StateError(f"tensor {it.key!r}: the target is expanded (stride 0: several elements share one "
-                             "memory location) and cannot hold the loaded values; pass a real tensor (e.g. .clone())")
-        req = LoadRequest(it.key, it.dtype, it.global_shape, it.region)
-        if through_bounce(dst):  # GPU targets: through pinned bounce buffers, after the host targets
-            device_reqs.append(req)
-            device_targets.append(dst)
-            continue
-        if dst.device.type != "cpu" or not dst.is_contiguous():
-            staging = torch.empty(dst.shape, dtype=dst.dtype)
-            finals.append((dst, staging))
-            dst = staging
-        requests.append(req)
-        targets.append(dst)
-        direct.append(True)
+        _add_tensor(it, tg)
+    return tg
 
-    def plan_reads(reqs: list[LoadRequest], contiguous: list[bool] | None = None) -> ReadPlan:
-        return plan_load(manifest, reqs, contiguous_targets=contiguous or [True] * len(reqs), max_read=max_read,
-                         max_gap=max_gap, max_waste=storage.coalesce_waste,
-                         merge_direct=storage.merge_direct)
 
-    plan = plan_reads(requests, direct)
-    t1 = time.perf_counter()
-    phases["plan"] = t1 - t0
-    if verify:
-        for req in requests + device_reqs:  # a manifest whose shards do not tile a tensor cannot be trusted either
-            t = manifest.tensors[req.key]
-            try:
-                check_tiling(req.key, tuple(t.shape), [s.region for s in t.shards])
-            except LayoutError as e:
-                raise IntegrityError(f"{e}; the manifest is corrupted, nothing was loaded") from None
-        # a foreign source (DCP, DeepSpeed) records no checksums: structure and sizes are all there is
-        phases["bytes_verified"] = (verify_shards(storage, manifest, requests + device_reqs, workers=workers)
-                                    if manifest.source_format == "ckpt" else 0)
-        phases["verify"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-    run_read_plan(storage, plan, targets, [r.dtype for r in requests], workers=workers, map_files=True)
-    t2 = time.perf_counter()
-    phases["read"] = t2 - t1  # reads and the copies into place, overlapped across reader threads
-    for dst, staging in finals:
-        dst.copy_(staging)
-    bytes_read, ops = plan.bytes_read, len(plan.ops)
-    if device_reqs:
+def _add_object(manifest: Manifest, it: ObjectItem, subtrees: dict[str, list[str]], rank: int, strict: bool,
+                verify: bool, tg: _Targets) -> None:
+    """Decode the stored value (or nested dict of values) for object leaf ``it`` into ``tg.values``."""
+    if it.key in subtrees:
+        tg.values[it.key] = _nest(it.key, {k: _object_value(manifest, k, rank, strict, verify)
+                                           for k in subtrees[it.key]})
+        return
+    if it.key not in manifest.objects:
+        if it.key in manifest.tensors:
+            raise MismatchError(f"key {it.key!r}: the checkpoint holds a tensor, the target is an object")
+        return
+    o = manifest.objects[it.key]
+    if o.per_rank is not None and rank not in o.per_rank and not strict:
+        return
+    tg.values[it.key] = _object_value(manifest, it.key, rank, strict, verify)
 
-        def run_reads(p: ReadPlan, host: list[torch.Tensor], dtypes: list[str]) -> None:
-            nonlocal bytes_read, ops
-            run_read_plan(storage, p, host, dtypes, workers=1, map_files=True)
-            with lock:
-                bytes_read, ops = bytes_read + p.bytes_read, ops + len(p.ops)
 
-        lock = threading.Lock()
-        load_into_device(device_reqs, device_targets, plan_reads, run_reads, threads=max(workers, 2))
-    phases["copy"] = time.perf_counter() - t2  # GPU (reads overlapped with copies) / non-contiguous targets
-    phases["bytes_read"] = bytes_read
-    phases["ops"] = ops
-    return rebuild_state(state, values)
+def _add_tensor(it: TensorItem, tg: _Targets) -> None:
+    """Add tensor target ``it`` to the GPU reads or the host reads (staged when not contiguous on the CPU)."""
+    dst = it.local
+    if dst.numel() and any(st == 0 and n > 1 for st, n in zip(dst.stride(), dst.shape, strict=True)):
+        raise StateError(f"tensor {it.key!r}: the target is expanded (stride 0: several elements share one "
+                         "memory location) and cannot hold the loaded values; pass a real tensor (e.g. .clone())")
+    req = LoadRequest(it.key, it.dtype, it.global_shape, it.region)
+    if through_bounce(dst):  # GPU targets: through pinned bounce buffers, after the host targets
+        tg.device_reqs.append(req)
+        tg.device_targets.append(dst)
+        return
+    if dst.device.type != "cpu" or not dst.is_contiguous():
+        staging = torch.empty(dst.shape, dtype=dst.dtype)
+        tg.finals.append((dst, staging))
+        dst = staging
+    tg.requests.append(req)
+    tg.targets.append(dst)
+    tg.direct.append(True)
+
+
+def _verify_requested(manifest: Manifest, storage: Storage, reqs: list[LoadRequest], workers: int) -> int:
+    """Check the tiling and checksums of every stored shard ``reqs`` touch; the bytes verified."""
+    for req in reqs:  # a manifest whose shards do not tile a tensor cannot be trusted either
+        t = manifest.tensors[req.key]
+        try:
+            check_tiling(req.key, tuple(t.shape), [s.region for s in t.shards])
+        except LayoutError as e:
+            raise IntegrityError(f"{e}; the manifest is corrupted, nothing was loaded") from None
+    # a foreign source (DCP, DeepSpeed) records no checksums: structure and sizes are all there is
+    return verify_shards(storage, manifest, reqs, workers=workers) if manifest.source_format == "ckpt" else 0
+
+
+def _load_device(storage: Storage, tg: _Targets, plan_reads: Callable[[list[LoadRequest]], ReadPlan],
+                 workers: int) -> tuple[int, int]:
+    """Fill the GPU targets through the pinned ring; the bytes read and read ops it took."""
+    bytes_read, ops = 0, 0
+    lock = threading.Lock()
+
+    def run_reads(p: ReadPlan, host: list[torch.Tensor], dtypes: list[str]) -> None:
+        nonlocal bytes_read, ops
+        run_read_plan(storage, p, host, dtypes, workers=1, map_files=True)
+        with lock:
+            bytes_read, ops = bytes_read + p.bytes_read, ops + len(p.ops)
+
+    load_into_device(tg.device_reqs, tg.device_targets, plan_reads, run_reads, threads=max(workers, 2))
+    return bytes_read, ops
 
 
 def through_bounce(dst: torch.Tensor) -> bool:

@@ -68,7 +68,7 @@ class Restored:
     step: int
     tier: str
     url: str
-    value: Any = None
+    value: Any = field(default=None, repr=False)  # the state: printing a Restored must not print it
     seconds: float = 0.0
     skipped: int = -1
     detail: dict[str, Any] = field(default_factory=dict)
@@ -533,12 +533,16 @@ class CheckpointManager:
             m.close()
 
     def close(self) -> None:
-        """Wait for the saves in flight, persistent and memory (clean shutdown)."""
+        """Wait for the saves in flight, persistent and memory (clean shutdown), then give the memory
+        tier's run id back (its checkpoints stay for a restarted job); the manager is not used after this."""
         try:
             self.wait()
         finally:
             if self.memory is not None:
-                self.memory.drain(raise_error=True)
+                try:
+                    self.memory.drain(raise_error=True)
+                finally:
+                    self.memory.close()
 
 
 def _update_in_place(state: dict[str, Any], new: dict[str, Any]) -> None:

@@ -214,81 +214,102 @@ class Manifest:
         ``d`` is a format-1 manifest (a map carrying its own format and version) or, with
         ``version`` given by the envelope, a format-2 body.
         """
-        if not isinstance(d, dict):
-            raise ManifestError("manifest: top level is not a map; the file is not a ckpt manifest")
-        if version is None:
-            if d.get("format") != FORMAT_NAME:
-                raise ManifestError(f"manifest: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
-            version = parse_version(d.get("version"))
-            if version[0] >= 2:
-                raise ManifestError(f"manifest: a format {version[0]} manifest without its checksum envelope")
-        codec_raw: dict[Any, Any] = {}
-        if version[0] == 1:
-            files_raw = _get(d, "files", dict, "manifest")
-            pairs: list[tuple[Any, Any]] = [(p, f.get("size") if isinstance(f, dict) else None)
-                                            for p, f in files_raw.items()]
-        else:
-            files_raw = _get(d, "files", list, "manifest")
-            if not all(isinstance(f, list) and (len(f) == 2 or (len(f) == 3 and version >= CODEC_VERSION))
-                       for f in files_raw):
-                raise ManifestError("manifest: files is not a list of [path, size] (or [path, size, codec] from 2.1)")
-            pairs = [(f[0], f[1]) for f in files_raw]
-            codec_raw = {f[0]: f[2] for f in files_raw if len(f) == 3}
-        files: dict[str, int] = {}
-        size: Any
-        for p, size in pairs:
-            check_relpath(p, "manifest files")
-            if not _is_int(size) or size < 0:
-                raise ManifestError(f"file {p!r}: size missing or negative in manifest")
-            if p in files:
-                raise ManifestError(f"file {p!r}: listed twice in the manifest's files")
-            files[p] = size
-        codecs: dict[str, FileCodec] = {}
-        for p, w in codec_raw.items():
-            codecs[p] = FileCodec.from_wire(w, p, files[p])
+        version = _check_envelope(d, version)
+        files, codecs = _files_from_dict(d, version)
         file_list = list(files)
-        # shard offsets and lengths are positions in a file's raw layout: a compressed file's raw size bounds them
-        sizes = np.array([codecs[p].raw_size if p in codecs else files[p] for p in file_list], dtype=np.int64)
-        tensors: dict[str, TensorEntry] = {}
-        file_index = {f: i for i, f in enumerate(file_list)}
-        for key, t in _get(d, "tensors", dict, "manifest").items():
-            if version[0] == 1:
-                tensors[_key(key)] = _tensor_from_dict(key, t, files)
-            else:
-                tensors[_key(key)] = _tensor_from_columns(key, t, file_list, sizes)
-                if codecs:
-                    _check_frames(key, tensors[key], file_list, file_index, codecs)
+        tensors = _tensors_from_dict(d, version, files, codecs, file_list)
         objects: dict[str, ObjectEntry] = {}
         for key, o in _get(d, "objects", dict, "manifest").items():
             objects[_key(key)] = _object_from_dict(key, o)
-        step = d.get("step")
-        if step is not None and not _is_int(step):
-            raise ManifestError(f"manifest: step {step!r} is not an integer")
-        created = d.get("created", 0.0)
-        if not isinstance(created, int | float):
-            raise ManifestError("manifest: created is not a number")
-        world_size = d.get("world_size", 1)
-        if not _is_int(world_size) or world_size < 1:
-            raise ManifestError(f"manifest: world_size {world_size!r} is not a positive integer")
-        layout = d.get("layout")
-        if layout is not None and not isinstance(layout, dict):
-            raise ManifestError("manifest: layout is not a map")
-        user = d.get("user") or {}
-        if not isinstance(user, dict):
-            raise ManifestError("manifest: user metadata is not a map")
-        hash_alg = d.get("hash", HASH_ALGORITHM)
-        if hash_alg != HASH_ALGORITHM:
-            raise ManifestError(f"manifest: hash algorithm {hash_alg!r} unknown (this ckpt knows crc32)")
-        stats = d.get("stats")
-        data_format = d.get("data_format", "safetensors")
-        if data_format not in ("safetensors", "zarr"):
-            raise ManifestError(f"manifest: data_format {data_format!r} unknown (safetensors or zarr)")
-        return cls(
-            tensors=tensors, objects=objects, files=files, step=step, created=float(created),
-            world_size=world_size, layout=layout, user_metadata=user, hash_algorithm=hash_alg,
-            version=version, stats=stats if isinstance(stats, dict) else None,
-            data_format=data_format, codecs=codecs, _file_list=file_list,
-        )
+        return cls(tensors=tensors, objects=objects, files=files, version=version, codecs=codecs,
+                   _file_list=file_list, **_header_from_dict(d))
+
+
+def _check_envelope(d: Any, version: tuple[int, int] | None) -> tuple[int, int]:
+    """The manifest's format version: ``version`` (given by a format-2 envelope), or a format-1 map's own."""
+    if not isinstance(d, dict):
+        raise ManifestError("manifest: top level is not a map; the file is not a ckpt manifest")
+    if version is None:
+        if d.get("format") != FORMAT_NAME:
+            raise ManifestError(f"manifest: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
+        version = parse_version(d.get("version"))
+        if version[0] >= 2:
+            raise ManifestError(f"manifest: a format {version[0]} manifest without its checksum envelope")
+    return version
+
+
+def _files_from_dict(d: dict[str, Any], version: tuple[int, int]) -> tuple[dict[str, int], dict[str, FileCodec]]:
+    """The validated ``files`` (path -> stored size) and the codec records of the compressed ones."""
+    codec_raw: dict[Any, Any] = {}
+    if version[0] == 1:
+        files_raw = _get(d, "files", dict, "manifest")
+        pairs: list[tuple[Any, Any]] = [(p, f.get("size") if isinstance(f, dict) else None)
+                                        for p, f in files_raw.items()]
+    else:
+        files_raw = _get(d, "files", list, "manifest")
+        if not all(isinstance(f, list) and (len(f) == 2 or (len(f) == 3 and version >= CODEC_VERSION))
+                   for f in files_raw):
+            raise ManifestError("manifest: files is not a list of [path, size] (or [path, size, codec] from 2.1)")
+        pairs = [(f[0], f[1]) for f in files_raw]
+        codec_raw = {f[0]: f[2] for f in files_raw if len(f) == 3}
+    files: dict[str, int] = {}
+    size: Any
+    for p, size in pairs:
+        check_relpath(p, "manifest files")
+        if not _is_int(size) or size < 0:
+            raise ManifestError(f"file {p!r}: size missing or negative in manifest")
+        if p in files:
+            raise ManifestError(f"file {p!r}: listed twice in the manifest's files")
+        files[p] = size
+    codecs: dict[str, FileCodec] = {}
+    for p, w in codec_raw.items():
+        codecs[p] = FileCodec.from_wire(w, p, files[p])
+    return files, codecs
+
+
+def _tensors_from_dict(d: dict[str, Any], version: tuple[int, int], files: dict[str, int],
+                       codecs: dict[str, FileCodec], file_list: list[str]) -> dict[str, TensorEntry]:
+    """The validated tensor entries, their shards checked against the files' (raw) sizes and frames."""
+    # shard offsets and lengths are positions in a file's raw layout: a compressed file's raw size bounds them
+    sizes = np.array([codecs[p].raw_size if p in codecs else files[p] for p in file_list], dtype=np.int64)
+    tensors: dict[str, TensorEntry] = {}
+    file_index = {f: i for i, f in enumerate(file_list)}
+    for key, t in _get(d, "tensors", dict, "manifest").items():
+        if version[0] == 1:
+            tensors[_key(key)] = _tensor_from_dict(key, t, files)
+        else:
+            tensors[_key(key)] = _tensor_from_columns(key, t, file_list, sizes)
+            if codecs:
+                _check_frames(key, tensors[key], file_list, file_index, codecs)
+    return tensors
+
+
+def _header_from_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """The validated scalar fields (step, created, world size, layout, user metadata, ...) as Manifest arguments."""
+    step = d.get("step")
+    if step is not None and not _is_int(step):
+        raise ManifestError(f"manifest: step {step!r} is not an integer")
+    created = d.get("created", 0.0)
+    if not isinstance(created, int | float):
+        raise ManifestError("manifest: created is not a number")
+    world_size = d.get("world_size", 1)
+    if not _is_int(world_size) or world_size < 1:
+        raise ManifestError(f"manifest: world_size {world_size!r} is not a positive integer")
+    layout = d.get("layout")
+    if layout is not None and not isinstance(layout, dict):
+        raise ManifestError("manifest: layout is not a map")
+    user = d.get("user") or {}
+    if not isinstance(user, dict):
+        raise ManifestError("manifest: user metadata is not a map")
+    hash_alg = d.get("hash", HASH_ALGORITHM)
+    if hash_alg != HASH_ALGORITHM:
+        raise ManifestError(f"manifest: hash algorithm {hash_alg!r} unknown (this ckpt knows crc32)")
+    stats = d.get("stats")
+    data_format = d.get("data_format", "safetensors")
+    if data_format not in ("safetensors", "zarr"):
+        raise ManifestError(f"manifest: data_format {data_format!r} unknown (safetensors or zarr)")
+    return dict(step=step, created=float(created), world_size=world_size, layout=layout, user_metadata=user,
+                hash_algorithm=hash_alg, stats=stats if isinstance(stats, dict) else None, data_format=data_format)
 
 
 def parse_version(version: Any) -> tuple[int, int]:

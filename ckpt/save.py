@@ -224,19 +224,8 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
 
     Raises the same error on every rank when any rank's state is bad or the plan is invalid.
     """
-    err: dict[str, Any] | None = None
-    sources: list[torch.Tensor] = []
-    decl = RankDecl()
-    fp = ""
-    try:
-        if data_format not in ("safetensors", "zarr"):
-            raise StateError(f"data_format must be 'safetensors' or 'zarr', got {data_format!r}")
-        step, user_metadata = transaction.check_header(step, user_metadata, layout)
-        decl, items = build_decl(state, comm.rank)
-        sources = [t.local for t in items]
-        fp = fingerprint(decl) + data_format
-    except Exception as e:  # noqa: BLE001 - any failure reaches every rank as a typed error naming this one
-        err = error_payload(e, comm.who)
+    loc = _declare(comm, state, step, user_metadata, layout, data_format)
+    step, user_metadata, decl, fp, err = loc.step, loc.user_metadata, loc.decl, loc.fp, loc.err
     previous: Manifest | None = None
     refused: dict[str, Any] | None = None
     if comm.rank == 0 and err is None:
@@ -255,15 +244,62 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
         # coordinator alone takes this path too: the other ranks cannot know of it before the commit.
         cache.hits += 1
         common["decl"], keep = tied.without(decl, cache.aliases)
-        return Prepared(cache.assignment, [sources[i] for i in keep], plan=cache.plan, cached=True,
+        return Prepared(cache.assignment, [loc.sources[i] for i in keep], plan=cache.plan, cached=True,
                         aliases=cache.aliases, refused=refused, **common)  # type: ignore[arg-type]
     if cache is not None:
         cache.clear()
     payload = err or {"phase": "plan", "decl": decl.to_wire(), "fp": fp}
-    plan_box: list[SavePlan] = []
-    fps: list[str] = []
     # every zarr save writes its own tree, whatever is there: no other writer can produce its chunk names
     zroot = zarr_layout.fresh_root(storage) if data_format == "zarr" and comm.rank == 0 and err is None else ""
+    mine, plan, fps = _plan_exchange(comm, payload, zroot, step=step, user_metadata=user_metadata, layout=layout,
+                                     data_format=data_format, timeout=timeout)
+    assignment = WriteAssignment.from_wire(mine["ok"])
+    agreed = dict(mine.get("aliases") or {})
+    common["decl"], keep = tied.without(decl, agreed)
+    if cache is not None:
+        cache.fingerprint, cache.assignment, cache.plan, cache.fingerprints = fp, assignment, plan, fps
+        cache.aliases = agreed
+    return Prepared(assignment, [loc.sources[i] for i in keep], plan=plan,
+                    zarr_root=mine.get("zroot") or "", aliases=agreed,
+                    **common)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class _Declared:
+    """One rank's planning input (its checked header, declaration, sources), or the error it hit."""
+
+    step: int | None
+    user_metadata: dict[str, Any] | None
+    decl: RankDecl = field(default_factory=RankDecl)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    fp: str = ""
+    err: dict[str, Any] | None = None  # an error payload naming this rank
+
+
+def _declare(comm: Comm, state: dict[str, Any], step: int | None, user_metadata: dict[str, Any] | None,
+             layout: dict[str, Any] | None, data_format: str) -> _Declared:
+    """Phase 1 (local): check the header and declare the state; a failure is kept as a payload, not raised."""
+    out = _Declared(step, user_metadata)
+    try:
+        if data_format not in ("safetensors", "zarr"):
+            raise StateError(f"data_format must be 'safetensors' or 'zarr', got {data_format!r}")
+        out.step, out.user_metadata = transaction.check_header(step, user_metadata, layout)
+        out.decl, items = build_decl(state, comm.rank)
+        out.sources = [t.local for t in items]
+        out.fp = fingerprint(out.decl) + data_format
+    except Exception as e:  # noqa: BLE001 - any failure reaches every rank as a typed error naming this one
+        out.err = error_payload(e, comm.who)
+    return out
+
+
+def _plan_exchange(comm: Comm, payload: dict[str, Any], zroot: str, *, step: int | None,
+                   user_metadata: dict[str, Any] | None, layout: dict[str, Any] | None, data_format: str,
+                   timeout: float | None) -> tuple[dict[str, Any], SavePlan | None, list[str]]:
+    """Phase 2 (collective): every rank's ``payload`` to the coordinator, which plans and sends each rank
+    its assignment. Returns this rank's reply, the plan and every rank's fingerprint (coordinator only);
+    raises on every rank the first error any rank sent or the plan hit."""
+    plan_box: list[SavePlan] = []
+    fps: list[str] = []
 
     def reply(got: list[Any]) -> list[Any]:
         errs = [g for g in got if "err" in g]
@@ -273,18 +309,8 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
         if stray:
             return [_structure_error(stray)] * comm.world
         try:
-            decls = [RankDecl.from_wire(g["decl"]) for g in got]
-            # tied keys are written once (zarr keeps one array per key, so it stores them apart)
-            agreed = tied.agree(decls) if data_format == "safetensors" else {}
-            decls = [tied.without(d, agreed)[0] for d in decls]
-            # Safetensors writers can write part of a replicated piece (balance); zarr needs one
-            # chunk per declared piece on a uniform grid, so it keeps pieces whole.
-            plan = plan_save(decls, save_id="pending", step=step, user_metadata=user_metadata, layout=layout,
-                             split_replicas=data_format == "safetensors")
-            if data_format == "zarr":
-                for key, t in plan.manifest.tensors.items():
-                    zarr_layout.check_key(key)
-                    zarr_layout.chunk_shape(key, t.shape, [s.region for s in t.shards])
+            plan, agreed = _global_plan([RankDecl.from_wire(g["decl"]) for g in got], step=step,
+                                        user_metadata=user_metadata, layout=layout, data_format=data_format)
         except Exception as e:  # noqa: BLE001 - a global-plan error names its tensor/ranks itself
             return [error_payload(e, None)] * comm.world
         plan_box.append(plan)
@@ -294,16 +320,24 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
     mine = comm.exchange(payload, reply, timeout=timeout, what="save planning")
     if "err" in mine:
         raise_payload(mine)
-    assignment = WriteAssignment.from_wire(mine["ok"])
-    plan = plan_box[0] if plan_box else None
-    agreed = dict(mine.get("aliases") or {})
-    common["decl"], keep = tied.without(decl, agreed)
-    if cache is not None:
-        cache.fingerprint, cache.assignment, cache.plan, cache.fingerprints = fp, assignment, plan, fps
-        cache.aliases = agreed
-    return Prepared(assignment, [sources[i] for i in keep], plan=plan,
-                    zarr_root=mine.get("zroot") or "", aliases=agreed,
-                    **common)  # type: ignore[arg-type]
+    return mine, (plan_box[0] if plan_box else None), fps
+
+
+def _global_plan(decls: list[RankDecl], *, step: int | None, user_metadata: dict[str, Any] | None,
+                 layout: dict[str, Any] | None, data_format: str) -> tuple[SavePlan, dict[str, str]]:
+    """The coordinator's plan of every rank's declaration, and the tied keys it stores once."""
+    # tied keys are written once (zarr keeps one array per key, so it stores them apart)
+    agreed = tied.agree(decls) if data_format == "safetensors" else {}
+    decls = [tied.without(d, agreed)[0] for d in decls]
+    # Safetensors writers can write part of a replicated piece (balance); zarr needs one
+    # chunk per declared piece on a uniform grid, so it keeps pieces whole.
+    plan = plan_save(decls, save_id="pending", step=step, user_metadata=user_metadata, layout=layout,
+                     split_replicas=data_format == "safetensors")
+    if data_format == "zarr":
+        for key, t in plan.manifest.tensors.items():
+            zarr_layout.check_key(key)
+            zarr_layout.chunk_shape(key, t.shape, [s.region for s in t.shards])
+    return plan, agreed
 
 
 def _structure_error(ranks: list[int]) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def _hash(t: torch.Tensor) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def _payload(e: BaseException, rank: int | None, primary: bool = True, timed_out: bool = False) -> dict[str, Any]:
+def rank_payload(e: BaseException, rank: int | None, primary: bool = True, timed_out: bool = False) -> dict[str, Any]:
     """An exception for the other ranks: a CheckpointError keeps its class, anything else becomes a
     CollectiveError; the message names the rank."""
     kind = type(e).__name__ if isinstance(e, CheckpointError) else "CollectiveError"
@@ -108,7 +108,7 @@ def _payload(e: BaseException, rank: int | None, primary: bool = True, timed_out
     return {"err": msg, "type": kind, "primary": primary, "timed_out": timed_out}
 
 
-def _pick(got: list[dict[str, Any]]) -> dict[str, Any] | None:
+def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The error every rank raises: a rank's own failure first, then a wait that ran out of time
     (it names the slow rank), then any consequence seen elsewhere (a closed connection)."""
     errs = [g for g in got if "err" in g]
@@ -160,98 +160,76 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
         dst = {"w": ckpt.Shard(w_cols, (1024, 1024), (0, (rank - 2) * 512))} if rank >= 2 else None
         ckpt.transfer(src, dst)
     """
-    t0 = time.perf_counter()
     comm = Comm(group, timeout=timeout)
     if delta and state is None:
         state = TransferState()
+    opts = Options(bucket_bytes, window, timeout, version, checksum, delta, strict, cast, in_place, min_part)
     err: dict[str, Any] | None = None
     srcs: list[TensorItem] = []
     dsts: list[TensorItem] = []
+    try:
+        srcs, dsts = declared(src, dst, rename)
+    except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
+        err = rank_payload(e, comm.who)
+    return run_items(comm, group, srcs, dsts, opts, state, err)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The knobs of one transfer (see :func:`transfer`), the same on every rank."""
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    window: int = DEFAULT_WINDOW
+    timeout: float | None = DEFAULT_TIMEOUT_S
+    version: int | None = None
+    checksum: bool = False
+    delta: bool = False
+    strict: bool = True
+    cast: bool = False
+    in_place: bool = False
+    min_part: int = MIN_PART
+
+
+def declared(src: dict[str, Any] | None, dst: dict[str, Any] | None,
+             rename: Rename) -> tuple[list[TensorItem], list[TensorItem]]:
+    """This rank's source pieces (renamed; dropped where ``rename`` says None) and destination pieces."""
+    name = _rename_fn(rename)
+    srcs: list[TensorItem] = []
+    for it in _tensors(src, "src"):
+        new = name(it.key)
+        if new is not None:
+            it.key = new
+            srcs.append(it)
+    return srcs, _tensors(dst, "dst")
+
+
+def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorItem], opts: Options,
+              state: TransferState | None, err: dict[str, Any] | None = None) -> TransferResult:
+    """One transfer of declared pieces (the body of :func:`transfer`, also run by the streaming and
+    elastic front ends): declare, plan, move, agree, commit. ``err``: this rank already failed (its
+    payload goes to every rank instead of a declaration)."""
+    t0 = time.perf_counter()
     src_h: list[bytes] = []
     dst_h: list[bytes] = []
     wire: dict[str, Any] = {}
-    try:
-        if bucket_bytes < 64:
-            raise StateError(f"bucket_bytes must be at least 64, got {bucket_bytes}")
-        name = _rename_fn(rename)
-        for it in _tensors(src, "src"):
-            new = name(it.key)
-            if new is not None:
-                it.key = new
-                srcs.append(it)
-        dsts = _tensors(dst, "dst")
-        if delta:
-            src_h = [_hash(i.local) for i in srcs]
-            dst_h = [_hash(i.local) for i in dsts]
-        assert state is not None or not delta
-        wire = {"s": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in srcs],
-                "d": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in dsts],
-                "v": version, "last": state.version if state is not None else 0,
-                "fp": state.fingerprint if delta and state is not None else None,
-                "u": [i < len(state.src_hashes) and h == state.src_hashes[i] for i, h in enumerate(src_h)]
-                if state is not None else [],
-                "c": [j < len(state.dst_hashes) and h == state.dst_hashes[j] for j, h in enumerate(dst_h)]
-                if state is not None else [],
-                "nccl": any(i.local.device.type == "cuda" for i in srcs + dsts)}
-    except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
-        err = _payload(e, comm.who)
-
-    def reply(got: list[dict[str, Any]]) -> list[Any]:
-        bad = _pick(got)
-        if bad is not None:
-            return [bad] * comm.world
+    if err is None:
         try:
-            return _plan_reply(got, comm, bucket_bytes=bucket_bytes, window=window, strict=strict, cast=cast,
-                               delta=delta, min_part=min_part, group=group)
-        except Exception as e:  # noqa: BLE001 - a plan error names its tensor and ranks itself
-            return [_payload(e, None)] * comm.world
-
-    mine = (reply([err or wire])[0] if comm.single
-            else comm.exchange(err or wire, reply, timeout=timeout, what="transfer planning"))
-    if "err" in mine:
-        raise_payload(mine)
+            if opts.bucket_bytes < 64:
+                raise StateError(f"bucket_bytes must be at least 64, got {opts.bucket_bytes}")
+            if opts.delta:
+                src_h = [_hash(i.local) for i in srcs]
+                dst_h = [_hash(i.local) for i in dsts]
+            wire = _declaration(srcs, dsts, opts, state, src_h, dst_h)
+        except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
+            err = rank_payload(e, comm.who)
+    mine = _planned(comm, group, err or wire, opts)
     ver = int(mine["version"])
     sched = Schedule.from_wire(mine["sched"])
-    deadline = None if timeout is None else time.monotonic() + timeout
-    fail = ex.Failure()
-    staged: dict[int, torch.Tensor] = {}
-    targets: list[torch.Tensor] = [i.local for i in dsts]
-    try:
-        wanted = {c.dst for c in sched.local} | {c.dst for b in sched.recvs for c in b.copies}
-        for j in sorted(wanted):
-            t = dsts[j].local
-            if in_place and t.is_contiguous():
-                continue
-            # the staging copy starts as dst's own values when delta may skip some of its copies
-            staged[j] = t.detach().clone(memory_format=torch.contiguous_format) if delta else torch.empty(
-                t.shape, dtype=t.dtype, device=t.device)
-            targets[j] = staged[j]
-        transport = _transport(comm, group, mine, timeout) if mine["net"] else None
-        fail = ex.run_schedule(sched, [i.local for i in srcs], [i.region for i in srcs], targets,
-                               [i.region for i in dsts], transport, rank=comm.rank, checksum=checksum,
-                               deadline=deadline, timeout=timeout)
-    except Exception as e:  # noqa: BLE001
-        fail.add(e)
-    report: dict[str, Any] = {"ok": True} if fail.first is None else _payload(
-        fail.first, comm.who, primary=fail.primary is not None, timed_out=fail.timed_out)
-    if comm.single:
-        verdict = report
-    else:
-        def agree(got: list[dict[str, Any]]) -> list[Any]:
-            return [_pick(got) or {"ok": True}] * comm.world
-
-        verdict = comm.exchange(report, agree, timeout=timeout, what=f"transfer commit (version {ver})")
-    if "err" in verdict:
-        # A wait may have failed somewhere and closed the data group: every rank got this same
-        # verdict, so every rank makes a new one next time (its members must agree on that).
-        if mine["net"]:
-            _STALE[_key(comm, group)] = True
-        verdict = dict(verdict, err=f"transfer version {ver}: {verdict['err']}"
-                       + ("" if in_place else "; no destination tensor was changed"))
-        raise_payload(verdict, fail.first)
+    staged, wanted, fail = _move(comm, group, mine, sched, srcs, dsts, opts)
+    _agree(comm, group, fail, ver, mine, opts)
     for j, t in staged.items():  # commit: every bucket of this version arrived and checked, on every rank
         dsts[j].local.copy_(t)
-    if delta and state is not None:
+    if opts.delta and state is not None:
         state.fingerprint = mine["fp"]
         state.src_hashes = src_h
         state.dst_hashes = [_hash(dsts[j].local) if j in wanted else h for j, h in enumerate(dst_h)]
@@ -261,6 +239,92 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
     received = sum(b.nbytes for b in sched.recvs)
     return TransferResult(ver, mine["sent"], mine["skipped"], mine["local"], mine["buckets"], mine["rounds"],
                           time.perf_counter() - t0, sent, received, state)
+
+
+def _declaration(srcs: list[TensorItem], dsts: list[TensorItem], opts: Options, state: TransferState | None,
+                 src_h: list[bytes], dst_h: list[bytes]) -> dict[str, Any]:
+    """What this rank tells the coordinator: its pieces, version wishes and, for delta, which of its
+    pieces are unchanged (sources) or clean (destinations) since the last transfer."""
+    return {"s": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in srcs],
+            "d": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in dsts],
+            "v": opts.version, "last": state.version if state is not None else 0,
+            "fp": state.fingerprint if opts.delta and state is not None else None,
+            "u": [i < len(state.src_hashes) and h == state.src_hashes[i] for i, h in enumerate(src_h)]
+            if state is not None else [],
+            "c": [j < len(state.dst_hashes) and h == state.dst_hashes[j] for j, h in enumerate(dst_h)]
+            if state is not None else [],
+            "nccl": any(i.local.device.type == "cuda" for i in srcs + dsts)}
+
+
+def _planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dict[str, Any]:
+    """Every rank's declaration to the coordinator, this rank's schedule back (or the error every
+    rank raises)."""
+    def reply(got: list[dict[str, Any]]) -> list[Any]:
+        bad = pick_error(got)
+        if bad is not None:
+            return [bad] * comm.world
+        try:
+            return _plan_reply(got, comm, bucket_bytes=opts.bucket_bytes, window=opts.window, strict=opts.strict,
+                               cast=opts.cast, delta=opts.delta, min_part=opts.min_part, group=group)
+        except Exception as e:  # noqa: BLE001 - a plan error names its tensor and ranks itself
+            return [rank_payload(e, None)] * comm.world
+
+    out = (reply([mine])[0] if comm.single
+           else comm.exchange(mine, reply, timeout=opts.timeout, what="transfer planning"))
+    if "err" in out:
+        raise_payload(out)
+    return out
+
+
+def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: list[TensorItem],
+          dsts: list[TensorItem], opts: Options) -> tuple[dict[int, torch.Tensor], set[int], ex.Failure]:
+    """Run this rank's schedule into staging copies of the destination pieces it receives (or, with
+    ``in_place``, into the pieces themselves); returns the staging copies, the pieces written, and
+    what failed."""
+    deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+    fail = ex.Failure()
+    staged: dict[int, torch.Tensor] = {}
+    wanted: set[int] = set()
+    targets: list[torch.Tensor] = [i.local for i in dsts]
+    try:
+        wanted = {c.dst for c in sched.local} | {c.dst for b in sched.recvs for c in b.copies}
+        for j in sorted(wanted):
+            t = dsts[j].local
+            if opts.in_place and t.is_contiguous():
+                continue
+            # the staging copy starts as dst's own values when delta may skip some of its copies
+            staged[j] = t.detach().clone(memory_format=torch.contiguous_format) if opts.delta else torch.empty(
+                t.shape, dtype=t.dtype, device=t.device)
+            targets[j] = staged[j]
+        transport = _transport(comm, group, mine, opts.timeout) if mine["net"] else None
+        fail = ex.run_schedule(sched, [i.local for i in srcs], [i.region for i in srcs], targets,
+                               [i.region for i in dsts], transport, rank=comm.rank, checksum=opts.checksum,
+                               deadline=deadline, timeout=opts.timeout)
+    except Exception as e:  # noqa: BLE001
+        fail.add(e)
+    return staged, wanted, fail
+
+
+def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, Any], opts: Options) -> None:
+    """The commit verdict: every rank reports, every rank gets the same answer; raises the chosen
+    error on every rank unless all went well."""
+    report: dict[str, Any] = {"ok": True} if fail.first is None else rank_payload(
+        fail.first, comm.who, primary=fail.primary is not None, timed_out=fail.timed_out)
+    if comm.single:
+        verdict = report
+    else:
+        def agree(got: list[dict[str, Any]]) -> list[Any]:
+            return [pick_error(got) or {"ok": True}] * comm.world
+
+        verdict = comm.exchange(report, agree, timeout=opts.timeout, what=f"transfer commit (version {ver})")
+    if "err" in verdict:
+        # A wait may have failed somewhere and closed the data group: every rank got this same
+        # verdict, so every rank makes a new one next time (its members must agree on that).
+        if mine["net"]:
+            _STALE[_key(comm, group)] = True
+        verdict = dict(verdict, err=f"transfer version {ver}: {verdict['err']}"
+                       + ("" if opts.in_place else "; no destination tensor was changed"))
+        raise_payload(verdict, fail.first)
 
 
 def _key(comm: Comm, group: Any) -> Any:

@@ -97,17 +97,34 @@ def verify(url: str, *, deep: bool = False, storage_options: dict[str, Any] | No
 
 def _verify(storage: Storage, report: VerifyReport, deep: bool,
             progress: Callable[[int, int], None] | None = None) -> None:
-    try:
-        if storage.size(MANIFEST_NAME) is None and detect(storage) not in (None, "ckpt"):
-            _verify_foreign(storage, report)
-            return
-        raw = storage.read_file(MANIFEST_NAME)
-        m = decode_manifest(raw, url=f"{storage.url}/{MANIFEST_NAME}")
-    except CheckpointError as e:
-        report.problems.append(Problem("manifest", str(e), file=MANIFEST_NAME))
+    m = _read_manifest(storage, report)
+    if m is None:
         return
     report.tensors = len(m.tensors)
     report.files = len(m.files)
+    good_files, headers = _check_files(storage, m, report)
+    # shard checksums are of raw bytes: compressed files are read through their frames (ckpt._codec)
+    storage = data_storage(storage, m)
+    _check_shards(storage, m, report, good_files, headers, deep, progress)
+    _check_objects(m, report)
+
+
+def _read_manifest(storage: Storage, report: VerifyReport) -> Manifest | None:
+    """Our manifest, decoded; None when it is reported as a problem or a foreign source was audited instead."""
+    try:
+        if storage.size(MANIFEST_NAME) is None and detect(storage) not in (None, "ckpt"):
+            _verify_foreign(storage, report)
+            return None
+        raw = storage.read_file(MANIFEST_NAME)
+        return decode_manifest(raw, url=f"{storage.url}/{MANIFEST_NAME}")
+    except CheckpointError as e:
+        report.problems.append(Problem("manifest", str(e), file=MANIFEST_NAME))
+        return None
+
+
+def _check_files(storage: Storage, m: Manifest,
+                 report: VerifyReport) -> tuple[set[str], dict[str, dict[str, Any]]]:
+    """Check every data file's presence, size and safetensors header; the good files and their headers."""
     good_files: set[str] = set()
     headers: dict[str, dict[str, Any]] = {}
     for path, size in m.files.items():
@@ -129,21 +146,31 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool,
             good_files.add(path)
             continue
         try:
-            head = bytearray(min(size, 1 << 16))
-            storage.read_into(path, 0, memoryview(head))
-            if len(head) >= 8:
-                n = int.from_bytes(head[:8], "little")
-                # the header cap applies before allocating: a file claiming a huge header is refused by
-                # parse_header below without us reading (or allocating) it
-                if 8 + n > len(head) and 8 + n <= size and n <= MAX_HEADER_BYTES:
-                    head = bytearray(8 + n)
-                    storage.read_into(path, 0, memoryview(head))
-            headers[path] = dict(parse_header(bytes(head), size, path=path))
+            headers[path] = _read_header(storage, path, size)
             good_files.add(path)
         except CheckpointError as e:
             report.problems.append(Problem("header", str(e), file=path))
-    # shard checksums are of raw bytes: compressed files are read through their frames (ckpt._codec)
-    storage = data_storage(storage, m)
+    return good_files, headers
+
+
+def _read_header(storage: Storage, path: str, size: int) -> dict[str, Any]:
+    """The parsed safetensors header of ``path`` (``size`` bytes); raises CheckpointError when invalid."""
+    head = bytearray(min(size, 1 << 16))
+    storage.read_into(path, 0, memoryview(head))
+    if len(head) >= 8:
+        n = int.from_bytes(head[:8], "little")
+        # the header cap applies before allocating: a file claiming a huge header is refused by
+        # parse_header below without us reading (or allocating) it
+        if 8 + n > len(head) and 8 + n <= size and n <= MAX_HEADER_BYTES:
+            head = bytearray(8 + n)
+            storage.read_into(path, 0, memoryview(head))
+    return dict(parse_header(bytes(head), size, path=path))
+
+
+def _check_shards(storage: Storage, m: Manifest, report: VerifyReport, good_files: set[str],
+                  headers: dict[str, dict[str, Any]], deep: bool,
+                  progress: Callable[[int, int], None] | None) -> None:
+    """Check each tensor's coverage, and each shard in a good file against its header and (deep) checksum."""
     names_at: dict[tuple[str, int, int], list[str]] = {}  # built on the first shard not named after itself
     to_hash = sum(s.length for t in m.tensors.values() for s in t.shards if s.file in good_files) if deep else 0
     for key, t in m.tensors.items():
@@ -151,46 +178,61 @@ def _verify(storage: Storage, report: VerifyReport, deep: bool,
         for i, s in enumerate(t.shards):
             if s.file not in good_files:
                 continue
-            he = headers[s.file].get(entry_name(key, i)) if s.file in headers else None
-            if he is None and s.file in headers:
-                # a tied key's shard lists the very bytes of the key it shares (ckpt._aliases): the
-                # header names them after one of the shards at that exact range, never another name
-                if not names_at:
-                    for k2, t2 in m.tensors.items():
-                        for j, s2 in enumerate(t2.shards):
-                            names_at.setdefault((s2.file, s2.offset, s2.length), []).append(entry_name(k2, j))
-                for name in names_at.get((s.file, s.offset, s.length), ()):
-                    he = headers[s.file].get(name)
-                    if he is not None:
-                        break
-            if s.file in headers and (he is None or he.start != s.offset or he.length != s.length
-                                      or (he.dtype, he.shape) != _header_type(t.dtype, s)):
+            if s.file in headers and not _header_lists(m, headers[s.file], key, i, t.dtype, s, names_at):
                 report.problems.append(Problem(
                     "header", f"tensor {key!r} shard {i}: {s.file} header does not list bytes "
                     f"[{s.offset}, {s.offset + s.length}) as {entry_name(key, i)!r} with dtype/shape "
                     f"{_header_type(t.dtype, s)}", tensor=key, file=s.file))
                 continue
-            if deep and s.length and s.checksum is None:
-                # Every writer records one: a missing checksum means the manifest was edited.
-                report.problems.append(Problem(
-                    "checksum", f"tensor {key!r} shard {i}: no checksum in the manifest to verify {s.file} bytes "
-                    f"[{s.offset}, {s.offset + s.length}) against", tensor=key, file=s.file))
-                continue
             if deep and s.length:
-                assert s.checksum is not None
-                try:
-                    crc = crc_of_range(storage, s.file, s.offset, s.length)
-                except CheckpointError as e:
-                    report.problems.append(Problem("checksum", str(e), tensor=key, file=s.file))
-                    continue
-                report.bytes_hashed += s.length
-                if progress is not None:
-                    progress(report.bytes_hashed, to_hash)
-                if crc != s.checksum:
-                    report.problems.append(Problem(
-                        "checksum", f"tensor {key!r} shard {i}: checksum mismatch in {s.file} bytes "
-                        f"[{s.offset}, {s.offset + s.length}) (stored {s.checksum:#010x}, found {crc:#010x})",
-                        tensor=key, file=s.file))
+                _check_checksum(storage, report, key, i, s, to_hash, progress)
+
+
+def _header_lists(m: Manifest, header: dict[str, Any], key: str, i: int, dtype: str, s: Any,
+                  names_at: dict[tuple[str, int, int], list[str]]) -> bool:
+    """Whether ``header`` lists shard ``i`` of ``key`` at its exact range, dtype and shape."""
+    he = header.get(entry_name(key, i))
+    if he is None:
+        # a tied key's shard lists the very bytes of the key it shares (ckpt._aliases): the
+        # header names them after one of the shards at that exact range, never another name
+        if not names_at:
+            for k2, t2 in m.tensors.items():
+                for j, s2 in enumerate(t2.shards):
+                    names_at.setdefault((s2.file, s2.offset, s2.length), []).append(entry_name(k2, j))
+        for name in names_at.get((s.file, s.offset, s.length), ()):
+            he = header.get(name)
+            if he is not None:
+                break
+    return not (he is None or he.start != s.offset or he.length != s.length
+                or (he.dtype, he.shape) != _header_type(dtype, s))
+
+
+def _check_checksum(storage: Storage, report: VerifyReport, key: str, i: int, s: Any, to_hash: int,
+                    progress: Callable[[int, int], None] | None) -> None:
+    """Hash shard ``i`` of ``key`` (non-empty) and report a missing or mismatched checksum."""
+    if s.checksum is None:
+        # Every writer records one: a missing checksum means the manifest was edited.
+        report.problems.append(Problem(
+            "checksum", f"tensor {key!r} shard {i}: no checksum in the manifest to verify {s.file} bytes "
+            f"[{s.offset}, {s.offset + s.length}) against", tensor=key, file=s.file))
+        return
+    try:
+        crc = crc_of_range(storage, s.file, s.offset, s.length)
+    except CheckpointError as e:
+        report.problems.append(Problem("checksum", str(e), tensor=key, file=s.file))
+        return
+    report.bytes_hashed += s.length
+    if progress is not None:
+        progress(report.bytes_hashed, to_hash)
+    if crc != s.checksum:
+        report.problems.append(Problem(
+            "checksum", f"tensor {key!r} shard {i}: checksum mismatch in {s.file} bytes "
+            f"[{s.offset}, {s.offset + s.length}) (stored {s.checksum:#010x}, found {crc:#010x})",
+            tensor=key, file=s.file))
+
+
+def _check_objects(m: Manifest, report: VerifyReport) -> None:
+    """Report each object that does not decode or whose checksum does not match."""
     for key, o in m.objects.items():
         blobs = list(o.per_rank.values()) if o.per_rank is not None else [o.data or b""]
         try:

@@ -77,6 +77,8 @@ def import_hf_cmd(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     names: str = typer.Option("ckpt", "--names", help="key names to write: ckpt | hf | torchtitan | megatron | "
                                                       "a JSON names file"),
+    dequantize: bool = typer.Option(False, "--dequantize", help="FP8 block-scaled models: compute the weights "
+                                    "(--dtype, default bf16) as transformers does, instead of keeping fp8 + scales"),
     storage_option: list[str] = StorageOpt,
 ) -> None:
     """Import a Hugging Face model (Llama, Qwen2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3) as a weights-only
@@ -85,7 +87,7 @@ def import_hf_cmd(
     with byte_bar("import", not (quiet or json_out)) as progress:
         r = import_hf(hf_dir, dst, to=to, dtype=dtype, memory_budget=memory_budget, workers=workers,
                       overwrite=overwrite, storage_options=parse_storage_options(storage_option), progress=progress,
-                      names=names)
+                      names=names, dequantize=dequantize)
     if json_out:
         print_json(r.to_dict())
         return

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
+import re
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.markup import escape
 
-from ckpt.cli.common import console, err_console, handle_errors
+from ckpt import errors
+from ckpt.cli.common import console, handle_errors
+from ckpt.errors import CheckpointError, LayoutError, StateError
+
+if TYPE_CHECKING:
+    from ckpt.layout import Layout
+    from ckpt.trainer.config import TrainConfig
 
 
 def _say(text: str) -> None:
     # Paths and layouts verbatim: no rich markup ("[plot]" is text here), no wrapping inside paths.
     console.print(text, highlight=False, markup=False, soft_wrap=True)
-
-
-def _error(text: str) -> None:
-    err_console.print(f"[red]error:[/red] {escape(text)}", highlight=False, soft_wrap=True)
 
 
 @handle_errors
@@ -72,66 +79,179 @@ def train_cmd(
     max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="torchrun restarts after a failure"),
     metrics: str | None = typer.Option(None, "--metrics", help="JSON lines file (default CKPT_DIR/metrics.jsonl)"),
     plot: str | None = typer.Option(None, "--plot", help="write the loss curve PNG here (needs matplotlib)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v",
+                                 help="stream torchrun's and the workers' output here (default: a log file under "
+                                      "CKPT_DIR/logs, its path printed once)"),
 ) -> None:
     """Train the embedded MoE (or the hybrid family) on dp*tp*pp*ep*sp processes (torchrun, elastic
-    restarts), with checkpoints."""
+    restarts), with checkpoints. Quiet by default: a few lines here, the workers' output in a log file."""
+    opts = dict(locals())  # the command's options by name, for the helpers below
     from ckpt.layout import Layout
-    from ckpt.trainer.config import TrainConfig, model_config
-    from ckpt.trainer.launch import TrainingFailed, launch
-    from ckpt.trainer.metrics import plot_loss
 
     layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, sp=sp, zero=zero)
-    try:
-        from ckpt.cli.reshard import parse_size
-        from ckpt.errors import CheckpointError
+    cfg = _train_config(opts, layout)
+    _check_faults(cfg, layout)
+    _preflight(cfg, layout)
+    done = _finished_step(cfg)
+    if done is not None:
+        last = f"--steps {steps}" + (f", --stop-after {stop_after}" if stop_after is not None else "")
+        _say(f"nothing to train: {ckpt_dir} already holds step {done}, the run's last ({last}); raise --steps "
+             "(or --stop-after) to go on")
+        return
+    log = None if verbose else _log_file(cfg)
+    _announce(config, cfg, layout, log)
+    seen = _metrics_size(cfg.metrics_file)
+    restarts = _launch(cfg, layout, max_restarts, log)
+    _report(cfg, restarts, seen, plot)
 
-        cap = parse_size(max_staging) if max_staging is not None else None
-    except CheckpointError as e:
-        _error(f"--max-staging-bytes: {e}")
-        raise typer.Exit(5) from None
-    if nodes is None and (memory_every is not None or fail_node is not None) and layout.world_size % 2 == 0:
+
+def _announce(config: str, cfg: TrainConfig, layout: Layout, log: str | None) -> None:
+    _say(f"training {config} under {layout} on {layout.world_size} process(es) via torchrun")
+    if log is not None:
+        _say(f"worker logs: {log}")
+    if cfg.memory_every is not None:
+        where = f"{cfg.nodes} simulated node(s)" if cfg.nodes else "one node"
+        _say(f"memory tier: every {cfg.memory_every} step(s), {cfg.replicas} peer copy(ies), {where}")
+
+
+def _train_config(opts: dict[str, Any], layout: Layout) -> TrainConfig:
+    """The run's TrainConfig from the command's options; StateError (exit 5) naming the flag when one
+    is out of range."""
+    from ckpt.cli.reshard import parse_size
+    from ckpt.trainer.config import TrainConfig, model_config
+
+    nodes = opts["nodes"]
+    if nodes is None and (opts["memory_every"] is not None or opts["fail_node"] is not None) \
+            and layout.world_size % 2 == 0:
         nodes = 2  # one host: without simulated nodes every peer copy would sit on the same node
     try:
-        cfg = TrainConfig(model=model_config(config), seq_len=seq_len, global_batch=global_batch,
-                          microbatches=microbatches, schedule=schedule, steps=steps, stop_after=stop_after, lr=lr,
-                          seed=seed, ckpt_dir=ckpt_dir, save_every=save_every, keep_last=keep_last,
-                          async_save=not sync_save, max_staging_bytes=cap, init_from=init_from,
-                          verify_restore=not no_verify_restore, fail_at_step=fail_at_step,
-                          fail_rank=fail_rank, metrics_path=metrics, device=device, fail_node=fail_node,
-                          memory_every=memory_every, replicas=replicas, memory_keep=memory_keep,
-                          memory_busy=memory_busy, nodes=nodes, shm_dir=shm_dir, run_id=run_id,
-                          moe_dispatch=moe_dispatch, moe_sequence_shard=moe_sequence_shard)
-    except ValueError as e:
-        _error(str(e))
-        raise typer.Exit(5) from None
-    if fail_at_step is not None and fail_rank >= layout.world_size:
-        _error(f"--fail-rank {fail_rank} is outside the {layout.world_size} ranks")
-        raise typer.Exit(5)
-    if fail_node is not None and nodes is None:
-        _error(f"--fail-node needs --nodes N dividing the {layout.world_size} ranks (the simulated nodes on this host)")
-        raise typer.Exit(5)
-    cfg.check_layout(layout)  # LayoutError: one line, exit 5, before any process starts
-    _say(f"training {config} under {layout} on {layout.world_size} process(es) via torchrun")
-    if memory_every is not None:
-        where = f"{nodes} simulated node(s)" if nodes else "one node"
-        _say(f"memory tier: every {memory_every} step(s), {replicas} peer copy(ies), {where}")
+        cap = parse_size(opts["max_staging"]) if opts["max_staging"] is not None else None
+    except CheckpointError as e:
+        raise StateError(f"--max-staging-bytes: {e}") from None
+    same = ("seq_len", "global_batch", "microbatches", "schedule", "steps", "stop_after", "lr", "seed", "ckpt_dir",
+            "save_every", "keep_last", "init_from", "fail_at_step", "fail_rank", "device", "fail_node",
+            "memory_every", "replicas", "memory_keep", "memory_busy", "shm_dir", "run_id", "moe_dispatch",
+            "moe_sequence_shard")
     try:
-        restarts = launch(cfg, layout, max_restarts=max_restarts)
+        return TrainConfig(model=model_config(opts["config"]), async_save=not opts["sync_save"],
+                           max_staging_bytes=cap, verify_restore=not opts["no_verify_restore"],
+                           metrics_path=opts["metrics"], nodes=nodes, **{k: opts[k] for k in same})
+    except ValueError as e:
+        raise StateError(_flag_names(str(e))) from None
+
+
+_FIELD = re.compile(r"TrainConfig\.([a-z_]+)=")
+
+
+def _flag_names(message: str) -> str:
+    """``TrainConfig.save_every=0`` -> ``--save-every 0``: the config's field as the flag that sets it."""
+    flags = {p.name: f"--{p.name.replace('_', '-')}" for p in inspect.signature(train_cmd).parameters.values()}
+    return _FIELD.sub(lambda m: f"{flags[m.group(1)]} " if m.group(1) in flags else m.group(0), message)
+
+
+def _check_faults(cfg: TrainConfig, layout: Layout) -> None:
+    """The fault-injection flags against the layout (LayoutError / StateError, exit 5)."""
+    if cfg.fail_at_step is not None and cfg.fail_rank >= layout.world_size:
+        raise LayoutError(f"--fail-rank {cfg.fail_rank} is outside the {layout.world_size} ranks")
+    if cfg.fail_node is not None and cfg.nodes is None:
+        raise StateError(f"--fail-node needs --nodes N dividing the {layout.world_size} ranks (the simulated "
+                         "nodes on this host)")
+
+
+def _preflight(cfg: TrainConfig, layout: Layout) -> None:
+    """What can be checked before any rank starts: the layout against the model, and --init-from's
+    weights against the model's; typed errors, so the exit code is the table's."""
+    from ckpt.trainer.launch import check_init_from
+
+    cfg.check_layout(layout)
+    if cfg.init_from:
+        try:
+            check_init_from(cfg.init_from, cfg.model)
+        except CheckpointError as e:
+            raise type(e)(f"--init-from {e}") from None
+
+
+def _finished_step(cfg: TrainConfig) -> int | None:
+    """The newest committed step under ``--ckpt-dir`` when it already reaches the run's last step (there
+    is nothing to train), else None."""
+    if not cfg.ckpt_dir or not os.path.isdir(cfg.ckpt_dir):
+        return None
+    from ckpt.manager import list_checkpoints
+
+    steps = [c.step for c in list_checkpoints(cfg.ckpt_dir) if c.committed]
+    return max(steps) if steps and max(steps) >= cfg.last_step else None
+
+
+def _log_file(cfg: TrainConfig) -> str:
+    """A fresh log file for this run's torchrun and worker output: under ``--ckpt-dir``/logs (else next
+    to ``--metrics``, else in a new temporary directory)."""
+    base = cfg.ckpt_dir or (os.path.dirname(os.path.abspath(cfg.metrics_path)) if cfg.metrics_path else None)
+    folder = os.path.join(base, "logs") if base else tempfile.mkdtemp(prefix="ckpt-train-")
+    os.makedirs(folder, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(folder, f"train-{stamp}.log")
+    n = 1
+    while os.path.exists(path):  # two runs in one second
+        n += 1
+        path = os.path.join(folder, f"train-{stamp}-{n}.log")
+    return path
+
+
+def _metrics_size(path: str | None) -> int:
+    return os.path.getsize(path) if path and os.path.exists(path) else 0
+
+
+def _launch(cfg: TrainConfig, layout: Layout, max_restarts: int, log: str | None) -> int:
+    """Run the job; its restarts. A worker's deterministic error is raised as its own type (the exit
+    code of the CLI's table: 5 for a mismatch, 3 for corrupt data ...); lost ranks, after every
+    restart failed, as TrainingFailed (exit 1)."""
+    from ckpt.trainer.launch import TrainingFailed, launch
+
+    try:
+        return launch(cfg, layout, max_restarts=max_restarts, log=log)
     except TrainingFailed as e:
-        # a deterministic error (exit 5, like other bad input) is not retried; lost ranks are (exit 1)
-        _error(str(e) if e.final else f"{e}; gave up after {max_restarts} restart(s)")
-        raise typer.Exit(5 if e.final else 1) from None
+        where = f" (worker logs: {log})" if log and e.final else ""
+        if not e.final:
+            raise TrainingFailed(f"{e}; gave up after {max_restarts} restart(s)", final=False,
+                                 attempts=e.attempts) from None
+        cls = getattr(errors, e.cause or "", None)
+        if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+            cls = StateError  # a ValueError or TypeError of the config: bad input all the same
+        raise cls(f"{e}{where}") from None
+
+
+def _report(cfg: TrainConfig, restarts: int, seen: int, plot: str | None) -> None:
+    """A few lines on what the run did (from the metrics records it wrote), and where everything is."""
+    from ckpt.trainer.demo import summarize_records
+    from ckpt.trainer.metrics import plot_loss
+
+    if cfg.metrics_file and os.path.exists(cfg.metrics_file):
+        for line in summarize_records(_records_since(cfg.metrics_file, seen)):
+            _say(f"  {line}")
     if restarts:
         _say(f"finished after {restarts} restart(s)")
-    if ckpt_dir:
+    if cfg.ckpt_dir:
         from ckpt.manager import CheckpointManager
 
-        _say(f"checkpoints: {ckpt_dir} (newest {CheckpointManager(ckpt_dir, gc_on_start=False).latest()})")
+        _say(f"checkpoints: {cfg.ckpt_dir} (newest {CheckpointManager(cfg.ckpt_dir, gc_on_start=False).latest()})")
     if cfg.metrics_file:
         _say(f"metrics: {cfg.metrics_file}")
         if plot:
             png = plot_loss(cfg.metrics_file, plot)
             _say(f"plot: {png}" if png else "plot: skipped (pip install ckpt[plot] for matplotlib)")
+
+
+def _records_since(path: str, offset: int) -> list[dict[str, Any]]:
+    """The metrics records written after byte ``offset`` (this run's; a torn line is skipped)."""
+    out = []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
 
 
 @handle_errors

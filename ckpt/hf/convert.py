@@ -53,11 +53,12 @@ from ckpt.hf.directory import (
     split_files,
 )
 from ckpt.hf.engine import PREFIX, export_items, import_manifest, params_export, params_import, source_adapter
+from ckpt.hf.fp8 import QUANT_KEY, check_layout, dequantize_dir, quant_spec, stored_scales
 from ckpt.hf.names import names_of
 from ckpt.hf.registry import adapter_named, adapter_of_checkpoint, importer_for
 from ckpt.layout import Layout
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
-from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet
+from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet, rules_named
 from ckpt.save import read_manifest
 from ckpt.shards import full_box
 from ckpt.storage import Storage, get_storage
@@ -244,15 +245,8 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
     src = get_storage(src_url, **opts)
     dst = get_storage(out_dir, **opts)
     try:
-        manifest = read_manifest(src)
-        if manifest is None:
-            from ckpt.interop.sources import LOOKED_FOR, foreign_manifest
-
-            manifest = foreign_manifest(src)  # a DCP / Megatron / DeepSpeed directory, read in place
-            if manifest is None:
-                raise ManifestError(f"{src.url}: no committed checkpoint here ({MANIFEST_NAME} is missing; "
-                                    f"looked for {LOOKED_FOR})")
-            verify_source = False  # other tools record no checksums: nothing to verify against
+        manifest, foreign = _source_manifest(src)
+        verify_source = verify_source and not foreign  # other tools record no checksums: nothing to verify against
         plan = plan_export(manifest, dtype=out_dtype, max_shard_size=limit, url=src.url,
                            config=_config_arg(config), source_names=source_names)
         # tokenizer / generation config: beside the source checkpoint's manifest, then --tokenizer DIR
@@ -260,33 +254,60 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
             hf_files.from_dir(tokenizer) if tokenizer else {})
         ours = {f.path for f in plan.files} | set(plan.computed) | {INDEX_NAME, CONFIG_NAME} | set(side)
         replaced = _check_empty_target(dst, overwrite, ours)
-        created = _new_local_root(dst)
-        opened: list[str] = []
         verify = {it.key for f in plan.files for it in f.items} if verify_source else None
-        try:
-            res = copy_files(src, manifest, dst, plan.files, budget=budget, readers=workers, verify=verify,
-                             progress=progress, written=opened)
-            for name, data in plan.computed.items():
-                opened.append(name)
-                dst.commit(name, data)
-            dst.commit(INDEX_NAME, (json.dumps(plan.index, indent=2) + "\n").encode())
-            dst.commit(CONFIG_NAME, (json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n").encode())
-            for name, data in side.items():
-                dst.commit(name, data)
-        except BaseException:
-            written = opened + [n for n in (INDEX_NAME, CONFIG_NAME, *side) if n not in replaced]
-            _cleanup(dst, written, created)
-            raise
+        buffer_bytes = _write_export(src, manifest, dst, plan, side, replaced, budget=budget, workers=workers,
+                                     verify=verify, progress=progress)
         for stale in replaced:  # an older export's shards that this one did not rewrite
             if stale not in ours:
                 dst.delete(stale)
         return HFExportResult(out_dir=dst.url, files=[f.path for f in plan.files],
                               tensors=sum(len(f.items) for f in plan.files), total_size=plan.total_size,
-                              dtype=dtype_name(plan.dtype), buffer_bytes=res.buffer_bytes,
+                              dtype=dtype_name(plan.dtype), buffer_bytes=buffer_bytes,
                               seconds=time.perf_counter() - t0, side_files=sorted(side))
     finally:
         src.close()
         dst.close()
+
+
+def _source_manifest(src: Storage) -> tuple[Manifest, bool]:
+    """The checkpoint's manifest, or a DCP / Megatron / DeepSpeed directory's read in place (True: foreign).
+
+    Raises ManifestError when there is neither."""
+    manifest = read_manifest(src)
+    if manifest is not None:
+        return manifest, False
+    from ckpt.interop.sources import LOOKED_FOR, foreign_manifest
+
+    manifest = foreign_manifest(src)
+    if manifest is None:
+        raise ManifestError(f"{src.url}: no committed checkpoint here ({MANIFEST_NAME} is missing; "
+                            f"looked for {LOOKED_FOR})")
+    return manifest, True
+
+
+def _write_export(src: Storage, manifest: Manifest, dst: Storage, plan: ExportPlan, side: dict[str, bytes],
+                  replaced: list[str], *, budget: int, workers: int, verify: set[str] | None,
+                  progress: Progress | None) -> int:
+    """Write the planned files, the computed ones, then the index, config.json and side files (the index
+    and config last: a reader finds a model only once every tensor is written); on any failure remove
+    what this call wrote. Returns the most buffer bytes held at once."""
+    created = _new_local_root(dst)
+    opened: list[str] = []
+    try:
+        res = copy_files(src, manifest, dst, plan.files, budget=budget, readers=workers, verify=verify,
+                         progress=progress, written=opened)
+        for name, data in plan.computed.items():
+            opened.append(name)
+            dst.commit(name, data)
+        dst.commit(INDEX_NAME, (json.dumps(plan.index, indent=2) + "\n").encode())
+        dst.commit(CONFIG_NAME, (json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n").encode())
+        for name, data in side.items():
+            dst.commit(name, data)
+    except BaseException:
+        written = opened + [n for n in (INDEX_NAME, CONFIG_NAME, *side) if n not in replaced]
+        _cleanup(dst, written, created)
+        raise
+    return res.buffer_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +371,9 @@ def read_hf_source(storage: Storage, names: str = "ckpt") -> HFSource:
         manifest, meta = params_import(adapter, cfg, entries, sizes, url=url)
         return HFSource(cfg, manifest, adapter.params(cfg), meta, adapter.rules)
     manifest, meta = import_manifest(adapter, cfg, entries, sizes, names, url=url)
-    return HFSource(cfg, manifest, [(k, tuple(t.shape)) for k, t in manifest.tensors.items()], meta, adapter.rules)
+    recorded = rules_named(meta["rules"]) if isinstance(meta.get("rules"), str) else None  # fp8: scales' rules too
+    return HFSource(cfg, manifest, [(k, tuple(t.shape)) for k, t in manifest.tensors.items()], meta,
+                    recorded or adapter.rules)
 
 
 def _layout(to: str | Layout | None) -> Layout:
@@ -374,7 +397,7 @@ def _reshard_fn(target: Layout) -> Callable[..., Any]:
 def import_hf(hf_dir: str, dst_url: str, *, to: str | Layout | None = None, dtype: str | torch.dtype | None = None,
               memory_budget: int | str = DEFAULT_MEMORY_BUDGET, workers: int = 4, overwrite: bool = False,
               storage_options: dict[str, Any] | None = None, tmp_dir: str | None = None,
-              progress: Progress | None = None, names: str = "ckpt") -> HFImportResult:
+              progress: Progress | None = None, names: str = "ckpt", dequantize: bool = False) -> HFImportResult:
     """Import a Hugging Face Qwen3-MoE directory as a weights-only checkpoint of the embedded MoE.
 
     Reads ``model.safetensors`` or the files of ``model.safetensors.index.json``; per-expert
@@ -388,8 +411,12 @@ def import_hf(hf_dir: str, dst_url: str, *, to: str | Layout | None = None, dtyp
             Another layout goes through ``ckpt.resharders.reshard`` from a temporary single-layout
             checkpoint under ``tmp_dir`` (default: next to ``dst_url`` when local).
         dtype: cast every tensor (``"bf16"``, ``"fp16"``, ``"fp32"``); default: keep the stored dtypes.
+            FP8 block-scaled weights and their scales (:mod:`ckpt.hf.fp8`) are kept as stored.
         memory_budget, workers, progress: as for :func:`export_hf`.
         overwrite: replace a committed checkpoint at ``dst_url``.
+        dequantize: an FP8 block-scaled model's weights are computed (``dtype``, default bfloat16) as
+            transformers dequantizes them, through a temporary directory under ``tmp_dir``; the scales and
+            the ``quantization_config`` are dropped. No effect on a model that is not quantized.
 
     Raises (all before anything is written to ``dst_url``): ManifestError (no config, unknown
     architecture, unreadable index), IntegrityError (a file named in the index is missing, malformed
@@ -406,40 +433,81 @@ def import_hf(hf_dir: str, dst_url: str, *, to: str | Layout | None = None, dtyp
     budget = parse_size(memory_budget, what="memory_budget")
     opts = storage_options or {}
     src = get_storage(hf_dir, **opts)
+    origin = src.url
+    plain: str | None = None  # the dequantized copy of an fp8 model (import_hf(dequantize=True))
     try:
+        if dequantize and _is_quantized(src):
+            plain = tempfile.mkdtemp(prefix=".ckpt-dequant-", dir=_tmp_parent(dst_url, tmp_dir, opts))
+            dequantize_dir(src, plain, dtype=out_dtype, budget=budget)
+            src.close()
+            src = get_storage(plain)
         source = read_hf_source(src, names)
         if target.world_size > 1 and names != "ckpt":
             raise LayoutError(f"import to layout {target} with {names} names: the sharding rules know ckpt's "
                               "names only; import without --to (ckpt.load reshards at load time)")
+        spec = quant_spec(source.config, where=origin)
+        if spec is not None:  # before any byte is written: no shard may cut an fp8 block
+            check_layout(source.manifest, source.rules, target, spec.block, where=origin)
         if target.world_size == 1:
             manifest, buffer_bytes = _import_single(src, source, dst_url, dtype=out_dtype, budget=budget,
                                                     workers=workers, overwrite=overwrite, opts=opts,
-                                                    progress=progress, source_url=src.url)
+                                                    progress=progress, source_url=origin)
         else:
-            reshard = _reshard_fn(target)
-            dst = get_storage(dst_url, **opts)
-            try:
-                transaction.begin(dst, overwrite=overwrite)
-                local_root = dst.local_dir
-            finally:
-                dst.close()
-            parent = tmp_dir or (os.path.dirname(local_root) if isinstance(local_root, str) else None)
-            if parent:
-                os.makedirs(parent, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=".ckpt-import-", dir=parent)
-            try:
-                _, buffer_bytes = _import_single(src, source, tmp, dtype=out_dtype, budget=budget, workers=workers,
-                                                 overwrite=True, opts={}, progress=progress, source_url=src.url)
-                manifest = reshard(tmp, dst_url, target, rules=source.rules, memory_budget=budget, workers=workers,
-                                   overwrite=overwrite, progress=progress, storage_options={},
-                                   dst_storage_options=opts)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            manifest, buffer_bytes = _import_resharded(src, source, dst_url, target, dtype=out_dtype, budget=budget,
+                                                       workers=workers, overwrite=overwrite, opts=opts,
+                                                       progress=progress, tmp_dir=tmp_dir, source_url=origin)
         return HFImportResult(dst_url=dst_url, layout=str(target), tensors=len(manifest.tensors),
                               total_bytes=manifest.total_bytes, buffer_bytes=buffer_bytes,
                               seconds=time.perf_counter() - t0, manifest=manifest)
     finally:
         src.close()
+        if plain is not None:
+            shutil.rmtree(plain, ignore_errors=True)
+
+
+def _is_quantized(src: Storage) -> bool:
+    """True when the directory's config.json declares a quantization_config (checked later in full)."""
+    if src.size(CONFIG_NAME) is None:
+        return False
+    d = read_json(src, CONFIG_NAME)
+    return isinstance(d, dict) and bool(d.get(QUANT_KEY))
+
+
+def _tmp_parent(dst_url: str, tmp_dir: str | None, opts: dict[str, Any]) -> str | None:
+    """Where an import's temporary directories go: ``tmp_dir``, else next to a local ``dst_url``."""
+    if tmp_dir:
+        os.makedirs(tmp_dir, exist_ok=True)
+        return tmp_dir
+    dst = get_storage(dst_url, **opts)
+    try:
+        local_root = dst.local_dir
+    finally:
+        dst.close()
+    parent = os.path.dirname(local_root) if isinstance(local_root, str) else None
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    return parent
+
+
+def _import_resharded(src: Storage, source: HFSource, dst_url: str, target: Layout, *, dtype: torch.dtype | None,
+                      budget: int, workers: int, overwrite: bool, opts: dict[str, Any], progress: Progress | None,
+                      tmp_dir: str | None, source_url: str) -> tuple[Manifest, int]:
+    """Import as a single layout under a temporary directory, then reshard that to ``target`` at ``dst_url``."""
+    reshard = _reshard_fn(target)
+    dst = get_storage(dst_url, **opts)
+    try:
+        transaction.begin(dst, overwrite=overwrite)
+    finally:
+        dst.close()
+    tmp = tempfile.mkdtemp(prefix=".ckpt-import-", dir=_tmp_parent(dst_url, tmp_dir, opts))
+    try:
+        _, buffer_bytes = _import_single(src, source, tmp, dtype=dtype, budget=budget, workers=workers,
+                                         overwrite=True, opts={}, progress=progress, source_url=source_url)
+        manifest = reshard(tmp, dst_url, target, rules=source.rules, memory_budget=budget, workers=workers,
+                           overwrite=overwrite, progress=progress, storage_options={}, dst_storage_options=opts)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest, buffer_bytes
 
 
 def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch.dtype | None, budget: int,
@@ -447,7 +515,8 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
                    source_url: str) -> tuple[Manifest, int]:
     """Write ``source`` as a single-layout checkpoint at ``dst_url``; return its manifest and buffer peak."""
     vman = source.manifest
-    out_dtypes = {k: dtype or dtype_from_name(t.dtype) for k, t in vman.tensors.items()}
+    kept = {x for pair in stored_scales(vman).items() for x in pair}  # fp8 weights and scales: never cast
+    out_dtypes = {k: (None if k in kept else dtype) or dtype_from_name(t.dtype) for k, t in vman.tensors.items()}
     # in the order the tensors lie in the source files: a cold read then streams each file front to
     # back (read-ahead works) instead of seeking across it in the index's name order
     def where(key: str) -> tuple[str, int]:

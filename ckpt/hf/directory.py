@@ -190,11 +190,21 @@ def read_entries(storage: Storage) -> tuple[dict[str, tuple[str, HeaderEntry]], 
 # ---------------------------------------------------------------------------------------------
 
 
-def _files(groups: list[Tensors], st: str, dtype: torch.dtype) -> list[OutFile]:
+def _dtype(t: tuple[str, tuple[int, ...], list[Item]], default: torch.dtype) -> torch.dtype:
+    """A tensor's dtype in the file: its items' (fp8 weights and their scales keep theirs), else ``default``."""
+    return t[2][0].dst_dtype if t[2] else default
+
+
+def _files(groups: list[Tensors], dtype: torch.dtype) -> list[OutFile]:
     files = []
     for k, group in enumerate(groups):
-        header, _ = build_header([(name, st, shape, math.prod(shape) * dtype.itemsize) for name, shape, _ in group],
-                                 ST_METADATA)
+        entries = []
+        for t in group:
+            dt = _dtype(t, dtype)
+            st = safetensors_dtype(dt)
+            assert st is not None
+            entries.append((t[0], st, t[1], math.prod(t[1]) * dt.itemsize))
+        header, _ = build_header(entries, ST_METADATA)
         files.append(OutFile(f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors", header,
                              [it for _, _, items in group for it in items]))
     return files
@@ -203,22 +213,21 @@ def _files(groups: list[Tensors], st: str, dtype: torch.dtype) -> list[OutFile]:
 def split_files(tensors: Tensors, dtype: torch.dtype, limit: int) -> list[OutFile]:
     """Fill files in order up to ``limit`` bytes, header included (each header entry counted at its
     longest); a larger tensor gets a file of its own. Every export (the embedded MoE's and the
-    adapter families')."""
-    st = safetensors_dtype(dtype)
-    assert st is not None
-    digits = len(str(sum(math.prod(shape) for _, shape, _ in tensors) * dtype.itemsize))
+    adapter families'). Each tensor is written as its items' dtype (``dtype`` unless kept, e.g. fp8)."""
+    sizes = [math.prod(t[1]) * _dtype(t, dtype).itemsize for t in tensors]
+    digits = len(str(sum(sizes)))
     big = 10**digits - 1  # no data offset has more digits: header estimates are upper bounds
     fixed = 8 + len(json.dumps({"__metadata__": ST_METADATA}, separators=(",", ":"))) + 8
 
-    def entry(name: str, shape: tuple[int, ...]) -> int:
-        e = {name: {"dtype": st, "shape": list(shape), "data_offsets": [big, big]}}
+    def entry(name: str, shape: tuple[int, ...], dt: torch.dtype) -> int:
+        e = {name: {"dtype": safetensors_dtype(dt), "shape": list(shape), "data_offsets": [big, big]}}
         return len(json.dumps(e, separators=(",", ":")))  # braces stand in for the comma
 
     groups: list[Tensors] = []
     cur: Tensors = []
     size = fixed
-    for t in tensors:
-        add = entry(t[0], t[1]) + math.prod(t[1]) * dtype.itemsize
+    for t, nbytes in zip(tensors, sizes, strict=True):
+        add = entry(t[0], t[1], _dtype(t, dtype)) + nbytes
         if cur and size + add > limit:
             groups.append(cur)
             cur, size = [], fixed
@@ -226,7 +235,7 @@ def split_files(tensors: Tensors, dtype: torch.dtype, limit: int) -> list[OutFil
         size += add
     if cur:
         groups.append(cur)
-    return _files(groups, st, dtype)
+    return _files(groups, dtype)
 
 
 def index_of(files: list[OutFile], computed: tuple[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:

@@ -1,4 +1,7 @@
-"""The generic adapter: every causal-LM architecture transformers can build, without a hand-written family.
+"""The generic adapter: every causal-LM architecture transformers can build, without a hand-written family,
+and the multimodal models built around one (``text_config``: llava, qwen2_5_vl, mistral3, gemma3, ...: the
+language model split by its plan, the vision tower kept as stored tensors, replicated unless a plan names
+them) and the ``*_text`` text models of such families.
 
 For a ``model_type`` no explicit adapter serves (:data:`ckpt.hf.adapters.ADAPTERS`, registered ones win),
 the tensors and their sharding are derived from transformers itself, once, at import (or at an export
@@ -98,16 +101,15 @@ _EXPERT = re.compile(r"(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<rest>.+)")
 
 
 def knows(model_type: Any) -> bool:
-    """True when the installed transformers builds a causal LM for ``model_type`` (False without it)."""
+    """True when the installed transformers builds ``model_type``'s model: a causal LM, a multimodal model
+    around a language model (``text_config``: llava, qwen2_5_vl, mistral3, ...), or the text model of one
+    (a ``*_text`` type). False without transformers."""
     if not isinstance(model_type, str):
         return False
     try:
         from transformers import CONFIG_MAPPING
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-        # by config class, as AutoModelForCausalLM.from_config looks up: a causal LM's own config may
-        # have a model type of its own (emu3's language model saves "emu3_text_model")
-        return model_type in CONFIG_MAPPING and (CONFIG_MAPPING[model_type] in MODEL_FOR_CAUSAL_LM_MAPPING
-                                                 or _causal_class(model_type) is not None)
+
+        return model_type in CONFIG_MAPPING and _model_class(CONFIG_MAPPING[model_type], model_type, None) is not None
     except Exception:  # noqa: BLE001 - no (usable) transformers: no generic path
         return False
 
@@ -127,10 +129,37 @@ def _causal_class(model_type: str) -> Any:
     return None
 
 
-def _causal_mapping() -> Any:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+def _model_class(config_class: Any, model_type: str, architectures: Any) -> Any:
+    """The transformers class whose ``save_pretrained`` wrote a model of ``config_class``, or None: the
+    class ``architectures`` names (when it is a causal LM, a multimodal or a base model of this config),
+    else the causal LM, else the image-text-to-text model (the language model under
+    ``model.language_model``, the vision tower beside it), else, for a ``*_text`` type, its text model."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
 
-    return MODEL_FOR_CAUSAL_LM_MAPPING
+    tables = (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+              auto.MODEL_MAPPING_NAMES)
+    named = architectures[0] if isinstance(architectures, list) and architectures else None
+    if isinstance(named, str) and any(named == v or (isinstance(v, tuple) and named in v)
+                                      for t in tables for v in t.values()):
+        cls = getattr(transformers, named, None)
+        if cls is not None and getattr(cls, "config_class", None) is config_class:
+            return cls
+    causal = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if isinstance(causal, tuple):
+        causal = causal[0] if causal else None
+    if isinstance(causal, str):
+        return getattr(transformers, causal, None)
+    own = _causal_class(model_type)
+    if own is not None:
+        return own
+    multimodal = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+    if isinstance(multimodal, str):
+        return getattr(transformers, multimodal, None)
+    base = auto.MODEL_MAPPING_NAMES.get(model_type)
+    if model_type.endswith("_text") and isinstance(base, str):
+        return getattr(transformers, base, None)
+    return None
 
 
 def _count(cfg: Any, *names: str) -> int:
@@ -150,11 +179,28 @@ def derive(d: Config, *, where: str) -> dict[str, Any]:
     place), ConfigError (transformers rejects the config, or a count beyond ckpt's bounds).
     """
     model_type = d.get("model_type")
+    model, layers = _build(d, where=where)
+    try:
+        files, model_names, origin = _file_tensors(model)
+        tp_plan = dict(getattr(model, "tp_plan", None) or {})
+        ep_plan = dict(getattr(model, "ep_plan", None) or {})
+    except Exception as e:  # noqa: BLE001 - transformers cannot save this model's state
+        raise ManifestError(f"{where}: transformers cannot build {model_type} from this config on the meta device "
+                            f"({type(e).__name__}: {str(e)[:200]}); nothing was written") from None
+    tensors = [[n, [int(x) for x in t.shape]] for n, t in files.items()]
+    packed, rules = _derive_rules(tensors, model_names, origin, tp_plan, ep_plan, where=where)
+    table = RuleSet(rules, name=f"{NAME}:{model_type}", first_stage=["model.embed_tokens.*"],
+                    last_stage=["model.norm.*", "lm_head.*"])
+    return {"tensors": tensors, "packed": packed, "rules": table.to_dict(), "layers": layers,
+            "layers_given": "num_hidden_layers" in d}
+
+
+def _build(d: Config, *, where: str) -> tuple[Any, int]:
+    """``d``'s model built by transformers on the meta device, and its (text model's) layer count."""
+    model_type = d.get("model_type")
     try:
         import torch
-        from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-        from transformers.core_model_loading import revert_weight_conversion
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+        from transformers import CONFIG_MAPPING
     except Exception as e:  # noqa: BLE001 - report what is missing
         raise ManifestError(f"{where}: model_type {model_type!r} has no built-in adapter and the generic one needs "
                             f"transformers ({type(e).__name__}: {e}); install transformers") from None
@@ -171,29 +217,43 @@ def derive(d: Config, *, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: {layers} layers / {experts} experts is beyond what ckpt imports "
                           f"(at most {MAX_LAYERS} / {MAX_EXPERTS}); fix config.json")
     try:
+        cls = _model_class(type(config), str(model_type), d.get("architectures"))
+        if cls is None:
+            raise ManifestError(f"{where}: the installed transformers has no model class for {model_type}; "
+                                "nothing was written")
         with torch.device("meta"):
-            own = None if type(config) in _causal_mapping() else _causal_class(str(model_type))
-            model = own._from_config(config) if own is not None else AutoModelForCausalLM.from_config(config)
-        sd = model.state_dict()
-        for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
-            sd.pop(k, None)
-        sd = remove_tied_weights_from_state_dict(sd, model)
-        model_names = dict(sd)
-        files = revert_weight_conversion(model, sd)
-        tp_plan = dict(getattr(model, "tp_plan", None) or {})
-        ep_plan = dict(getattr(model, "ep_plan", None) or {})
-        # where each file tensor came from: the model parameter a reverted conversion turned into it
-        origin: dict[str, str] = {}
-        if files.keys() != model_names.keys():
-            for name, t in model_names.items():
-                for f in revert_weight_conversion(model, {name: t}):
-                    origin.setdefault(f, name)
+            return cls._from_config(config), layers
     except ManifestError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers cannot build this config
         raise ManifestError(f"{where}: transformers cannot build {model_type} from this config on the meta device "
                             f"({type(e).__name__}: {str(e)[:200]}); nothing was written") from None
-    tensors = [[n, [int(x) for x in t.shape]] for n, t in files.items()]
+
+
+def _file_tensors(model: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """What ``save_pretrained`` writes of ``model`` (file name -> meta tensor, in order), the model's own
+    parameters, and for each file tensor a reverted conversion made, the parameter it came from."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    sd = model.state_dict()
+    for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        sd.pop(k, None)
+    sd = remove_tied_weights_from_state_dict(sd, model)
+    model_names = dict(sd)
+    files = revert_weight_conversion(model, sd)
+    origin: dict[str, str] = {}
+    if files.keys() != model_names.keys():
+        for name, t in model_names.items():
+            for f in revert_weight_conversion(model, {name: t}):
+                origin.setdefault(f, name)
+    return files, model_names, origin
+
+
+def _derive_rules(tensors: list[list[Any]], model_names: dict[str, Any], origin: dict[str, str],
+                  tp_plan: dict[str, str], ep_plan: dict[str, str], *,
+                  where: str) -> tuple[dict[str, list[int]], list[Rule]]:
+    """The packed file tensors (name -> [dim, parts]) and a rule per canonical pattern, from the plans."""
     packed: dict[str, list[int]] = {}
     rules: list[Rule] = []
     seen: set[str] = set()
@@ -227,10 +287,30 @@ def derive(d: Config, *, where: str) -> dict[str, Any]:
                 continue
             seen.add(p)
             rules.append(Rule(p, Placement(tp_dim=tp_dim, ep_dim=ep_dim, pad=tp_dim is not None)))
-    table = RuleSet(rules, name=f"{NAME}:{model_type}", first_stage=["model.embed_tokens.*"],
-                    last_stage=["model.norm.*", "lm_head.*"])
-    return {"tensors": tensors, "packed": packed, "rules": table.to_dict(), "layers": layers,
-            "layers_given": "num_hidden_layers" in d}
+    return packed, rules
+
+
+def _legacy_names(cfg: Config, unknown: set[str], missing: set[str]) -> dict[str, str]:
+    """For names save_pretrained writes (``missing`` from the files): the file name in ``unknown`` that
+    transformers' renamings of this model (``get_model_conversion_mapping``) load as the same parameter.
+    Empty when transformers cannot tell (the import then names the tensors that do not match)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        model, _ = _build(cfg, where="")
+        renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+        # both spellings meet where transformers loads them (the model's own names): the files may hold
+        # an older spelling than save_pretrained's, or a newer one (save_pretrained writes llava's old one)
+        loaded_as = {rename_source_key(n, renamings, [])[0]: n for n in sorted(missing)}
+        out: dict[str, str] = {}
+        for k in sorted(unknown):
+            name = loaded_as.get(rename_source_key(k, renamings, [])[0])
+            if name is not None and name not in out:
+                out[name] = k
+        return out
+    except Exception:  # noqa: BLE001 - no usable renamings: the names stay as derived
+        return {}
 
 
 def _check_layout(lay: Any, *, where: str) -> dict[str, Any]:
@@ -262,6 +342,11 @@ def _check_layout(lay: Any, *, where: str) -> dict[str, Any]:
         raise bad("layers")
     if not isinstance(lay.get("layers_given"), bool):
         raise bad("layers_given")
+    names = lay.get("file_names", {})
+    if not (isinstance(names, dict) and len(set(names.values())) == len(names)
+            and all(isinstance(k, str) and k in shapes and isinstance(v, str) and v not in shapes
+                    for k, v in names.items())):
+        raise bad("file_names")
     return lay
 
 
@@ -338,22 +423,41 @@ class Generic(Adapter):
         return out
 
     def hf_map(self, cfg: Config, present: set[str] | None = None) -> Map:
+        """File tensor -> runs over the canonical ones. The files' own spelling of a name where it is another
+        one transformers loads as the same parameter (llava's ``model.language_model.*`` for the
+        ``language_model.model.*`` save_pretrained writes): found at import among ``present`` and recorded,
+        written back by export."""
         tensors, packed = self._layout(cfg)
         shapes = dict(tensors)
+        spelled = self._file_names(cfg, present)
         stacked = {f: (canon, e) for canon, fs in self._stacks(tensors).items() for e, f in enumerate(fs)}
         out: Map = {}
         for n, s in tensors:
             if n in stacked:
                 canon, e = stacked[n]
                 size = _numel(s)
-                out[n] = Target(s, [Run(canon, e * size, size)])
+                t = Target(s, [Run(canon, e * size, size)])
             elif n in packed:
                 dim, parts = packed[n]
                 outer, chunk = _numel(s[:dim]), s[dim] // parts * _numel(s[dim + 1:])
-                out[n] = Target(s, [Run(f"{n}.part{k}", o * chunk, chunk) for o in range(outer) for k in range(parts)])
+                t = Target(s, [Run(f"{n}.part{k}", o * chunk, chunk) for o in range(outer) for k in range(parts)])
             else:
-                out[n] = whole(n, shapes[n])
+                t = whole(n, shapes[n])
+            out[spelled.get(n, n)] = t
         return out
+
+    def _file_names(self, cfg: Config, present: set[str] | None) -> dict[str, str]:
+        """Name -> the files' older spelling of it: as recorded, else (an import) found among ``present``
+        through transformers' own renamings of this model (recorded in the layout, for the export)."""
+        lay = cfg[LAYOUT_KEY]
+        if "file_names" in lay or present is None:
+            return dict(lay.get("file_names") or {})
+        derived = {n for n, _ in lay["tensors"]}
+        unknown, missing = present - derived, derived - present
+        found = _legacy_names(cfg, unknown, missing) if unknown and missing else {}
+        if found:
+            lay["file_names"] = found
+        return found
 
     def params(self, cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
         tensors, packed = self._layout(cfg)

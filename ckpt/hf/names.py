@@ -160,83 +160,108 @@ def _rope_rows(name: str, shape: tuple[int, ...], heads: int, d: int) -> list[Ru
     return [rows(name, shape, h * d + 2 * b + a, 1) for h in range(heads) for a in range(2) for b in range(half)]
 
 
+_MEGATRON_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+_MEGATRON_FC1 = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.shared_experts.gate_proj.weight",
+                 "mlp.shared_experts.up_proj.weight", "mlp.shared_expert.gate_proj.weight",
+                 "mlp.shared_expert.up_proj.weight")
+_MEGATRON_EXPERTS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+_MEGATRON_TOP = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+                 "model.norm.weight": "decoder.final_layernorm.weight", "lm_head.weight": "output_layer.weight"}
+# Per-layer tensors stored whole: canonical rest -> Megatron spellings, the first the one written
+_MEGATRON_SIMPLE = {
+    "input_layernorm.weight": ["self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"],
+    "self_attn.o_proj.weight": ["self_attention.linear_proj.weight"],
+    "self_attn.o_proj.bias": ["self_attention.linear_proj.bias"],
+    "self_attn.q_norm.weight": ["self_attention.q_layernorm.weight"],
+    "self_attn.k_norm.weight": ["self_attention.k_layernorm.weight"],
+    "mlp.down_proj.weight": ["mlp.linear_fc2.weight"],
+    "mlp.gate.weight": ["mlp.router.weight"],
+    "mlp.gate.e_score_correction_bias": ["mlp.router.expert_bias"],
+    "mlp.shared_experts.down_proj.weight": ["mlp.shared_experts.linear_fc2.weight"],
+    "mlp.shared_expert.down_proj.weight": ["mlp.shared_experts.linear_fc2.weight"],
+    "mlp.shared_expert_gate.weight": ["mlp.shared_experts.gate_weight"],
+    # multi-latent attention (DeepSeek-V3)
+    "self_attn.q_proj.weight": ["self_attention.linear_q_proj.weight"],
+    "self_attn.q_a_proj.weight": ["self_attention.linear_q_down_proj.weight"],
+    "self_attn.q_a_layernorm.weight": ["self_attention.linear_q_up_proj.layer_norm_weight",
+                                       "self_attention.q_layernorm.weight"],
+    "self_attn.q_b_proj.weight": ["self_attention.linear_q_up_proj.weight"],
+    "self_attn.kv_a_proj_with_mqa.weight": ["self_attention.linear_kv_down_proj.weight"],
+    "self_attn.kv_a_layernorm.weight": ["self_attention.linear_kv_up_proj.layer_norm_weight",
+                                        "self_attention.kv_layernorm.weight"],
+    "self_attn.kv_b_proj.weight": ["self_attention.linear_kv_up_proj.weight"],
+}
+
+
+def _megatron_qkv(cfg: Config, pre: str, rest: str, s: tuple[int, ...], shapes: dict[str, tuple[int, ...]]) \
+        -> Target:
+    """q/k/v (weight or bias) as row blocks of ``linear_qkv``: per query group, its query heads, k, v."""
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    nh, ng = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    qpg = nh // ng
+    kind = rest.split(".")[1][0]  # q, k or v
+    suffix = rest.rsplit(".", 1)[1]
+    name = pre + "self_attention.linear_qkv." + suffix
+    full = ((nh + 2 * ng) * d, h) if suffix == "weight" else ((nh + 2 * ng) * d,)
+    shapes[name] = full
+    first = {"q": 0, "k": qpg * d, "v": (qpg + 1) * d}[kind]
+    count = qpg * d if kind == "q" else d
+    return Target(s, [rows(name, full, g * (qpg + 2) * d + first, count) for g in range(ng)])
+
+
+def _megatron_fc1(pre: str, rest: str, s: tuple[int, ...], shapes: dict[str, tuple[int, ...]]) -> Target:
+    """gate / up as the first / second half of ``linear_fc1``'s rows."""
+    name = pre + ("mlp.shared_experts.linear_fc1.weight" if "shared" in rest else "mlp.linear_fc1.weight")
+    full = (2 * s[0], s[1])
+    shapes[name] = full
+    return Target(s, [rows(name, full, 0 if "gate_proj" in rest else s[0], s[0])])
+
+
+def _megatron_experts(pre: str, rest: str, s: tuple[int, ...], shapes: dict[str, tuple[int, ...]],
+                      alt: dict[str, list[str]]) -> Target:
+    """A stacked expert tensor as one block of each local expert's ``linear_fc1`` / ``linear_fc2``."""
+    runs = []
+    fc = "linear_fc2" if rest.endswith("down_proj") else "linear_fc1"
+    for k in range(s[0]):
+        name = f"{pre}mlp.experts.local_experts.{k}.{fc}.weight"
+        full = (s[1], s[2]) if fc == "linear_fc2" else (2 * s[1], s[2])
+        shapes[name] = full
+        alt[name] = [f"{pre}mlp.experts.{fc}.weight{k}"]
+        runs.append(rows(name, full, s[1] if rest.endswith("up_proj") else 0, s[1]))
+    return Target(s, runs)
+
+
 def _megatron(cfg: Config, params: list[tuple[str, tuple[int, ...]]]) -> Naming:
     out: Map = {}
     shapes: dict[str, tuple[int, ...]] = {}
     alt: dict[str, list[str]] = {}
-    h, d = cfg["hidden_size"], cfg["head_dim"]
-    nh, ng = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    qpg = nh // ng
     by_name = dict(params)
     for p, s in params:
         lay = _layer(p)
         if lay is None:
-            name = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
-                    "model.norm.weight": "decoder.final_layernorm.weight", "lm_head.weight": "output_layer.weight"}[p]
+            name = _MEGATRON_TOP[p]
             out[p], shapes[name] = whole(name, s), s
             continue
         n, rest = lay
         pre = f"decoder.layers.{n}."
-        moe_layer = f"model.layers.{n}.mlp.experts.gate_proj" in by_name
         mla = f"model.layers.{n}.self_attn.kv_b_proj.weight" in by_name
-        if not mla and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"):
-            kind = rest.split(".")[1][0]  # q, k or v
-            suffix = rest.rsplit(".", 1)[1]
-            name = pre + "self_attention.linear_qkv." + suffix
-            full = ((nh + 2 * ng) * d, h) if suffix == "weight" else ((nh + 2 * ng) * d,)
-            shapes[name] = full
-            first = {"q": 0, "k": qpg * d, "v": (qpg + 1) * d}[kind]
-            count = qpg * d if kind == "q" else d
-            out[p] = Target(s, [rows(name, full, g * (qpg + 2) * d + first, count) for g in range(ng)])
+        if not mla and rest in _MEGATRON_QKV:
+            out[p] = _megatron_qkv(cfg, pre, rest, s, shapes)
             continue
-        if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.shared_experts.gate_proj.weight",
-                    "mlp.shared_experts.up_proj.weight", "mlp.shared_expert.gate_proj.weight",
-                    "mlp.shared_expert.up_proj.weight"):
-            shared = "shared" in rest
-            name = pre + ("mlp.shared_experts.linear_fc1.weight" if shared else "mlp.linear_fc1.weight")
-            full = (2 * s[0], s[1])
-            shapes[name] = full
-            out[p] = Target(s, [rows(name, full, 0 if "gate_proj" in rest else s[0], s[0])])
+        if rest in _MEGATRON_FC1:
+            out[p] = _megatron_fc1(pre, rest, s, shapes)
             continue
-        if rest in ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"):
-            e = s[0]
-            runs = []
-            for k in range(e):
-                fc = "linear_fc2" if rest.endswith("down_proj") else "linear_fc1"
-                name = f"{pre}mlp.experts.local_experts.{k}.{fc}.weight"
-                full = (s[1], s[2]) if fc == "linear_fc2" else (2 * s[1], s[2])
-                shapes[name] = full
-                alt[name] = [f"{pre}mlp.experts.{fc}.weight{k}"]
-                first = s[1] if rest.endswith("up_proj") else 0
-                runs.append(rows(name, full, first, s[1]))
-            out[p] = Target(s, runs)
+        if rest in _MEGATRON_EXPERTS:
+            out[p] = _megatron_experts(pre, rest, s, shapes, alt)
             continue
-        simple = {
-            "input_layernorm.weight": ["self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"],
-            "post_attention_layernorm.weight": (["pre_mlp_layernorm.weight"] if moe_layer else
-                                                ["mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"]),
-            "self_attn.o_proj.weight": ["self_attention.linear_proj.weight"],
-            "self_attn.o_proj.bias": ["self_attention.linear_proj.bias"],
-            "self_attn.q_norm.weight": ["self_attention.q_layernorm.weight"],
-            "self_attn.k_norm.weight": ["self_attention.k_layernorm.weight"],
-            "mlp.down_proj.weight": ["mlp.linear_fc2.weight"],
-            "mlp.gate.weight": ["mlp.router.weight"],
-            "mlp.gate.e_score_correction_bias": ["mlp.router.expert_bias"],
-            "mlp.shared_experts.down_proj.weight": ["mlp.shared_experts.linear_fc2.weight"],
-            "mlp.shared_expert.down_proj.weight": ["mlp.shared_experts.linear_fc2.weight"],
-            "mlp.shared_expert_gate.weight": ["mlp.shared_experts.gate_weight"],
-            # multi-latent attention (DeepSeek-V3)
-            "self_attn.q_proj.weight": ["self_attention.linear_q_proj.weight"],
-            "self_attn.q_a_proj.weight": ["self_attention.linear_q_down_proj.weight"],
-            "self_attn.q_a_layernorm.weight": ["self_attention.linear_q_up_proj.layer_norm_weight",
-                                               "self_attention.q_layernorm.weight"],
-            "self_attn.q_b_proj.weight": ["self_attention.linear_q_up_proj.weight"],
-            "self_attn.kv_a_proj_with_mqa.weight": ["self_attention.linear_kv_down_proj.weight"],
-            "self_attn.kv_a_layernorm.weight": ["self_attention.linear_kv_up_proj.layer_norm_weight",
-                                                "self_attention.kv_layernorm.weight"],
-            "self_attn.kv_b_proj.weight": ["self_attention.linear_kv_up_proj.weight"],
-        }.get(rest)
+        simple: list[str] | None
+        if rest == "post_attention_layernorm.weight":
+            moe_layer = f"model.layers.{n}.mlp.experts.gate_proj" in by_name
+            simple = (["pre_mlp_layernorm.weight"] if moe_layer else
+                      ["mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"])
+        else:
+            simple = _MEGATRON_SIMPLE.get(rest)
         if simple is None:
             raise MismatchError(f"{p}: no Megatron-Core name is known for this parameter; pass a names file")
         name = pre + simple[0]

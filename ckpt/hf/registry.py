@@ -31,6 +31,7 @@ from typing import Any
 
 from ckpt.errors import ManifestError
 from ckpt.hf.adapters import ADAPTER_KEY, ADAPTERS, Adapter, Config
+from ckpt.hf.fp8 import QUANT_KEY, with_quant
 from ckpt.hf.generic import GENERIC, Generic, knows
 from ckpt.resharders.rules import MOE_RULES
 
@@ -94,7 +95,7 @@ def adapter_named(name: str) -> Adapter | None:
 
 def _known() -> str:
     return ", ".join(sorted(n for n in registered() if n != GENERIC.name)) + \
-        " and, through transformers, every causal LM it builds"
+        " and, through transformers, every causal LM it builds (multimodal ones around a language model too)"
 
 
 def adapter_for(model_type: Any, *, where: str) -> Adapter:
@@ -124,9 +125,12 @@ def importer_for(d: Config, names: str, *, where: str) -> tuple[Adapter, Any]:
     """
     model_type = d.get("model_type")
     family = adapter_for(model_type, where=where)
-    full = family.complete(d, where=where)
+    # an fp8 block-scaled model: the family checks the model's fields, the fp8 spec is kept (ckpt.hf.fp8); a
+    # registered importer (the embedded MoE's bf16/fp32 parameters) does not take it
+    full = with_quant(lambda c: family.complete(c, where=where), d, where=where)
+    quantized = isinstance(full, dict) and bool(full.get(QUANT_KEY))
     with _lock:
-        takers = [a for a in reversed(_REGISTERED.values()) if model_type in a.imports]
+        takers = [] if quantized else [a for a in reversed(_REGISTERED.values()) if model_type in a.imports]
     for a in takers:
         cfg = a.accept(d, names, where=where)
         if cfg is not None:

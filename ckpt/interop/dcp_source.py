@@ -264,16 +264,11 @@ def _object(read: Callable[[int, int], bytes], info: Any, key: str, what: str) -
         return encode_object(refusal(err), key=key), True
 
 
-def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
-    """A ckpt manifest describing the DCP checkpoint in ``storage`` (no data is copied).
+_Job = tuple[str, int, Box, Any, torch.dtype]  # (key, chunk number, its box, its storage entry, dtype)
 
-    Raises:
-        ManifestError: ``.metadata`` is missing, not DCP's, refers to missing files or ranges outside
-            them, or uses DCP transforms; a global outside the allowlist stops the read (IntegrityError).
-    """
-    what = storage.url
-    md = read_metadata(storage)
-    index = _storage_index(md, f"{what}/{METADATA_NAME}")
+
+def _data_files(storage: Storage, index: dict[Any, Any], what: str) -> dict[str, int]:
+    """Size of each data file ``.metadata`` names; every item's byte range checked against its file."""
     files: dict[str, int] = {}
     for info in index.values():
         path = check_relpath(str(info.relative_path), f"{what}/{METADATA_NAME}")
@@ -285,7 +280,12 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
         if info.offset < 0 or info.length < 0 or info.offset + info.length > files[path]:
             raise IntegrityError(f"{what}/{path}: item [{info.offset}, {info.offset + info.length}) lies beyond the "
                                 f"file's {files[path]} bytes (truncated?)")
-    jobs: list[tuple[str, int, Box, Any, torch.dtype]] = []
+    return files
+
+
+def _chunk_jobs(md: Any, index: dict[Any, Any], what: str) -> tuple[list[_Job], dict[str, TensorEntry], list[str]]:
+    """One job per tensor chunk, the tensors' entries (shards still empty) and the object keys."""
+    jobs: list[_Job] = []
     tensors: dict[str, TensorEntry] = {}
     object_keys: list[str] = []
     for key, meta in md.state_dict_metadata.items():
@@ -302,10 +302,16 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
             if info is None:
                 raise ManifestError(f"{what}/{METADATA_NAME}: {key!r} chunk at {list(offsets)} has no storage entry")
             jobs.append((key, n, Box(offsets, tuple(int(s) for s in chunk.sizes)), info, dtype))
+    return jobs, tensors, object_keys
 
+
+def _locate_chunks(storage: Storage, jobs: list[_Job], files: dict[str, int], workers: int) \
+        -> list[list[ShardEntry] | _Refused]:
+    """Where each chunk's bytes lie in its file (or why this key is refused), read in parallel."""
+    what = storage.url
     headers = _Headers()
 
-    def locate(job: tuple[str, int, Box, Any, torch.dtype]) -> list[ShardEntry] | _Refused:
+    def locate(job: _Job) -> list[ShardEntry] | _Refused:
         key, _, box, info, dtype = job
         path = str(info.relative_path)
         if box.numel == 0:
@@ -317,7 +323,36 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
         return [ShardEntry(b, path, offset, length) for b, offset, length in runs]
 
     with ThreadPoolExecutor(max(1, workers)) as pool:  # a few small reads per chunk: overlap them
-        shards = list(pool.map(locate, jobs))
+        return list(pool.map(locate, jobs))
+
+
+def _read_objects(storage: Storage, index: dict[Any, Any], object_keys: list[str], objects: dict[str, ObjectEntry],
+                  raw_keys: list[str]) -> None:
+    """Decode each object item into ``objects`` (through the allowlist); refused ones go in ``raw_keys``."""
+    what = storage.url
+    for key in object_keys:
+        info = index.get((key, None))
+        if info is None:
+            raise ManifestError(f"{what}/{METADATA_NAME}: object {key!r} has no storage entry")
+        data, raw = _object(reader(storage, str(info.relative_path)), info, key, f"{what}/{info.relative_path}")
+        objects[key] = ObjectEntry(data=data, checksum=crc32(data))
+        if raw:
+            raw_keys.append(key)
+
+
+def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
+    """A ckpt manifest describing the DCP checkpoint in ``storage`` (no data is copied).
+
+    Raises:
+        ManifestError: ``.metadata`` is missing, not DCP's, refers to missing files or ranges outside
+            them, or uses DCP transforms; a global outside the allowlist stops the read (IntegrityError).
+    """
+    what = storage.url
+    md = read_metadata(storage)
+    index = _storage_index(md, f"{what}/{METADATA_NAME}")
+    files = _data_files(storage, index, what)
+    jobs, tensors, object_keys = _chunk_jobs(md, index, what)
+    shards = _locate_chunks(storage, jobs, files, workers)
     objects: dict[str, ObjectEntry] = {}
     raw_keys: list[str] = []  # refused keys
     for (key, _, _, _, _), found in zip(jobs, shards, strict=True):
@@ -329,14 +364,7 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
                 raw_keys.append(key)
         elif key in tensors:
             tensors[key].shards.extend(found)
-    for key in object_keys:
-        info = index.get((key, None))
-        if info is None:
-            raise ManifestError(f"{what}/{METADATA_NAME}: object {key!r} has no storage entry")
-        data, raw = _object(reader(storage, str(info.relative_path)), info, key, f"{what}/{info.relative_path}")
-        objects[key] = ObjectEntry(data=data, checksum=crc32(data))
-        if raw:
-            raw_keys.append(key)
+    _read_objects(storage, index, object_keys, objects, raw_keys)
     source: dict[str, Any] = {"format": "dcp", "version": str(getattr(md, "version", None) or "")}
     user: dict[str, Any] = {"source": source}
     if raw_keys:

@@ -48,6 +48,7 @@ import math
 import os
 import re
 import stat
+from collections.abc import Callable
 from typing import Any
 
 from ckpt._checksum import crc32
@@ -229,31 +230,18 @@ def _check_slices(shapes: Any, states: list[Any], layout: dict[str, tuple[tuple[
                                     "DeepSpeed layout this reader does not know")
 
 
-def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
-    """A manifest describing the DeepSpeed ZeRO or universal checkpoint ``root/<tag>`` (``tag``: when
-    None, from ``root/latest``, else ``root/latest_universal``, or ``root`` itself when it holds the
-    files); file paths are relative to ``root``. A tag directory with ``zero/`` and no
-    ``*_optim_states.pt`` is a universal checkpoint (``ds_to_universal``'s output).
-
-    Raises:
-        ManifestError: missing rank or parameter files (named), rank files of two saves, tensor-parallel
-            or unknown layouts (a BF16_Optimizer file of a stage other than 0/1, a ``param_slice_mappings``
-            that disagrees with the reassembly), partitions that do not add up to the parameters' shapes
-            or differ in dtype across ranks.
-        IntegrityError: a pickle names a global outside the allowlist, or a file is damaged.
-        StorageError: a checkpoint file that is not a regular file.
-    """
+def _resolve_tag(root: str, tag: str | None) -> str | None:
+    """``tag``, else the one ``root/latest`` (or ``root/latest_universal``) names, else None."""
     for pointer in ("latest", "latest_universal"):
         path = os.path.join(root, pointer)
         if tag is None and os.path.isfile(path) and _regular(path) < 4096:
             with open(path) as f:
                 tag = _component(f.read().strip(), path) or None
-    sub = tag or ""
-    d = os.path.join(root, sub)
-    try:
-        names = sorted(os.listdir(d))
-    except OSError as e:
-        raise ManifestError(f"{d}: cannot list the DeepSpeed checkpoint ({e.strerror})") from None
+    return tag
+
+
+def _optim_files(d: str, names: list[str]) -> dict[int, tuple[str, int, str]]:
+    """rank -> (file name, mp rank, bf16 prefix) of the ``*_optim_states.pt`` files among ``names``."""
     optim: dict[int, tuple[str, int, str]] = {}
     for n in names:
         if mt := _OPTIM.match(n):
@@ -262,8 +250,11 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
                 raise ManifestError(f"{d}: both {optim[r][0]} and {n}: two saves in one tag directory; remove the "
                                     "stale one")
             optim[r] = (n, int(mt.group(3)), mt.group(1) or "")
-    if not optim and os.path.isdir(os.path.join(d, "zero")):
-        return _universal(root, tag, names)
+    return optim
+
+
+def _check_optim_files(d: str, optim: dict[int, tuple[str, int, str]]) -> None:
+    """Refuse rank files this reader cannot take: tensor-parallel, none, or of two saves mixed."""
     if any(mp for _, mp, _ in optim.values()):
         raise ManifestError(f"{d}: a tensor-parallel DeepSpeed checkpoint (mp_rank_01...); ckpt reads mp_rank_00 "
                             "(ZeRO data parallel) only: convert with DeepSpeed's universal checkpoint first")
@@ -272,17 +263,10 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
     if len({p for _, _, p in optim.values()}) > 1:  # DeepSpeed names all of one save's files alike
         raise ManifestError(f"{d}: rank files of a bf16 and of a non-bf16 save mixed "
                             f"({', '.join(n for n, _, _ in optim.values())}); remove the stale ones")
-    rel = (lambda n: f"{sub}/{n}" if sub else n)  # noqa: E731 - paths relative to root
-    first_rel = rel(optim[min(optim)][0])
-    top = _load(root, first_rel)
-    first = _get(top, "optimizer_state_dict", first_rel)
-    config = top.get("ds_config")
-    # DeepSpeed's BF16_Optimizer (bf16 with fp32 gradient accumulation, ZeRO-1 or none) saves no zero_stage
-    bf16_optimizer = "zero_stage" not in first and "single_partition_of_fp32_groups" in first
-    stage = _config_stage(config, first_rel) if bf16_optimizer else _stage(_get(first, "zero_stage", first_rel),
-                                                                            first_rel)
-    zero3 = stage == 3 and not bf16_optimizer
-    world = _world(_get(first, "partition_count", first_rel), f"{root}/{first_rel}")
+
+
+def _check_all_ranks(d: str, optim: dict[int, tuple[str, int, str]], world: int, stage: int) -> None:
+    """Every rank of the ZeRO world has its optimizer file (names the first few missing)."""
     prefix = optim[min(optim)][2]
     # the first few missing ranks: at most len(optim) present ones are skipped, whatever world claims
     missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
@@ -290,13 +274,11 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
     if missing or len(optim) != world:
         raise ManifestError(f"{d}: DeepSpeed ZeRO-{stage} over {world} ranks, but rank file(s) {missing or '?'} "
                             "are missing (a save that did not finish on every rank?)")
-    model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero3 else "mp_rank_00_model_states.pt"
-    if model_name not in names:
-        raise ManifestError(f"{d}: {model_name} is missing")
-    model = _load(root, rel(model_name))
-    shapes = _get(model, "param_shapes", rel(model_name))
-    if zero3 and model.get("frozen_param_shapes"):
-        raise ManifestError(f"{d}: ZeRO-3 frozen parameters are not supported yet")
+
+
+def _rank_states(root: str, rel: Callable[[str], str], optim: dict[int, tuple[str, int, str]], first: Any,
+                 world: int, zero3: bool) -> list[Any]:
+    """Per rank: (file, its fp32 partition of each group, its base optimizer state, its optimizer dict)."""
     states = []
     for r in range(world):
         name = rel(optim[r][0])
@@ -304,6 +286,11 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
         groups = _get(osd, "fp32_flat_groups" if zero3 else "single_partition_of_fp32_groups", name)
         base = _get(osd, "optimizer_state_dict" if zero3 else "base_optimizer_state", name)
         states.append((name, [_ref(g, name) for g in groups], base, osd))
+    return states
+
+
+def _zero_tensors(shapes: Any, states: list[Any], first: Any, world: int, zero3: bool) -> dict[str, TensorEntry]:
+    """The fp32 parameters and Adam moments as byte ranges of the ranks' flat partitions."""
     tensors: dict[str, TensorEntry] = {}
     kinds = {"model.{}": None, "optim.state.{}.exp_avg": "exp_avg", "optim.state.{}.exp_avg_sq": "exp_avg_sq"}
     for fmt, moment in kinds.items():
@@ -324,12 +311,62 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
         for pname, (shape, pieces) in layout.items():
             key = fmt.format(pname)
             tensors[key] = TensorEntry(_dtype(pieces, key), shape, _flat_shards(pieces, math.prod(shape), states[0][0]))
+    return tensors
+
+
+def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
+    """A manifest describing the DeepSpeed ZeRO or universal checkpoint ``root/<tag>`` (``tag``: when
+    None, from ``root/latest``, else ``root/latest_universal``, or ``root`` itself when it holds the
+    files); file paths are relative to ``root``. A tag directory with ``zero/`` and no
+    ``*_optim_states.pt`` is a universal checkpoint (``ds_to_universal``'s output).
+
+    Raises:
+        ManifestError: missing rank or parameter files (named), rank files of two saves, tensor-parallel
+            or unknown layouts (a BF16_Optimizer file of a stage other than 0/1, a ``param_slice_mappings``
+            that disagrees with the reassembly), partitions that do not add up to the parameters' shapes
+            or differ in dtype across ranks.
+        IntegrityError: a pickle names a global outside the allowlist, or a file is damaged.
+        StorageError: a checkpoint file that is not a regular file.
+    """
+    tag = _resolve_tag(root, tag)
+    sub = tag or ""
+    d = os.path.join(root, sub)
+    try:
+        names = sorted(os.listdir(d))
+    except OSError as e:
+        raise ManifestError(f"{d}: cannot list the DeepSpeed checkpoint ({e.strerror})") from None
+    optim = _optim_files(d, names)
+    if not optim and os.path.isdir(os.path.join(d, "zero")):
+        return _universal(root, tag, names)
+    _check_optim_files(d, optim)
+    rel = (lambda n: f"{sub}/{n}" if sub else n)  # noqa: E731 - paths relative to root
+    first_rel = rel(optim[min(optim)][0])
+    top = _load(root, first_rel)
+    first = _get(top, "optimizer_state_dict", first_rel)
+    config = top.get("ds_config")
+    # DeepSpeed's BF16_Optimizer (bf16 with fp32 gradient accumulation, ZeRO-1 or none) saves no zero_stage
+    bf16_optimizer = "zero_stage" not in first and "single_partition_of_fp32_groups" in first
+    stage = _config_stage(config, first_rel) if bf16_optimizer else _stage(_get(first, "zero_stage", first_rel),
+                                                                            first_rel)
+    zero3 = stage == 3 and not bf16_optimizer
+    world = _world(_get(first, "partition_count", first_rel), f"{root}/{first_rel}")
+    _check_all_ranks(d, optim, world, stage)
+    model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero3 else "mp_rank_00_model_states.pt"
+    if model_name not in names:
+        raise ManifestError(f"{d}: {model_name} is missing")
+    model = _load(root, rel(model_name))
+    shapes = _get(model, "param_shapes", rel(model_name))
+    if zero3 and model.get("frozen_param_shapes"):
+        raise ManifestError(f"{d}: ZeRO-3 frozen parameters are not supported yet")
+    states = _rank_states(root, rel, optim, first, world, zero3)
+    tensors = _zero_tensors(shapes, states, first, world, zero3)
     tensors.update(_buffers(model, rel(model_name)))
     objects = _objects(states[0][2], root, states[0][0])
     files = {rel(n): _regular(os.path.join(d, n)) for n in names if n.endswith(".pt")}
     _check_bounds(root, tensors, files)
     steps = model.get("global_steps")
     step = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+    prefix = optim[min(optim)][2]
     user = {"source": {"format": "deepspeed", "zero_stage": stage, "world_size": world, "tag": tag,
                        "ds_version": str(model.get("ds_version", "")), "global_steps": step,
                        "mixed_precision": "bf16" if prefix else _precision(config),

@@ -17,7 +17,8 @@ the middle of the key), so without this every rank of a resharded checkpoint hel
 3. an optimizer-state key inherits its parameter's placement (:func:`optimizer_param`:
    ``optimizer.state.<fqn>.<state>`` as ``torch.distributed.checkpoint.state_dict`` writes it, or
    Megatron's ``optimizer.state.<state>.<fqn>``); a state shaped otherwise (the scalar ``step``) is
-   held whole, on its parameter's pipeline stage.
+   held whole, on its parameter's pipeline stage. A parameter that only the optimizer state names
+   (torchtitan 0.3's fused ``qkv_linear.wqkv``, whose model weight is saved split) is placed by its own name.
 
 Keys it cannot place are held whole by every rank and listed (:attr:`KeyedRules.unmatched`, the
 first few in the error of ``--strict-rules``). Pure functions of the keys and shapes: no I/O.
@@ -54,6 +55,10 @@ def _titan_table() -> dict[str, str]:
     for old, new in key_names.TITAN_03.items():
         if old in out:
             out[new] = out[old]
+    # torchtitan 0.3's fused projection: its state dict hook saves wq/wk/wv, but the optimizer state
+    # stays keyed by the parameter, whose rows are whole query groups in order (q heads, k, v of group
+    # 0, then group 1...), so its TP chunks are too: torchtitan itself shards it column-wise.
+    out["attention.qkv_linear.wqkv.weight"] = "self_attn.qkv_proj.weight"
     return out
 
 
@@ -160,6 +165,24 @@ def _stage_patterns(canon: Mapping[str, str], patterns: list[str]) -> list[str]:
     return sorted(glob.escape(k) for k, c in canon.items() if any(fnmatch.fnmatchcase(c, p) for p in patterns))
 
 
+def _unsaved_params(specs: Mapping[str, tuple[str, tuple[int, ...]]], scheme: str, base: RuleSet,
+                    keyed: Mapping[str, Placement]) -> dict[str, tuple[Placement, tuple[int, ...]]]:
+    """Placement and shape of each parameter that only the optimizer state names (torchtitan's fused
+    ``wqkv``, which the model's state dict saves split), placed by the parameter's own name; its shape
+    is that of its first non-scalar state (a state shaped otherwise, the scalar ``step``, stays whole)."""
+    out: dict[str, tuple[Placement, tuple[int, ...]]] = {}
+    for key, (_dtype, shape) in specs.items():
+        if not key.startswith(OPTIM_STATE) or not shape or optimizer_param(key, keyed) is not None:
+            continue
+        fqn = key[len(OPTIM_STATE):].rpartition(".")[0]
+        for name in canonical_names(scheme, fqn):
+            p = canonical_placement(base, name, len(shape))
+            if p is not None and fqn not in specs and fqn not in out:
+                out[fqn] = (p, tuple(shape))
+                break
+    return out
+
+
 def derive_rules(specs: Mapping[str, tuple[str, tuple[int, ...]]], scheme: str, base: RuleSet = HF_RULES) \
         -> KeyedRules:
     """A rules table bound to the keys ``specs`` (key -> (dtype, shape)) of a checkpoint in naming
@@ -174,7 +197,10 @@ def derive_rules(specs: Mapping[str, tuple[str, tuple[int, ...]]], scheme: str, 
             if p is not None:
                 keyed[key], canon[key] = p, name
                 break
-    optim = {k: prm for k in specs if (prm := optimizer_param(k, keyed)) is not None}
+    unsaved = _unsaved_params(specs, scheme, base, keyed)
+    keyed.update({fqn: p for fqn, (p, _shape) in unsaved.items()})
+    optim = {k: prm for k, (_d, shape) in specs.items() if (prm := optimizer_param(k, keyed)) is not None
+             and (prm not in unsaved or unsaved[prm][1] == tuple(shape))}
     unmatched = tuple(sorted(k for k, (_d, shape) in specs.items()
                              if len(shape) > 0 and k not in keyed and k not in optim and not k.startswith(NOT_MODEL)))
     # pipeline: by layer index in the stored names; embeddings first, final norm and head last

@@ -107,11 +107,7 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
 
         reshard("/ckpt/step-100", "/ckpt/step-100-ep4", Layout.parse("tp=1,ep=4,pp=2"))
     """
-    if not isinstance(memory_budget, int) or memory_budget < MIN_MEMORY_BUDGET:
-        raise StateError(f"memory budget {memory_budget!r} bytes is below the minimum of {MIN_MEMORY_BUDGET} "
-                         "(1 MiB); pass a larger --memory-budget")
-    if not isinstance(workers, int) or workers < 1:
-        raise StateError(f"workers={workers!r}: pass a positive number of workers")
+    _check_resources(memory_budget, workers)
     src = get_storage(src_url, **(storage_options or {}))
     dst = get_storage(dst_url, **(dst_storage_options if dst_storage_options is not None else
                                   storage_options or {}))
@@ -120,29 +116,55 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
             raise StateError(f"{dst_url}: the destination is the source checkpoint; reshard never rewrites in "
                              "place, write to a new location")
         manifest = source_manifest if source_manifest is not None else fetch_manifest(src)
-        previous = transaction.begin(dst, overwrite=overwrite)
-        foreign = transaction.foreign_files(_listing(dst), previous)
-        if foreign:
-            raise StateError(f"{dst.url}: holds files that are not part of a ckpt checkpoint ({_few(foreign, 3)}); "
-                             "reshard writes only to a new or empty location, an unfinished reshard, or over a "
-                             "checkpoint (--overwrite). Choose another destination; nothing was changed")
+        previous = _begin(dst, overwrite)
         p = plan(manifest, target, rules, stages=stages, strict_rules=strict_rules)
-        with transaction.live_writer() as me:  # markers name this run as the writer of its files
-            job = _Rewrite(src, dst, manifest, p, memory_budget, workers, progress, me)
-            # a file the checkpoint being replaced lists is never adopted (it is that checkpoint's)
-            job.resume(verify_resumed, taken=set(previous.files) if previous is not None else set())
-            try:
-                job.run(verify_source)
-            except IntegrityError:
-                job.discard()  # files made from corrupted bytes must not be resumed later
-                raise
-            except BaseException:
-                job.abandon()  # finished files stay (with their markers) for a resumed run
-                raise
-            return job.commit(overwrite)
+        return _write_and_commit(src, dst, manifest, p, previous, memory_budget=memory_budget, workers=workers,
+                                progress=progress, overwrite=overwrite, verify_source=verify_source,
+                                verify_resumed=verify_resumed)
     finally:
         src.close()
         dst.close()
+
+
+def _check_resources(memory_budget: int, workers: int) -> None:
+    """Refuse a memory budget below the minimum or a worker count below one (StateError)."""
+    if not isinstance(memory_budget, int) or memory_budget < MIN_MEMORY_BUDGET:
+        raise StateError(f"memory budget {memory_budget!r} bytes is below the minimum of {MIN_MEMORY_BUDGET} "
+                         "(1 MiB); pass a larger --memory-budget")
+    if not isinstance(workers, int) or workers < 1:
+        raise StateError(f"workers={workers!r}: pass a positive number of workers")
+
+
+def _begin(dst: Storage, overwrite: bool) -> Manifest | None:
+    """Open the transaction on ``dst`` and refuse a location holding files not ours; returns the
+    committed checkpoint being replaced (None when there is none)."""
+    previous = transaction.begin(dst, overwrite=overwrite)
+    foreign = transaction.foreign_files(_listing(dst), previous)
+    if foreign:
+        raise StateError(f"{dst.url}: holds files that are not part of a ckpt checkpoint ({_few(foreign, 3)}); "
+                         "reshard writes only to a new or empty location, an unfinished reshard, or over a "
+                         "checkpoint (--overwrite). Choose another destination; nothing was changed")
+    return previous
+
+
+def _write_and_commit(src: Storage, dst: Storage, manifest: Manifest, p: ReshardPlan, previous: Manifest | None, *,
+                      memory_budget: int, workers: int, progress: Progress | None, overwrite: bool,
+                      verify_source: bool, verify_resumed: bool) -> Manifest:
+    """Resume what an earlier run of plan ``p`` finished, write the rest and commit; on a failure,
+    remove what must not stay (everything after a corrupted source, else the unfinished files)."""
+    with transaction.live_writer() as me:  # markers name this run as the writer of its files
+        job = _Rewrite(src, dst, manifest, p, memory_budget, workers, progress, me)
+        # a file the checkpoint being replaced lists is never adopted (it is that checkpoint's)
+        job.resume(verify_resumed, taken=set(previous.files) if previous is not None else set())
+        try:
+            job.run(verify_source)
+        except IntegrityError:
+            job.discard()  # files made from corrupted bytes must not be resumed later
+            raise
+        except BaseException:
+            job.abandon()  # finished files stay (with their markers) for a resumed run
+            raise
+        return job.commit(overwrite)
 
 
 def _listing(dst: Storage) -> list[str]:

@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -134,6 +134,36 @@ def load_pieces(pieces: list[_Piece], *, workers: int | None = None,
     Raises IntegrityError (``partial`` set when targets were already written) or StorageError-like
     OSErrors wrapped in IntegrityError naming the file."""
     workers = workers or workers_for_restore()
+    fds, maps = _open_files(pieces, mapped)
+    chunks = _chunks(pieces, maps)
+    if stats is not None:
+        stats["bytes_mapped"] = sum(p.length for p in pieces if p.file in maps)
+    if not chunks:
+        for fd in fds.values():
+            os.close(fd)
+        return 0
+    slabs = any(p.target.device.type == "cuda" and p.file not in maps for p in pieces)
+    run = _Restore(pieces, fds, maps, cuda=slabs)
+    for c in chunks:
+        run.todo.put(c)
+    try:
+        with ThreadPoolExecutor(max_workers=min(workers, len(chunks)), thread_name_prefix="ckpt-tier-load") as ex:
+            futures = [ex.submit(run.guarded) for _ in range(min(workers, len(chunks)))]
+            errors = [f.exception() for f in futures]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for err in errors:
+        if err is not None:
+            raise _partial(err if isinstance(err, IntegrityError) else
+                           IntegrityError(f"memory checkpoint read failed ({type(err).__name__}: {err})"))
+    return _check_pieces(pieces, chunks, run.crcs)
+
+
+def _open_files(pieces: list[_Piece], mapped: dict[tuple[int, int], torch.Tensor] | None
+                ) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+    """A descriptor for each piece's file, and the mappings (from ``mapped``) of those mapped whole;
+    raises IntegrityError naming a file that cannot be opened (UnsafePathError as is)."""
     fds: dict[str, int] = {}
     maps: dict[str, torch.Tensor] = {}
     try:
@@ -150,75 +180,83 @@ def load_pieces(pieces: list[_Piece], *, workers: int | None = None,
         if isinstance(e, UnsafePathError):
             raise
         raise IntegrityError(f"{e.filename}: cannot open ({e.strerror}); the memory checkpoint is damaged") from e
-    chunks: list[tuple[int, int, int]] = []  # (piece, start, length), each piece's in order
+    return fds, maps
+
+
+def _chunks(pieces: list[_Piece], maps: dict[str, torch.Tensor]) -> list[tuple[int, int, int]]:
+    """Every piece cut into (piece, start, length) chunks, each piece's in order: copy-sized from a
+    mapping, slab-sized for a GPU target, cache-sized for a CPU one."""
+    chunks: list[tuple[int, int, int]] = []
     for i, p in enumerate(pieces):
         step = MAPPED if p.file in maps else SLAB if p.target.device.type == "cuda" else CHUNK
         chunks += [(i, s, min(step, p.length - s)) for s in range(0, p.length, step)]
-    if stats is not None:
-        stats["bytes_mapped"] = sum(p.length for p in pieces if p.file in maps)
-    if not chunks:
-        for fd in fds.values():
-            os.close(fd)
-        return 0
-    crcs: dict[tuple[int, int], int] = {}
-    todo: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
-    for c in chunks:
-        todo.put(c)
-    failed = threading.Event()
-    cuda = any(p.target.device.type == "cuda" and p.file not in maps for p in pieces)  # slabs wanted
+    return chunks
 
-    def worker() -> None:
-        slabs = [torch.empty(SLAB, dtype=torch.uint8, pin_memory=True) for _ in range(2)] if cuda else []
+
+@dataclass(slots=True)
+class _Restore:
+    """What the threads of one :func:`load_pieces` share: the chunks left to do and each chunk's CRC."""
+
+    pieces: list[_Piece]
+    fds: dict[str, int]
+    maps: dict[str, torch.Tensor]
+    todo: queue.SimpleQueue[tuple[int, int, int]] = field(default_factory=queue.SimpleQueue)
+    crcs: dict[tuple[int, int], int] = field(default_factory=dict)  # (piece, start) -> that chunk's CRC32
+    failed: threading.Event = field(default_factory=threading.Event)
+    cuda: bool = False  # some GPU target is read through pinned slabs
+
+    def guarded(self) -> None:
+        """One thread's work; a failure stops the other threads at their next chunk."""
+        try:
+            self.work()
+        except BaseException:
+            self.failed.set()
+            raise
+
+    def work(self) -> None:
+        """Take chunks until none is left (or a thread failed): read, checksum and copy each into its target."""
+        slabs = [torch.empty(SLAB, dtype=torch.uint8, pin_memory=True) for _ in range(2)] if self.cuda else []
         events: list[Any] = [None, None]
         streams: dict[int, Any] = {}
         j = 0
-        while not failed.is_set():
+        while not self.failed.is_set():
             try:
-                i, start, n = todo.get_nowait()
+                i, start, n = self.todo.get_nowait()
             except queue.Empty:
                 break
-            p = pieces[i]
-            fd = fds[p.file]
-            m = maps.get(p.file)
+            p = self.pieces[i]
+            fd = self.fds[p.file]
+            m = self.maps.get(p.file)
             if m is not None:
-                crcs[(i, start)] = _copy_mapped(m, p, start, n, streams)
+                self.crcs[(i, start)] = _copy_mapped(m, p, start, n, streams)
                 continue
             if p.target.device.type == "cpu":
                 dst = byte_view(p.target)[start : start + n]
-                crcs[(i, start)] = _read_crc(fd, dst, p.offset + start, p.file)
+                self.crcs[(i, start)] = _read_crc(fd, dst, p.offset + start, p.file)
                 continue
-            if events[j] is not None:
-                events[j].synchronize()  # the slab's previous copy has left it
-            mv = byte_view(slabs[j])[:n]
-            crcs[(i, start)] = _read_crc(fd, mv, p.offset + start, p.file)
-            s = _stream_for(p.target, streams)
-            with torch.cuda.stream(s):
-                p.target.view(-1).view(torch.uint8)[start : start + n].copy_(slabs[j][:n], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(s)
-            events[j] = ev
+            self.crcs[(i, start)], events[j] = _via_slab(fd, p, start, n, slabs[j], events[j], streams)
             j ^= 1
         for s in streams.values():
             s.synchronize()
 
-    def guarded() -> None:
-        try:
-            worker()
-        except BaseException:
-            failed.set()
-            raise
 
-    try:
-        with ThreadPoolExecutor(max_workers=min(workers, len(chunks)), thread_name_prefix="ckpt-tier-load") as ex:
-            futures = [ex.submit(guarded) for _ in range(min(workers, len(chunks)))]
-            errors = [f.exception() for f in futures]
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    for err in errors:
-        if err is not None:
-            raise _partial(err if isinstance(err, IntegrityError) else
-                           IntegrityError(f"memory checkpoint read failed ({type(err).__name__}: {err})"))
+def _via_slab(fd: int, p: _Piece, start: int, n: int, slab: torch.Tensor, last: Any,
+              streams: dict[int, Any]) -> tuple[int, Any]:
+    """Read ``n`` bytes of ``p`` at ``start`` into pinned ``slab`` once its ``last`` copy has left it, and
+    queue their copy into the GPU target; their CRC32 and the event marking the copy's end."""
+    if last is not None:
+        last.synchronize()  # the slab's previous copy has left it
+    crc = _read_crc(fd, byte_view(slab)[:n], p.offset + start, p.file)
+    s = _stream_for(p.target, streams)
+    with torch.cuda.stream(s):
+        p.target.view(-1).view(torch.uint8)[start : start + n].copy_(slab[:n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(s)
+    return crc, ev
+
+
+def _check_pieces(pieces: list[_Piece], chunks: list[tuple[int, int, int]], crcs: dict[tuple[int, int], int]) -> int:
+    """Combine each piece's chunk CRCs and compare with its checksum; the bytes restored."""
     combined = [0] * len(pieces)
     for i, start, n in chunks:
         combined[i] = crc32_combine(combined[i], crcs[(i, start)], n)

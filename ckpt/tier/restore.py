@@ -87,7 +87,7 @@ class TierRestore:
     ``peer``: fetched from ``holder``); the other figures are over all ranks unless named ``rank_``."""
 
     step: int
-    value: Any
+    value: Any = field(repr=False)  # the state: printing a TierRestore must not print it
     url: str
     source: str
     holder: int

@@ -167,7 +167,13 @@ def run_demo(out_dir: str = "ckpt-demo", *, steps: int = 200, say: Callable[[str
 
 def summarize(report: DemoReport) -> list[str]:
     """Lines describing the run from its metrics (restarts, resumes, losses, stalls)."""
-    records = read_metrics(report.metrics)
+    return summarize_records(read_metrics(report.metrics))
+
+
+def summarize_records(records: list[dict[str, Any]]) -> list[str]:
+    """Lines describing a run from its metrics records (a killed rank or lost node, resumes, the
+    loss from the first step to the last, checkpoint stalls, memory checkpoints); also what
+    ``ckpt train`` prints of the records its own run wrote."""
     steps = [r for r in records if "loss" in r and "event" not in r]
     lines = []
     lost_nodes: dict[tuple[int, int], list[int]] = {}
@@ -185,6 +191,8 @@ def summarize(report: DemoReport) -> list[str]:
                              "killed (SIGKILL)")
         elif r.get("event") == "fail":
             lines.append(f"rank {r['rank']} killed itself (SIGKILL) at step {r['step']}")
+        elif r.get("event") == "init_from":
+            lines.append(f"started from the weights of {r['from']}")
         elif r.get("event") == "recovery" and str(r.get("tier", "")).startswith("memory"):
             peers = r.get("peer_ranks") or []
             how = (f"ranks {', '.join(map(str, peers))} fetched {r.get('fetched_bytes', 0) / 1e6:.1f} MB from peer "

@@ -15,6 +15,7 @@ Also here: in-memory state dicts in Hugging Face names and back (per-expert keys
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,84 +79,104 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], config: ModelConfig)
     Raises:
         ValueError: naming every missing, unexpected, duplicated or mis-shaped key.
     """
-    n_experts, inter = config.num_experts, config.moe_intermediate_size
+    n_experts = config.num_experts
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in MoEForCausalLM(config).state_dict().items()}
-    out: dict[str, Tensor] = {}
-    # Our fused key -> expert id -> (Hugging Face key, tensor), stacked once all are seen.
-    per_expert: dict[str, dict[int, tuple[str, Tensor]]] = {}
-    duplicates: list[str] = []
-    bad_experts: list[str] = []
-    mis_shaped: list[str] = []
-    # Fused keys whose per-expert parts were already reported, so they are not "missing" too.
-    reported: set[str] = set()
-
-    def put(key: str, tensor: Tensor) -> None:
-        if key in out:
-            duplicates.append(key)
-        out[key] = tensor
-
-    for key, tensor in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
-        if match := HF_PER_EXPERT.fullmatch(key):
-            fused = f"{match['prefix']}.{match['proj']}_proj"
-            per_expert.setdefault(fused, {})[int(match["expert"])] = (key, tensor)
-        elif match := HF_GATE_UP.fullmatch(key):
-            if tensor.dim() != 3 or tensor.shape[1] != 2 * inter:
-                fused_shape = (n_experts, 2 * inter, config.hidden_size)
-                mis_shaped.append(f"{key}: expected {fused_shape}, got {tuple(tensor.shape)}")
-                continue
-            put(f"{match['prefix']}.gate_proj", tensor[:, :inter].contiguous())
-            put(f"{match['prefix']}.up_proj", tensor[:, inter:].contiguous())
-        else:
-            put(key, tensor)
-
-    for fused, experts in per_expert.items():
-        wrong_ids = sorted(set(experts) ^ set(range(n_experts)))
-        if wrong_ids:
-            bad_experts.append(f"{fused}: expert ids {wrong_ids} missing or out of range 0..{n_experts - 1}")
-            reported.add(fused)
-            continue
-        # An unknown layer has no expected shape: hold its experts to expert 0's shape so that the
-        # stack below cannot fail; the key is then reported as unexpected.
-        want = expected[fused][1:] if fused in expected else tuple(experts[0][1].shape)
-        wrong = [
-            f"{key}: expected {want}, got {tuple(tensor.shape)}"
-            for key, tensor in experts.values()
-            if tuple(tensor.shape) != want
-        ]
-        if wrong:
-            mis_shaped.extend(wrong)
-            reported.add(fused)
-            continue
-        put(fused, torch.stack([experts[e][1] for e in range(n_experts)]))
-
-    missing = sorted(set(expected) - set(out) - reported)
-    unexpected = sorted(set(out) - set(expected))
-    mis_shaped += [
-        f"{k}: expected {expected[k]}, got {tuple(out[k].shape)}"
-        for k in sorted(set(out) & set(expected))
-        if tuple(out[k].shape) != expected[k]
-    ]
-    problems = []
-    if duplicates:
-        problems.append(f"given twice (fused and per-expert?): {sorted(duplicates)}")
-    if bad_experts:
-        problems.append(f"incomplete experts: {bad_experts}")
-    if missing:
-        problems.append(f"missing: {missing}")
-    if unexpected:
-        problems.append(f"unexpected: {unexpected}")
-    if mis_shaped:
-        problems.append(f"wrong shape: {mis_shaped}")
+    c = _Renamed()
+    c.add_all(hf_state_dict, config)
+    c.stack_experts(expected, n_experts)
+    problems = c.problems(expected)
     if problems:
         raise ValueError(
             "Hugging Face state dict does not match ModelConfig("
             f"num_hidden_layers={config.num_hidden_layers}, num_experts={n_experts}, "
             f"hidden_size={config.hidden_size}, ...): " + "; ".join(problems)
         )
-    return out
+    return c.out
+
+
+@dataclass(slots=True)
+class _Renamed:
+    """A Hugging Face state dict being renamed to this model's keys, and what is wrong with it."""
+
+    out: dict[str, Tensor] = field(default_factory=dict)
+    # Our fused key -> expert id -> (Hugging Face key, tensor), stacked once all are seen.
+    per_expert: dict[str, dict[int, tuple[str, Tensor]]] = field(default_factory=dict)
+    duplicates: list[str] = field(default_factory=list)
+    bad_experts: list[str] = field(default_factory=list)
+    mis_shaped: list[str] = field(default_factory=list)
+    # Fused keys whose per-expert parts were already reported, so they are not "missing" too.
+    reported: set[str] = field(default_factory=set)
+
+    def put(self, key: str, tensor: Tensor) -> None:
+        if key in self.out:
+            self.duplicates.append(key)
+        self.out[key] = tensor
+
+    def add_all(self, hf_state_dict: Mapping[str, Tensor], config: ModelConfig) -> None:
+        """Take every key: per-expert ones are set aside for stacking, transformers' fused
+        ``gate_up_proj`` is split, the rest kept by name (``rotary_emb.inv_freq`` dropped)."""
+        n_experts, inter = config.num_experts, config.moe_intermediate_size
+        for key, tensor in hf_state_dict.items():
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            if match := HF_PER_EXPERT.fullmatch(key):
+                fused = f"{match['prefix']}.{match['proj']}_proj"
+                self.per_expert.setdefault(fused, {})[int(match["expert"])] = (key, tensor)
+            elif match := HF_GATE_UP.fullmatch(key):
+                if tensor.dim() != 3 or tensor.shape[1] != 2 * inter:
+                    fused_shape = (n_experts, 2 * inter, config.hidden_size)
+                    self.mis_shaped.append(f"{key}: expected {fused_shape}, got {tuple(tensor.shape)}")
+                    continue
+                self.put(f"{match['prefix']}.gate_proj", tensor[:, :inter].contiguous())
+                self.put(f"{match['prefix']}.up_proj", tensor[:, inter:].contiguous())
+            else:
+                self.put(key, tensor)
+
+    def stack_experts(self, expected: dict[str, tuple[int, ...]], n_experts: int) -> None:
+        """Stack each fused key's per-expert tensors, when all ``n_experts`` are there with one shape."""
+        for fused, experts in self.per_expert.items():
+            wrong_ids = sorted(set(experts) ^ set(range(n_experts)))
+            if wrong_ids:
+                self.bad_experts.append(f"{fused}: expert ids {wrong_ids} missing or out of range 0..{n_experts - 1}")
+                self.reported.add(fused)
+                continue
+            # An unknown layer has no expected shape: hold its experts to expert 0's shape so that the
+            # stack below cannot fail; the key is then reported as unexpected.
+            want = expected[fused][1:] if fused in expected else tuple(experts[0][1].shape)
+            wrong = [
+                f"{key}: expected {want}, got {tuple(tensor.shape)}"
+                for key, tensor in experts.values()
+                if tuple(tensor.shape) != want
+            ]
+            if wrong:
+                self.mis_shaped.extend(wrong)
+                self.reported.add(fused)
+                continue
+            self.put(fused, torch.stack([experts[e][1] for e in range(n_experts)]))
+
+    def problems(self, expected: dict[str, tuple[int, ...]]) -> list[str]:
+        """Every duplicated, incomplete, missing, unexpected and mis-shaped key, one item per kind."""
+        out = self.out
+        missing = sorted(set(expected) - set(out) - self.reported)
+        unexpected = sorted(set(out) - set(expected))
+        self.mis_shaped += [
+            f"{k}: expected {expected[k]}, got {tuple(out[k].shape)}"
+            for k in sorted(set(out) & set(expected))
+            if tuple(out[k].shape) != expected[k]
+        ]
+        problems = []
+        if self.duplicates:
+            problems.append(f"given twice (fused and per-expert?): {sorted(self.duplicates)}")
+        if self.bad_experts:
+            problems.append(f"incomplete experts: {self.bad_experts}")
+        if missing:
+            problems.append(f"missing: {missing}")
+        if unexpected:
+            problems.append(f"unexpected: {unexpected}")
+        if self.mis_shaped:
+            problems.append(f"wrong shape: {self.mis_shaped}")
+        return problems
 
 
 def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

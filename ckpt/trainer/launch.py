@@ -8,6 +8,10 @@ checkpoint. Doing the retry loop here lets it tell the two kinds of failure apar
 dtype mismatch, a checkpoint that cannot be restored) would fail the same way every time, so a worker
 that hits one writes a record into ``CKPT_FATAL_DIR`` and exits with :data:`FINAL_EXIT_CODE`, and the
 launcher stops at once with that error instead of retrying it.
+
+What can be checked without ranks is checked before any starts: the layout against the model
+(here), and the ``init_from`` checkpoint's weights against the model's (:func:`check_init_from`,
+which ``ckpt train`` calls first).
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ import uuid
 from contextlib import ExitStack
 from typing import IO
 
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, MismatchError, NoSuchPathError
 from ckpt.layout import Layout
 from ckpt.trainer.config import TrainConfig
+from ckpt.trainer.hybrid import HybridConfig
 from ckpt.trainer.metrics import MetricsLog
+from ckpt.trainer.model import ModelConfig
 
 ATTEMPT_ENV = "CKPT_ATTEMPT"  # which attempt a worker belongs to (0 = first start)
 FATAL_ENV = "CKPT_FATAL_DIR"  # where a worker records an error that retrying cannot fix
@@ -37,13 +43,54 @@ FINAL_EXIT_CODE = 3  # a worker's exit code for such an error (also when run und
 
 
 class TrainingFailed(CheckpointError):
-    """The training job failed: ``final`` when a worker hit a deterministic error (not retried),
-    else after every allowed restart was used."""
+    """The training job failed: ``final`` when a worker hit a deterministic error (not retried;
+    ``cause`` is its type's name, e.g. ``"MismatchError"``), else after every allowed restart was
+    used."""
 
-    def __init__(self, message: str, *, final: bool, attempts: int):
+    def __init__(self, message: str, *, final: bool, attempts: int, cause: str | None = None):
         super().__init__(message)
         self.final = final
         self.attempts = attempts
+        self.cause = cause
+
+
+def check_init_from(url: str, model: ModelConfig | HybridConfig) -> None:
+    """Check in this process, before any rank starts, that ``url`` holds every ``model.*`` weight of
+    ``model`` in its global shape and a floating dtype: what every rank's ``load_weights`` would
+    find, told at once instead of after a torchrun start.
+
+    Raises:
+        NoSuchPathError: nothing at a local ``url``.
+        ManifestError: no readable checkpoint there.
+        MismatchError: a weight missing, of another shape, or stored in a non-floating dtype.
+    """
+    import torch
+
+    import ckpt
+    from ckpt._dtypes import dtype_from_name
+    from ckpt.trainer.hybrid import HybridForCausalLM
+    from ckpt.trainer.model import MoEForCausalLM
+
+    local = url[len("file://"):] if url.startswith("file://") else None if "://" in url else url
+    if local is not None and not os.path.lexists(local):
+        raise NoSuchPathError(f"{url}: no such file or directory (nothing to start from; check the path)")
+    manifest = ckpt.inspect(url)
+    with torch.device("meta"):  # shapes only: no memory, no init
+        net = HybridForCausalLM(model) if isinstance(model, HybridConfig) else MoEForCausalLM(model)
+    wanted = {f"model.{n}": tuple(p.shape) for n, p in net.named_parameters()}
+    missing = [k for k in wanted if k not in manifest.tensors]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise MismatchError(f"{url}: missing tensors {missing[:5]}{more}; is it a checkpoint of this model "
+                            f"config ({len(wanted)} model.* weights)?")
+    for key, shape in wanted.items():
+        entry = manifest.tensors[key]
+        if tuple(entry.shape) != shape:
+            raise MismatchError(f"{url}: {key} has shape {tuple(entry.shape)}, this model config's is {shape}; "
+                                "start from a checkpoint of the same model config")
+        if not dtype_from_name(entry.dtype, key=key).is_floating_point:
+            raise MismatchError(f"{url}: {key} is stored as {entry.dtype}; only floating-point weights can "
+                                "start a run")
 
 
 def free_port() -> int:
@@ -150,7 +197,7 @@ def launch(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3, log: str 
                     first = records[0]
                     raise TrainingFailed(
                         f"rank {first['rank']}: {first['type']}: {first['message']} (a deterministic error: "
-                        f"not retried)", final=True, attempts=attempt + 1)
+                        f"not retried)", final=True, attempts=attempt + 1, cause=str(first["type"]))
             where = f"; see {log}" if log else "; see the worker tracebacks above"
             raise TrainingFailed(f"training failed {max_restarts + 1} time(s) (last exit code {rc}){where}",
                                  final=False, attempts=max_restarts + 1)

@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -149,19 +150,26 @@ def parallelize(config: ModelConfig | HybridConfig, ctx: ParallelContext, seed: 
 
     Raises LayoutError when the layout cannot split this model (see the rules' messages).
     """
-    layout, coord = ctx.layout, ctx.coord
-    hybrid = isinstance(config, HybridConfig)
     rules = rules_of(config)
     # A CPU skeleton (its values are replaced below; cheap, and its memory is transient): on the
     # meta device, nn.Embedding's init would import torch._dynamo, a slow import in every fresh
     # process (measured in docs/BENCHMARKS.md, section "Figures that code comments used to quote").
     model = HybridForCausalLM(config) if isinstance(config, HybridConfig) else MoEForCausalLM(config)
-    num_experts = config.num_local_experts if isinstance(config, HybridConfig) else config.num_experts
     global_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     norms = {f"{m_name}.{p_name}" for m_name, m in model.named_modules() if isinstance(m, RMSNorm)
              for p_name, _ in m.named_parameters(recurse=False)}
+    stage_layers, on_stage = _keep_stage(model, config, ctx, rules)
+    boxes = _shard_params(model, config, ctx, rules, seed, on_stage, global_shapes, norms)
+    _wrap_modules(model, stage_layers, boxes, config, ctx, moe_dispatch, moe_sequence_shard)
+    specs = _param_specs(model, boxes, global_shapes, norms, rules, ctx.layout.tp)
+    return ParallelModel(model, specs, ctx, config, rules)
 
-    # Pipeline stage: the layers of this stage (by global index) and the first/last-stage modules.
+
+def _keep_stage(model: MoEForCausalLM | HybridForCausalLM, config: ModelConfig | HybridConfig,
+                ctx: ParallelContext, rules: RuleSet) -> tuple[nn.ModuleDict, Callable[[str], bool]]:
+    """Cut ``model`` to this rank's pipeline stage: its layers (by global index) and the first/last-stage
+    modules; returns the stage's layers and whether a parameter name is on this stage by the rules."""
+    layout, coord = ctx.layout, ctx.coord
     lo, hi = stage_bounds(config.num_hidden_layers, layout.pp)[coord.pp]
     full_layers = model.model.layers
     assert isinstance(full_layers, nn.ModuleList)
@@ -177,7 +185,15 @@ def parallelize(config: ModelConfig | HybridConfig, ctx: ParallelContext, seed: 
         model.model.norm = None
     if not on_stage("lm_head.weight"):
         model.lm_head = None
+    return stage_layers, on_stage
 
+
+def _shard_params(model: MoEForCausalLM | HybridForCausalLM, config: ModelConfig | HybridConfig,
+                  ctx: ParallelContext, rules: RuleSet, seed: int, on_stage: Callable[[str], bool],
+                  global_shapes: dict[str, tuple[int, ...]], norms: set[str]) -> dict[str, tuple[Box, int | None]]:
+    """Replace every parameter of the stage by this rank's block of its initial value (padded rows
+    zero-filled); returns each parameter's block and padded dim."""
+    layout, coord = ctx.layout, ctx.coord
     boxes: dict[str, tuple[Box, int | None]] = {}
     for name, param in list(model.named_parameters()):
         if not on_stage(name):
@@ -200,8 +216,17 @@ def parallelize(config: ModelConfig | HybridConfig, ctx: ParallelContext, seed: 
         owner, attr = _owner(model, name)
         setattr(owner, attr, nn.Parameter(local))
         boxes[name] = (box, pad_dim)
+    return boxes
 
-    # Modules that compute on the blocks.
+
+def _wrap_modules(model: MoEForCausalLM | HybridForCausalLM, stage_layers: nn.ModuleDict,
+                  boxes: dict[str, tuple[Box, int | None]], config: ModelConfig | HybridConfig,
+                  ctx: ParallelContext, moe_dispatch: str, moe_sequence_shard: bool) -> None:
+    """Wrap the modules that compute on the blocks: TP attention, EP MoE blocks, SP (and LASP-2 for
+    the hybrid model) and the vocabulary-parallel embedding and head."""
+    layout = ctx.layout
+    hybrid = isinstance(config, HybridConfig)
+    num_experts = config.num_local_experts if isinstance(config, HybridConfig) else config.num_experts
     for index, layer in stage_layers.items():
         assert isinstance(layer, DecoderLayer | HybridDecoderLayer) and isinstance(layer.mlp, MoEBlock)
         if isinstance(layer.self_attn, LightningAttention):
@@ -226,6 +251,11 @@ def parallelize(config: ModelConfig | HybridConfig, ctx: ParallelContext, seed: 
         model.lm_head = VocabParallelHead(  # type: ignore[assignment]
             model.lm_head.weight.data, box.offsets[0], box.lengths[0], ctx.tp)
 
+
+def _param_specs(model: nn.Module, boxes: dict[str, tuple[Box, int | None]],
+                 global_shapes: dict[str, tuple[int, ...]], norms: set[str], rules: RuleSet,
+                 tp: int) -> list[ParamSpec]:
+    """A spec per parameter of the wrapped model, each of which must have a block in ``boxes``."""
     specs = []
     for name, param in model.named_parameters():
         if name not in boxes:
@@ -233,9 +263,8 @@ def parallelize(config: ModelConfig | HybridConfig, ctx: ParallelContext, seed: 
         box, pad_dim = boxes[name]
         placement = rules.placement(name)
         specs.append(ParamSpec(name, param, global_shapes[name], box, pad_dim, placement.is_expert,
-                               placement.tp_dim is not None and layout.tp > 1,
-                               layout.tp > 1 and is_tp_partial_grad(name), name in norms))
+                               placement.tp_dim is not None and tp > 1,
+                               tp > 1 and is_tp_partial_grad(name), name in norms))
     if len(specs) != len(boxes):
         raise LayoutError("parallelize: a parameter was lost while wrapping modules (internal error)")
-    return ParallelModel(model, specs, ctx, config, rules)
-
+    return specs

@@ -303,85 +303,121 @@ def train(cfg: TrainConfig, layout: Layout, *, device: torch.device | None = Non
     saved under another layout), else starts from ``cfg.init_from``'s weights, else from init.
     Raises LayoutError when ``layout`` cannot run the config or the world size differs.
     """
-    ctx = build_context(cfg, layout, device)
-    # the manager first: its memory tier maps (and pins, on a GPU) this rank's newest memory
-    # checkpoint while the model is built, so that a restore reads it in place
-    mgr = _manager(cfg)
-    memory = mgr.memory if mgr is not None else None
-    if memory is not None:
-        memory.pin_ahead(ctx.device)
-    pm, opt, schedule = build_model(cfg, ctx)
-    rank0 = ctx.rank == 0
-    prior = _prior(cfg.metrics_file) if rank0 else {}
-    log = MetricsLog(cfg.metrics_file, enabled=rank0)
-    log.write({"event": "start", "layout": layout.to_dict(), "layout_text": str(layout), "world": layout.world_size,
-               "restart": restart_count(), "device": str(ctx.device)})
-    node = (memory.node if memory is not None else
-            node_of(ctx.rank, layout.world_size, nodes=cfg.nodes) if cfg.fail_node is not None else 0)
-    result = TrainResult(pm=pm, opt=opt)
-    step, sample_index = 0, 0
-    resume_wall = time.time()
-    found = _resume(mgr, pm, opt, schedule, cfg, ctx, log) if mgr is not None else None
-    restored_bytes = 0
-    if found is not None:  # (the manager overwrites the damaged checkpoints it skipped when it saves them again)
-        result.resumed = found.resume
-        restore_ms = round(found.seconds * 1e3, 3)
-        step, sample_index = result.resumed.step, result.resumed.sample_index
-        mine = int(result.resumed.load_stats.get("bytes_read", 0))
-        restored_bytes = int(all_reduce_(torch.tensor([float(mine)], dtype=torch.float64, device=ctx.device),
-                                         ctx.groups["world"]).item())
-        log.write({"event": "resume", "step": step, "from": found.url, "tier": found.tier,
-                   "resharded": result.resumed.resharded, "layout_text": str(layout), "restore_ms": restore_ms,
-                   **load_fields(result.resumed.load_stats)})
-    elif cfg.init_from:
-        t = time.perf_counter()
-        stats = load_weights(cfg.init_from, pm, verify=cfg.verify_restore)
-        log.write({"event": "init_from", "step": 0, "from": cfg.init_from,
-                   "restore_ms": round((time.perf_counter() - t) * 1e3, 3), **load_fields(stats)})
-    result.start_step = step
-
+    run = _Run(cfg, layout, device)
+    run.restore()
     source = SampleSource(cfg.seq_len, cfg.seed)
-    fb = ForwardBackward(pm, cfg.microbatches, cfg.schedule)
-    metadata = save_metadata(cfg, layout)
-    records = _Records(log, ctx.rank, result, mgr)
+    fb = ForwardBackward(run.pm, cfg.microbatches, cfg.schedule)
+    records = _Records(run.log, run.ctx.rank, run.result, run.mgr)
     t_start = time.perf_counter()
-    first_step = found is not None  # the recovery record is written once the first step is done
-    while step < cfg.last_step:
-        if cfg.fail_at_step == step and restart_count() == 0 and (
-                node == cfg.fail_node if cfg.fail_node is not None else ctx.rank == cfg.fail_rank):
-            records.mem = _log_memory(log, records.mem, rank0, wait=True)
-            _lose(cfg, ctx, mgr, step, node)
-        t0 = time.perf_counter()
-        ids = rank_batch(source, sample_index, cfg.global_batch, ctx.data_rank, ctx.data_world).to(ctx.device)
-        # Under sp each rank trains on its zigzag slice of the same samples (labels shifted first).
-        local = fb(*split_batch(ids, ctx.sp)) if layout.sp > 1 else fb(ids)
-        # the optimizer is about to change what the saves in flight are copying
-        stall = mgr.maybe_wait_for_staging() if mgr is not None else 0.0
-        lr = schedule.lr(step)
-        grad_norm = opt.step(lr)
-        step += 1
-        sample_index += cfg.global_batch
-        schedule.last_step = step
-        loss = _global_loss(ctx, local)
-        result.losses[step] = loss
-        commit_wait = 0.0
-        if mgr is not None:
-            rep = None
-            try:
-                rep = mgr.maybe_save(step, _state_of(pm, opt, step, sample_index, schedule),
-                                     last_step=step == cfg.last_step, user_metadata=metadata, layout=layout.to_dict())
-                stall, commit_wait = stall + rep.stall_s, rep.commit_wait_s
-            finally:
-                records.saved(rep)
-        dt = time.perf_counter() - t0 - commit_wait
-        log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_per_s": round(cfg.global_batch * cfg.seq_len / dt, 1),
-                   "ckpt_stall_ms": round(stall * 1e3, 3), "step_ms": round(dt * 1e3, 3)})
+    first_step = run.found is not None  # the recovery record is written once the first step is done
+    while run.step < cfg.last_step:
+        if run.fault_due():
+            records.mem = _log_memory(run.log, records.mem, run.rank0, wait=True)
+            _lose(cfg, run.ctx, run.mgr, run.step, run.node)
+        dt = run.one_step(source, fb, records)
         records.poll()  # only what is already over: no waiting
-        if first_step and found is not None:
+        if first_step and run.found is not None:
             first_step = False
-            log.write(_recovery_record(found, prior, resume_wall, dt, restored_bytes))
+            run.log.write(_recovery_record(run.found, run.prior, run.resume_wall, dt, run.restored_bytes))
     records.poll(wait=True)
-    result.final_step = step
-    log.write({"event": "end", "step": step, "wall_s": round(time.perf_counter() - t_start, 3)})
-    return result
+    run.result.final_step = run.step
+    run.log.write({"event": "end", "step": run.step, "wall_s": round(time.perf_counter() - t_start, 3)})
+    return run.result
+
+
+class _Run:
+    """One call of :func:`train` on this rank: what it built, and where its loop stands (``step``
+    optimizer steps done, ``sample_index`` samples consumed)."""
+
+    def __init__(self, cfg: TrainConfig, layout: Layout, device: torch.device | None):
+        self.cfg, self.layout = cfg, layout
+        self.ctx = ctx = build_context(cfg, layout, device)
+        # the manager first: its memory tier maps (and pins, on a GPU) this rank's newest memory
+        # checkpoint while the model is built, so that a restore reads it in place
+        self.mgr = _manager(cfg)
+        memory = self.mgr.memory if self.mgr is not None else None
+        if memory is not None:
+            memory.pin_ahead(ctx.device)
+        self.pm, self.opt, self.schedule = build_model(cfg, ctx)
+        self.rank0 = ctx.rank == 0
+        self.prior = _prior(cfg.metrics_file) if self.rank0 else {}
+        self.log = MetricsLog(cfg.metrics_file, enabled=self.rank0)
+        self.log.write({"event": "start", "layout": layout.to_dict(), "layout_text": str(layout),
+                        "world": layout.world_size, "restart": restart_count(), "device": str(ctx.device)})
+        self.node = (memory.node if memory is not None else
+                     node_of(ctx.rank, layout.world_size, nodes=cfg.nodes) if cfg.fail_node is not None else 0)
+        self.result = TrainResult(pm=self.pm, opt=self.opt)
+        self.metadata = save_metadata(cfg, layout)
+        self.step, self.sample_index = 0, 0
+        self.found: Found | None = None
+        self.restored_bytes = 0
+        self.resume_wall = time.time()
+
+    def restore(self) -> None:
+        """Resume from the newest checkpoint (any tier), else load ``init_from``'s weights, else keep
+        the initial weights; logs ``resume`` or ``init_from``."""
+        cfg, ctx, result = self.cfg, self.ctx, self.result
+        self.resume_wall = time.time()
+        mgr = self.mgr
+        self.found = _resume(mgr, self.pm, self.opt, self.schedule, cfg, ctx, self.log) if mgr is not None else None
+        found = self.found
+        if found is not None:  # (the manager overwrites the damaged checkpoints it skipped when it saves them again)
+            result.resumed = found.resume
+            self.step, self.sample_index = found.resume.step, found.resume.sample_index
+            mine = int(found.resume.load_stats.get("bytes_read", 0))
+            self.restored_bytes = int(all_reduce_(torch.tensor([float(mine)], dtype=torch.float64,
+                                                               device=ctx.device), ctx.groups["world"]).item())
+            self.log.write({"event": "resume", "step": self.step, "from": found.url, "tier": found.tier,
+                            "resharded": found.resume.resharded, "layout_text": str(self.layout),
+                            "restore_ms": round(found.seconds * 1e3, 3), **load_fields(found.resume.load_stats)})
+        elif cfg.init_from:
+            t = time.perf_counter()
+            stats = load_weights(cfg.init_from, self.pm, verify=cfg.verify_restore)
+            self.log.write({"event": "init_from", "step": 0, "from": cfg.init_from,
+                            "restore_ms": round((time.perf_counter() - t) * 1e3, 3), **load_fields(stats)})
+        result.start_step = self.step
+
+    def fault_due(self) -> bool:
+        """Fault injection: this rank (or its node) dies now, in the first attempt only."""
+        cfg = self.cfg
+        if cfg.fail_at_step != self.step or restart_count() != 0:
+            return False
+        return self.node == cfg.fail_node if cfg.fail_node is not None else self.ctx.rank == cfg.fail_rank
+
+    def one_step(self, source: SampleSource, fb: ForwardBackward, records: _Records) -> float:
+        """One optimizer step, the checkpoints the manager says are due, and the step's record;
+        returns the step's seconds (less the wait for a last commit)."""
+        cfg, ctx = self.cfg, self.ctx
+        t0 = time.perf_counter()
+        ids = rank_batch(source, self.sample_index, cfg.global_batch, ctx.data_rank, ctx.data_world).to(ctx.device)
+        # Under sp each rank trains on its zigzag slice of the same samples (labels shifted first).
+        local = fb(*split_batch(ids, ctx.sp)) if self.layout.sp > 1 else fb(ids)
+        # the optimizer is about to change what the saves in flight are copying
+        stall = self.mgr.maybe_wait_for_staging() if self.mgr is not None else 0.0
+        lr = self.schedule.lr(self.step)
+        grad_norm = self.opt.step(lr)
+        self.step += 1
+        self.sample_index += cfg.global_batch
+        self.schedule.last_step = self.step
+        loss = _global_loss(ctx, local)
+        self.result.losses[self.step] = loss
+        save_stall, commit_wait = self._save(records)
+        dt = time.perf_counter() - t0 - commit_wait
+        self.log.write({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                        "tokens_per_s": round(cfg.global_batch * cfg.seq_len / dt, 1),
+                        "ckpt_stall_ms": round((stall + save_stall) * 1e3, 3), "step_ms": round(dt * 1e3, 3)})
+        return dt
+
+    def _save(self, records: _Records) -> tuple[float, float]:
+        """The checkpoints due after this step (the manager's policy); ``(stall, commit wait)`` seconds."""
+        if self.mgr is None:
+            return 0.0, 0.0
+        rep = None
+        try:
+            rep = self.mgr.maybe_save(self.step, _state_of(self.pm, self.opt, self.step, self.sample_index,
+                                                           self.schedule),
+                                      last_step=self.step == self.cfg.last_step, user_metadata=self.metadata,
+                                      layout=self.layout.to_dict())
+            return rep.stall_s, rep.commit_wait_s
+        finally:
+            records.saved(rep)

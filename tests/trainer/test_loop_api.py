@@ -129,16 +129,15 @@ def test_restore_takes_the_memory_tier_when_it_is_at_least_as_new(tmp_path: Path
     for s in (1, 2, 3):
         mgr.maybe_wait_for_staging()
         mgr.maybe_save(s, _state(s))  # not the last step: the memory tier keeps step 3
-    mgr.wait()
-    assert mgr.memory is not None
-    mgr.memory.drain()
-    mgr.memory.close()
+    mgr.close()  # gives the run id back: a restarted manager of the same run may take it
     again = CheckpointManager(root, keep_last=None, save_every=2, memory_every=1, shm_dir=shm, replicas=0)
     got = _state(-1)
     assert again.restore(got) == 3
     assert again.restored is not None and again.restored.step == 3 and again.restored.tier.startswith("memory")
     assert torch.equal(got["model"]["w"], _state(3)["model"]["w"]) and got["step"] == 3
+    assert "value" not in repr(again.restored) and "tensor(" not in repr(again.restored)  # the state is not printed
     again.maybe_save(4, _state(4), last_step=True)
+    again.close()
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
