@@ -21,17 +21,23 @@ so it takes from DCP's objects exactly what it can honour and refuses the rest, 
 * Any other planner, subclasses of DCP's planners or storage classes included (ckpt cannot run
   their hooks), HF storage and async stagers: :class:`UnsupportedDCPObjectError` naming the class
   and what to do instead.
+
+Errors: DCP reports every failed save or load as ``CheckpointException`` (with ``failures``:
+rank -> (exception, traceback)), and DCP code catches that. :func:`as_dcp_exception` gives ckpt's
+typed error a class that is both: ``except CheckpointExistsError`` and ``except CheckpointException``
+(and ``except Exception``) all catch it, and its message stays ckpt's one line.
 """
 
 from __future__ import annotations
 
 import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ckpt.errors import StateError
+from ckpt.errors import CheckpointError, StateError
 from ckpt.stateful import is_stateful
 
 
@@ -192,5 +198,41 @@ def _update(cur: dict[str, Any], new: dict[str, Any]) -> None:
             cur[k] = v
 
 
-__all__ = ["Target", "UnsupportedCompressionError", "UnsupportedDCPObjectError", "assign_loaded", "check_planner",
-           "load_target", "save_target"]
+_DCP_CLASSES: dict[type, type] = {}
+
+
+def as_dcp_exception(err: CheckpointError) -> CheckpointError:
+    """``err`` as an instance of a class deriving from both ``type(err)`` and DCP's
+    ``CheckpointException``, with ``failures == {this rank: (err, its traceback)}`` as DCP builds it.
+
+    The message, args and cause are ``err``'s; an error that already is one is returned as is.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, CheckpointException):
+        return err
+    kind = type(err)
+    cls = _DCP_CLASSES.get(kind)
+    if cls is None:
+        # ckpt's class first, so its methods win; CheckpointException adds failures and the isinstance
+        cls = type(kind.__name__, (kind, CheckpointException), {
+            "__module__": kind.__module__, "__str__": lambda self: BaseException.__str__(self),
+            "__reduce__": lambda self: (as_dcp_exception, (kind(*self.args),)),
+            "__doc__": f"{kind.__name__}, also a torch.distributed.checkpoint CheckpointException."})
+        _DCP_CLASSES[kind] = cls
+    new = cls.__new__(cls, *err.args)
+    new.args = err.args
+    new.__dict__.update(err.__dict__)
+    new._failures = {_rank(): (err, traceback.extract_tb(err.__traceback__))}
+    new.__cause__, new.__context__ = err.__cause__, err.__context__
+    return new
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+__all__ = ["Target", "UnsupportedCompressionError", "UnsupportedDCPObjectError", "as_dcp_exception", "assign_loaded",
+           "check_planner", "load_target", "save_target"]

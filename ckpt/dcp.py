@@ -25,6 +25,13 @@ legacy ``save_state_dict`` / ``load_state_dict`` are here, and DCP's
 other public names (``Metadata``, ``FileSystemWriter``, ``DefaultSavePlanner``, its submodules, ...)
 are re-exported from ``torch.distributed.checkpoint`` so ``from ckpt.dcp import X`` works as before.
 
+Submodules: ``import ckpt.dcp.planner`` (any ``torch.distributed.checkpoint.<name>``) gives DCP's
+submodule, whose names are DCP's own objects, so replacing ``torch.distributed.checkpoint`` by
+``ckpt.dcp`` everywhere in a code base works; ``ckpt.dcp.state_dict_saver`` / ``state_dict_loader``
+have ckpt's ``save`` / ``async_save`` / ``save_state_dict`` / ``load`` / ``load_state_dict``.
+Errors: every ckpt error these calls raise is also DCP's ``CheckpointException`` (see
+:func:`ckpt._dcp_compat.as_dcp_exception`), so DCP code catching it still does.
+
 Objects come back of the same type and value as DCP gives them (``torch.dtype``, ``torch.Size``,
 ``torch.device``, tuples, complex, big ints, numpy values, datetimes, ...), or are refused with a
 ``StateError`` naming the key: :mod:`ckpt.formats.objects` holds the one table of what is stored
@@ -33,14 +40,23 @@ how (every ckpt load decodes through it; checkpoints DCP wrote are read through 
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
+import sys
+import types
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 from ckpt._dcp_compat import (
     Target,
     UnsupportedCompressionError,
     UnsupportedDCPObjectError,
+    as_dcp_exception,
     assign_loaded,
     load_target,
     save_target,
@@ -48,6 +64,7 @@ from ckpt._dcp_compat import (
 from ckpt._state import ObjectItem, flatten_state, rebuild_state
 from ckpt.async_save import SaveHandle
 from ckpt.async_save import async_save as _async_save
+from ckpt.errors import CheckpointError
 from ckpt.formats.objects import encode_value
 from ckpt.load import load as _load
 from ckpt.manifest import Manifest
@@ -64,9 +81,19 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     Returns the manifest (DCP returns its ``Metadata``). ``no_dist=True`` saves this process's
     state alone (no collective). Raises ckpt's typed errors (``CheckpointError`` subclasses).
     """
-    t = save_target(checkpoint_id, storage_writer, planner)
-    return _save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
-                 storage_options=t.storage_options, compression=t.compression)
+    with _dcp_errors():
+        t = save_target(checkpoint_id, storage_writer, planner)
+        return _save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
+                     storage_options=t.storage_options, compression=t.compression)
+
+
+@contextmanager
+def _dcp_errors() -> Iterator[None]:
+    """Raise ckpt's typed errors as DCP's ``CheckpointException`` too (same class, message, cause)."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise as_dcp_exception(e).with_traceback(e.__traceback__) from e.__cause__
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
@@ -78,8 +105,9 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     (``state_dict[key] = value``) as DCP does. Keys stored but not requested are ignored (as in DCP);
     with ``DefaultLoadPlanner(allow_partial_load=True)`` requested keys the checkpoint lacks are left as they are.
     """
-    t = load_target(checkpoint_id, storage_reader, planner)
-    _load_into(state_dict, t, process_group, no_dist)
+    with _dcp_errors():
+        t = load_target(checkpoint_id, storage_reader, planner)
+        _load_into(state_dict, t, process_group, no_dist)
 
 
 def _load_into(state_dict: dict[str, Any], t: Target, process_group: Any, no_dist: bool) -> None:
@@ -99,11 +127,12 @@ class _Future(Future):  # type: ignore[type-arg]
         return self.handle.is_done
 
     def result(self, timeout: float | None = None) -> Manifest | None:
-        return self.handle.done(timeout)
+        with _dcp_errors():
+            return self.handle.done(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
-            self.handle.done(timeout)
+            self.result(timeout)
         except TimeoutError:
             raise
         except BaseException as e:  # noqa: BLE001 - the save's error is the answer
@@ -121,10 +150,11 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     change its tensors right away; writing and the commit run in the background. (``ckpt.async_save``
     returns earlier, after planning, and leaves ``h.staged()`` to the caller.)
     """
-    t = save_target(checkpoint_id, storage_writer, planner, async_stager)
-    h = _async_save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
-                    storage_options=t.storage_options, compression=t.compression)
-    h.staged()
+    with _dcp_errors():
+        t = save_target(checkpoint_id, storage_writer, planner, async_stager)
+        h = _async_save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
+                        storage_options=t.storage_options, compression=t.compression)
+        h.staged()
     return _Future(h)
 
 
@@ -171,17 +201,18 @@ def load_state_dict(state_dict: dict[str, Any], storage_reader: Any, process_gro
 
     ``coordinator_rank`` is accepted for compatibility; ckpt's coordinator is the group's rank 0.
     """
-    t = load_target(None, storage_reader, planner)
-    _load_into(state_dict, t, process_group, no_dist)
+    with _dcp_errors():
+        t = load_target(None, storage_reader, planner)
+        _load_into(state_dict, t, process_group, no_dist)
 
 
 def load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str, storage_reader: Any,
                                       planner: Any = None) -> dict[str, Any]:
     """Not available through ``ckpt.dcp``: DCP builds the optimizer state from its own metadata."""
-    raise UnsupportedDCPObjectError(
+    raise as_dcp_exception(UnsupportedDCPObjectError(
         "ckpt.dcp: load_sharded_optimizer_state_dict is not supported (it builds FSDP1 optimizer state from DCP's "
         "metadata); load the optimizer state with dcp.load into FSDP.optim_state_dict(model, optim) (or "
-        "torch.distributed.checkpoint.state_dict.get_state_dict) and apply it with FSDP.optim_state_dict_to_load")
+        "torch.distributed.checkpoint.state_dict.get_state_dict) and apply it with FSDP.optim_state_dict_to_load"))
 
 
 # DCP's other public names, forwarded from torch.distributed.checkpoint on first use (importing it
@@ -199,15 +230,67 @@ _FORWARDED = frozenset({
 
 def __getattr__(name: str) -> Any:
     # any other public name of torch.distributed.checkpoint too (the package has no __all__; its
-    # submodules appear as attributes once imported, e.g. ``state_dict``)
+    # submodules appear as attributes once imported, e.g. ``state_dict``); a submodule comes as
+    # ckpt.dcp's view of it, so ckpt.dcp.state_dict_saver.save is ckpt's save, never DCP's
     if not name.startswith("_"):
         import torch.distributed.checkpoint as tdcp
 
         if hasattr(tdcp, name):
             value = getattr(tdcp, name)
+            if isinstance(value, types.ModuleType) and value.__name__ == f"{_DCP}.{name}":
+                value = importlib.import_module(f"{__name__}.{name}")
             globals()[name] = value  # once
             return value
     raise AttributeError(f"module 'ckpt.dcp' has no attribute {name!r}")
+
+
+_DCP = "torch.distributed.checkpoint"
+# ckpt.dcp is a package whose submodules are views of DCP's (found by _Submodules): `import
+# ckpt.dcp.planner`, `from ckpt.dcp.state_dict import get_state_dict` work as with DCP
+__path__: list[str] = []
+
+
+def _entry_points() -> dict[str, dict[str, Any]]:
+    return {"state_dict_saver": {"save": save, "async_save": async_save, "save_state_dict": save_state_dict},
+            "state_dict_loader": {"load": load, "load_state_dict": load_state_dict}}
+
+
+class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``ckpt.dcp.<x>`` for every submodule ``torch.distributed.checkpoint.<x>`` (nested ones
+    too): a module that forwards every attribute to DCP's, except the save/load entry points,
+    which are ckpt's (:func:`_entry_points`)."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None,
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith(__name__ + "."):
+            return None
+        real = _DCP + fullname[len(__name__):]
+        try:
+            found = importlib.util.find_spec(real)
+        except ImportError:  # a parent that is no package
+            return None
+        if found is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=found.submodule_search_locations is not None)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return None  # the default module; exec_module fills it
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        rel = module.__name__[len(__name__) + 1:]
+        real = importlib.import_module(f"{_DCP}.{rel}")
+        module.__doc__ = f"ckpt.dcp's view of {real.__name__}: its names, with ckpt's save/load entry points."
+        vars(module).update(__getattr__=lambda name: getattr(real, name),  # PEP 562 module attributes
+                            __dir__=lambda: sorted(set(dir(real)) | set(vars(module))))
+        if hasattr(real, "__all__"):
+            vars(module)["__all__"] = list(real.__all__)
+        if hasattr(real, "__path__"):
+            module.__path__ = []
+        vars(module).update(_entry_points().get(rel, {}))
+
+
+if not any(isinstance(f, _Submodules) for f in sys.meta_path):
+    sys.meta_path.append(_Submodules())
 
 
 __all__ = ["save", "load", "async_save", "save_state_dict", "load_state_dict", "load_sharded_optimizer_state_dict",
