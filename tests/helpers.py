@@ -14,9 +14,11 @@ import ckpt
 Spec = tuple[int, ...] | tuple[tuple[int, ...], torch.dtype]
 
 
-def random_state(seed: int, tensors: Mapping[str, Spec], **objects: Any) -> dict[str, Any]:
+def random_state(seed: int, tensors: Mapping[str, Spec], /, **objects: Any) -> dict[str, Any]:
     """``{name: randn(shape)}`` from one generator seeded ``seed``, drawn in ``tensors``' order (a
-    ``(shape, dtype)`` spec is drawn in fp32 and cast), then ``objects`` as given."""
+    ``(shape, dtype)`` spec is drawn in fp32 and cast), then ``objects`` as given (any names, ``seed`` too).
+
+    The one seeded-state helper of the suite: a test's ``_state(seed)`` is a one-line spec over it."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, Any] = {}
     for name, spec in tensors.items():

@@ -16,6 +16,7 @@ from ckpt.cli.app import app
 from ckpt.manager import CheckpointInfo, select_removals, step_dir
 from ckpt.manifest import MANIFEST_NAME
 from tests.dist_utils import run_ranks
+from tests.helpers import random_state
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,9 +24,7 @@ runner = CliRunner(env={"COLUMNS": "200"})
 
 
 def _state(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g).bfloat16()},
-            "step": seed}
+    return {"model": random_state(seed, {"w": (256, 256), "b": ((256,), torch.bfloat16)}), "step": seed}
 
 
 def test_modifying_after_staged_keeps_pre_modification_values(tmp_path):

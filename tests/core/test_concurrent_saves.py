@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -23,20 +22,16 @@ from hypothesis import strategies as st
 import ckpt
 from ckpt.save import _SYNC_CACHES
 from tests.dist_utils import run_ranks
+from tests.helpers import random_state
 
 # structures: shapes of the state's tensors; threads sharing one reuse each other's cached plan
-_SHAPES = [[(6, 5)], [(6, 5), (3,)], [(2, 3, 4)], [(7, 1), (4, 4)], [(129, 33)]]
-
-
-def _state(structure: int, seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    tensors = {f"t{i}": torch.randn(s, generator=g) for i, s in enumerate(_SHAPES[structure])}
-    return {"model": tensors, "meta": {"seed": seed}}
+_SHAPES: list[list[tuple[int, ...]]] = [[(6, 5)], [(6, 5), (3,)], [(2, 3, 4)], [(7, 1), (4, 4)], [(129, 33)]]
 
 
 def _round_trip(url: str, structure: int, seed: int, use_async: bool) -> None:
     """Save a state at ``url``, load it into a fresh one, and require the very same bits."""
-    state = _state(structure, seed)
+    state = {"model": random_state(seed, {f"t{i}": s for i, s in enumerate(_SHAPES[structure])}),
+             "meta": {"seed": seed}}
     if use_async:
         ckpt.async_save(state, url).done()
     else:

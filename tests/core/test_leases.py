@@ -36,14 +36,14 @@ from ckpt.manager import gc, list_checkpoints, step_dir
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.storage import local as local_mod
 from tests.dist_utils import run_ranks
+from tests.helpers import random_state
 
 DEAD_PID = 2**22 + 12345  # above Linux's largest pid_max: never a running process
 runner = CliRunner(env={"COLUMNS": "200"})
 
 
 def _state(seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(6, 5, generator=g), "b": torch.randn(7, generator=g).bfloat16(), "seed": seed}
+    return random_state(seed, {"w": (6, 5), "b": ((7,), torch.bfloat16)}, seed=seed)
 
 
 def _loads(url: str, seed: int) -> bool:

@@ -24,15 +24,15 @@ import ckpt
 from ckpt.manager import gc, list_checkpoints, step_dir
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.storage import local as local_mod
+from tests.helpers import random_state
 from tests.manifest_edit import read_manifest, write_manifest
 
 FAILURES = ["none", "write", "close", "commit", "header", "cleanup"]
 
 
 def _state(seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
     n = 3 + seed % 4  # the structure changes between saves too
-    return {"w": torch.randn(n, 5, generator=g), "meta": {"seed": seed, "t": (seed, (seed, "x"))}}
+    return random_state(seed, {"w": (n, 5)}, meta={"seed": seed, "t": (seed, (seed, "x"))})
 
 
 def _load(url: str, seed: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 import ckpt
 from ckpt.cli.app import app
 from ckpt.convert import import_checkpoint
+from tests.helpers import random_state
 
 runner = CliRunner()
 
@@ -35,15 +36,10 @@ class _MegatronLikePlanner(DefaultSavePlanner):
         return global_plans, metadata
 
 
-def _state() -> dict[str, object]:
-    g = torch.Generator().manual_seed(0)
-    return {"decoder.layers.self_attention.linear_qkv.weight": torch.randn(2, 6, 4, generator=g),
-            "embedding.word_embeddings.weight": torch.randn(8, 4, generator=g).bfloat16(),
-            "optimizer.step": torch.tensor(7), "iteration": 12}
-
-
 def _save(path) -> dict[str, object]:
-    state = _state()
+    state = {**random_state(0, {"decoder.layers.self_attention.linear_qkv.weight": (2, 6, 4),
+                                "embedding.word_embeddings.weight": ((8, 4), torch.bfloat16)}),
+             "optimizer.step": torch.tensor(7), "iteration": 12}
     dcp.save(state, checkpoint_id=str(path), planner=_MegatronLikePlanner(), no_dist=True)
     (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                     "common_backend": "torch", "common_backend_version": 1}))

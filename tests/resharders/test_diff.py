@@ -14,10 +14,6 @@ from ckpt.resharders.diff import CLOSE, DIFFERENT, EQUAL, MISMATCH, ONLY_A, ONLY
 from ckpt.resharders.reshard import reshard
 
 
-def _save(url: str, state: dict) -> None:
-    ckpt.save(state, url)
-
-
 def base() -> dict:
     g = torch.Generator().manual_seed(0)
     return {"model.lm_head.weight": torch.randn(10, 6, generator=g),
@@ -26,7 +22,7 @@ def base() -> dict:
 
 
 def test_equal_across_layouts_and_in_small_parts(tmp_path):
-    _save(str(tmp_path / "a"), base())
+    ckpt.save(base(), str(tmp_path / "a"))
     reshard(str(tmp_path / "a"), str(tmp_path / "b"), Layout.parse("tp=2,ep=4,dp=2,zero=1"))
     r = diff(str(tmp_path / "a"), str(tmp_path / "b"), chunk_bytes=1)  # parts of one element
     assert r.ok and r.counts() == {EQUAL: 4} and r.objects[0].status == EQUAL
@@ -41,8 +37,8 @@ def test_differences_are_named(tmp_path):
     del b["mask"]
     b["extra"] = torch.zeros(2)
     b["step"] = 4
-    _save(str(tmp_path / "a"), a)
-    _save(str(tmp_path / "b"), b)
+    ckpt.save(a, str(tmp_path / "a"))
+    ckpt.save(b, str(tmp_path / "b"))
     r = diff(str(tmp_path / "a"), str(tmp_path / "b"))
     by = {t.key: t for t in r.tensors}
     assert not r.ok
@@ -58,14 +54,14 @@ def test_differences_are_named(tmp_path):
     # within a tolerance: close, not equal
     b2 = base()
     b2["model.lm_head.weight"][0, 0] += 1e-3
-    _save(str(tmp_path / "c"), b2)
+    ckpt.save(b2, str(tmp_path / "c"))
     r = diff(str(tmp_path / "a"), str(tmp_path / "c"), atol=1e-2)
     assert r.ok and {t.key: t.status for t in r.tensors}["model.lm_head.weight"] == CLOSE
     assert not diff(str(tmp_path / "a"), str(tmp_path / "c"), atol=1e-4).ok
 
 
 def test_bad_input(tmp_path):
-    _save(str(tmp_path / "a"), base())
+    ckpt.save(base(), str(tmp_path / "a"))
     with pytest.raises(ManifestError, match="no committed checkpoint"):
         diff(str(tmp_path / "a"), str(tmp_path / "missing"))
     with pytest.raises(StateError, match="atol"):

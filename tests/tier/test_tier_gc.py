@@ -10,27 +10,20 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-import ckpt
 from ckpt.cli.app import app
 from ckpt.tier import gc_memory, list_memory
 from ckpt.tier.nodes import run_id_for, step_name
 from tests.dist_utils import run_ranks
-from tests.tier.kill_harness import state_of
 
 pytestmark = pytest.mark.multiproc
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _save(rank: int, world: int, shm: str, root: str) -> None:
-    mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, nodes=2, memory_timeout=30)
-    for step in (1, 2):
-        assert mgr.save_memory(step, state_of(rank, step)).result().complete
 
 
 def _age(path: Path, seconds: float) -> None:
@@ -40,9 +33,10 @@ def _age(path: Path, seconds: float) -> None:
         os.utime(p, (past, past), follow_symlinks=False)
 
 
-def test_gc_memory_removes_only_what_no_job_can_restore(shm: str, tmp_path: Path) -> None:
+def test_gc_memory_removes_only_what_no_job_can_restore(shm: str, tmp_path: Path,
+                                                        save_memory: Callable[..., None]) -> None:
     root = str(tmp_path / "ckpts")
-    run_ranks(4, _save, shm, root)
+    run_ranks(4, save_memory, shm, root, (1, 2))
     tier = Path(shm) / f"ckpt-{run_id_for(root)}"
     before = {(m.step, m.node, m.owner, m.kind) for m in list_memory(root, shm)}
     assert len(before) == 8

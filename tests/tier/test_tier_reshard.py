@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +36,6 @@ def _target(rank: int, world: int) -> dict[str, Any]:
             "train": {"step": 0, "sample_index": 0, "sched": {"last": 0}}}
 
 
-def _save(rank: int, world: int, shm: str, root: str, persist: bool = True) -> None:
-    mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, nodes=2, memory_timeout=30)
-    if persist:
-        mgr.save(1, state_of(rank, 1))
-    for step in (1, 2, 3):
-        assert mgr.save_memory(step, state_of(rank, step)).result().complete
-    # killed here: no clean end, the memory tier stays in shared memory
-
-
 def _restore(rank: int, world: int, shm: str, root: str, out: str) -> None:
     mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, nodes=world if world % 2 else 2,
                                  memory_timeout=30)
@@ -66,20 +58,20 @@ def _restored(world: int, shm: str, root: str, tmp: Path) -> set[tuple[int, str]
     return {(r["step"], r["tier"]) for r in map(json.loads, out.read_text().splitlines())}
 
 
-def test_a_layout_change_restores_from_the_memory_tier_when_every_piece_is_reachable(shm: str,
-                                                                                     tmp_path: Path) -> None:
+def test_a_layout_change_restores_from_the_memory_tier_when_every_piece_is_reachable(
+        shm: str, tmp_path: Path, save_memory: Callable[..., None]) -> None:
     root = str(tmp_path / "ckpts")
-    run_ranks(4, _save, shm, root)
+    run_ranks(4, save_memory, shm, root, (1, 2, 3), (1,))
     tier = Path(shm) / f"ckpt-{run_id_for(root)}"
     saved = sorted(p.relative_to(tier) for p in tier.rglob("*") if p.is_file())
     assert _restored(2, shm, root, tmp_path) == {(3, "memory-reshard")}  # 4 -> 2 ranks, newer than storage's 1
     # the copies are untouched by the views (hard links, removed after the load)
     assert not list(tier.glob("view-*"))
     # every piece still reachable: 4 -> 3 ranks (uneven split) restores from memory too
-    run_ranks(4, _save, shm, root, False)
+    run_ranks(4, save_memory, shm, root, (1, 2, 3))
     assert _restored(3, shm, root, tmp_path) == {(3, "memory-reshard")}
     # a piece no copy holds any more: storage
-    run_ranks(4, _save, shm, root, False)
+    run_ranks(4, save_memory, shm, root, (1, 2, 3))
     for p in tier.rglob("rank-2"):
         shutil.rmtree(p)
     assert _restored(2, shm, root, tmp_path) == {(1, "storage")}
@@ -96,9 +88,10 @@ def _damaged(rank: int, world: int, shm: str, root: str, out: str) -> None:
     assert rec["tier"] == "memory-reshard" and rec["step"] == 3 and "checksum" in rec["error"].lower(), rec
 
 
-def test_a_damaged_piece_fails_the_resharded_restore_on_every_rank(shm: str, tmp_path: Path) -> None:
+def test_a_damaged_piece_fails_the_resharded_restore_on_every_rank(shm: str, tmp_path: Path,
+                                                                   save_memory: Callable[..., None]) -> None:
     root = str(tmp_path / "ckpts")
-    run_ranks(4, _save, shm, root)
+    run_ranks(4, save_memory, shm, root, (1, 2, 3), (1,))
     tier = Path(shm) / f"ckpt-{run_id_for(root)}"
     for copy in [tier / "node-0" / "rank-1" / "step-0000000003", tier / "node-1" / "replicas" / "rank-1" /
                  "step-0000000003"]:
