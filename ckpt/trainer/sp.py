@@ -8,11 +8,18 @@ data-parallel rank's batch (the samples themselves do not depend on ``sp``):
   early chunk with little to attend to, paired with a late one with much);
 - **global positions**: RoPE and the causal mask use the tokens' positions in the whole sequence;
 - **LASP-2H** (Sun et al., 2025) for softmax attention: one all-gather of the local K/V over the
-  ``sp`` group per layer (after RoPE, before the grouped-query repeat, so it carries key/value
-  heads only), then each rank attends its queries to the whole sequence's keys, masked by global
-  positions. The all-gather's gradient is a reduce-scatter: every rank's K/V gradient is the sum
-  of what every rank's queries sent back to it. Communication per layer is one collective of
-  ``2 * B * S * kv_heads * head_dim`` elements in all, no ring of ``sp - 1`` steps;
+  ``sp`` group per layer (after RoPE, with key/value heads only: grouped-query heads are never
+  repeated over the sequence), then each rank attends its queries to the whole sequence's keys by
+  global position, in blocks: a run of consecutive positions ``[g, g + n)`` sees keys ``[0, g)``
+  in full and ``[g, g + n)`` under a causal square; later keys are skipped. Each block is one
+  flash / memory-efficient kernel call returning its log-sum-exp, the blocks are merged by
+  log-sum-exp, and the backward gives each block the merged output and log-sum-exp (the flash
+  backward), so no mask, bias or score table of (local x global) size exists on any device. The
+  all-gather's gradient is a reduce-scatter: every rank's K/V gradient is the sum of what every
+  rank's queries sent back to it. By default a layer keeps only its local K/V for the backward and
+  gathers them again there (``regather``), so the memory a rank holds falls as 1 / sp;
+  communication per layer is then two all-gathers and one reduce-scatter of ``2 * B * S *
+  kv_heads * head_dim`` elements in all, no ring of ``sp - 1`` steps;
 - **loss**: labels are shifted on the whole sequence before the split (the next token of a
   chunk's last position may live on another rank); each rank returns the sum of its tokens'
   losses over the number of label tokens of the whole batch, so the sum over ``sp`` is the mean.
@@ -28,22 +35,22 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ckpt.errors import LayoutError
+from ckpt.errors import LayoutError, MismatchError
 from ckpt.trainer.model import IGNORE_INDEX, Attention, MoEForCausalLM
 from ckpt.trainer.parallel import Group, all_gather_flat, all_reduce_, reduce_scatter_flat
 
 if TYPE_CHECKING:
     from ckpt.trainer.hybrid import HybridForCausalLM
 
-__all__ = ["all_gather_seq", "check_sp", "lasp2h_attention", "lasp2h_masks", "shard_sequence", "shift_labels",
-           "sp_choices", "sp_loss_denominator", "split_batch", "zigzag_merge", "zigzag_positions",
-           "zigzag_positions_all", "zigzag_split"]
+__all__ = ["BACKENDS", "AttentionPlan", "Span", "all_gather_seq", "attention_backend", "check_sp", "lasp2h_attention",
+           "plan_attention", "shard_sequence", "shift_labels", "sp_choices", "sp_loss_denominator", "split_batch",
+           "zigzag_merge", "zigzag_positions", "zigzag_positions_all", "zigzag_split"]
 
 
 def sp_choices(seq_len: int, limit: int = 64) -> list[int]:
@@ -123,85 +130,335 @@ def all_gather_seq(x: Tensor, group: Group) -> Tensor:
     return _AllGatherSeq.apply(x, group)
 
 
-Mask = Any  # an additive (run x keys) tensor, or a lower-right CausalBias that no kernel materializes
+# ----------------------------------------------------------------------------- LASP-2H attention
+#
+# Each member's queries attend to the whole sequence's keys in blocks that never need a mask table:
+# a run of consecutive positions [g, g + n) sees every key before g in full and itself under a
+# causal square, and every later key not at all. Each block is one kernel call (flash or
+# memory-efficient on CUDA, the CPU flash kernel, or the math formula in chunk x chunk tiles) that
+# returns its output and log-sum-exp; the blocks of a row are merged by log-sum-exp. The backward
+# hands each block the merged output and log-sum-exp, which gives exactly that block's share of the
+# gradients (the flash-attention backward), so nothing of size (local x global) exists at any time.
+
+BACKENDS = ("auto", "flash", "efficient", "cpu_flash", "math")
 
 
-def lasp2h_masks(positions: Tensor, index: int, dtype: torch.dtype,
-                 device: torch.device | None = None) -> list[tuple[int, int, int, Mask]]:
-    """Member ``index``'s query runs and their causal masks: ``(start, stop, keys, mask)`` for each run
-    of consecutive positions among its tokens (zigzag: two runs), ``keys`` the number of keys (in
-    global order) up to the run's last position.
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One block of :func:`lasp2h_attention`: this member's query rows ``[q0, q1)`` against the keys
+    ``[k0, k1)`` of the whole sequence in global order; ``causal`` for a diagonal block (rows and keys
+    the same positions), otherwise every key precedes every row (no mask)."""
 
-    A run attends only the keys it may see, so each zigzag member computes the same number of
-    scores, half of a full (local seq x seq) product. When the keys up to a run are exactly the
-    positions ``0 .. last`` (every layout this trainer makes), the run is the last rows of a causal
-    square: ``mask`` is a lower-right :func:`~torch.nn.attention.bias.causal_lower_right` bias, which
-    flash / memory-efficient kernels apply without building it (no ``run x keys`` table per layer,
-    no quadratic memory). Otherwise ``mask`` is additive (stop - start, keys): 0 where the key's
-    position is not after the query's, ``-inf`` elsewhere.
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """What :func:`lasp2h_attention` computes on one member, a pure function of the positions.
+
+    ``spans``: one full block (keys before the run) and one causal square per run of consecutive
+    positions, for the kernels; ``tiles``: the same area cut into chunk x chunk pairs (full,
+    causal-diagonal; later pairs skipped), for the math formula; ``runs``: ``(member, local start,
+    local stop, global start)`` of every member's runs in global order, which place the gathered keys.
     """
-    from torch.nn.attention.bias import causal_lower_right
 
-    mine = positions[index].to(device)
-    key_pos = positions.reshape(-1).sort().values.to(device)
-    breaks = [0, *((torch.nonzero(mine[1:] - mine[:-1] != 1).flatten() + 1).tolist()), mine.numel()]
-    out: list[tuple[int, int, int, Mask]] = []
-    for start, stop in zip(breaks, breaks[1:], strict=False):
-        run = mine[start:stop]
-        keys = int((key_pos <= run.max()).sum())
-        dense = bool(torch.equal(key_pos[:keys], torch.arange(keys, device=key_pos.device)))
-        if dense and int(run[0]) == keys - (stop - start):
-            out.append((start, stop, keys, causal_lower_right(stop - start, keys)))
-            continue
-        allowed = run[:, None] >= key_pos[None, :keys]
-        out.append((start, stop, keys,
-                    torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))))
+    spans: tuple[Span, ...]
+    tiles: tuple[Span, ...]
+    runs: tuple[tuple[int, int, int, int], ...]
+    seq_len: int
+
+
+def _runs(row: list[int]) -> list[tuple[int, int]]:
+    bounds = [0, *(i for i in range(1, len(row)) if row[i] != row[i - 1] + 1), len(row)]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def _run_spans(a: int, b: int, g: int, tile: int | None) -> list[Span]:
+    if tile is None:
+        return ([Span(a, b, 0, g, False)] if g else []) + [Span(a, b, g, g + b - a, True)]
+    out = []
+    for r0 in range(0, b - a, tile):
+        r1 = min(r0 + tile, b - a)
+        out += [Span(a + r0, a + r1, k0, min(k0 + tile, g + r0), False) for k0 in range(0, g + r0, tile)]
+        out.append(Span(a + r0, a + r1, g + r0, g + r1, True))
     return out
 
 
+def plan_attention(positions: Tensor, index: int) -> AttentionPlan:
+    """The blocks member ``index`` computes, from every member's global positions ``positions`` (int,
+    ``(members, local seq)``, e.g. :func:`zigzag_positions_all`).
+
+    Raises LayoutError unless the positions are a permutation of ``0 .. members * local - 1`` (each
+    token of the sequence held by exactly one member) and ``index`` is a member.
+    """
+    if positions.dim() != 2 or not 0 <= index < positions.shape[0]:
+        raise LayoutError(f"LASP-2H positions of shape {list(positions.shape)} and member index {index}: pass "
+                          "(members, local seq) positions and an index below the number of members")
+    total = positions.numel()
+    if not torch.equal(positions.reshape(-1).sort().values.cpu(), torch.arange(total)):
+        raise LayoutError(f"LASP-2H positions are not a permutation of 0..{total - 1}: every position of the "
+                          "sequence must be held by exactly one member (use zigzag_positions_all)")
+    rows = positions.tolist()
+    runs = sorted(((m, a, b, row[a]) for m, row in enumerate(rows) for a, b in _runs(row)), key=lambda r: r[3])
+    chunk = min(b - a for _, a, b, _ in runs)  # the zigzag chunk: the tiles of the math formula
+    mine = [r for r in runs if r[0] == index]
+    return AttentionPlan(spans=tuple(s for _, a, b, g in mine for s in _run_spans(a, b, g, None)),
+                         tiles=tuple(s for _, a, b, g in mine for s in _run_spans(a, b, g, chunk)),
+                         runs=tuple(runs), seq_len=total)
+
+
+def attention_backend(q: Tensor) -> str:
+    """The kernel :func:`lasp2h_attention` uses for ``q`` with ``backend="auto"``: ``flash`` (CUDA,
+    fp16/bf16), ``efficient`` (CUDA, other dtypes), ``cpu_flash`` (CPU), else ``math``."""
+    d = q.shape[-1]
+    if q.device.type == "cuda" and d % 8 == 0:
+        return "flash" if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 else "efficient"
+    if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return "cpu_flash"
+    return "math"
+
+
+@dataclass(slots=True)
+class _Meta:
+    """What a kernel's backward needs from its forward: the log-sum-exp's layout, RNG and varlen state."""
+
+    lse_shape: tuple[int, ...]
+    lse_stride: tuple[int, ...]
+    lse_dtype: torch.dtype
+    extra: tuple[Any, ...] = ()
+
+
+def _block_forward(backend: str, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor, _Meta]:
+    """``(out, lse (batch, heads, rows), meta)`` of softmax attention of q over k/v (same heads)."""
+    aten = torch.ops.aten
+    if backend == "math":
+        acc = torch.promote_types(q.dtype, torch.float32)
+        s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * q.shape[-1] ** -0.5
+        if causal:
+            s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(torch.exp(s - lse[..., None]), v.to(acc)).to(q.dtype)
+        return out, lse, _Meta(tuple(lse.shape), lse.stride(), lse.dtype)
+    extra: tuple[Any, ...] = ()
+    if backend == "flash":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal)
+        extra = (cum_q, cum_k, max_q, max_k, seed, offset)
+    elif backend == "efficient":
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        extra = (seed, offset)
+    elif backend == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    else:
+        raise LayoutError(f"LASP-2H attention backend {backend!r} is unknown; use one of {list(BACKENDS)}")
+    meta = _Meta(tuple(lse.shape), lse.stride(), lse.dtype, extra)
+    return out, lse[..., :q.shape[2]], meta  # the memory-efficient kernel pads the rows of its lse
+
+
+def _block_backward(backend: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    causal: bool, meta: _Meta) -> tuple[Tensor, Tensor, Tensor]:
+    """This block's ``(dq, dk, dv)`` given the *merged* output and log-sum-exp of its rows."""
+    aten = torch.ops.aten
+    if backend == "math":
+        acc = lse.dtype
+        scale = q.shape[-1] ** -0.5
+        q32, k32, v32, do32 = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+        s = torch.matmul(q32, k32.transpose(-1, -2)) * scale
+        if causal:
+            s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        p = torch.exp(s - lse[..., None])
+        dp = torch.matmul(do32, v32.transpose(-1, -2))
+        ds = p * (dp - (do32 * out.to(acc)).sum(-1, keepdim=True)) * scale
+        return torch.matmul(ds, k32), torch.matmul(ds.transpose(-1, -2), q32), torch.matmul(p.transpose(-1, -2), do32)
+    # the kernels read the log-sum-exp in the layout (and padding) their forward wrote
+    full = torch.empty_strided(meta.lse_shape, meta.lse_stride, dtype=meta.lse_dtype, device=lse.device).zero_()
+    full[..., :lse.shape[-1]].copy_(lse)
+    if backend == "flash":
+        cum_q, cum_k, max_q, max_k, seed, offset = meta.extra
+        grads = aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, full, cum_q, cum_k, max_q,
+                                                                  max_k, 0.0, causal, seed, offset)
+    elif backend == "efficient":
+        seed, offset = meta.extra
+        grads = aten._scaled_dot_product_efficient_attention_backward(dout, q, k, v, None, out, full, seed, offset,
+                                                                      0.0, [True, True, True, False], causal)
+    else:
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, full, 0.0, causal)
+    return grads[0], grads[1], grads[2]
+
+
+def _fold(x: Tensor, groups: int) -> Tensor:
+    """(B, H, rows, ...) -> (B, H / groups, groups * rows, ...): the query heads of one key/value head
+    stacked along the rows, so a block without a mask runs on the key/value heads as they are."""
+    return x.reshape(x.shape[0], x.shape[1] // groups, groups * x.shape[2], *x.shape[3:])
+
+
+def _unfold(x: Tensor, groups: int) -> Tensor:
+    return x.reshape(x.shape[0], x.shape[1] * groups, x.shape[2] // groups, *x.shape[3:])
+
+
+def _block_inputs(span: Span, q: Tensor, k: Tensor, v: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """The block's q, k, v with equal heads, and whether q's heads were folded into its rows."""
+    qs, ks, vs = q[:, :, span.q0:span.q1], k[:, :, span.k0:span.k1], v[:, :, span.k0:span.k1]
+    if groups == 1:
+        return qs.contiguous(), ks.contiguous(), vs.contiguous(), False
+    if span.causal:  # a chunk of keys, repeated per query head: the causal mask needs the rows as they are
+        return qs.contiguous(), ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1), False
+    return _fold(qs, groups).contiguous(), ks.contiguous(), vs.contiguous(), True
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, spans: tuple[Span, ...],
+            backend: str) -> tuple[Tensor, Tensor, list[_Meta]]:
+    """Forward over the blocks: ``(out, lse, metas)``; ``k``/``v`` hold the whole sequence in global order."""
+    b, h, rows, d = q.shape
+    groups = h // k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_zeros((b, h, rows, d), dtype=acc)
+    lse = q.new_full((b, h, rows), float("-inf"), dtype=acc)
+    metas = []
+    for span in spans:
+        qs, ks, vs, folded = _block_inputs(span, q, k, v, groups)
+        o, part_lse, meta = _block_forward(backend, qs, ks, vs, span.causal)
+        metas.append(meta)
+        if folded:
+            o, part_lse = _unfold(o, groups), _unfold(part_lse, groups)
+        o, part_lse = o.to(acc), part_lse.to(acc)
+        old_o, old_lse = out[:, :, span.q0:span.q1], lse[:, :, span.q0:span.q1]
+        new_lse = torch.logaddexp(old_lse, part_lse)
+        out[:, :, span.q0:span.q1] = (old_o * torch.exp(old_lse - new_lse)[..., None]
+                                      + o * torch.exp(part_lse - new_lse)[..., None])
+        lse[:, :, span.q0:span.q1] = new_lse
+    return out.to(q.dtype), lse, metas
+
+
+def _attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     spans: tuple[Span, ...], backend: str, metas: list[_Meta]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`_attend`, dk/dv over the whole sequence in global order."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    groups = h // hkv
+    acc = lse.dtype
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for span, meta in zip(spans, metas, strict=True):
+        qs, ks, vs, folded = _block_inputs(span, q, k, v, groups)
+        rows = slice(span.q0, span.q1)
+        do, o, part_lse = dout[:, :, rows], out[:, :, rows], lse[:, :, rows]
+        if folded:
+            do, o, part_lse = _fold(do, groups), _fold(o, groups), _fold(part_lse, groups)
+        gq, gk, gv = _block_backward(backend, do.contiguous(), qs, ks, vs, o.contiguous(), part_lse.contiguous(),
+                                     span.causal, meta)
+        if folded:
+            gq = _unfold(gq, groups)
+        elif groups > 1:  # the repeated key/value heads: sum each head's copies
+            gk = gk.reshape(b, hkv, groups, -1, d).sum(2)
+            gv = gv.reshape(b, hkv, groups, -1, d).sum(2)
+        dq[:, :, rows] += gq
+        dk[:, :, span.k0:span.k1] += gk
+        dv[:, :, span.k0:span.k1] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _gather_keys(k: Tensor, v: Tensor, plan: AttentionPlan, group: Group) -> tuple[Tensor, Tensor]:
+    """Every member's k/v (batch, kv heads, local seq, d): the whole sequence's, in global order."""
+    kv = torch.stack((k, v))
+    gathered = kv.unsqueeze(0) if group.trivial else all_gather_flat(kv.reshape(-1), group).view(-1, *kv.shape)
+    whole = kv.new_empty((*kv.shape[:3], plan.seq_len, kv.shape[4]))
+    for member, a, b, g in plan.runs:
+        whole[:, :, :, g:g + b - a].copy_(gathered[member, :, :, :, a:b])
+    return whole[0], whole[1]
+
+
+def _scatter_key_grads(dk: Tensor, dv: Tensor, plan: AttentionPlan, group: Group,
+                       local: int) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`_gather_keys` for gradients: every member's share of ``dk``/``dv`` (global
+    order), summed over the group's members (a reduce-scatter); this member's part."""
+    members = 1 if group.trivial else group.size
+    parts = dk.new_empty((members, 2, *dk.shape[:2], local, dk.shape[3]))
+    for member, a, b, g in plan.runs:
+        parts[member, 0, :, :, a:b].copy_(dk[:, :, g:g + b - a])
+        parts[member, 1, :, :, a:b].copy_(dv[:, :, g:g + b - a])
+    mine = parts[0] if group.trivial else reduce_scatter_flat(parts.reshape(-1), group).view(parts.shape[1:])
+    return mine[0], mine[1]
+
+
+class _ChunkPairAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, group: Group,  # type: ignore[override]
+                backend: str, regather: bool) -> Tensor:
+        spans = plan.tiles if backend == "math" else plan.spans
+        k_all, v_all = _gather_keys(k, v, plan, group)
+        out, lse, metas = _attend(q, k_all, v_all, spans, backend)
+        ctx.plan, ctx.group, ctx.backend, ctx.spans, ctx.metas = plan, group, backend, spans, metas
+        ctx.regather = regather
+        # regather: keep only this member's K/V and gather again in the backward, so that what a
+        # layer keeps for its backward is local (1 / sp of the sequence), at one more all-gather
+        ctx.save_for_backward(q, *((k, v) if regather else (k_all, v_all)), out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        if ctx.regather:
+            k, v = _gather_keys(k, v, ctx.plan, ctx.group)
+        dq, dk, dv = _attend_backward(grad, q, k, v, out, lse, ctx.spans, ctx.backend, ctx.metas)
+        del k, v
+        dk, dv = _scatter_key_grads(dk, dv, ctx.plan, ctx.group, q.shape[2])
+        return dq, dk, dv, None, None, None, None
+
+
 def lasp2h_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: Group,
-                     masks: list[tuple[int, int, int, Mask]] | None = None) -> Tensor:
-    """LASP-2H softmax attention over a sequence split across ``group``: one all-gather of K/V.
+                     plan: AttentionPlan | None = None, *, backend: str = "auto", regather: bool = True) -> Tensor:
+    """LASP-2H softmax attention over a sequence split across ``group``: one all-gather of K/V, then
+    blocks of (run, keys) pairs through flash / memory-efficient kernels merged by log-sum-exp.
 
     Args:
         q: (batch, heads, local seq, head_dim) this member's queries, RoPE applied.
         k, v: (batch, kv heads, local seq, head_dim) this member's keys / values, RoPE applied;
-            ``heads`` is a multiple of ``kv heads`` (grouped-query attention).
+            ``heads`` is a multiple of ``kv heads`` (grouped-query attention, never repeated over
+            the whole sequence).
         positions: int (group.size, local seq): the global position of every member's tokens (row
             ``group.index`` is this member's), e.g. :func:`zigzag_positions_all`.
         group: the sequence-parallel group.
-        masks: :func:`lasp2h_masks` of ``positions`` (built here when None).
+        plan: :func:`plan_attention` of ``positions`` (built here when None).
+        backend: ``auto`` (:func:`attention_backend`), ``flash``, ``efficient``, ``cpu_flash`` or
+            ``math`` (the formula, in chunk x chunk tiles).
+        regather: keep only the local K/V for the backward and all-gather them again there (memory
+            per rank falls as 1/sp); False keeps the gathered K/V (one collective fewer).
 
     Returns:
         (batch, heads, local seq, head_dim): causal attention by global position, equal (to fp32
         rounding) to this member's rows of attention over the unsplit sequence.
+
+    Raises:
+        MismatchError: shapes that do not fit together; LayoutError: positions that are not a
+        permutation of the sequence, or an unknown backend.
     """
-    kv = all_gather_seq(torch.stack((k, v)), group)  # (size, 2, B, Hkv, Sl, D)
-    size, _, b, h, sl, d = kv.shape
-    kv = kv.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, size * sl, d)
-    # Keys in global order: the unsplit model's summation order over keys.
-    kv = kv.index_select(3, torch.argsort(positions.reshape(-1)).to(q.device))
-    if masks is None:
-        masks = lasp2h_masks(positions, group.index, q.dtype, q.device)
-    groups = q.shape[1] // h
-    outs = []
-    for start, stop, keys, mask in masks:
-        key, value = kv[0, :, :, :keys], kv[1, :, :, :keys]
-        if isinstance(mask, Tensor):
-            # enable_gqa: the key/value heads are not repeated (no full-sequence copy per query group)
-            outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], key, value, attn_mask=mask,
-                                                       enable_gqa=True))
-            continue
-        if groups > 1:  # CausalBias's flash / efficient kernels take as many key heads as query heads
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], key, value, attn_mask=mask))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[::2] != k.shape[::2] \
+            or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        raise MismatchError(f"LASP-2H: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must be (batch, "
+                            "heads, local seq, head_dim) with k and v alike and heads a multiple of kv heads")
+    if backend not in BACKENDS:
+        raise LayoutError(f"LASP-2H attention backend {backend!r} is unknown; use one of {list(BACKENDS)}")
+    if plan is None:
+        plan = plan_attention(positions, group.index)
+    if plan.seq_len != q.shape[2] * (1 if group.trivial else group.size):
+        raise MismatchError(f"LASP-2H: the plan covers {plan.seq_len} tokens but {q.shape[2]} local tokens on each of "
+                            f"{group.size} members make {q.shape[2] * group.size}; plan with this shape's positions")
+    return _ChunkPairAttention.apply(q, k, v, plan, group, attention_backend(q) if backend == "auto" else backend,
+                                     regather)
 
 
-def shard_sequence(model: MoEForCausalLM | HybridForCausalLM, group: Group) -> None:
+def shard_sequence(model: MoEForCausalLM | HybridForCausalLM, group: Group, *, backend: str = "auto",
+                   regather: bool = True) -> None:
     """Make ``model`` (a pipeline stage or the whole model) compute on this member's zigzag slice of
-    every sequence: global positions for RoPE, :func:`lasp2h_attention` in every softmax layer (the
-    hybrid model's linear layers need LASP-2 besides: :func:`ckpt.trainer.hybrid_parallel.use_lasp2`)."""
+    every sequence: global positions for RoPE, :func:`lasp2h_attention` (with ``backend`` and
+    ``regather``) in every softmax layer (the hybrid model's linear layers need LASP-2 besides:
+    :func:`ckpt.trainer.hybrid_parallel.use_lasp2`)."""
     if group.trivial:
         return
     size, index = group.size, group.index
@@ -209,16 +466,15 @@ def shard_sequence(model: MoEForCausalLM | HybridForCausalLM, group: Group) -> N
     def positions(local: int, device: torch.device) -> Tensor:
         return zigzag_positions(local * size, size, index, device).unsqueeze(0)
 
-    cache: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, list[tuple[int, int, int, Mask]]]] = {}
+    cache: dict[int, tuple[Tensor, AttentionPlan]] = {}
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        key = (q.shape[2], q.dtype, q.device)
-        if key not in cache:  # one set of masks for every layer and step (it depends on the shapes only)
+        if q.shape[2] not in cache:  # one plan for every layer and step (it depends on the length only)
             pos = zigzag_positions_all(q.shape[2] * size, size)
             cache.clear()
-            cache[key] = (pos, lasp2h_masks(pos, index, q.dtype, q.device))
-        pos, masks = cache[key]
-        return lasp2h_attention(q, k, v, pos, group, masks)
+            cache[q.shape[2]] = (pos, plan_attention(pos, index))
+        pos, plan = cache[q.shape[2]]
+        return lasp2h_attention(q, k, v, pos, group, plan, backend=backend, regather=regather)
 
     model.model.position_fn = positions
     for module in model.modules():

@@ -143,26 +143,3 @@ def test_split_batch_labels_are_the_global_next_tokens() -> None:
                                 torch.where(p[1] >= 0, p[1] % 5, p[1]).reshape(-1), ignore_index=-100,
                                 reduction="sum") for i, p in enumerate(parts))
     torch.testing.assert_close(total / (3 * 7), flat)
-
-
-@pytest.mark.parametrize("sp", [2, 4])
-def test_zigzag_runs_get_lower_right_causal_biases_equal_to_the_dense_masks(sp: int) -> None:
-    """Every zigzag run attends keys 0..last with itself at the end: a lower-right causal bias that
-    flash / efficient kernels apply without a (run x keys) table; its values equal the dense mask."""
-    from torch.nn.attention.bias import CausalBias
-
-    from ckpt.trainer.sp import lasp2h_masks, zigzag_positions_all
-
-    seq = 8 * sp
-    pos = zigzag_positions_all(seq, sp)
-    for index in range(sp):
-        runs = lasp2h_masks(pos, index, torch.float32)
-        for start, stop, keys, mask in runs:
-            assert isinstance(mask, CausalBias)
-            run = pos[index][start:stop]
-            allowed = run[:, None] >= torch.arange(keys)[None, :]  # boolean: True = may attend
-            assert torch.equal(mask._materialize(), allowed)
-    # positions that are not 0..last up to a run (a gap): the dense additive mask
-    gap = torch.tensor([[0, 1, 5, 6], [2, 3, 4, 7]])
-    dense_runs = lasp2h_masks(gap, 0, torch.float32)
-    assert any(isinstance(m, torch.Tensor) for *_, m in dense_runs)
