@@ -249,3 +249,6 @@ def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int 
         return saver.save(state, url, step=step, user_metadata=user_metadata, overwrite=overwrite, layout=layout,
                           storage_options=storage_options, policy=policy, data_format=data_format,
                           max_staging_bytes=max_staging_bytes, compression=compression)
+
+
+__all__ = ["SaveHandle", "AsyncSaver", "async_save"]

@@ -359,3 +359,6 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     if not t.numel():
         return t.clone()
     return torch.frombuffer(byte_view(t), dtype=t.dtype).view(t.shape)
+
+
+__all__ = ["torch_save_manifest", "unstack_layers", "import_checkpoint", "export_dcp"]

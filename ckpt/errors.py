@@ -68,3 +68,8 @@ class ConfigError(ManifestError):
 
 class NoSuchPathError(ManifestError):
     """A path given to read (a checkpoint, a root, a model directory) does not exist: nothing to read there."""
+
+
+__all__ = ["CheckpointError", "ManifestError", "FormatVersionError", "IntegrityError", "ManifestIntegrityError",
+           "LayoutError", "StateError", "MismatchError", "CheckpointExistsError", "StorageError", "CollectiveError",
+           "ForeignFormatError", "UnsafePathError", "RunInUseError", "ConfigError", "NoSuchPathError"]

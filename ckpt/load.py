@@ -357,3 +357,6 @@ def _nest(prefix: str, flat: dict[str, Any]) -> dict[str, Any]:
             d = d.setdefault(p, {})
         d[parts[-1]] = v
     return out
+
+
+__all__ = ["fetch_manifest", "load", "through_bounce"]

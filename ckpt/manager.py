@@ -551,3 +551,6 @@ def _update_in_place(state: dict[str, Any], new: dict[str, Any]) -> None:
             _update_in_place(state[k], v)
         else:
             state[k] = v
+
+
+__all__ = ["LEASE", "LINEAGE", "Loader", "node_of", "Restored", "SaveReport", "CheckpointManager"]

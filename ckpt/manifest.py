@@ -449,3 +449,8 @@ def _object_from_dict(key: str, o: Any) -> ObjectEntry:
     if checksum is not None and not _is_int(checksum):
         raise ManifestError(f"{what}: checksum is not an integer")
     return ObjectEntry(data=data, checksum=checksum)
+
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "CODEC_VERSION", "READABLE_MAJORS", "MANIFEST_NAME", "DATA_DIR",
+           "HASH_ALGORITHM", "entry_name", "check_relpath", "TensorEntry", "ObjectEntry", "Manifest", "parse_version",
+           "MAX_DIMS"]

@@ -638,3 +638,8 @@ def _aggregate(stats: list[dict[str, float]]) -> dict[str, Any]:
         vals = [float(s.get(k, 0.0)) for s in stats]
         out[k] = {"min": min(vals), "median": median(vals), "max": max(vals), "slowest_rank": vals.index(max(vals))}
     return out
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "build_decl", "fingerprint", "read_manifest", "PlanCache", "save", "Prepared",
+           "resolve_compression", "prepare", "persist", "fresh_file_name", "persisted", "SYNC_RING", "staged_views",
+           "persist_staged", "commit", "merge_globals"]

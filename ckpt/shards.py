@@ -168,3 +168,6 @@ class PerRank:
 
     def __repr__(self) -> str:
         return f"PerRank({self.value!r})"
+
+
+__all__ = ["Box", "Flat", "Region", "full_box", "check_region", "Shard", "FlatShard", "PerRank"]

@@ -365,3 +365,7 @@ def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | No
     key = _key(comm, group)
     pg = side_group(ranks, "transfer-data", timeout=timeout, fresh=_STALE.pop(key, False))
     return ex.GlooTransport(pg)
+
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "DEFAULT_TIMEOUT_S", "Rename", "TransferState", "TransferResult",
+           "rank_payload", "pick_error", "transfer", "Options", "declared", "run_items"]

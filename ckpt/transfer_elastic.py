@@ -140,3 +140,6 @@ def _choose(got: list[dict[str, Any]], rank: int, strict: bool) -> dict[str, byt
                              "a replicated value must agree (wrap a per-rank value in ckpt.PerRank)")
         values[key] = holders[0][1]
     return values
+
+
+__all__ = ["Handoff", "handoff"]

@@ -290,3 +290,6 @@ def _pieces(w: _Want, out: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> 
                                 Flat(r.start, r.start + r.numel)))
         at += r.numel
     return items
+
+
+__all__ = ["ALL", "DEFAULT_STREAM_BYTES", "StreamStats", "TransferStream", "transfer_iter"]

@@ -291,3 +291,6 @@ def _st_dtype(dtype: str) -> str | None:
     from ckpt._dtypes import dtype_from_name, safetensors_dtype
 
     return safetensors_dtype(dtype_from_name(dtype))
+
+
+__all__ = ["Problem", "VerifyReport", "inspect", "verify"]

@@ -49,3 +49,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+__all__ = ["app", "COMMAND_MODULES", "main"]

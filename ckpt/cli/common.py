@@ -212,3 +212,8 @@ def byte_bar(what: str, enabled: bool) -> Iterator[Callable[[int, int], None] | 
             progress.update(task, completed=done, total=total)
 
         yield update
+
+
+__all__ = ["console", "err_console", "EXIT_CODES", "OS_ERROR_CODE", "EXIT_CODE_HELP", "INPUT_ARGS", "OUTPUT_ARGS", "F",
+           "exit_code", "cli_message", "require_paths", "remove_created", "os_message", "handle_errors",
+           "parse_storage_options", "print_json", "human_bytes", "byte_bar"]

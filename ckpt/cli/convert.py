@@ -94,3 +94,6 @@ def register(app: typer.Typer) -> None:
     """Add ``import`` and ``export`` to the app."""
     app.command("import")(import_cmd)
     app.command("export")(export_cmd)
+
+
+__all__ = ["StorageOpt", "BudgetOpt", "QuietOpt", "JsonOpt", "import_cmd", "export_cmd", "register"]

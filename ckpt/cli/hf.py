@@ -99,3 +99,6 @@ def register(app: typer.Typer) -> None:
     """Add ``export-hf`` and ``import-hf`` to the app."""
     app.command("export-hf")(export_hf_cmd)
     app.command("import-hf")(import_hf_cmd)
+
+
+__all__ = ["StorageOpt", "BudgetOpt", "WorkersOpt", "export_hf_cmd", "import_hf_cmd", "register"]

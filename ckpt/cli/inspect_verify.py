@@ -137,3 +137,6 @@ def register(app: typer.Typer) -> None:
     """Add ``inspect`` and ``verify`` to the app."""
     app.command("inspect")(inspect_cmd)
     app.command("verify")(verify_cmd)
+
+
+__all__ = ["StorageOpt", "require_checkpoint", "inspect_cmd", "COUNTS", "figure", "verify_cmd", "register"]

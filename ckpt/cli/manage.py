@@ -129,3 +129,6 @@ def register(app: typer.Typer) -> None:
     """Add ``ls`` and ``gc`` to the app."""
     app.command("ls")(ls_cmd)
     app.command("gc")(gc_cmd)
+
+
+__all__ = ["StorageOpt", "LeaseGrace", "ls_cmd", "gc_cmd", "register"]

@@ -228,3 +228,7 @@ def register(app: typer.Typer) -> None:
     app.command("plan")(plan_cmd)
     app.command("reshard")(reshard_cmd)
     app.command("diff")(diff_cmd)
+
+
+__all__ = ["StorageOpt", "ToOpt", "RulesOpt", "StrictOpt", "StagesOpt", "parse_size", "short_layout", "plan_cmd",
+           "reshard_cmd", "diff_cmd", "register"]

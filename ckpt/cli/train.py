@@ -283,3 +283,6 @@ def register(app: typer.Typer) -> None:
     """Add ``train`` and ``demo`` to the app."""
     app.command("train")(train_cmd)
     app.command("demo")(demo_cmd)
+
+
+__all__ = ["train_cmd", "demo_cmd", "register"]

@@ -230,3 +230,6 @@ def walk(obj: Any, what: str, budget: Budget | None = None,
         elif isinstance(v, (list, tuple)):
             stack.extend((entry, i, x, depth + 1) for i, x in reversed(list(enumerate(v)))
                          if isinstance(x, keep))
+
+
+__all__ = ["Budget", "resolve", "check", "walk"]

@@ -279,3 +279,7 @@ class ConfigFields:
         if not isinstance(v, list) or len(v) > max_len:
             raise self.fail(name, f"a list of at most {max_len} items (or null)")
         return v
+
+
+__all__ = ["MAX_LAYERS", "MAX_EXPERTS", "MAX_HEADS", "MAX_DIM", "Budget", "CONFIG", "INDEX", "NAMES", "HEADER_DEPTH",
+           "HEADER_ITEMS", "loads", "read_storage", "read_path", "read_object", "ConfigFields"]

@@ -230,3 +230,7 @@ def decode_object(data: bytes, *, key: str = "?") -> Any:
         raise
     except (TypeError, ValueError) as e:
         raise ManifestError(f"object {key!r}: cannot be decoded ({e})") from None
+
+
+__all__ = ["encode_manifest", "decode_manifest", "MAX_TUPLE_DEPTH", "encode_object", "normalize_step",
+           "normalize_metadata", "decode_object"]

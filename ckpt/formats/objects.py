@@ -338,3 +338,7 @@ def _from_stub(s: Any) -> Any:
 def _raw(b: Any) -> bytes:
     # b"" inside a pickle is the stand-in for bytes()
     return _bytes(_from_stub(b) if isinstance(b, Stub) else b)
+
+
+__all__ = ["TAG", "MAX_BIG_INT_BYTES", "MAX_DEPTH", "PICKLE_EXTRA", "PICKLE_STUBS", "encode_value", "decode_value",
+           "refusal", "from_torch_save"]

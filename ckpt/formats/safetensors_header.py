@@ -111,3 +111,6 @@ def _check_disjoint(entries: dict[str, HeaderEntry], path: str) -> None:
         if start < end:
             raise IntegrityError(f"{path}: safetensors entries {a!r} and {b!r} overlap in the file; it is damaged "
                                  "(or not written by a safetensors writer)")
+
+
+__all__ = ["MAX_HEADER_BYTES", "HeaderEntry", "build_header", "parse_header"]

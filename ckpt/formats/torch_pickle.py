@@ -646,3 +646,6 @@ def materialize(ref: TensorRef, read: Read) -> torch.Tensor:
     raw = bytearray(read(ref.data_offset, span * size))
     flat = torch.frombuffer(raw, dtype=ref.dtype) if raw else torch.empty(0, dtype=ref.dtype)
     return flat.as_strided(ref.shape, ref.stride, ref.storage_offset).clone()
+
+
+__all__ = ["Read", "DCP_GLOBALS", "TensorRef", "Stub", "loads", "TorchZip", "load_torch", "materialize"]

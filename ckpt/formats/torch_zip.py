@@ -141,3 +141,6 @@ def _scan_head(read: Read, start: int, length: int) -> bytes | None:
     when they cannot be there."""
     buf = read(start, min(length, HEAD_BYTES))
     return buf if buf[:4] == _LOCAL else None
+
+
+__all__ = ["Read", "QUICK_TAIL", "HEAD_BYTES"]

@@ -578,3 +578,7 @@ def transformers_defaults(model_type: str, fields: tuple[str, ...]) -> dict[str,
 def numel(shape: tuple[int, ...]) -> int:
     """Elements of ``shape``."""
     return math.prod(shape)
+
+
+__all__ = ["Config", "ADAPTER_KEY", "Adapter", "Llama", "Qwen2", "Qwen3", "Mixtral", "Qwen3Moe", "Qwen2Moe",
+           "DeepseekV3", "MAX_BLOCK", "MiniMax", "ADAPTERS", "transformers_defaults", "numel"]

@@ -105,3 +105,6 @@ def _reference(src_url: str, exported_config: dict[str, Any], config: str | dict
             json.dump(exported_config | {"dtype": "float32", "torch_dtype": "float32"}, f)
         return transformers.AutoModelForCausalLM.from_pretrained(
             tmp, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")
+
+
+__all__ = ["CHECK_FILE", "check_export"]

@@ -265,3 +265,8 @@ def add_computed_file(files: list[OutFile], tensors: dict[str, torch.Tensor],
         f.path = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
     cast = {name: t.to(dtype).contiguous() for name, t in tensors.items()}
     return f"model-{n:05d}-of-{n:05d}.safetensors", cast, safetensors.torch.save(cast, metadata=ST_METADATA)
+
+
+__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "DEFAULT_MAX_SHARD_SIZE", "ST_METADATA", "DTYPE_ALIASES",
+           "HF_DTYPES", "IMPORTABLE", "ST_TO_TORCH", "Tensors", "few", "parse_size", "parse_dtype", "export_dtype",
+           "read_json", "read_header", "read_entries", "split_files", "index_of", "add_computed_file"]

@@ -28,3 +28,6 @@ def __getattr__(name: str) -> Any:
     warnings.warn(f"ckpt.hf.embedded.{name} is deprecated: import it from {module.__name__}",
                   DeprecationWarning, stacklevel=2)
     return getattr(module, name)
+
+
+__all__: list[str] = []  # a deprecated shim: every name comes from the registered adapter's module

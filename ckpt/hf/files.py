@@ -72,3 +72,6 @@ def from_dir(path: str) -> dict[str, bytes]:
     if not files:
         raise StateError(f"--tokenizer {path}: none of {', '.join(SIDE_FILES[:4])}, ... is there")
     return files
+
+
+__all__ = ["SIDE_FILES", "MAX_SIDE_FILE", "PREFIX", "read_side_files", "as_objects", "from_manifest", "from_dir"]

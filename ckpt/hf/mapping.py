@@ -156,3 +156,6 @@ def invert(m: Map, shapes: dict[str, tuple[int, ...]], *, what: str) -> dict[str
         raise MismatchError(f"{what}: " + "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more"
                                                                       if len(problems) > 6 else ""))
     return pieces
+
+
+__all__ = ["Run", "Target", "Map", "whole", "rows", "merged", "compose", "Piece", "invert"]

@@ -371,3 +371,6 @@ def names_of(manifest: object, requested: str | None, found: tuple[Adapter, Conf
         raise ManifestError(f"{where}: exporting {kind} names{how} needs the model's Hugging Face config: "
                             "pass --config CONFIG_JSON (or the HF model directory it came from)")
     return kind
+
+
+__all__ = ["VOCAB", "Naming", "naming", "resolve", "AmbiguousNamesError", "detect", "names_of"]

@@ -411,3 +411,7 @@ def _megatron(storage: Storage, user: dict[str, Any], objects: dict[str, ObjectE
             data = encode_object(repr(value), key=name)  # e.g. a stand-in for Megatron's args: kept as text
             raw_keys.append(name)
         objects[name] = ObjectEntry(data=data, checksum=crc32(data))
+
+
+__all__ = ["METADATA_NAME", "MAX_METADATA_BYTES", "is_dcp", "reader", "read_metadata", "MAX_PIECES",
+           "DCP_SHARDING_KEY", "dcp_manifest", "MEGATRON_METADATA", "MEGATRON_COMMON"]

@@ -576,3 +576,6 @@ def _universal(root: str, tag: str | None, names: list[str]) -> Manifest:
     m = Manifest(tensors=tensors, objects=objects, files=files, step=gstep, user_metadata=user)
     m.source_format = "deepspeed"
     return m
+
+
+__all__ = ["STUBS", "deepspeed_manifest", "Pieces"]

@@ -83,3 +83,6 @@ def _foreign_manifest(storage: Storage) -> Manifest | None:
                                 "copy it to a local disk first")
         return deepspeed.deepspeed_manifest(storage.root, tag=tag or None)
     return None
+
+
+__all__ = ["DS_MODEL_STATES", "LOOKED_FOR", "deepspeed_root", "detect", "foreign_manifest"]

@@ -377,3 +377,8 @@ def registered_rules() -> list[str]:
 def numel(shape: tuple[int, ...]) -> int:
     """Number of elements of ``shape``."""
     return math.prod(shape)
+
+
+__all__ = ["Placement", "REPLICATED", "Rule", "RuleSet", "KeyedRules", "load_rules", "stage_bounds", "DENSE_REPLICAS",
+           "EXPERT_REPLICAS", "param_box", "padded_rows", "zero_range", "optim_region", "MOE_RULES", "HF_RULES",
+           "HF_WHOLE", "register_rules", "rules_named", "registered_rules", "numel"]

@@ -162,3 +162,6 @@ class FsspecStorage(Storage):
 
     def close(self) -> None:
         pass
+
+
+__all__ = ["T", "FsspecWriter", "FsspecStorage"]

@@ -316,3 +316,6 @@ class LocalStorage(Storage):
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+__all__ = ["LocalWriter", "LocalStorage"]

@@ -243,3 +243,6 @@ def launch(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", 
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RankError", "RankDied", "RanksTimedOut", "free_port", "exit_rank", "launch"]

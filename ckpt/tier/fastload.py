@@ -312,3 +312,6 @@ def _read_crc(fd: int, dst: memoryview, offset: int, path: str) -> int:
 def _partial(e: IntegrityError) -> IntegrityError:
     e.partial = True  # type: ignore[attr-defined]
     return e
+
+
+__all__ = ["CHUNK", "SLAB", "MAPPED", "workers_for_restore", "read_manifest", "plan_pieces", "load_pieces"]

@@ -87,3 +87,6 @@ def save_linked(flat: dict[str, Any], url: str, slot: Slot, *, group: Any, step:
         return commit(comm, storage, prep, result, timeout=timeout, cache=cache)
     finally:
         storage.close()
+
+
+__all__ = ["CRC_NICE", "matches", "save_linked"]

@@ -255,3 +255,7 @@ def _gc_run(run: str, doc: dict[str, Any], remove: Any, now: float, min_age: flo
             remove_locks(run)  # (under the exclusive lock: no tier holds them)
             with contextlib.suppress(OSError):
                 safefs.rmdir(run)
+
+
+__all__ = ["MAX_TIER_JSON", "LINEAGE", "read_small", "read_tier_json", "MemoryInfo", "list_memory", "MemoryRemoval",
+           "superseded", "gc_memory"]

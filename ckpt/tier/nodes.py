@@ -129,3 +129,7 @@ def senders_to(holders: list[list[int]]) -> list[list[int]]:
         for h in hs:
             out[h].append(r)
     return out
+
+
+__all__ = ["NODE_ENV", "SHM_ENV", "RUN_ID_ENV", "DEFAULT_SHM", "RUN_ID", "RANK_DIR", "NODE_DIR", "shm_base",
+           "run_id_for", "tier_dir", "node_dir", "node_identity", "replica_holders", "senders_to"]

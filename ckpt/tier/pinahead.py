@@ -71,3 +71,6 @@ class PinAhead:
         self._thread.join()
         self.stats["wait_ms"] = round(self.stats["wait_ms"] + (time.perf_counter() - t0) * 1e3, 3)
         return self.stats
+
+
+__all__ = ["PinAhead"]

@@ -215,3 +215,6 @@ def clear_views(tier: TierView) -> None:
     for name in _listdir(run):
         if name.startswith(f"{VIEW_PREFIX}{tier.rank}-"):
             safefs.rmtree(os.path.join(run, name))
+
+
+__all__ = ["VIEW_PREFIX", "build_view", "run", "clear_views"]

@@ -221,3 +221,6 @@ def _attempt(tier: TierView, fn: Callable[[str], Any], cand: Candidate, choice: 
         step=step, value=value, url=url, source="local" if choice[rank] == rank else "peer", holder=choice[rank],
         tier="memory-peer" if peers else "memory", peer_ranks=peers, bytes=int(summary["bytes"]),
         fetched_bytes=int(summary["fetched"]), rank_fetch_s=t1 - t0, rank_load_s=t2 - t1)}
+
+
+__all__ = ["Candidate", "plan_restore", "TierRestore", "clobbered_message", "report", "run"]

@@ -165,3 +165,6 @@ def remove_locks(run_dir: str) -> None:
     for name in lock_names(safefs.listdir(run_dir)):
         with contextlib.suppress(OSError):
             safefs.unlink(os.path.join(run_dir, name))
+
+
+__all__ = ["USE_LOCK", "LOCAL_PREFIX", "lock_names", "host_key", "RunLock", "exclusive", "remove_locks"]

@@ -329,3 +329,7 @@ def walk_files(path: str) -> list[str]:
         elif stat.S_ISREG(st.st_mode):
             out.append(full)
     return out
+
+
+__all__ = ["ADVICE", "trust_root", "check_parents", "open_file", "read_bytes", "write_atomic", "lstat", "regular",
+           "is_dir", "listdir", "makedirs", "unlink", "rmdir", "rmtree", "link", "walk_files"]

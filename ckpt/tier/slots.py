@@ -334,3 +334,6 @@ def _discard_foreign(path: str, *, directory: bool) -> bool:
         return False
     safefs.rmtree(path)
     return True
+
+
+__all__ = ["SLOTS_DIR", "SLOT_NAME", "SlotLayout", "raw_layout", "structure_key", "plan_layout", "Slot", "SlotPool"]

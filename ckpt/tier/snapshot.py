@@ -243,3 +243,6 @@ class HostSnapshots:
         for k in keys:
             landed[k] = ev
         keys.clear()
+
+
+__all__ = ["Snapshot", "LANDED_EVERY", "Landing", "HostSnapshots"]

@@ -300,3 +300,8 @@ def committed_bytes(path: str, manifest: Manifest) -> int:
 def local_tensor_bytes(state: dict[str, Any]) -> int:
     """Bytes of this rank's local pieces (what a memory checkpoint of ``state`` holds)."""
     return sum(v.numel() * v.element_size() for v in localize(state)[0].values() if isinstance(v, torch.Tensor))
+
+
+__all__ = ["META_KEY", "TIER_VERSION", "REPLICAS", "localize", "localize_pieces", "pieces_digest", "load_local",
+           "Entry", "read_entry", "remove_step", "NodeStore", "manifest_bytes", "data_bytes", "committed_bytes",
+           "local_tensor_bytes"]

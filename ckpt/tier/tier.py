@@ -549,3 +549,6 @@ def _verdict(got: list[Any]) -> list[Any]:
          "next_at": max(int(g["at"]) for g in got) + 1,
          "sent": sum(g["sent"] for g in got), "max_w": got[slow_w]["w"], "max_r": got[slow_r]["r"]}
     return [v] * len(got)
+
+
+__all__ = ["BACKGROUND_NICE", "MemoryTier"]

@@ -282,3 +282,6 @@ def _commit(storage: LocalStorage, dest: str, header: dict[str, Any], files: lis
         return None
     except (CheckpointError, OSError) as e:
         return e if isinstance(e, CheckpointError) else StorageError(f"{dest}: {e}")
+
+
+__all__ = ["CHUNK", "TAG", "Package", "Received", "failed", "package", "exchange"]

@@ -170,3 +170,6 @@ class TierView(Protocol):
     restore_clobbered: bool
 
     def drain(self, *, raise_error: bool = False) -> MemoryHandle | None: ...
+
+
+__all__ = ["TierConfig", "MemoryCheckpoint", "MemoryHandle", "TierView"]

@@ -276,3 +276,7 @@ def load_full_model(url: str, config: ModelConfig | HybridConfig | None = None
         for dst, src in casts:
             dst.copy_(src)
     return model
+
+
+__all__ = ["RULES_NAME", "model_state", "optim_state", "rng_state", "set_rng_state", "training_state", "save_metadata",
+           "config_from_metadata", "Resume", "restore", "load_weights", "load_full_model"]

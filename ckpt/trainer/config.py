@@ -226,3 +226,6 @@ def model_config(name: str) -> ModelConfig | HybridConfig:
     if name in HYBRID_CONFIGS:
         return HYBRID_CONFIGS[name]
     raise ValueError(f"unknown model config {name!r}; choose one of {sorted(CONFIGS) + sorted(HYBRID_CONFIGS)}")
+
+
+__all__ = ["SCHEDULES", "TrainConfig", "model_config"]

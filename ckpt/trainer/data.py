@@ -93,3 +93,6 @@ def rank_batch(source: SampleSource, start: int, global_batch: int, data_rank: i
     global batch begins at sample ``start``: the rank's contiguous block of ``global_batch // data_world``."""
     per_rank = global_batch // data_world
     return source.batch(start + data_rank * per_rank, per_rank)
+
+
+__all__ = ["CORPUS_BYTES", "corpus", "SampleSource", "rank_batch"]

@@ -219,3 +219,7 @@ def summarize_records(records: list[dict[str, Any]]) -> list[str]:
                      f"{mem[-1]['bytes'] / 1e6:.1f} MB each plus a peer copy; training thread's snapshot median "
                      f"{snap:.1f} ms")
     return lines
+
+
+__all__ = ["MARKER", "FIRST_LAYOUT", "SECOND_LAYOUT", "DemoReport", "evaluate", "hf_roundtrip", "run_demo",
+           "summarize", "summarize_records"]

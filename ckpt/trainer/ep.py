@@ -326,3 +326,7 @@ class ParallelMoEBlock(nn.Module):
         if not self.ep.trivial:
             s.ep_bytes += sent(sum(send), sum(recv))
             s.remote_ep_bytes += sent(remote_send, remote_recv)
+
+
+__all__ = ["DISPATCH_MODES", "ID_BYTES", "DispatchPlan", "plan_dispatch", "DispatchStats", "shard_sizes",
+           "ParallelMoEBlock"]

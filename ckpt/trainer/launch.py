@@ -203,3 +203,7 @@ def launch(cfg: TrainConfig, layout: Layout, *, max_restarts: int = 3, log: str 
                                  final=False, attempts=max_restarts + 1)
     finally:
         shutil.rmtree(fatal_dir, ignore_errors=True)
+
+
+__all__ = ["ATTEMPT_ENV", "FATAL_ENV", "LOWER_RANK_WAIT_S", "FINAL_EXIT_CODE", "TrainingFailed", "check_init_from",
+           "free_port", "torchrun_args", "torchrun_command", "final_errors", "record_final_error", "launch"]

@@ -183,3 +183,7 @@ def plot_loss(metrics_path: str, png_path: str) -> str | None:
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path
+
+
+__all__ = ["SAVE_PHASES", "LOAD_PHASES", "rank_bytes", "save_record", "load_fields", "MetricsLog", "read_metrics",
+           "plot_loss"]

@@ -227,3 +227,7 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Group) 
     """Autograd-aware uneven all-to-all along dim 0: ``send[r]`` rows of ``x`` go to member ``r``,
     ``recv[r]`` rows come from it; the backward sends the gradients the opposite way."""
     return _AllToAll.apply(x, send, recv, group)
+
+
+__all__ = ["GROUP_AXES", "Group", "pick_device", "backend_for", "init_distributed", "ParallelContext", "all_reduce_",
+           "all_gather_flat", "reduce_scatter_flat", "all_to_all"]

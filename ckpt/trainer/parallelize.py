@@ -268,3 +268,6 @@ def _param_specs(model: nn.Module, boxes: dict[str, tuple[Box, int | None]],
     if len(specs) != len(boxes):
         raise LayoutError("parallelize: a parameter was lost while wrapping modules (internal error)")
     return specs
+
+
+__all__ = ["RULES", "rules_of", "ParamSpec", "ParallelModel", "parallelize"]

@@ -53,3 +53,6 @@ class ForwardBackward:
         if not ctx.is_last_stage:
             return None
         return torch.stack([x.detach() for x in losses]).mean()
+
+
+__all__ = ["ForwardBackward"]

@@ -172,3 +172,7 @@ def parallel_causal_lm_loss(logits: Tensor, labels: Tensor, head: nn.Module) -> 
     assert isinstance(head, VocabParallelHead)
     shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
     return vocab_parallel_cross_entropy(shifted, labels[:, 1:].reshape(-1), head.start, head.real, head.group)
+
+
+__all__ = ["TP_PARTIAL_GRAD", "is_tp_partial_grad", "copy_to_tp", "reduce_from_tp", "shard_attention",
+           "VocabParallelEmbedding", "VocabParallelHead", "vocab_parallel_cross_entropy", "parallel_causal_lm_loss"]

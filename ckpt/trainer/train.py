@@ -421,3 +421,6 @@ class _Run:
             return rep.stall_s, rep.commit_wait_s
         finally:
             records.saved(rep)
+
+
+__all__ = ["TrainResult", "restart_count", "build", "build_context", "build_model", "Found", "train"]

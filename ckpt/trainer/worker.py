@@ -57,3 +57,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+__all__ = ["DETERMINISTIC", "main"]

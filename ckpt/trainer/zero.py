@@ -237,3 +237,6 @@ class LRSchedule:
             raise ValueError(f"train.lr_scheduler: unknown schedule kind {d.get('kind')!r}")
         self.base_lr, self.warmup, self.total = float(d["base_lr"]), int(d["warmup"]), int(d["total"])
         self.min_ratio, self.last_step = float(d["min_ratio"]), int(d["last_step"])
+
+
+__all__ = ["AdamWConfig", "ZeroAdamW", "LRSchedule"]

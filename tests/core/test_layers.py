@@ -186,3 +186,36 @@ def test_every_manifest_commit_goes_through_the_transaction() -> None:
            for line in _manifest_commits(ast.parse(p.read_text()))]
     assert not bad, "commit manifests with ckpt._transaction.commit_manifest:\n" + "\n".join(bad)
     assert _manifest_commits(ast.parse("s.commit(MANIFEST_NAME, b'')\nt.commit('manifest.msgpack', d)")) == [1, 2]
+
+
+def _public_modules() -> list[str]:
+    out = []
+    for p in sorted(ROOT.rglob("*.py")):
+        rel = p.relative_to(ROOT.parent).with_suffix("")
+        if any(part.startswith("_") and part != "__init__" for part in rel.parts):
+            continue
+        out.append(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
+    return out
+
+
+def test_every_public_module_declares_its_names() -> None:
+    """A module without a leading underscore is public: it says what it offers in ``__all__``, and
+    every name there exists (a private module, ``ckpt._x``, needs none)."""
+    missing, dangling = [], []
+    for name in _public_modules():
+        path = ROOT.parent.joinpath(*name.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        tree = ast.parse(path.read_text())
+        declared = [n for n in tree.body if (isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)) or (
+            isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == "__all__")]
+        defines = any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in tree.body)
+        if not declared:
+            if defines:
+                missing.append(name)
+            continue
+        mod = importlib.import_module(name)
+        dangling += [f"{name}.{n}" for n in mod.__all__ if not hasattr(mod, n)]
+    assert not missing, "public modules without __all__ (add one, or mark the module private with _):\n" + \
+        "\n".join(missing)
+    assert not dangling, "names in __all__ that do not exist:\n" + "\n".join(dangling)
