@@ -261,7 +261,7 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
             if stale not in ours:
                 dst.delete(stale)
         return HFExportResult(out_dir=dst.url, files=[f.path for f in plan.files],
-                              tensors=sum(len(f.items) for f in plan.files), total_size=plan.total_size,
+                              tensors=len(plan.index["weight_map"]), total_size=plan.total_size,  # HF tensors, not pieces
                               dtype=dtype_name(plan.dtype), buffer_bytes=buffer_bytes,
                               seconds=time.perf_counter() - t0, side_files=sorted(side))
     finally:
