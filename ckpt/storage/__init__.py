@@ -1,8 +1,14 @@
-"""Storage backends, chosen from the URL and imported lazily."""
+"""Storage backends, chosen from the URL and imported lazily.
+
+A backend of ckpt's own for ``<protocol>://`` is one module, ``ckpt/storage/<protocol>.py``, that
+names its :class:`Storage` subclass in ``BACKEND`` (``s3.py``: ``BACKEND = S3Storage``); nothing
+else lists it. Any other protocol goes to fsspec.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckpt.storage.base import Storage, Writer
@@ -32,10 +38,9 @@ def get_storage(url: str, **storage_options: Any) -> Storage:
 
         return LocalStorage(url[len("file://"):] if url.startswith("file://") else url)
     protocol = url.split("://", 1)[0]
-    if protocol in ("s3", "s3a"):
-        from ckpt.storage.s3 import S3Storage  # imports s3fs itself, raising ImportError with the hint
-
-        return S3Storage(url, **storage_options)
+    native = _native_backend(protocol)  # imports s3fs & co itself, raising ImportError with the hint
+    if native is not None:
+        return native(url, **storage_options)
     try:
         from ckpt.storage.fsspec_backend import FsspecStorage
 
@@ -47,6 +52,24 @@ def get_storage(url: str, **storage_options: Any) -> Storage:
     except ImportError as e:
         extra = _EXTRAS.get(protocol, protocol)
         raise ImportError(f"{protocol}:// needs an extra package: pip install 'ckpt[{extra}]' ({e})") from e
+
+
+_ALIASES = {"s3a": "s3"}
+
+
+def _native_backend(protocol: str) -> Callable[..., Storage] | None:
+    """The ``BACKEND`` of ``ckpt.storage.<protocol>`` when that module exists and names one."""
+    name = _ALIASES.get(protocol, protocol)
+    if not name.isidentifier() or name.startswith("_") or not name.islower():
+        return None
+    try:
+        module = importlib.import_module(f"ckpt.storage.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"ckpt.storage.{name}":
+            raise  # the backend exists but lacks a package of its own: say which
+        return None
+    backend = getattr(module, "BACKEND", None)
+    return backend if isinstance(backend, type) and issubclass(backend, Storage) else None
 
 
 def read_ranges(storage: Storage, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:

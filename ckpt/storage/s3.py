@@ -444,4 +444,6 @@ class S3Storage(Storage):
             pool.shutdown(wait=True)
 
 
-__all__ = ["S3Storage", "S3Writer", "split_url", "crc32_b64", "INSTALL_HINT"]
+BACKEND = S3Storage  # ckpt.storage.get_storage finds the backend of s3:// (and s3a://) here
+
+__all__ = ["S3Storage", "S3Writer", "split_url", "crc32_b64", "INSTALL_HINT", "BACKEND"]
