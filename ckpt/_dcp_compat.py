@@ -31,7 +31,9 @@ typed error a class that is both: ``except CheckpointExistsError`` and ``except 
 from __future__ import annotations
 
 import os
+import re
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,7 +218,7 @@ def as_dcp_exception(err: CheckpointError) -> CheckpointError:
     if cls is None:
         # ckpt's class first, so its methods win; CheckpointException adds failures and the isinstance
         cls = type(kind.__name__, (kind, CheckpointException), {
-            "__module__": kind.__module__, "__str__": lambda self: BaseException.__str__(self),
+            "__module__": kind.__module__, "__str__": lambda self: BaseException.__str__(self) + dcp_wording(self),
             "__reduce__": lambda self: (as_dcp_exception, (kind(*self.args),)),
             "__doc__": f"{kind.__name__}, also a torch.distributed.checkpoint CheckpointException."})
         _DCP_CLASSES[kind] = cls
@@ -228,6 +230,29 @@ def as_dcp_exception(err: CheckpointError) -> CheckpointError:
     return new
 
 
+# DCP's own words for the failures DCP code matches on (assertRaisesRegex(CheckpointException, "Missing key in
+# checkpoint")): (pattern over ckpt's message, DCP's message built from its groups). ckpt's message stays first.
+_DCP_WORDING: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = (
+    (re.compile(r"requested but missing from the checkpoint: (.+?) \(pass strict=False"),
+     lambda m: f"Missing key in checkpoint state_dict: {m[1].replace(chr(39), '')}."),
+    (re.compile(r"tensor '(.+?)': not in the checkpoint"),
+     lambda m: f"Missing key in checkpoint state_dict: {m[1]}."),
+    (re.compile(r"tensor '(.+?)': checkpoint has global shape \[(.*?)\], the target expects \[(.*?)\]"),
+     lambda m: f"Size mismatch between saved torch.Size([{m[2]}]) and current: torch.Size([{m[3]}]) for {m[1]}"),
+)
+
+
+def dcp_wording(err: BaseException) -> str:
+    """``"; DCP: <DCP's message>"`` for a ckpt error DCP reports in words of its own (a missing key, a
+    size mismatch), so code matching DCP's text still matches; ``""`` for the others."""
+    msg = BaseException.__str__(err)
+    for pattern, words in _DCP_WORDING:
+        m = pattern.search(msg)
+        if m:
+            return f"; DCP: {words(m)}"
+    return ""
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -235,4 +260,4 @@ def _rank() -> int:
 
 
 __all__ = ["Target", "UnsupportedCompressionError", "UnsupportedDCPObjectError", "as_dcp_exception", "assign_loaded",
-           "check_planner", "load_target", "save_target"]
+           "check_planner", "dcp_wording", "load_target", "save_target"]

@@ -30,7 +30,9 @@ submodule, whose names are DCP's own objects, so replacing ``torch.distributed.c
 ``ckpt.dcp`` everywhere in a code base works; ``ckpt.dcp.state_dict_saver`` / ``state_dict_loader``
 have ckpt's ``save`` / ``async_save`` / ``save_state_dict`` / ``load`` / ``load_state_dict``.
 Errors: every ckpt error these calls raise is also DCP's ``CheckpointException`` (see
-:func:`ckpt._dcp_compat.as_dcp_exception`), so DCP code catching it still does.
+:func:`ckpt._dcp_compat.as_dcp_exception`), so DCP code catching it still does; a missing key or size
+mismatch also carries DCP's words after ckpt's message. ``save(state_dict, writer)`` / ``load(state_dict,
+reader)`` (the storage object positionally, DCP's older order) work with DCP's warning.
 
 Objects come back of the same type and value as DCP gives them (``torch.dtype``, ``torch.Size``,
 ``torch.device``, tuples, complex, big ints, numpy values, datetimes, ...), or are refused with a
@@ -40,6 +42,7 @@ how (every ckpt load decodes through it; checkpoints DCP wrote are read through 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -47,10 +50,11 @@ import importlib.util
 import os
 import sys
 import types
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ckpt._dcp_compat import (
     Target,
@@ -72,7 +76,30 @@ from ckpt.save import save as _save
 from ckpt.shards import PerRank
 from ckpt.stateful import expand
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
+
+def _positional_storage(kind: str) -> Callable[[_F], _F]:
+    """DCP's ``_api_bc_check``: ``save(state_dict, writer)`` / ``load(state_dict, reader)`` (the storage
+    object as the second positional argument, the order before DCP made it keyword-only) still works,
+    with DCP's warning; any other positional use is a TypeError as Python gives it."""
+    def wrap(func: _F) -> _F:
+        @functools.wraps(func)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            if len(args) == 2:
+                warnings.warn(f"The argument order of {func.__name__} has been changed. "
+                              "Please check the document to avoid future breakages.", stacklevel=2)
+                if kind in kwargs:
+                    raise TypeError(f"{func.__name__}() got {kind} both as the second positional argument and "
+                                    "as a keyword; pass it once")
+                kwargs[kind] = args[1]
+                args = args[:1]
+            return func(*args, **kwargs)
+        return cast(_F, inner)
+    return wrap
+
+
+@_positional_storage("storage_writer")
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_writer: Any = None, planner: Any = None, process_group: Any = None, no_dist: bool = False,
          use_collectives: bool = True) -> Manifest:
@@ -96,6 +123,7 @@ def _dcp_errors() -> Iterator[None]:
         raise as_dcp_exception(e).with_traceback(e.__traceback__) from e.__cause__
 
 
+@_positional_storage("storage_reader")
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_reader: Any = None, planner: Any = None, process_group: Any = None, no_dist: bool = False) -> None:
     """``dcp.load``: fill ``state_dict`` in place from ``checkpoint_id``, resharding as needed.
@@ -140,6 +168,7 @@ class _Future(Future):  # type: ignore[type-arg]
         return None
 
 
+@_positional_storage("storage_writer")
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
                storage_writer: Any = None, planner: Any = None, process_group: Any = None,
                async_checkpointer_type: Any = None, async_stager: Any = None, no_dist: bool = False,

@@ -1,6 +1,7 @@
-"""Run PyTorch's test/distributed/checkpoint files against DCP and against ckpt.dcp (import swapped).
+r"""Run PyTorch's test/distributed/checkpoint files against DCP and against ckpt.dcp (import swapped).
 
-Usage: .venv/bin/python scripts/probes/dcp_suite.py [FILE ...] [--timeout S]   (CKPT_DCP_SUITE: the work folder, default /tmp/dcp_suite)
+Usage: .venv/bin/python scripts/probes/dcp_suite.py [FILE ...] [--timeout S] [--only dcp|ckpt]
+(CKPT_DCP_SUITE: the work folder, default /tmp/dcp_suite)
 Test files live in /tmp/dcp_suite/src/ (fetched from pytorch/pytorch, never committed). For each one
 the driver writes two copies, dcp/<file> (as is) and ckpt/<file> (imports rewritten), runs each with
 pytest under `timeout`, and prints a per-test table; results accumulate in results.json.
@@ -30,7 +31,8 @@ def rewrite(src: str) -> str:
 
 
 def run(rel: str, variant: str, timeout: int) -> dict[str, str]:
-    src = open(os.path.join(HERE, "src", rel)).read()
+    with open(os.path.join(HERE, "src", rel)) as f:
+        src = f.read()
     out_dir = os.path.join(HERE, variant, os.path.dirname(rel))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, os.path.basename(rel))
@@ -64,21 +66,25 @@ def main() -> None:
         i = args.index("--timeout")
         timeout = int(args[i + 1])
         del args[i:i + 2]
-    files = args or sorted(os.path.relpath(os.path.join(d, f), os.path.join(HERE, "src"))
-                           for d, _, fs in os.walk(os.path.join(HERE, "src")) for f in fs if f.endswith(".py"))
     only = None
     if "--only" in args:
         i = args.index("--only")
         only = args[i + 1]
         del args[i:i + 2]
+    files = args or sorted(os.path.relpath(os.path.join(d, f), os.path.join(HERE, "src"))
+                           for d, _, fs in os.walk(os.path.join(HERE, "src")) for f in fs if f.endswith(".py"))
     db_path = os.path.join(HERE, "results.json")
-    db = json.load(open(db_path)) if os.path.exists(db_path) else {}
+    db: dict[str, dict[str, dict[str, str]]] = {}
+    if os.path.exists(db_path):
+        with open(db_path) as f:
+            db = json.load(f)
     for rel in files:
         prev = db.get(rel, {})
         dcp = prev["dcp"] if only == "ckpt" else run(rel, "dcp", timeout)
         ck = prev["ckpt"] if only == "dcp" else run(rel, "ckpt", timeout)
         db[rel] = {"dcp": dcp, "ckpt": ck}
-        json.dump(db, open(db_path, "w"), indent=1, sort_keys=True)
+        with open(db_path, "w") as f:
+            json.dump(db, f, indent=1, sort_keys=True)
     for rel in sorted(db):
         dcp, ck = db[rel]["dcp"], db[rel]["ckpt"]
         passing = [t for t, r in dcp.items() if r == "pass"]

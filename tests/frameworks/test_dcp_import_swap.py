@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckpt
 import ckpt.dcp as cdcp
 from ckpt import errors
-from ckpt._dcp_compat import UnsupportedDCPObjectError
+from ckpt._dcp_compat import UnsupportedDCPObjectError, dcp_wording
 from tests.helpers import assert_same_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning",
@@ -132,7 +132,10 @@ def test_every_error_is_both_ckpts_typed_error_and_dcps_checkpoint_exception(tmp
     e: Any = ei.value
     assert isinstance(e, kind) and isinstance(e, Exception) and isinstance(e, errors.CheckpointError)
     # DCP's shape: failures maps the failing rank to (exception, traceback); the message stays ckpt's one line
-    assert list(e.failures) == [0] and isinstance(e.failures[0][0], kind) and str(e) == str(e.failures[0][0])
+    # (with DCP's words after it where DCP code matches them: a missing key, a size mismatch)
+    assert list(e.failures) == [0] and isinstance(e.failures[0][0], kind)
+    assert str(e) == str(e.failures[0][0]) + dcp_wording(e)
+    assert bool(dcp_wording(e)) == (fail in (_missing_key, _wrong_shape))
     assert "\n" not in str(e) and "CheckpointException ranks" not in str(e)
     again = pickle.loads(pickle.dumps(e))  # crosses processes as DCP's does
     assert type(again) is type(e) and str(again) == str(e)
