@@ -315,4 +315,5 @@ def test_cli_refuses_unknown_dispatch() -> None:
     from ckpt.cli.app import app
 
     r = CliRunner().invoke(app, ["train", "--moe-dispatch", "fast", "--steps", "2"])
-    assert r.exit_code == 5 and "moe_dispatch='fast'" in r.output
+    # the error names the flag, not the Python argument (issue 30)
+    assert r.exit_code == 5 and "--moe-dispatch 'fast'" in r.output and "moe_dispatch=" not in r.output
