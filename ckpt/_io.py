@@ -436,9 +436,4 @@ class ScratchReader:
             mv = byte_view(buf)
             for fo, n in op.ranges:
                 storage.read_into(op.file, fo, mv[fo - op.start : fo - op.start + n])
-            for c in op.copies:
-                t = targets[c.target]
-                if isinstance(c, StridedCopy):
-                    _strided(buf, c, t, isz[c.target])
-                else:
-                    _segments(buf, c, t, isz[c.target])
+            _copy_out(buf, op, targets, isz)
