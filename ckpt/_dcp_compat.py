@@ -18,9 +18,13 @@ so it takes from DCP's objects exactly what it can honour and refuses the rest, 
 * ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` (exactly those classes): the default behaviour
   they are; ``DefaultLoadPlanner(allow_partial_load=True)`` loads what the checkpoint has and
   leaves the other keys as they are (ckpt's ``strict=False``).
+* DCP's Hugging Face storage, ``HuggingFaceStorageWriter`` / ``HuggingFaceStorageReader`` /
+  ``QuantizedHuggingFaceStorageReader`` (exactly those classes): their output (or input) is HF's
+  format, not a ckpt checkpoint, so ckpt has nothing to add; the call is handed to DCP's own function
+  with the same arguments (:attr:`Target.delegate`; planner and stager then are DCP's business).
 * Any other planner, subclasses of DCP's planners or storage classes included (ckpt cannot run
-  their hooks), HF storage and async stagers: :class:`UnsupportedDCPObjectError` naming the class
-  and what to do instead.
+  their hooks; a subclass of an HF class too, whose output ckpt cannot vouch for), any other storage
+  class and async stagers: :class:`UnsupportedDCPObjectError` naming the class and what to do instead.
 
 Errors: DCP reports every failed save or load as ``CheckpointException`` (with ``failures``:
 rank -> (exception, traceback)), and DCP code catches that. :func:`as_dcp_exception` gives ckpt's
@@ -66,6 +70,8 @@ class Target:
     overwrite: bool = True  # DCP's save replaces what is there unless its writer says overwrite=False
     strict: bool = True  # load: every requested key must be in the checkpoint
     compression: str | None = None  # save: "zstd" for DCP's _extensions=[ZStandard()] (ckpt._codec)
+    # the storage object writes/reads another tool's format (HF): DCP's own function runs the call as given
+    delegate: bool = False
 
 
 def _dcp_classes() -> dict[str, tuple[type, ...]]:
@@ -79,8 +85,30 @@ def _dcp_classes() -> dict[str, tuple[type, ...]]:
         fs_r: tuple[type, ...] = (FsspecReader,)
     except ImportError:  # fsspec not installed: no such objects can exist
         fs_w = fs_r = ()
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
     return {"writer": (FileSystemWriter, _FileSystemWriter), "reader": (FileSystemReader,), "fs_writer": fs_w,
-            "fs_reader": fs_r, "save_planner": (DefaultSavePlanner,), "load_planner": (DefaultLoadPlanner,)}
+            "fs_reader": fs_r, "save_planner": (DefaultSavePlanner,), "load_planner": (DefaultLoadPlanner,),
+            "dcp_writer": (HuggingFaceStorageWriter,),
+            "dcp_reader": (HuggingFaceStorageReader, QuantizedHuggingFaceStorageReader)}
+
+
+def _storage_kind(obj: Any, role: str, classes: dict[str, tuple[type, ...]]) -> str:
+    """The one classification of a DCP storage writer/reader (``role``: "writer" or "reader"):
+    ``"ckpt"`` (DCP's file system class: ckpt saves/loads at its path), ``"fsspec"`` (the same through
+    ckpt's fsspec backend), ``"dcp"`` (another tool's format, exactly an HF class: handed to DCP), or
+    a typed refusal. Exact classes only: a subclass may override what ckpt (or the delegation) relies on."""
+    kind = type(obj)
+    for name, group in (("ckpt", role), ("fsspec", f"fs_{role}"), ("dcp", f"dcp_{role}")):
+        if kind in classes[group]:
+            return name
+    if role == "writer":
+        raise _refuse("storage_writer", obj, "is a storage writer ckpt cannot run (ckpt writes its own format "
+                      "through its own storage backends; only DCP's own HuggingFaceStorageWriter is handed to DCP)")
+    raise _refuse("storage_reader", obj, "is a storage reader ckpt cannot run (ckpt reads through its own storage "
+                  "backends; it reads DCP-written checkpoints by path too; only DCP's own HuggingFaceStorageReader "
+                  "is handed to DCP)")
 
 
 def _refuse(what: str, obj: Any, why: str, instead: str = _INSTEAD) -> UnsupportedDCPObjectError:
@@ -108,22 +136,18 @@ def save_target(checkpoint_id: str | os.PathLike[str] | None, storage_writer: An
                 async_stager: Any = None) -> Target:
     """The :class:`Target` of a ``dcp.save`` / ``dcp.async_save`` call, or a typed refusal."""
     classes = _dcp_classes()
+    kind = _storage_kind(storage_writer, "writer", classes) if storage_writer is not None else "ckpt"
+    if kind == "dcp":  # DCP runs the call with the caller's planner and stager
+        return Target(_location(checkpoint_id, storage_writer, False)[0], delegate=True)
     check_planner(planner, "planner", classes["save_planner"])
     if async_stager is not None:
         raise _refuse("async_stager", async_stager, "stages through hooks ckpt does not run (ckpt stages the state "
                       "itself before async_save returns)")
-    is_fsspec = False
+    compression = None
     if storage_writer is not None:
-        kind = type(storage_writer)
-        is_fsspec = kind in classes["fs_writer"]
-        if kind not in classes["writer"] and not is_fsspec:
-            raise _refuse("storage_writer", storage_writer, "is a storage writer ckpt cannot run (ckpt writes its "
-                          "own format through its own storage backends)")
         exts = tuple(getattr(getattr(storage_writer, "transforms", None), "extensions", ()) or ())
         compression = _compression(exts)
-    else:
-        compression = None
-    url, opts = _location(checkpoint_id, storage_writer, is_fsspec)
+    url, opts = _location(checkpoint_id, storage_writer, kind == "fsspec")
     overwrite = bool(getattr(storage_writer, "overwrite", True)) if storage_writer is not None else True
     return Target(url, opts, overwrite=overwrite, compression=compression)
 
@@ -146,17 +170,22 @@ def _compression(exts: tuple[Any, ...]) -> str | None:
 def load_target(checkpoint_id: str | os.PathLike[str] | None, storage_reader: Any, planner: Any) -> Target:
     """The :class:`Target` of a ``dcp.load`` call, or a typed refusal."""
     classes = _dcp_classes()
+    kind = _storage_kind(storage_reader, "reader", classes) if storage_reader is not None else "ckpt"
+    if kind == "dcp":  # DCP runs the call with the caller's planner
+        return Target(_location(checkpoint_id, storage_reader, False)[0], delegate=True)
     check_planner(planner, "planner", classes["load_planner"])
-    is_fsspec = False
-    if storage_reader is not None:
-        kind = type(storage_reader)
-        is_fsspec = kind in classes["fs_reader"]
-        if kind not in classes["reader"] and not is_fsspec:
-            raise _refuse("storage_reader", storage_reader, "is a storage reader ckpt cannot run (ckpt reads "
-                          "through its own storage backends; it reads DCP-written checkpoints by path too)")
-    url, opts = _location(checkpoint_id, storage_reader, is_fsspec)
+    url, opts = _location(checkpoint_id, storage_reader, kind == "fsspec")
     strict = not bool(getattr(planner, "allow_partial_load", False)) if planner is not None else True
     return Target(url, opts, strict=strict)
+
+
+def dcp_function(name: str) -> Callable[..., Any]:
+    """DCP's own ``save`` / ``async_save`` / ``save_state_dict`` / ``load`` / ``load_state_dict`` (from
+    its modules, never ckpt.dcp's views of them), for a :attr:`Target.delegate` call."""
+    from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+
+    fn: Callable[..., Any] = getattr(state_dict_saver if "save" in name else state_dict_loader, name)
+    return fn
 
 
 def check_planner(planner: Any, what: str, defaults: tuple[type, ...]) -> None:
@@ -260,4 +289,4 @@ def _rank() -> int:
 
 
 __all__ = ["Target", "UnsupportedCompressionError", "UnsupportedDCPObjectError", "as_dcp_exception", "assign_loaded",
-           "check_planner", "dcp_wording", "load_target", "save_target"]
+           "check_planner", "dcp_function", "dcp_wording", "load_target", "save_target"]

@@ -18,10 +18,13 @@ DCP does, after filling tensors in place.
 
 DCP's objects: its ``FileSystemWriter`` / ``FileSystemReader`` / ``FsspecWriter`` / ``FsspecReader``
 give the location (and ``overwrite``), its ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` are the
-default behaviour (``allow_partial_load`` honoured); custom planners or storage classes and
-stagers are refused with ``UnsupportedDCPObjectError``; ``_extensions=[ZStandard()]`` saves with
-ckpt's own zstd compression, other ``_extensions`` are refused (see :mod:`ckpt._dcp_compat`). The
-legacy ``save_state_dict`` / ``load_state_dict`` are here, and DCP's
+default behaviour (``allow_partial_load`` honoured); its Hugging Face storage classes
+(``HuggingFaceStorageWriter`` / ``HuggingFaceStorageReader`` / ``QuantizedHuggingFaceStorageReader``, exactly
+those) write and read HF's format, not a ckpt checkpoint, so those calls are handed to DCP's own function
+with the same arguments; other
+custom planners or storage classes and stagers are refused with ``UnsupportedDCPObjectError``;
+``_extensions=[ZStandard()]`` saves with ckpt's own zstd compression, other ``_extensions`` are
+refused (see :mod:`ckpt._dcp_compat`). The legacy ``save_state_dict`` / ``load_state_dict`` are here, and DCP's
 other public names (``Metadata``, ``FileSystemWriter``, ``DefaultSavePlanner``, its submodules, ...)
 are re-exported from ``torch.distributed.checkpoint`` so ``from ckpt.dcp import X`` works as before.
 
@@ -62,6 +65,7 @@ from ckpt._dcp_compat import (
     UnsupportedDCPObjectError,
     as_dcp_exception,
     assign_loaded,
+    dcp_function,
     load_target,
     save_target,
 )
@@ -102,14 +106,19 @@ def _positional_storage(kind: str) -> Callable[[_F], _F]:
 @_positional_storage("storage_writer")
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_writer: Any = None, planner: Any = None, process_group: Any = None, no_dist: bool = False,
-         use_collectives: bool = True) -> Manifest:
+         use_collectives: bool = True) -> Manifest | Any:
     """``dcp.save``: save ``state_dict`` to ``checkpoint_id`` (collective over ``process_group``).
 
     Returns the manifest (DCP returns its ``Metadata``). ``no_dist=True`` saves this process's
     state alone (no collective). Raises ckpt's typed errors (``CheckpointError`` subclasses).
+    An HF ``storage_writer`` is DCP's own save (HF's files, DCP's ``Metadata``).
     """
     with _dcp_errors():
         t = save_target(checkpoint_id, storage_writer, planner)
+        if t.delegate:
+            return dcp_function("save")(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+                                        planner=planner, process_group=process_group, no_dist=no_dist,
+                                        use_collectives=use_collectives)
         return _save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
                      storage_options=t.storage_options, compression=t.compression)
 
@@ -135,6 +144,10 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     """
     with _dcp_errors():
         t = load_target(checkpoint_id, storage_reader, planner)
+        if t.delegate:  # an HF reader: DCP's own load
+            dcp_function("load")(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+                                 planner=planner, process_group=process_group, no_dist=no_dist)
+            return
         _load_into(state_dict, t, process_group, no_dist)
 
 
@@ -177,10 +190,17 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
 
     Like DCP's thread mode, it returns once the state is staged (copied out), so the caller may
     change its tensors right away; writing and the commit run in the background. (``ckpt.async_save``
-    returns earlier, after planning, and leaves ``h.staged()`` to the caller.)
+    returns earlier, after planning, and leaves ``h.staged()`` to the caller.) An HF ``storage_writer``
+    is DCP's own async_save, whose future it returns.
     """
     with _dcp_errors():
         t = save_target(checkpoint_id, storage_writer, planner, async_stager)
+        if t.delegate:
+            kw = {} if async_checkpointer_type is None else {"async_checkpointer_type": async_checkpointer_type}
+            return cast(Future, dcp_function("async_save")(  # type: ignore[type-arg]
+                state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                process_group=process_group, async_stager=async_stager, no_dist=no_dist,
+                use_collectives=use_collectives, **kw))
         h = _async_save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
                         storage_options=t.storage_options, compression=t.compression)
         h.staged()
@@ -215,11 +235,16 @@ def _group(process_group: Any, no_dist: bool) -> Any:
 
 
 def save_state_dict(state_dict: dict[str, Any], storage_writer: Any, process_group: Any = None,
-                    coordinator_rank: int = 0, no_dist: bool = False, planner: Any = None) -> Manifest:
+                    coordinator_rank: int = 0, no_dist: bool = False, planner: Any = None) -> Manifest | Any:
     """DCP's legacy ``save_state_dict``: :func:`save` with the location taken from ``storage_writer``.
 
     ``coordinator_rank`` is accepted for compatibility; ckpt's coordinator is the group's rank 0.
+    An HF ``storage_writer`` is DCP's own ``save_state_dict``.
     """
+    with _dcp_errors():
+        if save_target(None, storage_writer, planner).delegate:
+            return dcp_function("save_state_dict")(state_dict, storage_writer, process_group, coordinator_rank,
+                                                   no_dist, planner)
     return save(state_dict, storage_writer=storage_writer, planner=planner, process_group=process_group,
                 no_dist=no_dist)
 
@@ -229,9 +254,14 @@ def load_state_dict(state_dict: dict[str, Any], storage_reader: Any, process_gro
     """DCP's legacy ``load_state_dict``: :func:`load` with the location taken from ``storage_reader``.
 
     ``coordinator_rank`` is accepted for compatibility; ckpt's coordinator is the group's rank 0.
+    An HF ``storage_reader`` is DCP's own ``load_state_dict``.
     """
     with _dcp_errors():
         t = load_target(None, storage_reader, planner)
+        if t.delegate:
+            dcp_function("load_state_dict")(state_dict, storage_reader, process_group, coordinator_rank, no_dist,
+                                            planner)
+            return
         _load_into(state_dict, t, process_group, no_dist)
 
 

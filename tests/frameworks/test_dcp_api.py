@@ -114,12 +114,16 @@ class _MyReader(tdcp.FileSystemReader):
     pass
 
 
+class _MyHFWriter(tdcp.HuggingFaceStorageWriter):  # DCP's own HF writer is handed to DCP; a subclass is refused
+    pass
+
+
 def _refused_save_kwargs(path: str) -> list[dict[str, Any]]:
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
     return [{"planner": _MyPlanner(), "checkpoint_id": path},
             {"storage_writer": _MyWriter(path)},
-            {"storage_writer": tdcp.HuggingFaceStorageWriter(path)},
+            {"storage_writer": _MyHFWriter(path)},
             {"checkpoint_id": path, "planner": tdcp.DefaultLoadPlanner()},  # a load planner given to save
             {"checkpoint_id": path, "async_stager": BlockingAsyncStager()}]
 
