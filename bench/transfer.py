@@ -6,7 +6,7 @@ Two layouts, each on forked gloo ranks: ``same`` (every rank holds rows, wants c
 checked bitwise once.
 
     python -m bench transfer [--ranks 4] [--size-mb 256] [--tensors 8] [--repeats 3] [--dir DIR] [--json F]
-                             [--device cpu|cuda]
+                             [--device cpu|cuda] [--bucket-mb 64] [--window 4]
 
 ``--device cuda``: one GPU per rank, an NCCL group (ckpt.transfer then sends over NCCL).
 """
@@ -26,6 +26,7 @@ import torch.distributed as dist
 import ckpt
 from bench.common import fmt, gbps, markdown_table, median, print_table, timed_collective
 from bench.ranks import cuda_sync, fork_ranks, gloo_ranks
+from ckpt.transfer import DEFAULT_BUCKET_BYTES, DEFAULT_WINDOW
 
 
 def _cut(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -56,7 +57,7 @@ def _layout_state(rank: int, world: int, device: torch.device, mode: str, full: 
 
 
 def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: list[tuple[int, int]], root: str,
-               repeats: int, out: str) -> None:
+               repeats: int, out: str, knobs: dict[str, int] | None = None) -> None:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=g).to(device) for s in shapes]
@@ -106,10 +107,14 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
                                      **{k: [] for k in raw}}
     stats: dict[str, Any] = {}
     res: list[ckpt.TransferResult] = []
+    bb = (knobs or {}).get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+    win = (knobs or {}).get("window", DEFAULT_WINDOW)
     for r in range(repeats):
         res.clear()
-        times["transfer"].append(timed(lambda: res.append(ckpt.transfer(src, dst))))
-        stats = {"bytes_sent": res[0].bytes_sent, "bytes_local": res[0].bytes_local, "buckets": res[0].buckets}
+        times["transfer"].append(timed(lambda: res.append(ckpt.transfer(src, dst, bucket_bytes=bb, window=win))))
+        stats = {"bytes_sent": res[0].bytes_sent, "bytes_local": res[0].bytes_local, "buckets": res[0].buckets,
+                 "rounds": res[0].rounds, "cached_plan": res[0].cached_plan, "rank_packed": res[0].rank_packed,
+                 "rank_direct": res[0].rank_direct}
         if r == 0:
             check("transfer")
         d = os.path.join(root, f"{mode}-{r}")
@@ -171,16 +176,18 @@ def _raw_baselines(rank: int, world: int, device: torch.device, full: list[torch
     return {"send/recv": p2p, "all_to_all": all_to_all}
 
 
-def run(ranks: int, size_mb: float, n: int, repeats: int, root: str, device: str = "cpu") -> dict[str, Any]:
+def run(ranks: int, size_mb: float, n: int, repeats: int, root: str, device: str = "cpu",
+        knobs: dict[str, int] | None = None) -> dict[str, Any]:
     side = max(8, int((size_mb * 1e6 / 4 / n) ** 0.5))
     shapes = [(side + 8 * (i % 3), side - 4 * (i % 2)) for i in range(n)]
     nbytes = sum(a * b * 4 for a, b in shapes)
-    out: dict[str, Any] = {"bytes": nbytes, "ranks": ranks, "tensors": n, "repeats": repeats, "device": device}
+    out: dict[str, Any] = {"bytes": nbytes, "ranks": ranks, "tensors": n, "repeats": repeats, "device": device,
+                           "knobs": knobs or {}}
     for mode in ("same", "disjoint"):
         path = os.path.join(root, f"{mode}.json")
         if device == "cpu":
-            gloo_ranks(ranks, _cpu_main, mode, shapes, root, repeats, path)
-        elif fork_ranks(ranks, _rank_main, mode, shapes, root, repeats, path, device=device):
+            gloo_ranks(ranks, _cpu_main, mode, shapes, root, repeats, path, knobs)
+        elif fork_ranks(ranks, _rank_main, mode, shapes, root, repeats, path, knobs, device=device):
             raise RuntimeError(f"a rank died in the {mode} run")
         with open(path) as f:
             out[mode] = json.load(f)
@@ -207,6 +214,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--bucket-mb", type=float, default=None, help="transfer's bucket_bytes (default: its own)")
+    p.add_argument("--window", type=int, default=None, help="transfer's buckets in flight (default: its own)")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
 
@@ -214,9 +223,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-transfer-")
     os.makedirs(root, exist_ok=True)
-    res = run(args.ranks, args.size_mb, args.tensors, args.repeats, root, args.device)
+    knobs = {} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * (1 << 20))}
+    if args.window is not None:
+        knobs["window"] = args.window
+    res = run(args.ranks, args.size_mb, args.tensors, args.repeats, root, args.device, knobs)
     title = f"{args.ranks} {args.device} ranks, {res['bytes'] / 1e6:.0f} MB rows -> columns"
     print_table(title, COLUMNS, rows_for(res))
+    for mode in ("same", "disjoint"):
+        print(f"{mode}: transfer {res[mode]['transfer']}")
     print("\n" + markdown_table(COLUMNS, rows_for(res)))
     if args.json:
         with open(args.json, "w") as f:

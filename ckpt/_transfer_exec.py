@@ -7,15 +7,12 @@ rank posts every send and receive before waiting for any (see the planner's rule
 transfer's deadline, then unpacks what it received into its targets (staging copies or, with
 ``in_place``, the destination tensors).
 
-Transports: ``gloo`` sends CPU buffers over ckpt's own gloo side group of the ranks (never the
-metadata group, so a data-phase timeout cannot take the agreement down with it); ``nccl`` posts
-``batch_isend_irecv`` on the caller's NCCL group with buffers on the current CUDA device.
+The transports and the buffers live in :mod:`ckpt._transfer_net`.
 """
 
 from __future__ import annotations
 
-import datetime
-import time
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +21,8 @@ import torch
 
 from ckpt._checksum import crc32
 from ckpt._dtypes import dtype_from_name
-from ckpt._transfer_plan import Bucket, Copy, Schedule
+from ckpt._transfer_net import Arena, Buffers, Pool, Post, Transport
+from ckpt._transfer_plan import Bucket, Copy, Schedule, run_start
 from ckpt.errors import CollectiveError, IntegrityError
 from ckpt.shards import Box, Region
 
@@ -45,6 +43,11 @@ class Failure:
         self.primary: BaseException | None = None
         self.secondary: BaseException | None = None
         self.timed_out = False  # this rank's own wait ran out of time (it names the rank it waited for)
+        # deferred writes (not in place): (copy, its elements), applied by :func:`commit_writes` only
+        # after every rank agreed; the elements are views of received buckets or of sources
+        self.writes: list[tuple[Copy, torch.Tensor]] = []
+        self.packed = 0  # bytes this rank copied into send buffers
+        self.direct = 0  # bytes this rank sent from, or received into, a tensor itself (no packing)
 
     def add(self, e: BaseException, primary: bool = True) -> None:
         if primary and self.primary is None:
@@ -143,9 +146,11 @@ def mark_failed(head: torch.Tensor) -> None:
 
 
 def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, targets: list[torch.Tensor],
-           dst_regions: list[Region], checksum: bool, rank: int, direct: bool = False) -> None:
+           dst_regions: list[Region], checksum: bool, rank: int, direct: bool = False,
+           writes: list[tuple[Copy, torch.Tensor]] | None = None) -> None:
     """Check bucket ``b`` received in ``payload`` (with header ``head``) and copy its runs into
-    ``targets`` (unless ``direct``: it was received in place).
+    ``targets`` (unless ``direct``: it was received in place; or ``writes`` is given: the runs are
+    appended to it as ``(copy, view of payload)``, to be written at commit).
 
     Raises CollectiveError when its sender marked it FAILED, IntegrityError on a CRC mismatch."""
     status, sent = head.tolist()
@@ -161,27 +166,26 @@ def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, targets: list[t
         return
     for c in b.copies:
         data = payload[c.offset: c.offset + c.nbytes].view(dtype_from_name(c.dtype))
-        write_copy(c, targets[c.dst], dst_regions[c.dst], data)
+        if writes is not None:
+            writes.append((c, data))
+        else:
+            write_copy(c, targets[c.dst], dst_regions[c.dst], data)
 
 
-def run_start(region: Region, geo: Any, src: bool) -> int | None:
-    """Where a copy's elements start in a piece's local row-major data when they are one contiguous
-    run of it, in the copy's order (the bytes can then travel without packing); else None."""
-    if geo.box is None:
-        offs = geo.so if src else geo.do
-        return int(offs[0]) if len(offs) == 1 else None
-    assert isinstance(region, Box)
-    sub, n = geo.box, len(geo.box.lengths)
-    k = 0
-    while k < n and sub.lengths[k] == 1:
-        k += 1
-    if any(sub.lengths[d] != region.lengths[d] for d in range(k + 1, n)):
-        return None
-    start, stride = 0, 1
-    for d in range(n - 1, -1, -1):
-        start += (sub.offsets[d] - region.offsets[d]) * stride
-        stride *= region.lengths[d]
-    return start
+def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.Tensor],
+                  dst_regions: list[Region]) -> None:
+    """Apply deferred writes to the destination pieces (the commit, once every rank agreed). A piece
+    that is not contiguous and gets segment runs is written through one contiguous copy of it."""
+    bounce: dict[int, torch.Tensor] = {}
+    for c, data in writes:
+        t = targets[c.dst]
+        if c.geo.box is None and not t.is_contiguous():
+            if c.dst not in bounce:
+                bounce[c.dst] = t.contiguous()
+            t = bounce[c.dst]
+        write_copy(c, t, dst_regions[c.dst], data)
+    for j, t in bounce.items():
+        targets[j].copy_(t)
 
 
 def direct_view(t: torch.Tensor, region: Region, c: Copy, src: bool, device: torch.device) -> torch.Tensor | None:
@@ -200,92 +204,31 @@ def _few(keys: list[str], n: int = 4) -> str:
     return s + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-class Transport:
-    """Point-to-point messages between group ranks: post, then wait until a deadline."""
-
-    device = torch.device("cpu")
-
-    def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list[Any]:
-        raise NotImplementedError
-
-    def wait(self, work: Any, deadline: float | None) -> None:
-        raise NotImplementedError
-
-
-class GlooTransport(Transport):
-    """Over a gloo group, through the group's own ``send`` / ``recv`` (group ranks)."""
-
-    def __init__(self, pg: Any):
-        self.pg = pg
-
-    def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list[Any]:
-        works = [self.pg.recv([buf], peer, tag) for buf, peer, tag in recvs]
-        works += [self.pg.send([buf], peer, tag) for buf, peer, tag in sends]
-        return works
-
-    def wait(self, work: Any, deadline: float | None) -> None:
-        if deadline is None:
-            work.wait()
-        else:
-            work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-
-
-class NcclTransport(Transport):
-    """Over the caller's NCCL group: ``batch_isend_irecv`` per round, buffers on the current GPU."""
-
-    def __init__(self, group: Any):
-        import torch.distributed as dist
-
-        self.dist, self.group = dist, group
-        self.device = torch.device("cuda", torch.cuda.current_device())
-
-    def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list[Any]:
-        d = self.dist
-        ops = [d.P2POp(d.irecv, buf, d.get_global_rank(self.group, peer), self.group, tag) for buf, peer, tag in recvs]
-        ops += [d.P2POp(d.isend, buf, d.get_global_rank(self.group, peer), self.group, tag) for buf, peer, tag in sends]
-        return list(d.batch_isend_irecv(ops)) if ops else []
-
-    def wait(self, work: Any, deadline: float | None) -> None:
-        while deadline is not None and not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError("NCCL point-to-point operation timed out")
-            time.sleep(0.0005)
-        work.wait()
-        torch.cuda.current_stream().synchronize()
-
-
-Post = tuple[torch.Tensor, int, int]  # (buffer, peer, tag)
-
-
-class _Pool:
-    """Payload buffers of one schedule, reused across rounds: at most ``2 * window`` of them."""
-
-    def __init__(self, cap: int, device: torch.device):
-        self.cap, self.device = cap, device
-        self.bufs: list[torch.Tensor] = []
-        self.used = 0
-
-    def next(self, nbytes: int) -> torch.Tensor:
-        while len(self.bufs) <= self.used:
-            self.bufs.append(torch.empty(self.cap, dtype=torch.uint8, device=self.device))
-        self.used += 1
-        return self.bufs[self.used - 1][:nbytes]
 
 
 def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
                  targets: list[torch.Tensor], dst_regions: list[Region], transport: Transport | None, *,
-                 rank: int, checksum: bool, deadline: float | None, timeout: float | None) -> Failure:
+                 rank: int, checksum: bool, deadline: float | None, timeout: float | None, defer: bool = False,
+                 snapshot: bool = False, keep: Buffers | None = None) -> Failure:
     """Run this rank's schedule; never raises (the errors are returned, for the commit exchange).
 
-    Local copies first, then each round: pack and post every send, post every receive, wait, unpack.
-    A bucket travels as two messages, its header (status, CRC32) and its payload; a bucket of one
-    copy that is a contiguous run of both pieces goes from the source's memory into the target's
-    (no packing). A wait that fails (deadline passed, peer gone) stops the rounds: the data group is
-    closed then."""
+    Local copies first, then each round: post every receive, pack and post every send, wait,
+    unpack. A bucket travels as two messages, its header (status, CRC32) and its payload. A bucket of
+    one copy that is a contiguous run of its source goes from the source's memory (no packing); one
+    that is a contiguous run of its target is received into it (only when not ``defer``). With
+    ``defer`` nothing is written into ``targets``: local copies (their source views, or copies of
+    them with ``snapshot``, when a destination may share memory with a source) and received runs
+    (views of the received buckets) go to ``Failure.writes`` for :func:`commit_writes`. On NCCL the
+    next round is packed while this one travels. A wait that fails (deadline passed, peer gone)
+    stops the rounds: the data group is closed then. ``keep``: buffers of an earlier run to reuse."""
     fail = Failure()
     for c in sched.local:
         try:
-            local_copy(c, sources, src_regions, targets, dst_regions)
+            if defer:
+                data = read_copy(c, sources[c.src], src_regions[c.src])
+                fail.writes.append((c, data.clone() if snapshot else data))
+            else:
+                local_copy(c, sources, src_regions, targets, dst_regions)
         except Exception as e:  # noqa: BLE001 - reported to every rank by the commit exchange
             fail.add(e)
     if not sched.sends and not sched.recvs:
@@ -297,89 +240,136 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
         by_round.setdefault(b.round, ([], []))[0].append(b)
     for b in sched.recvs:
         by_round.setdefault(b.round, ([], []))[1].append(b)
-    pool = _Pool(max(b.nbytes for b in sched.sends + sched.recvs), dev)
-    for k in sorted(by_round):
+    cap = max(b.nbytes for b in sched.sends + sched.recvs)
+    pools, arena = (keep or Buffers()).get(sched, cap, dev, defer)
+    rounds = sorted(by_round)
+    ahead: dict[int, list[Post]] = {}
+    ctx = _Ctx(sources, src_regions, targets, dst_regions, checksum, fail, dev)
+    for n, k in enumerate(rounds):
         sends, recvs = by_round[k]
-        pool.used = 0
-        heads = torch.zeros(len(sends) + len(recvs), 2, dtype=torch.int64, device=dev)
-        posts_s = _pack_sends(sends, heads, pool, sources, src_regions, checksum, fail, dev)
-        posts_r, rviews = _post_recvs(recvs, heads, len(sends), pool, targets, dst_regions, dev)
-        if not _exchange(transport, posts_s, posts_r, deadline, timeout, rank, fail):
+        pool = pools[n % 2]
+        works: list[tuple[Any, int]] = []
+        try:
+            if transport.eager or k not in ahead:  # (receives take buffers after this round's sends)
+                pool.used = 0
+            if not transport.eager and k not in ahead:
+                ahead[k] = _pack_sends(sends, pool, ctx, None)
+            posts_r, rviews = _post_recvs(recvs, arena if arena is not None else pool, ctx)
+            if transport.eager:
+                works += transport.post([], posts_r)
+                _pack_sends(sends, pool, ctx, functools.partial(_post_now, transport, works))
+            else:
+                works = transport.post(ahead.pop(k), posts_r)
+                if n + 1 < len(rounds):  # pack round k+1 now: on GPUs it overlaps round k's transfer
+                    nxt = pools[(n + 1) % 2]
+                    nxt.used = 0
+                    ahead[rounds[n + 1]] = _pack_sends(by_round[rounds[n + 1]][0], nxt, ctx, None)
+        except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
+            fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
+                                     f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
             return fail
-        for i, (b, (view, direct)) in enumerate(zip(recvs, rviews, strict=True), start=len(sends)):
-            try:
-                unpack(b, view, heads[i], targets, dst_regions, checksum, rank, direct)
-            except CollectiveError as e:
-                fail.add(e, primary=False)
-            except Exception as e:  # noqa: BLE001 - an IntegrityError (CRC) or a copy failure: this rank's own
-                fail.add(e)
+        if not _wait_all(transport, works, deadline, timeout, rank, fail):
+            return fail
+        _unpack_round(recvs, rviews, ctx, rank, defer)
     return fail
 
 
-def _pack_sends(sends: list[Bucket], heads: torch.Tensor, pool: _Pool, sources: list[torch.Tensor],
-                src_regions: list[Region], checksum: bool, fail: Failure, dev: torch.device) -> list[Post]:
+def _post_now(transport: Transport, works: list[tuple[Any, int]], posts: list[Post]) -> None:
+    works.extend(transport.post(posts, []))
+
+
+class _Ctx:
+    """What packing and unpacking a round need, in one place."""
+
+    def __init__(self, sources: list[torch.Tensor], src_regions: list[Region], targets: list[torch.Tensor],
+                 dst_regions: list[Region], checksum: bool, fail: Failure, dev: torch.device):
+        self.sources, self.src_regions, self.targets, self.dst_regions = sources, src_regions, targets, dst_regions
+        self.checksum, self.fail, self.dev = checksum, fail, dev
+
+
+def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
+                emit: Callable[[list[Post]], None] | None) -> list[Post]:
     """Pack a round's outgoing buckets (a one-copy bucket that is a contiguous run of its source goes
-    from the source itself); a bucket that cannot be packed still goes, marked FAILED."""
+    from the source itself); a bucket that cannot be packed still goes, marked FAILED. ``emit``
+    posts each bucket's messages as soon as it is packed; else they are returned."""
     posts: list[Post] = []
+    heads = torch.zeros(len(sends), 2, dtype=torch.int64, device=ctx.dev)
+    fail = ctx.fail
     for i, b in enumerate(sends):
         view = None
         if len(b.copies) == 1:
             c = b.copies[0]
-            view = direct_view(sources[c.src], src_regions[c.src], c, True, dev)
+            view = direct_view(ctx.sources[c.src], ctx.src_regions[c.src], c, True, ctx.dev)
         direct = view is not None
         if view is None:
             view = pool.next(b.nbytes)
         try:
             if fail.primary is not None:
                 raise RuntimeError("this rank failed earlier")  # keep the protocol; send nothing of value
-            pack(b, view, heads[i], sources, src_regions, checksum, direct=direct)
+            pack(b, view, heads[i], ctx.sources, ctx.src_regions, ctx.checksum, direct=direct)
+            if direct:
+                fail.direct += b.nbytes
+            else:
+                fail.packed += b.nbytes
         except Exception as e:  # noqa: BLE001 - the bucket still goes, marked failed: no receiver waits
             if fail.primary is None:
                 fail.add(e)
             mark_failed(heads[i])
-        posts += [(heads[i], b.receiver, 2 * b.tag), (view, b.receiver, 2 * b.tag + 1)]
+        mine = [(heads[i], b.receiver, 2 * b.tag), (view, b.receiver, 2 * b.tag + 1)]
+        if emit is not None:
+            emit(mine)
+        else:
+            posts += mine
     return posts
 
 
-def _post_recvs(recvs: list[Bucket], heads: torch.Tensor, first: int, pool: _Pool, targets: list[torch.Tensor],
-                dst_regions: list[Region], dev: torch.device) -> tuple[list[Post], list[tuple[torch.Tensor, bool]]]:
+def _post_recvs(recvs: list[Bucket], bufs: Pool | Arena, ctx: _Ctx
+                ) -> tuple[list[Post], list[tuple[torch.Tensor, torch.Tensor, bool]]]:
     """Where a round's incoming buckets land: the target itself for a one-copy bucket that is a
-    contiguous run of it, else a pool buffer; the posts and ``(view, direct)`` per bucket."""
+    contiguous run of it (unless writes are deferred: then ``bufs`` is an arena), else a buffer;
+    the posts and ``(payload, header, direct)`` per bucket."""
     posts: list[Post] = []
-    rviews: list[tuple[torch.Tensor, bool]] = []
-    for i, b in enumerate(recvs, start=first):
+    rviews: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+    heads = torch.zeros(len(recvs), 2, dtype=torch.int64, device=ctx.dev)
+    for i, b in enumerate(recvs):
         view = None
-        if len(b.copies) == 1:
+        if len(b.copies) == 1 and isinstance(bufs, Pool):
             c = b.copies[0]
-            view = direct_view(targets[c.dst], dst_regions[c.dst], c, False, dev)
-        rviews.append((view if view is not None else pool.next(b.nbytes), view is not None))
+            view = direct_view(ctx.targets[c.dst], ctx.dst_regions[c.dst], c, False, ctx.dev)
+        rviews.append((view if view is not None else bufs.next(b.nbytes), heads[i], view is not None))
         posts += [(heads[i], b.sender, 2 * b.tag), (rviews[-1][0], b.sender, 2 * b.tag + 1)]
     return posts, rviews
 
 
-def _exchange(transport: Transport, posts_s: list[Post], posts_r: list[Post], deadline: float | None,
-              timeout: float | None, rank: int, fail: Failure) -> bool:
-    """Post a round's messages and wait for all of them; False (the failure recorded) when a wait
-    failed or posting did: the data group is closed then and the rounds stop."""
-    try:
-        works = transport.post(posts_s, posts_r)
-        peers = [p for _, p, _ in posts_r] + [p for _, p, _ in posts_s]
-        # NCCL may hand back one work for the whole batch
-        pairs = list(zip(works, peers, strict=True)) if len(works) == len(peers) else [(w, peers[0]) for w in works]
-        for w, peer in pairs:
-            try:
-                transport.wait(w, deadline)
-            except Exception as e:  # noqa: BLE001 - gloo: timed out or the peer is gone
-                fail.timed_out = "timed out" in str(e).lower()
-                how = (f"within {timeout:g} s" if timeout is not None and fail.timed_out
-                       else f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
-                raise CollectiveError(f"rank {rank}: transfer data: no message to or from rank {peer} {how}; "
-                                      f"rank {peer} is slow, hung or dead. Nothing was committed") from e
-    except CollectiveError as e:
-        fail.add(e, primary=False)
-        return False
-    except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
-        fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
-                                 f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
-        return False
+def _unpack_round(recvs: list[Bucket], rviews: list[tuple[torch.Tensor, torch.Tensor, bool]], ctx: _Ctx, rank: int,
+                  defer: bool) -> None:
+    """Check and unpack a round's received buckets (their headers read back in one copy)."""
+    fail = ctx.fail
+    heads = torch.stack([h for _, h, _ in rviews]).cpu() if rviews and ctx.dev.type != "cpu" else None
+    for i, (b, (view, head, direct)) in enumerate(zip(recvs, rviews, strict=True)):
+        try:
+            unpack(b, view, head if heads is None else heads[i], ctx.targets, ctx.dst_regions, ctx.checksum, rank,
+                   direct, writes=fail.writes if defer else None)
+            if direct:
+                fail.direct += b.nbytes
+        except CollectiveError as e:
+            fail.add(e, primary=False)
+        except Exception as e:  # noqa: BLE001 - an IntegrityError (CRC) or a copy failure: this rank's own
+            fail.add(e)
+
+
+def _wait_all(transport: Transport, works: list[tuple[Any, int]], deadline: float | None, timeout: float | None,
+              rank: int, fail: Failure) -> bool:
+    """Wait for a round's messages; False (the failure recorded) when a wait failed: the data group
+    is closed then and the rounds stop."""
+    for w, peer in works:
+        try:
+            transport.wait(w, deadline)
+        except Exception as e:  # noqa: BLE001 - gloo: timed out or the peer is gone
+            fail.timed_out = "timed out" in str(e).lower()
+            how = (f"within {timeout:g} s" if timeout is not None and fail.timed_out
+                   else f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+            fail.add(CollectiveError(f"rank {rank}: transfer data: no message to or from rank {peer} {how}; "
+                                     f"rank {peer} is slow, hung or dead. Nothing was committed"), primary=False)
+            return False
     return True

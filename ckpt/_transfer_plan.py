@@ -13,7 +13,9 @@ Rules the plan keeps (tests/transfer/test_transfer_plan.py checks them over rand
 - a receiver that holds what it wants copies it locally (nothing crosses the network);
 - a piece several ranks hold (replicas) is sent by its least-loaded holders, largest first, a
   large one cut into parts over several of them (byte balance, as the save planner's writers);
-- a bucket holds at most ``bucket_bytes`` of payload (copies packed at 16-byte offsets);
+- a bucket holds at most ``bucket_bytes`` of payload (copies packed at 16-byte offsets); a copy of
+  at least a quarter bucket that is one contiguous run of its source piece gets a bucket of its own
+  (the executor sends it from the source's memory, no packing);
 - buckets carry a round: in one round a rank sends at most ``window`` buckets and receives at most
   ``window``; each rank posts all its sends and receives of a round before waiting for any of them
   and rounds run in order, so the schedule cannot deadlock and memory stays bounded.
@@ -108,6 +110,7 @@ class Bucket:
     round: int = 0
     nbytes: int = 0
     copies: list[Copy] = field(default_factory=list)
+    solo: bool = False  # planning only: a contiguous run of its source, sent as it is (never on the wire)
 
     def to_wire(self) -> list[Any]:
         return [self.sender, self.receiver, self.tag, self.round, self.nbytes, [c.to_wire() for c in self.copies]]
@@ -190,7 +193,7 @@ def plan_transfer(srcs: list[list[PieceDecl]], dsts: list[list[PieceDecl]], *, b
                 plan.bytes_local += c.nbytes
                 local.append(c)
         sched[rank].local = local
-    _bucket(plan, bucket_bytes, window)
+    _bucket(plan, bucket_bytes, window, srcs)
     return plan
 
 
@@ -373,7 +376,27 @@ def split_geo(geo: Geo, max_elems: int) -> list[Geo]:
     return out
 
 
-def _bucket(plan: TransferPlan, bucket_bytes: int, window: int) -> None:
+def run_start(region: Region, geo: Any, src: bool) -> int | None:
+    """Where a copy's elements start in a piece's local row-major data when they are one contiguous
+    run of it, in the copy's order (the bytes can then travel without packing); else None."""
+    if geo.box is None:
+        offs = geo.so if src else geo.do
+        return int(offs[0]) if len(offs) == 1 else None
+    assert isinstance(region, Box)
+    sub, n = geo.box, len(geo.box.lengths)
+    k = 0
+    while k < n and sub.lengths[k] == 1:
+        k += 1
+    if any(sub.lengths[d] != region.lengths[d] for d in range(k + 1, n)):
+        return None
+    start, stride = 0, 1
+    for d in range(n - 1, -1, -1):
+        start += (sub.offsets[d] - region.offsets[d]) * stride
+        stride *= region.lengths[d]
+    return start
+
+
+def _bucket(plan: TransferPlan, bucket_bytes: int, window: int, srcs: list[list[PieceDecl]]) -> None:
     """Pack each (sender, receiver) pair's copies into buckets and give every bucket a round."""
     if bucket_bytes < 4 * ALIGN:
         raise StateError(f"bucket_bytes must be at least {4 * ALIGN} bytes, got {bucket_bytes}")
@@ -383,16 +406,20 @@ def _bucket(plan: TransferPlan, bucket_bytes: int, window: int) -> None:
         for one in singles:
             c = one.copies[0]
             out = pairs.setdefault((s, one.receiver), [])
+            region = srcs[s][c.src].region
             for geo in split_geo(c.geo, max(1, bucket_bytes // isz(c.dtype))):
                 part = Copy(c.key, c.src, c.dst, c.dtype, geo)
                 nb = part.nbytes
+                # a run of the source's memory of a quarter bucket or more travels alone, unpacked
+                solo = nb * 4 >= bucket_bytes and run_start(region, geo, True) is not None
                 cur = out[-1] if out else None
                 start = -(-cur.nbytes // ALIGN) * ALIGN if cur is not None else 0
-                if cur is None or start + nb > bucket_bytes:
+                if cur is None or start + nb > bucket_bytes or solo or cur.solo:
                     cur = Bucket(s, one.receiver, len(out))
                     out.append(cur)
                     start = 0
                 part.offset = start
+                cur.solo = solo
                 cur.copies.append(part)
                 cur.nbytes = start + nb
                 plan.bytes_sent += nb

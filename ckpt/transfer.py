@@ -5,17 +5,19 @@ running processes: senders declare what they hold as ``ckpt.save`` does, receive
 ``ckpt.load`` does, the coordinator plans (:mod:`ckpt._transfer_plan`, pure), and every rank runs its
 part (:mod:`ckpt._transfer_exec`): local copies, then rounds of point-to-point buckets.
 
-One transfer is one version. Receivers fill staging copies and copy them into the destination
-tensors only after every rank reported that every bucket arrived (and checked, with ``checksum``):
-the agreement runs over :class:`ckpt._comm.Comm` with its timeouts, exactly as a save commits. Any
-failure on any rank (an exception, a CRC mismatch, a rank that never answers) is raised on every rank
-as a typed error naming that rank, and no destination tensor changed (unless ``in_place=True``).
+One transfer is one version. Receivers keep the received buckets and write them (and their local
+copies) into the destination tensors only after every rank reported that every bucket arrived (and
+checked, with ``checksum``): the agreement runs over :class:`ckpt._comm.Comm` with its timeouts,
+exactly as a save commits. Any failure on any rank (an exception, a CRC mismatch, a rank that never
+answers) is raised on every rank as a typed error naming that rank, and no destination tensor
+changed (unless ``in_place=True``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +26,13 @@ import msgpack
 import torch
 
 from ckpt import _transfer_exec as ex
+from ckpt import _transfer_net as net
 from ckpt import stateful
 from ckpt._comm import Comm, describe, raise_payload, side_group
 from ckpt._save_plan import PieceDecl
 from ckpt._state import TensorItem, flatten_state
 from ckpt._transfer_plan import MIN_PART, Schedule, plan_transfer
-from ckpt.errors import CheckpointError, StateError
+from ckpt.errors import CheckpointError, CollectiveError, StateError
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 DEFAULT_WINDOW = 4
@@ -65,9 +68,28 @@ class TransferResult:
     rank_sent: int = 0  # this rank's bytes sent
     rank_received: int = 0
     state: TransferState | None = None
+    cached_plan: bool = False  # the plan of an earlier transfer of the same structure was reused
+    rank_packed: int = 0  # this rank's bytes copied into send buffers
+    rank_direct: int = 0  # this rank's bytes sent from a source, or received into a target, as they are
 
 
 _STALE: dict[Any, bool] = {}  # per group: the data group must be made anew (a data-phase failure closed it)
+PLAN_CACHE = 16  # plans kept per process (a stream's waves are one plan each)
+
+
+@dataclass(slots=True)
+class _Cached:
+    """A plan this rank ran before: its global fingerprint, the coordinator's reply and the schedule."""
+
+    fp: str
+    mine: dict[str, Any]
+    sched: Schedule
+
+
+# per group, host buffers of its last cached plan: (plan fingerprint, buffers); GPU memory is left to
+# torch's caching allocator (held buffers would be memory the training step cannot use)
+_BUFFERS: dict[Any, tuple[str, net.Buffers]] = {}
+_PLANS: OrderedDict[tuple[Any, str], _Cached] = OrderedDict()  # (group key, structure fingerprint) -> plan
 
 
 def _rename_fn(rename: Rename) -> Callable[[str], str | None]:
@@ -132,8 +154,9 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
 
     Each wanted element comes from exactly one holder; a rank that holds what it wants copies it
     locally; replicas share the sending. Bytes travel in buckets of at most ``bucket_bytes``, at most
-    ``window`` sent and ``window`` received per rank at a time (memory: ``2 * window * bucket_bytes``
-    of buffers, plus a staging copy of each destination piece unless ``in_place``).
+    ``window`` sent and ``window`` received per rank at a time (memory: up to ``2 * window *
+    bucket_bytes`` of send buffers, plus the bytes this rank receives, kept until the commit, unless
+    ``in_place``). A repeated call with the same structure on every rank reuses its plan.
 
     Args:
         rename: source name -> destination name (a dict: unlisted names stay; a callable: None drops it).
@@ -212,6 +235,7 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     src_h: list[bytes] = []
     dst_h: list[bytes] = []
     wire: dict[str, Any] = {}
+    fp: str | None = None
     if err is None:
         try:
             if opts.bucket_bytes < 64:
@@ -220,15 +244,15 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
                 src_h = [_hash(i.local) for i in srcs]
                 dst_h = [_hash(i.local) for i in dsts]
             wire = _declaration(srcs, dsts, opts, state, src_h, dst_h)
+            # delta plans depend on which pieces changed: planned every time
+            fp = None if opts.delta else structure_fingerprint(wire, comm.rank, comm.world, opts)
         except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
             err = rank_payload(e, comm.who)
-    mine = _planned(comm, group, err or wire, opts)
+    mine, sched, hit = _plan_or_reuse(comm, group, err, wire, fp, opts)
     ver = int(mine["version"])
-    sched = Schedule.from_wire(mine["sched"])
     staged, wanted, fail = _move(comm, group, mine, sched, srcs, dsts, opts)
     _agree(comm, group, fail, ver, mine, opts)
-    for j, t in staged.items():  # commit: every bucket of this version arrived and checked, on every rank
-        dsts[j].local.copy_(t)
+    _commit(comm, fail, staged, dsts)
     if opts.delta and state is not None:
         state.fingerprint = mine["fp"]
         state.src_hashes = src_h
@@ -238,7 +262,40 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     sent = sum(b.nbytes for b in sched.sends)
     received = sum(b.nbytes for b in sched.recvs)
     return TransferResult(ver, mine["sent"], mine["skipped"], mine["local"], mine["buckets"], mine["rounds"],
-                          time.perf_counter() - t0, sent, received, state)
+                          time.perf_counter() - t0, sent, received, state, hit, fail.packed, fail.direct)
+
+
+def structure_fingerprint(wire: dict[str, Any], rank: int, world: int, opts: Options) -> str:
+    """What makes this rank's part of a plan: its declared pieces (keys, dtypes, global shapes,
+    regions), its place in the group, whether it joins over NCCL, and the planning options. Equal
+    fingerprints on every rank, as at an earlier transfer, mean that transfer's plan holds again."""
+    what = [wire["s"], wire["d"], wire["nccl"], rank, world, opts.bucket_bytes, opts.window, opts.strict,
+            opts.cast, opts.min_part]
+    return hashlib.blake2b(msgpack.packb(what, use_bin_type=True), digest_size=16).hexdigest()
+
+
+def _plan_or_reuse(comm: Comm, group: Any, err: dict[str, Any] | None, wire: dict[str, Any], fp: str | None,
+                   opts: Options) -> tuple[dict[str, Any], Schedule, bool]:
+    """This rank's part of the plan: the cached one when every rank still has the same structure as
+    at a transfer they planned together (one small exchange of fingerprints), else planned anew.
+
+    A rank with a cached plan sends only the plan's fingerprint; if some other rank's differs, the
+    coordinator asks everyone for their declarations (a second exchange) and plans."""
+    key = (_key(comm, group), fp or "")
+    hit = _PLANS.get(key) if fp is not None else None
+    msg = err or ({"v": opts.version, "last": wire["last"], "pc": hit.fp} if hit is not None else wire)
+    out = _planned(comm, group, msg, opts)
+    if out.get("declare"):
+        out = _planned(comm, group, wire, opts)
+    if out.get("cached") and hit is not None:
+        _PLANS.move_to_end(key)
+        return dict(hit.mine, version=out["version"]), hit.sched, True
+    sched = Schedule.from_wire(out["sched"])
+    if fp is not None:
+        _PLANS[key] = _Cached(out["pc"], out, sched)
+        while len(_PLANS) > PLAN_CACHE:
+            _PLANS.popitem(last=False)
+    return out, sched, False
 
 
 def _declaration(srcs: list[TensorItem], dsts: list[TensorItem], opts: Options, state: TransferState | None,
@@ -278,9 +335,9 @@ def _planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dic
 
 def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: list[TensorItem],
           dsts: list[TensorItem], opts: Options) -> tuple[dict[int, torch.Tensor], set[int], ex.Failure]:
-    """Run this rank's schedule into staging copies of the destination pieces it receives (or, with
-    ``in_place``, into the pieces themselves); returns the staging copies, the pieces written, and
-    what failed."""
+    """Run this rank's schedule. Not ``in_place``: nothing is written into ``dst`` yet; the received
+    buckets are kept and the local copies noted (``Failure.writes``) until the commit. ``in_place``:
+    straight into the pieces (a non-contiguous one through a contiguous staging copy, returned)."""
     deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
     fail = ex.Failure()
     staged: dict[int, torch.Tensor] = {}
@@ -288,21 +345,48 @@ def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: l
     targets: list[torch.Tensor] = [i.local for i in dsts]
     try:
         wanted = {c.dst for c in sched.local} | {c.dst for b in sched.recvs for c in b.copies}
-        for j in sorted(wanted):
+        for j in sorted(wanted) if opts.in_place else []:
             t = dsts[j].local
-            if opts.in_place and t.is_contiguous():
+            if t.is_contiguous():
                 continue
             # the staging copy starts as dst's own values when delta may skip some of its copies
             staged[j] = t.detach().clone(memory_format=torch.contiguous_format) if opts.delta else torch.empty(
                 t.shape, dtype=t.dtype, device=t.device)
             targets[j] = staged[j]
         transport = _transport(comm, group, mine, opts.timeout) if mine["net"] else None
+        keep = None
+        if transport is not None and transport.device.type == "cpu" and not opts.delta:
+            pc, keep = _BUFFERS.get(_key(comm, group), ("", None))
+            if pc != mine["pc"] or keep is None:
+                keep = net.Buffers()
+                _BUFFERS[_key(comm, group)] = (mine["pc"], keep)
         fail = ex.run_schedule(sched, [i.local for i in srcs], [i.region for i in srcs], targets,
                                [i.region for i in dsts], transport, rank=comm.rank, checksum=opts.checksum,
-                               deadline=deadline, timeout=opts.timeout)
+                               deadline=deadline, timeout=opts.timeout, defer=not opts.in_place,
+                               snapshot=not opts.in_place and bool(sched.local) and _share_memory(srcs, dsts),
+                               keep=keep)
     except Exception as e:  # noqa: BLE001
         fail.add(e)
     return staged, wanted, fail
+
+
+def _share_memory(srcs: list[TensorItem], dsts: list[TensorItem]) -> bool:
+    """Whether some destination piece lives in the same storage as some source piece (then a local
+    copy cannot wait for the commit: its source may be overwritten first)."""
+    held = {i.local.untyped_storage().data_ptr() for i in srcs}
+    return any(i.local.untyped_storage().data_ptr() in held for i in dsts)
+
+
+def _commit(comm: Comm, fail: ex.Failure, staged: dict[int, torch.Tensor], dsts: list[TensorItem]) -> None:
+    """Write this version into ``dst``: every bucket of it arrived and was checked, on every rank."""
+    try:
+        ex.commit_writes(fail.writes, [i.local for i in dsts], [i.region for i in dsts])
+        for j, t in staged.items():
+            dsts[j].local.copy_(t)
+    except Exception as e:  # an agreed version that cannot be written here: say so, it is this rank's
+        raise CollectiveError(f"rank {comm.rank}: transfer commit: writing the received tensors failed after every "
+                              f"rank agreed ({type(e).__name__}: {e}); this rank's dst may be partly updated, "
+                              "run the transfer again") from e
 
 
 def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, Any], opts: Options) -> None:
@@ -322,6 +406,7 @@ def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, A
         # verdict, so every rank makes a new one next time (its members must agree on that).
         if mine["net"]:
             _STALE[_key(comm, group)] = True
+        _BUFFERS.pop(_key(comm, group), None)  # a timed-out receive may still land in them
         verdict = dict(verdict, err=f"transfer version {ver}: {verdict['err']}"
                        + ("" if opts.in_place else "; no destination tensor was changed"))
         raise_payload(verdict, fail.first)
@@ -339,6 +424,11 @@ def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int, win
         raise StateError(f"ranks give different transfer versions: {sorted(versions)}; pass the same version "
                          "on every rank (or none)")
     ver = next(iter(versions))[1] if versions else max(int(g["last"]) for g in got) + 1
+    pcs = {g.get("pc") for g in got}
+    if len(pcs) == 1 and None not in pcs:  # every rank holds the plan these fingerprints name
+        return [{"version": ver, "cached": True}] * comm.world
+    if any("s" not in g for g in got):  # some rank's structure changed: everyone declares
+        return [{"version": ver, "declare": True}] * comm.world
     srcs = [[PieceDecl.from_wire(p) for p in g["s"]] for g in got]
     dsts = [[PieceDecl.from_wire(p) for p in g["d"]] for g in got]
     fp = hashlib.blake2b(msgpack.packb([[g["s"], g["d"]] for g in got] + [min_part, cast],
@@ -348,24 +438,26 @@ def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int, win
                          min_part=min_part, unchanged=[g["u"] for g in got] if same else None,
                          clean=[g["c"] for g in got] if same else None)
     nccl = any(g["nccl"] for g in got)
-    common = {"version": ver, "fp": fp, "net": plan.buckets > 0, "nccl": nccl, "sent": plan.bytes_sent,
+    pc = hashlib.blake2b(msgpack.packb([fp, nccl, bucket_bytes, window, strict], use_bin_type=True),
+                         digest_size=16).hexdigest()
+    common = {"version": ver, "fp": fp, "pc": pc, "net": plan.buckets > 0, "nccl": nccl, "sent": plan.bytes_sent,
               "skipped": plan.bytes_skipped, "local": plan.bytes_local, "buckets": plan.buckets, "rounds": plan.rounds}
     return [dict(common, sched=s.to_wire()) for s in plan.schedules]
 
 
-def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | None) -> ex.Transport:
+def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | None) -> net.Transport:
     """The data path every rank agreed on: NCCL P2P on the caller's group when it is an NCCL group and
     some tensor is on a GPU, else ckpt's gloo side group of the same ranks (created on first use)."""
     import torch.distributed as dist
 
     g = comm.group
     if mine["nccl"] and dist.get_backend(g) == "nccl":
-        return ex.NcclTransport(g)
+        return net.NcclTransport(g)
     ranks = dist.get_process_group_ranks(g)
     key = _key(comm, group)
     pg = side_group(ranks, "transfer-data", timeout=timeout, fresh=_STALE.pop(key, False))
-    return ex.GlooTransport(pg)
+    return net.GlooTransport(pg)
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "DEFAULT_TIMEOUT_S", "Rename", "TransferState", "TransferResult",
-           "rank_payload", "pick_error", "transfer", "Options", "declared", "run_items"]
+           "rank_payload", "pick_error", "transfer", "Options", "declared", "run_items", "structure_fingerprint"]

@@ -1,0 +1,138 @@
+"""The data path of :func:`ckpt.transfer`: point-to-point transports and the buffers of a schedule.
+
+Transports: ``gloo`` sends CPU buffers over ckpt's own gloo side group of the ranks (never the
+metadata group, so a data-phase timeout cannot take the agreement down with it); ``nccl`` posts
+``batch_isend_irecv`` on the caller's NCCL group with buffers on the current CUDA device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+
+from ckpt._transfer_plan import ALIGN, Bucket, Schedule
+
+Post = tuple[torch.Tensor, int, int]  # (buffer, peer, tag)
+
+
+class Transport:
+    """Point-to-point messages between group ranks: post, then wait until a deadline.
+
+    ``eager``: each message may be posted as soon as it is ready (gloo: a packed bucket leaves
+    while the next is packed); else a round's messages are posted as one batch (NCCL)."""
+
+    device = torch.device("cpu")
+    eager = False
+
+    def post(self, sends: list[Post], recvs: list[Post]) -> list[tuple[Any, int]]:
+        """Post receives, then sends; returns ``(work, peer)`` pairs to wait for."""
+        raise NotImplementedError
+
+    def wait(self, work: Any, deadline: float | None) -> None:
+        raise NotImplementedError
+
+
+class GlooTransport(Transport):
+    """Over a gloo group, through the group's own ``send`` / ``recv`` (group ranks)."""
+
+    eager = True
+
+    def __init__(self, pg: Any):
+        self.pg = pg
+
+    def post(self, sends: list[Post], recvs: list[Post]) -> list[tuple[Any, int]]:
+        works = [(self.pg.recv([buf], peer, tag), peer) for buf, peer, tag in recvs]
+        works += [(self.pg.send([buf], peer, tag), peer) for buf, peer, tag in sends]
+        return works
+
+    def wait(self, work: Any, deadline: float | None) -> None:
+        if deadline is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+class NcclTransport(Transport):
+    """Over the caller's NCCL group: one ``batch_isend_irecv`` per round, buffers on the current GPU."""
+
+    def __init__(self, group: Any):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def post(self, sends: list[Post], recvs: list[Post]) -> list[tuple[Any, int]]:
+        d = self.dist
+        ops = [d.P2POp(d.irecv, buf, d.get_global_rank(self.group, peer), self.group, tag) for buf, peer, tag in recvs]
+        ops += [d.P2POp(d.isend, buf, d.get_global_rank(self.group, peer), self.group, tag) for buf, peer, tag in sends]
+        works = list(d.batch_isend_irecv(ops)) if ops else []
+        peers = [p for _, p, _ in recvs] + [p for _, p, _ in sends]
+        # NCCL may hand back one work for the whole batch
+        return list(zip(works, peers, strict=True)) if len(works) == len(peers) else [(w, peers[0]) for w in works]
+
+    def wait(self, work: Any, deadline: float | None) -> None:
+        # poll (a blocking NCCL wait has no deadline); the sleep is short: a round may take well under 1 ms
+        while deadline is not None and not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError("NCCL point-to-point operation timed out")
+            time.sleep(0.00005)
+        work.wait()  # orders the current stream after the transfer: what follows reads the buffers
+
+
+class Pool:
+    """Payload buffers reused across rounds: at most ``window`` of them per round's worth."""
+
+    def __init__(self, cap: int, device: torch.device):
+        self.cap, self.device = cap, device
+        self.bufs: list[torch.Tensor] = []
+        self.used = 0
+
+    def next(self, nbytes: int) -> torch.Tensor:
+        while len(self.bufs) <= self.used:
+            self.bufs.append(torch.empty(self.cap, dtype=torch.uint8, device=self.device))
+        self.used += 1
+        return self.bufs[self.used - 1][:nbytes]
+
+
+class Arena:
+    """One allocation for every bucket this rank receives when writes are deferred to the commit
+    (the received bytes are the staging: they stay until the verdict)."""
+
+    def __init__(self, recvs: list[Bucket], device: torch.device):
+        self.buf = torch.empty(self.size(recvs), dtype=torch.uint8, device=device)
+        self.at = 0
+
+    @staticmethod
+    def size(recvs: list[Bucket]) -> int:
+        return sum(-(-b.nbytes // ALIGN) * ALIGN for b in recvs)
+
+    def next(self, nbytes: int) -> torch.Tensor:
+        out = self.buf[self.at: self.at + nbytes]
+        self.at += -(-nbytes // ALIGN) * ALIGN
+        return out
+
+
+class Buffers:
+    """The send pools and the receive arena of a schedule, kept by the caller for the next run of
+    the same plan (fresh host memory costs a page fault per page on first touch)."""
+
+    def __init__(self) -> None:
+        self.pools: list[Pool] = []
+        self.arena: Arena | None = None
+
+    def get(self, sched: Schedule, cap: int, dev: torch.device, defer: bool) -> tuple[list[Pool], Arena | None]:
+        if not self.pools or self.pools[0].cap != cap or self.pools[0].device != dev:
+            self.pools = [Pool(cap, dev), Pool(cap, dev)]  # two: the next round is packed while one travels
+        if not defer:
+            return self.pools, None
+        size = Arena.size(sched.recvs)
+        if self.arena is None or self.arena.buf.numel() != size or self.arena.buf.device != dev:
+            self.arena = Arena(sched.recvs, dev)
+        self.arena.at = 0
+        return self.pools, self.arena
+
+
+__all__ = ["Post", "Transport", "GlooTransport", "NcclTransport", "Pool", "Arena", "Buffers"]

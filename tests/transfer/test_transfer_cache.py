@@ -1,0 +1,177 @@
+"""The plan cache and the unpacked paths of ckpt.transfer: a repeated transfer of the same structure
+reuses its plan (one exchange of fingerprints), any change of structure on any rank plans anew;
+pieces that are one contiguous run travel from the source / into the target as they are, bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckpt
+from ckpt import _transfer_exec as ex
+from ckpt._save_plan import PieceDecl
+from ckpt._transfer_plan import plan_transfer, run_start
+from ckpt.shards import Box
+from ckpt.transfer import Options, structure_fingerprint
+from tests.dist_utils import run_ranks
+from tests.transfer.test_transfer_plan import _piece, _values, case, simulate
+
+
+def _wire(pieces: list[tuple[str, str, tuple[int, ...], Box]], nccl: bool = False) -> dict:
+    return {"s": [PieceDecl(*p).to_wire() for p in pieces], "d": [PieceDecl(*p).to_wire() for p in pieces[:1]],
+            "nccl": nccl}
+
+
+@st.composite
+def _structure(draw: st.DrawFn) -> list[tuple[str, str, tuple[int, ...], Box]]:
+    out = []
+    for k in range(draw(st.integers(1, 4))):
+        shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+        off = tuple(draw(st.integers(0, n - 1)) for n in shape)
+        lengths = tuple(draw(st.integers(1, n - o)) for n, o in zip(shape, off, strict=True))
+        out.append((f"t{k}", draw(st.sampled_from(["float32", "bfloat16", "int64"])), shape, Box(off, lengths)))
+    return out
+
+
+def _mutate(pieces: list, what: str) -> list:
+    key, dtype, shape, box = pieces[0]
+    if what == "key":
+        return [(key + "x", dtype, shape, box), *pieces[1:]]
+    if what == "dtype":
+        return [(key, "float64" if dtype != "float64" else "float16", shape, box), *pieces[1:]]
+    if what == "shape":
+        return [(key, dtype, (*shape[:-1], shape[-1] + 1), box), *pieces[1:]]
+    if what == "region":
+        return [(key, dtype, shape, Box(box.offsets, (*box.lengths[:-1], box.lengths[-1] + 1))), *pieces[1:]]
+    return pieces[1:] if len(pieces) > 1 else [*pieces, ("extra", dtype, shape, box)]  # a piece gone or added
+
+
+@settings(max_examples=30, deadline=None)
+@given(_structure(), st.sampled_from(["key", "dtype", "shape", "region", "pieces", "rank", "world", "nccl",
+                                      "bucket_bytes", "window", "cast", "strict", "min_part"]))
+def test_any_change_of_structure_changes_the_fingerprint(pieces: list, what: str) -> None:
+    opts = Options()
+    base = structure_fingerprint(_wire(pieces), 1, 4, opts)
+    assert structure_fingerprint(_wire(list(pieces)), 1, 4, Options()) == base  # the same structure: reused
+    wire, rank, world = _wire(pieces), 1, 4
+    if what in ("key", "dtype", "shape", "region", "pieces"):
+        wire = _wire(_mutate(pieces, what))
+    elif what == "nccl":
+        wire = _wire(pieces, nccl=True)
+    elif what == "rank":
+        rank = 2
+    elif what == "world":
+        world = 5
+    else:
+        changed = {"bucket_bytes": 1 << 20, "window": 2, "cast": True, "strict": False, "min_part": 64}[what]
+        opts = Options(**{what: changed})  # type: ignore[arg-type]
+    assert structure_fingerprint(wire, rank, world, opts) != base
+
+
+def _ref(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _cache(rank: int, world: int) -> None:
+    w = _ref((8, 6))
+    src = {"w": ckpt.Shard(w[rank * 4: rank * 4 + 4].clone(), (8, 6), (rank * 4, 0))}
+
+    def cols(i: int, n: int) -> dict:
+        c0, c1 = 6 * i // n, 6 * (i + 1) // n
+        return {"w": ckpt.Shard(torch.zeros(8, c1 - c0), (8, 6), (0, c0))}
+
+    def check(dst: dict, step: str) -> None:
+        s = dst["w"]
+        assert torch.equal(s.local, w[:, s.offsets[1]: s.offsets[1] + s.local.shape[1]]), step
+        s.local.zero_()
+
+    dst = cols(rank, world)
+    seen = []
+    for _ in range(2):
+        r = ckpt.transfer(src, dst, bucket_bytes=64, timeout=60)
+        check(dst, "repeat")
+        seen.append(r.cached_plan)
+    assert seen == [False, True]
+    # only rank 1 changes its layout (3 column blocks, it takes the last two): every rank plans anew
+    dst2 = dst if rank == 0 else {"w": ckpt.Shard(torch.zeros(8, 4), (8, 6), (0, 2))}
+    if rank == 0:
+        dst2 = {"w": ckpt.Shard(torch.zeros(8, 2), (8, 6), (0, 0))}
+    r = ckpt.transfer(src, dst2, bucket_bytes=64, timeout=60)
+    check(dst2, "changed layout")
+    assert not r.cached_plan
+    r = ckpt.transfer(src, dst, bucket_bytes=64, timeout=60)  # back to the first layout: its plan is still kept
+    check(dst, "first layout again")
+    assert r.cached_plan
+    r = ckpt.transfer(src, dst, bucket_bytes=128, timeout=60)  # an option that shapes the plan: planned anew
+    check(dst, "other buckets")
+    assert not r.cached_plan
+
+
+@pytest.mark.multiproc
+def test_a_repeated_transfer_reuses_its_plan_until_any_rank_changes() -> None:
+    run_ranks(2, _cache)
+
+
+def _direct(rank: int, world: int) -> None:
+    """Rank 0 holds w whole; rank 1 wants rows 2..5 (one contiguous run of both pieces)."""
+    w = _ref((8, 5), seed=3)
+    src = {"w": w.clone()} if rank == 0 else None
+    seen: list[int] = []
+
+    def fault(event: str, info: dict) -> None:
+        if event == "packed" and src is not None:
+            base = src["w"].untyped_storage().data_ptr()
+            seen.append(info["buf"].data_ptr() - base)  # sent from the source's own memory
+
+    ex.FAULT = fault
+    try:
+        for in_place in (False, True):
+            dst = {"w": ckpt.Shard(torch.full((4, 5), -1.0), (8, 5), (2, 0))} if rank == 1 else None
+            ptr = dst["w"].local.data_ptr() if dst is not None else 0
+            r = ckpt.transfer(src, dst, in_place=in_place, timeout=60)
+            assert r.rank_packed == 0
+            if rank == 0:
+                assert r.rank_direct == 4 * 5 * 4 and seen[-1] == 2 * 5 * 4
+            else:
+                assert dst is not None and torch.equal(dst["w"].local, w[2:6]) and dst["w"].local.data_ptr() == ptr
+                # received into the target itself only in place; else kept until the commit
+                assert r.rank_direct == (4 * 5 * 4 if in_place else 0)
+    finally:
+        ex.FAULT = None
+
+
+@pytest.mark.multiproc
+def test_contiguous_runs_travel_without_packing_bitwise() -> None:
+    run_ranks(2, _direct)
+
+
+def test_a_local_copy_into_memory_its_source_shares_is_bitwise() -> None:
+    """dst overlaps src in one storage, shifted (a layout change in place): the deferred local copy
+    must read its source before the commit writes over it."""
+    w = _ref((4, 4), seed=5)
+    buf = torch.zeros(24)
+    buf[:16] = w.reshape(-1)
+    r = ckpt.transfer({"w": buf[:16].view(4, 4)}, {"w": ckpt.FlatShard(buf[8:24], (4, 4), 0)})
+    assert torch.equal(buf[8:24], w.reshape(-1)) and r.bytes_local == 16 * 4
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case())
+def test_large_runs_of_a_source_travel_alone_and_arrive_bitwise(c: tuple) -> None:
+    """A copy of at least a quarter bucket that is a contiguous run of its source piece has a bucket
+    of its own (sent from the source, unpacked), and the plan still delivers every element bitwise."""
+    tensors, srcs, dsts, bucket, window = c
+    plan = plan_transfer(srcs, dsts, bucket_bytes=bucket, window=window, min_part=4)
+    for s in plan.schedules:
+        for b in s.sends:
+            for cp in b.copies:
+                run = run_start(srcs[b.sender][cp.src].region, cp.geo, True) is not None
+                if run and cp.nbytes * 4 >= bucket:
+                    assert len(b.copies) == 1, (b, cp)
+    globs = {k: _values(k, shape, dtype) for k, (shape, dtype) in tensors.items()}
+    got = simulate(plan, srcs, dsts, globs)
+    for r, ps in enumerate(dsts):
+        for j, p in enumerate(ps):
+            assert torch.equal(got[r][j], _piece(globs[p.key], p.region)), (r, p)
