@@ -268,6 +268,9 @@ _DCP_WORDING: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...]
      lambda m: f"Missing key in checkpoint state_dict: {m[1]}."),
     (re.compile(r"tensor '(.+?)': checkpoint has global shape \[(.*?)\], the target expects \[(.*?)\]"),
      lambda m: f"Size mismatch between saved torch.Size([{m[2]}]) and current: torch.Size([{m[3]}]) for {m[1]}"),
+    # DCP's FileSystemWriter / FsspecWriter(overwrite=False) on a committed checkpoint (test_fsspec::test_overwrite)
+    (re.compile(r"already holds a committed checkpoint"),
+     lambda m: "Checkpoint already exists and self.overwrite=False."),
 )
 
 

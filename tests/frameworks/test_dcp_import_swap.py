@@ -135,7 +135,7 @@ def test_every_error_is_both_ckpts_typed_error_and_dcps_checkpoint_exception(tmp
     # (with DCP's words after it where DCP code matches them: a missing key, a size mismatch)
     assert list(e.failures) == [0] and isinstance(e.failures[0][0], kind)
     assert str(e) == str(e.failures[0][0]) + dcp_wording(e)
-    assert bool(dcp_wording(e)) == (fail in (_missing_key, _wrong_shape))
+    assert bool(dcp_wording(e)) == (fail in (_missing_key, _wrong_shape, _exists, _async_exists))
     assert "\n" not in str(e) and "CheckpointException ranks" not in str(e)
     again = pickle.loads(pickle.dumps(e))  # crosses processes as DCP's does
     assert type(again) is type(e) and str(again) == str(e)

@@ -237,3 +237,22 @@ def test_a_subclass_of_the_hf_classes_or_another_storage_class_is_still_refused(
         assert isinstance(ei.value, CheckpointException)  # wrapped as DCP's exception, as every ckpt.dcp error
         assert "\n" not in str(ei.value)
     assert not os.path.exists(path)
+
+
+def test_saving_over_a_committed_checkpoint_says_checkpoint_already_exists_as_dcp_does(tmp_path):
+    # PyTorch's test_fsspec::test_overwrite: assertRaisesRegex(CheckpointException, ".*Checkpoint already exists.*")
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # as test_fsspec imports it
+
+    path = str(tmp_path / "ck")
+    first, second = torch.arange(4.0), torch.arange(4.0) + 10
+    cdcp.save({"random": first}, storage_writer=FsspecWriter(path, overwrite=False))
+    cdcp.save({"random": second}, storage_writer=FsspecWriter(path, overwrite=True))
+    for writer in (FsspecWriter(path, overwrite=False), FileSystemWriter(path, overwrite=False)):
+        with pytest.raises(CheckpointException, match=".*Checkpoint already exists.*") as ei:
+            cdcp.save({"random": first}, storage_writer=writer)
+        assert isinstance(ei.value, errors.CheckpointExistsError)
+        assert str(ei.value).startswith(f"{path}: already holds a committed checkpoint")
+        assert str(ei.value).endswith("; DCP: Checkpoint already exists and self.overwrite=False.")
+    into = {"random": torch.zeros(4)}
+    cdcp.load(into, checkpoint_id=path)
+    assert torch.equal(into["random"], second)  # the refused saves left the committed checkpoint as it was
