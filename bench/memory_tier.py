@@ -2,10 +2,13 @@
 
 Four measurements, each with its peer or physical limit measured in the same run:
 
-1. **peer fetch** (2 forked gloo ranks, CPU): one rank's memory checkpoint of ``--size-gb`` sent to
-   a rank of another (simulated) node by the tier's transfer (``ckpt.tier.transfer.exchange``:
-   mapped files, 64 MiB messages received straight into a reused shared-memory slot, linked, the
-   manifest committed last), vs a raw gloo send/recv of the same bytes between two host buffers.
+1. **peer copy** (``--peer-ranks`` forked gloo ranks in 2 simulated nodes, CPU; each rank sends its
+   memory checkpoint of ``--size-gb`` to a rank of the other node and keeps one, all at once) by the
+   tier's transfer (``ckpt.tier.transfer.exchange``): the same-host path (the peer reads the files
+   on several threads straight into its reused slot, every piece's CRC checked: ckpt.tier.localcopy)
+   vs the streamed gloo path (mapped files, 64 MiB messages into the reused slot), both linked and
+   committed manifest last; limits in the same run: a raw gloo send/recv and a memcpy of the same
+   bytes on as many threads as the same-host copy.
 2. **recovery** (``ckpt train`` through the launcher, 2 ranks in 2 simulated nodes, CPU unless
    ``--device cuda`` finds 2 GPUs): node 1 is lost (its ranks SIGKILLed, its shared memory deleted)
    at ``--fail-at``; the same run with and without the memory tier, side by side, from the
@@ -26,7 +29,7 @@ Four measurements, each with its peer or physical limit measured in the same run
    checkpoint. The first two memory checkpoints (they allocate and pin the slots) are not timed.
 
     python -m bench memory-tier [--size-gb 0.25] [--device cpu|cuda] [--dtype mixed|bf16] [--repeats 3] [--json FILE]
-        [--only peer,recovery,restore,snapshot]
+        [--only peer,recovery,restore,snapshot] [--peer-ranks 2] [--peer-threads N]
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-ms", type=float, default=300.0, help="synthetic step length for 'snapshot' (ms)")
     p.add_argument("--matmul", type=int, default=512, help="matrix size of the synthetic step's matmuls (default 512: "
                    "many small kernels, launch-bound on a GPU; 4096: a few large ones, GPU-bound as LLM steps are)")
+    p.add_argument("--peer-ranks", type=int, default=2, help="ranks of 'peer' (2 simulated nodes; 4 on a 4-GPU host)")
+    p.add_argument("--peer-threads", type=int, default=None,
+                   help="copy threads per rank for 'peer' (default: the tier's, the CPUs shared by the ranks, <= 16)")
     p.add_argument("--dir", default=None, help="disk directory for persistent checkpoints (default: $TMPDIR)")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
@@ -101,73 +107,120 @@ def _shm_base() -> str:
 
 # --- 1. peer fetch -------------------------------------------------------------------------------
 
-def _peer_rank(rank: int, world: int, shm: str, nbytes: int, n_tensors: int, repeats: int, out: str) -> None:
+def _memcpy(dst: torch.Tensor, src: torch.Tensor, threads: int) -> None:
+    """``dst.copy_(src)`` cut in ``threads`` contiguous parts copied at once (each copy releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = src.numel()
+    step = -(-n // max(1, threads))
+    parts = [(o, min(n, o + step)) for o in range(0, n, step)]
+    with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+        list(pool.map(lambda p: dst[p[0]:p[1]].copy_(src[p[0]:p[1]]), parts))
+
+
+def _peer_rank(rank: int, world: int, shm: str, nbytes: int, n_tensors: int, repeats: int, out: str,
+               threads: int) -> None:
     import torch.distributed as dist
 
     import ckpt
     from bench.save_load import make_state
+    from ckpt._comm import side_group
+    from ckpt.tier import safefs
     from ckpt.tier.slots import SlotPool, raw_layout
+    from ckpt.tier.store import remove_step
     from ckpt.tier.transfer import exchange, package
 
     torch.set_num_threads(1)
-    src = os.path.join(shm, "node-0", "rank-0", "step-1")
-    if rank == 0:
-        ckpt.save(make_state(nbytes, n_tensors), src, group=dist.new_group([0], use_local_synchronization=True))
-    else:
-        dist.new_group([0], use_local_synchronization=True)
-    dist.barrier()
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs) if rank == 0 else 0
-    raw = torch.ones(max(nbytes, 1), dtype=torch.uint8)  # touched: the limit is the transport, not page faults
-    tier_s, raw_s = [], []
-    # the receiver keeps the copy as the tier does: received straight into a reused slot, then linked
-    pool = SlotPool(os.path.join(shm, "node-1", "replicas", "rank-0"), 2)
-    for r in range(repeats):
-        dest = os.path.join(shm, "node-1", "replicas", "rank-0", f"step-{r}")
+    run = safefs.trust_root(os.path.join(shm, "ckpt-bench"), create=True)  # (the tier's run directory: 0700, ours)
+    half = world // 2  # two simulated nodes, as the tier maps them: rank r keeps the copy of rank r - half
+    to, frm, node = (rank + half) % world, (rank - half) % world, rank // half
+    src = os.path.join(run, f"node-{node}", f"rank-{rank}", "step-1")
+    safefs.makedirs(os.path.dirname(src))
+    ckpt.save(make_state(nbytes, n_tensors, seed=rank), src, group=side_group([rank], "bench-self"))
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs)
+    a = torch.ones(max(nbytes, 1), dtype=torch.uint8)  # touched: the limits are the transport and memory,
+    b = torch.zeros(max(nbytes, 1), dtype=torch.uint8)  # not page faults
+    # the receiver keeps the copy as the tier does: into a reused slot, then linked
+    pool = SlotPool(os.path.join(run, f"node-{node}", "replicas", f"rank-{frm}"), 2)
+    paths = {"local": {"local": {to}, "run_dir": run, "threads": threads}, "gloo": {}}
+    times: dict[str, list[float]] = {k: [] for k in ("local", "gloo", "raw", "memcpy")}
+
+    def timed(fn: Any) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        got = exchange(dist.group.WORLD, {1: package(src, "bench")} if rank == 0 else {},
-                       {0: dest} if rank == 1 else {}, rank=rank, timeout=600, what="bench peer fetch",
-                       slots=lambda _owner, n: pool.acquire(raw_layout(n), pin=False))
+        fn()
         dist.barrier()
-        tier_s.append(time.perf_counter() - t0)
-        if rank == 1:
-            assert got[0].ok, got[0].err
+        return time.perf_counter() - t0
+
+    def copy(opts: dict[str, Any], dest: str) -> float:
+        got: dict[int, Any] = {}
+        t = timed(lambda: got.update(exchange(
+            dist.group.WORLD, {to: package(src, "bench")}, {frm: dest}, rank=rank, timeout=600, what="bench peer copy",
+            slots=lambda _owner, n: pool.acquire(raw_layout(n), pin=False), **opts)))
+        assert got[frm].ok, got[frm].err
+        return t
+
+    for r in range(repeats + 1):  # round 0 allocates the slots and touches every page: not timed
+        for name, opts in paths.items():
+            dest = os.path.join(run, f"node-{node}", "replicas", f"rank-{frm}", f"step-{name}-{r}")
+            t = copy(opts, dest)
             if r == 0:
-                assert ckpt.verify(dest, deep=True).ok, "the fetched copy does not verify"
-            shutil.rmtree(dest)
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(raw, dst=1)
-        else:
-            dist.recv(raw, src=0)
-        dist.barrier()
-        raw_s.append(time.perf_counter() - t0)
+                assert ckpt.verify(dest, deep=True).ok, f"the {name} copy does not verify"
+            else:
+                times[name].append(t)
+            remove_step(dest)
+
+        def raw() -> None:
+            works = [dist.isend(a, dst=to), dist.irecv(b, src=frm)]
+            for w in works:
+                w.wait()
+
+        t_raw, t_mem = timed(raw), timed(lambda: _memcpy(b, a, threads))
+        if r:
+            times["raw"].append(t_raw)
+            times["memcpy"].append(t_mem)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"bytes": size, "tier_s": tier_s, "raw_s": raw_s, "raw_bytes": nbytes}, f)
+            json.dump({"bytes": size, "raw_bytes": nbytes, "ranks": world, "threads": threads,
+                       **{f"{k}_s": v for k, v in times.items()}}, f)
     dist.destroy_process_group()
 
 
-def run_peer(size_gb: float, n_tensors: int, repeats: int) -> dict[str, Any]:
+def run_peer(size_gb: float, n_tensors: int, repeats: int, ranks: int = 2, threads: int | None = None
+             ) -> dict[str, Any]:
+    """Replication of one rank's memory checkpoint to a rank of the other simulated node, on ``ranks``
+    forked ranks at once (each sends one copy and keeps one): the same-host path (the peer reads the
+    files, CRCs checked) vs the streamed gloo path, with a raw gloo send/recv and a memcpy of the same
+    bytes (``threads`` threads, as the same-host copy uses) in the same run as limits."""
     from bench.ranks import gloo_ranks
+    from ckpt.tier.localcopy import threads_for
 
+    if ranks < 2 or ranks % 2:
+        raise SystemExit(f"--peer-ranks {ranks}: use an even number >= 2 (two simulated nodes)")
+    threads = threads or threads_for(ranks)
     base = _shm_base()
     try:
         out = os.path.join(base, "peer.json")
-        gloo_ranks(2, _peer_rank, base, int(size_gb * (1 << 30)), n_tensors, repeats, out)
+        gloo_ranks(ranks, _peer_rank, base, int(size_gb * (1 << 30)), n_tensors, repeats, out, threads)
         with open(out) as f:
             res: dict[str, Any] = json.load(f)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    res["tier_gbps"] = gbps(res["bytes"], median(res["tier_s"]))
-    res["raw_gbps"] = gbps(res["raw_bytes"], median(res["raw_s"]))
-    res["ratio"] = res["tier_gbps"] / res["raw_gbps"]
-    print_table(f"peer fetch over gloo, {res['bytes'] / GB:.2f} GB (median of {repeats})",
-                ["path", "s", "GB/s", "vs raw gloo"],
-                [["tier copy (mapped files -> peer's reused slot)", fmt(median(res["tier_s"]), 3),
-                  fmt(res["tier_gbps"]), fmt(res["ratio"]) + "x"],
-                 ["raw gloo send/recv (limit)", fmt(median(res["raw_s"]), 3), fmt(res["raw_gbps"]), "1.00x"]])
+    for k in ("local", "gloo"):
+        res[f"{k}_gbps"] = gbps(res["bytes"], median(res[f"{k}_s"]))
+    for k in ("raw", "memcpy"):
+        res[f"{k}_gbps"] = gbps(res["raw_bytes"], median(res[f"{k}_s"]))
+    for k in ("local", "gloo", "raw"):
+        res[f"{k}_vs_memcpy"] = res[f"{k}_gbps"] / res["memcpy_gbps"]
+    res["local_vs_gloo"] = res["local_gbps"] / res["gloo_gbps"]
+    rows = [[label, fmt(median(res[f"{k}_s"]), 3), fmt(res[f"{k}_gbps"]), fmt(res[f"{k}_gbps"] / res["memcpy_gbps"])
+             + "x"] for k, label in (
+        ("local", f"same host: the peer reads the files ({threads} threads, CRCs checked) (new)"),
+        ("gloo", "gloo stream: mapped files -> peer's reused slot (old)"),
+        ("raw", "raw gloo send/recv of the same bytes"),
+        ("memcpy", f"memcpy of the same bytes ({threads} threads; the limit)"))]
+    print_table(f"peer copy of {res['bytes'] / GB:.2f} GB per rank, {ranks} ranks at once (median of {repeats}); "
+                f"new path {res['local_vs_gloo']:.1f}x the old", ["path", "s", "GB/s per rank", "vs memcpy"], rows)
     return res
 
 
@@ -512,7 +565,7 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # the forked and launched parts first: the parent stays CUDA-free until then
     if "peer" in parts:
-        out["peer"] = run_peer(args.size_gb, args.tensors, args.repeats)
+        out["peer"] = run_peer(args.size_gb, args.tensors, args.repeats, args.peer_ranks, args.peer_threads)
     if "recovery" in parts:
         out["recovery"] = run_recovery(args)
     dev = _device(args.device)

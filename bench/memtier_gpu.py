@@ -25,7 +25,10 @@ Figures (from the trainer's metrics file: ``step_ms`` per step, ``memory_checkpo
   save left out. The memory tier copies each rank's pieces into host buffers on the training thread
   (``snapshot_ms``) and writes them to ``/dev/shm``, copies them to the peer node and agrees in the
   background (``write_ms``, ``replicate_ms``); the step pays the snapshot plus, with ``busy=wait``,
-  the wait for the previous checkpoint (``ckpt_stall_ms``). Slowdown = memory / storage.
+  the wait for the previous checkpoint (``ckpt_stall_ms``). Slowdown = memory / storage. The
+  simulated nodes share the host, so each copy is read by the peer from the sender's files
+  (``ckpt.tier.localcopy``; ``replicate GB/s per rank``); ``CKPT_TIER_LOCAL_COPY=0`` in the
+  environment streams it through gloo instead, as before.
 - **recovery**: ``restart_ms`` (the restart loop seeing the attempt end -> the restore starting:
   process start, imports, process group, model build), ``restore_ms``, ``first_step_ms``;
   restart-to-next-step = their sum (``total_ms - detect_ms``); ``steps_lost``; rank 0's
@@ -374,6 +377,9 @@ def derive(res: dict[str, Any]) -> None:
     for m in mems:
         if s.get("step_ms") and m.get("step_ms"):
             m["slowdown"] = m["step_ms"] / s["step_ms"]
+        if m.get("memory_replicate_ms"):  # each rank's copy to its peer (same host: read from its files)
+            m["replicate_gbps_per_rank"] = (m["replica_bytes_per_step"] / res["ranks"] / 1e9
+                                            / (m["memory_replicate_ms"] / 1e3))
     if res.get("memory", {}).get("slowdown"):
         res["slowdown"] = res["memory"]["slowdown"]
     bw = res.get("bandwidth", {})
@@ -395,14 +401,15 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     limit_name = "H2D" if bw.get("h2d_gbps") else "memcpy"
     limit = bw.get("h2d_gbps") or bw.get("memcpy_gbps") or nan
     step_rows = [["no memory tier", fmt(s.get("step_ms", nan), 1), fmt(s.get("stall_ms", nan), 1), "-", "-", "-",
-                  "-", "-", "1.00"]]
+                  "-", "-", "-", "1.00"]]
     for k, m in mems:
         step_rows.append([f"--memory-every 1, busy={'skip' if k == 'memory-skip' else 'wait'}",
                           fmt(m.get("step_ms", nan), 1), fmt(m.get("stall_ms", nan), 1),
                           fmt(m.get("memory_bytes_per_step", nan) / res["ranks"] / 1e9, 3),
                           str(m.get("memory_complete", 0)),
                           fmt(m.get("memory_snapshot_ms", nan), 0), fmt(m.get("memory_write_ms", nan), 0),
-                          fmt(m.get("memory_replicate_ms", nan), 0), fmt(m.get("slowdown", nan), 2)])
+                          fmt(m.get("memory_replicate_ms", nan), 0), fmt(m.get("replicate_gbps_per_rank", nan), 2),
+                          fmt(m.get("slowdown", nan), 2)])
     rec_rows = []
     for label, run in (("persistent storage", s),
                        *((f"memory tier, busy={'skip' if k == 'memory-skip' else 'wait'}", m) for k, m in mems)):
@@ -416,7 +423,7 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     return [
         (f"step time, {res['model']} under {res['layout']} ({res['ranks']} ranks, 2 simulated nodes)",
          ["run", "step ms", "stall ms", "memory ckpt GB/rank", "complete ckpts logged", "snapshot ms", "write ms",
-          "replicate ms", "slowdown"], step_rows),
+          "replicate ms", "replicate GB/s per rank", "slowdown"], step_rows),
         (f"node 1 lost after step {res['fail_at']}: restart to the next step ({limit_name} {fmt(limit, 1)} GB/s"
          + (" per GPU)" if limit_name == "H2D" else ")"),
          ["restore from", "tier", "step", "steps lost", "restart ms", "pin ahead ms", "of it waited ms",

@@ -1,7 +1,8 @@
 """Where the memory tier lives and who holds whose copies: node identity, peer mapping, paths.
 
-Pure functions (no process group, no I/O) except :func:`node_identity`, which reads the
-environment. Layout on each node (``base`` defaults to ``/dev/shm``, or ``CKPT_SHM_DIR``)::
+Pure functions (no process group, no I/O) except :func:`node_identity` and
+:func:`local_copy_enabled`, which read the environment. Layout on each node (``base`` defaults to
+``/dev/shm``, or ``CKPT_SHM_DIR``)::
 
     <base>/ckpt-<run_id>/                               mode 0700, this user's (see ckpt.tier.safefs)
     <base>/ckpt-<run_id>/tier.json                      who wrote this tier (for ``ckpt ls``)
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from typing import Any
 
 from ckpt._retention import STEP_DIR  # noqa: F401 - a memory step is named as a manager's step
 from ckpt._retention import step_dir as step_name  # noqa: F401
@@ -27,6 +29,7 @@ from ckpt.errors import StateError
 NODE_ENV = "CKPT_NODE"  # this process's node index (overrides the LOCAL_WORLD_SIZE grouping)
 SHM_ENV = "CKPT_SHM_DIR"  # base directory of memory tiers (default /dev/shm)
 RUN_ID_ENV = "CKPT_RUN_ID"  # the run's identity (default: derived from the persistent root)
+LOCAL_COPY_ENV = "CKPT_TIER_LOCAL_COPY"  # "0": copies to peers of this host go through gloo too (see host_peers)
 DEFAULT_SHM = "/dev/shm"
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RANK_DIR = re.compile(r"^rank-(\d+)$")
@@ -122,6 +125,25 @@ def replica_holders(nodes: list[int], replicas: int) -> list[list[int]]:
     return out
 
 
+def host_peers(hosts: list[Any], rank: int, *, enabled: bool = True) -> set[int]:
+    """The other ranks whose shared memory is ``rank``'s: equal host keys (:func:`ckpt.tier.runlock.host_key`:
+    host name and the base directory's device and inode). Copies between them are read from the
+    sender's files (:mod:`ckpt.tier.localcopy`) instead of streamed through gloo; empty when not
+    ``enabled`` (``$CKPT_TIER_LOCAL_COPY=0``, see :func:`local_copy_enabled`). Pure.
+
+    Example: ``host_peers([["a", 1, 2], ["a", 1, 2], ["b", 1, 2]], 0) == {1}``.
+    """
+    if not enabled or hosts[rank] is None:
+        return set()
+    return {r for r, h in enumerate(hosts) if r != rank and h == hosts[rank]}
+
+
+def local_copy_enabled() -> bool:
+    """Whether copies between ranks of one host may read each other's files (``$CKPT_TIER_LOCAL_COPY``
+    unset or not ``0``)."""
+    return os.environ.get(LOCAL_COPY_ENV, "1").strip() not in ("0", "false", "no", "off")
+
+
 def senders_to(holders: list[list[int]]) -> list[list[int]]:
     """The inverse of :func:`replica_holders`: ``senders[h]`` = the ranks whose copies ``h`` keeps."""
     out: list[list[int]] = [[] for _ in holders]
@@ -132,4 +154,5 @@ def senders_to(holders: list[list[int]]) -> list[list[int]]:
 
 
 __all__ = ["NODE_ENV", "SHM_ENV", "RUN_ID_ENV", "DEFAULT_SHM", "RUN_ID", "RANK_DIR", "NODE_DIR", "shm_base",
-           "run_id_for", "tier_dir", "node_dir", "node_identity", "replica_holders", "senders_to"]
+           "run_id_for", "tier_dir", "node_dir", "node_identity", "replica_holders", "senders_to", "LOCAL_COPY_ENV",
+           "host_peers", "local_copy_enabled"]

@@ -188,11 +188,16 @@ def _attempt(tier: TierView, fn: Callable[[str], Any], cand: Candidate, choice: 
         if not pkg.header.get("ok"):
             sends[o] = failed(str(pkg.header.get("err")))
     arrived = exchange(tier.pg, sends, recvs, rank=rank, timeout=tier.timeout,
-                       what=f"memory tier restore of step {step} (fetching from peers)")
+                       what=f"memory tier restore of step {step} (fetching from peers)", **tier.copy_options)
     t1 = time.perf_counter()
     err: str | None = next((r.err for r in arrived.values() if not r.ok), None)
     value: Any = None
-    if err is None:
+    # fn may be collective (the trainer's reads the manifest with ckpt.inspect): when a fetch failed
+    # (a copy from the same host fails its checksums there), no rank calls it, and the attempt fails
+    fetch_failed = any(c != o for o, c in enumerate(choice)) and tier.comm.exchange(
+        err is not None, lambda got: [any(got)] * len(got), timeout=tier.timeout,
+        what=f"memory tier restore of step {step} (fetch results)")
+    if err is None and not fetch_failed:
         try:
             value = fn(url)
         except CollectiveError:

@@ -47,7 +47,17 @@ from ckpt.tier import reshard as _reshard
 from ckpt.tier import restore as _restore
 from ckpt.tier import safefs
 from ckpt.tier.inplace import save_linked
-from ckpt.tier.nodes import node_identity, replica_holders, run_id_for, senders_to, shm_base, tier_dir
+from ckpt.tier.localcopy import threads_for
+from ckpt.tier.nodes import (
+    host_peers,
+    local_copy_enabled,
+    node_identity,
+    replica_holders,
+    run_id_for,
+    senders_to,
+    shm_base,
+    tier_dir,
+)
 from ckpt.tier.pinahead import PinAhead
 from ckpt.tier.runlock import RunLock, exclusive, host_key, lock_names, remove_locks
 from ckpt.tier.slots import Slot, SlotPool, raw_layout
@@ -136,6 +146,7 @@ class MemoryTier:
         self.node = node
         self.epoch = str(everyone[0]["epoch"])  # this attempt of the job: copies of one step share it
         self.holders = replica_holders(self.nodes, config.replicas)
+        self.copy_options = self._copy_options([g["host"] for g in everyone])
         self.senders = senders_to(self.holders)
         self.store = NodeStore(self.base, self.run_id, node, self.rank, self.world, config.lineage)
         self._complete: list[int] = []
@@ -164,6 +175,13 @@ class MemoryTier:
             self._describe_run()
 
     # --- paths and bookkeeping -----------------------------------------------------------------
+
+    def _copy_options(self, hosts: list[Any]) -> dict[str, Any]:
+        """:func:`ckpt.tier.transfer.exchange`'s keywords for this rank: peers sharing this host's shared
+        memory read our files instead of receiving them through gloo (:mod:`ckpt.tier.localcopy`),
+        their threads sharing the host's CPUs with its other ranks."""
+        here = host_peers(hosts, self.rank, enabled=local_copy_enabled())
+        return {"local": here, "run_dir": self.run_dir, "threads": threads_for(len(host_peers(hosts, self.rank)) + 1)}
 
     @property
     def node_dir(self) -> str:
@@ -369,7 +387,7 @@ class MemoryTier:
                  for h in self.holders[self.rank]}
         recvs = {s: self.store.replica(s, step) for s in self.senders[self.rank]}
         arrived = exchange(self.pg, sends, recvs, rank=self.rank, timeout=self.timeout,
-                           what=f"memory tier copy of step {step}", slots=self._replica_slot)
+                           what=f"memory tier copy of step {step}", slots=self._replica_slot, **self.copy_options)
         copy_errs = [r.err for r in arrived.values() if not r.ok]
         t2 = time.perf_counter()
         mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),

@@ -11,6 +11,15 @@ the bytes, so that its sender never waits for nothing, and reports the failure.
 Every wait ends by a deadline ``timeout`` seconds after the exchange started; a peer that does not
 send or take its bytes in time is named in a CollectiveError (gloo closes the group then: the job
 must restart).
+
+Between ranks of one host (``local`` peers: the same host name and shared-memory base, see
+:func:`ckpt.tier.nodes.host_peers`) no file byte goes through gloo: the header names the sender's
+step directory (relative to the run directory both trust) and the receiver copies the files itself
+on several threads, every piece's CRC checked as it lands (:mod:`ckpt.tier.localcopy`), then
+commits as above and answers one small message (kept or not). The sender waits for that answer
+before the exchange returns, so its files stay as they are while they are read, as the streamed
+path keeps them until their bytes left. ``CKPT_TIER_LOCAL_COPY=0`` (or no ``local`` peers) keeps
+every copy on the streamed path.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import datetime
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,16 +37,20 @@ import msgpack
 import torch
 
 from ckpt._comm import describe
+from ckpt._io import byte_view
 from ckpt._transaction import commit_manifest
-from ckpt.errors import CheckpointError, CollectiveError, IntegrityError, ManifestError, StorageError
+from ckpt.errors import CheckpointError, CollectiveError, IntegrityError, ManifestError, StorageError, UnsafePathError
 from ckpt.formats.msgpack_codec import decode_manifest
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.storage.local import LocalStorage, LocalWriter
 from ckpt.tier import safefs
+from ckpt.tier.localcopy import FileCopy, copy_verified
+from ckpt.tier.slots import Slot, raw_layout
 from ckpt.tier.store import manifest_bytes, remove_step
 
 CHUNK = 64 << 20  # bytes per message: bounded receive buffers, whatever the file size
 TAG = 31_337  # keeps file bytes apart from the metadata exchanges on the same group
+ACK_TAG = TAG + 1  # a same-host receiver's answer (1: kept, 0: not), apart from the files' messages
 _BUFS: list[torch.Tensor] = []  # the receive double buffer, allocated once per process and reused
 
 
@@ -47,6 +60,7 @@ class Package:
 
     header: dict[str, Any]
     paths: list[str] = field(default_factory=list)
+    dir: str = ""  # the step directory (a same-host peer reads the files from there)
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +96,8 @@ def package(step_dir: str, what: str) -> Package:
             found = st.st_size
             if found != size:
                 raise IntegrityError(f"{path}: {found} bytes, the manifest says {size}; the copy is damaged")
-        return Package({"ok": True, "files": [[rel, size] for rel, size in files], "manifest": data}, paths)
+        return Package({"ok": True, "files": [[rel, size] for rel, size in files], "manifest": data}, paths,
+                       step_dir)
     except (OSError, CheckpointError) as e:
         return failed(f"{what}: {describe(e)}")
 
@@ -116,7 +131,8 @@ def _buffers(need: int) -> list[torch.Tensor]:
 
 
 def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank: int, timeout: float,
-             what: str, slots: Callable[[int, int], Any] | None = None) -> dict[int, Received]:
+             what: str, slots: Callable[[int, int], Any] | None = None, local: Collection[int] = (),
+             run_dir: str | None = None, threads: int = 4) -> dict[int, Received]:
     """Send each ``sends[peer]`` to its peer and receive one package from each ``recvs`` peer into
     the directory ``recvs[peer]`` (replaced if it exists); collective among the ranks involved.
 
@@ -124,6 +140,11 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
     that no step links (or None): each data file is then received straight into it (no copy, no
     fresh tmpfs pages) and hard-linked into the directory, as the owner's own memory checkpoints
     are; an OSError from it (shared memory full) fails that copy like a failed write.
+
+    ``local``: peers on this host (same shared memory); with ``run_dir`` (the trusted run directory
+    the packages lie in, the same on both sides) a package for one of them carries only its place,
+    and the peer copies the files on ``threads`` threads, checking every piece's CRC (see the module
+    docstring). The receiver follows what each header says, so ranks need not agree on ``local``.
 
     ``pg``: the gloo group (None: not distributed, then both maps must be empty), registered with
     torch or one of ckpt's own (:func:`ckpt._comm.side_group`); peers are ranks of that group, and
@@ -138,14 +159,17 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
     maps: list[mmap.mmap] = []
     tensors: list[torch.Tensor] = []
     posted: list[tuple[int, Any]] = []
+    acks: list[tuple[int, Any]] = []
     for dst, pkg in sorted(sends.items()):
+        place = _place(pkg, run_dir) if dst in local else None
         mine: list[tuple[mmap.mmap, torch.Tensor] | None] = []
         try:
             for path, (_rel, size) in zip(pkg.paths, pkg.header.get("files", []), strict=True):
-                mine.append(_map(path, size) if size else None)
+                mine.append(_map(path, size) if size and place is None else None)
         except OSError as e:
             mine, pkg = [], failed(f"{what}: rank {rank} cannot read {e.filename or ''}: {e.strerror or e}")
-        head = msgpack.packb(pkg.header, use_bin_type=True)
+        header = pkg.header if place is None or not pkg.header.get("ok") else dict(pkg.header, local=place)
+        head = msgpack.packb(header, use_bin_type=True)
         out_t = [torch.tensor([len(head)], dtype=torch.int64), torch.frombuffer(bytearray(head), dtype=torch.uint8)]
         for item in mine:
             if item is not None:
@@ -154,16 +178,22 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
         tensors += out_t
         try:
             posted += [(dst, pg.send([t], dst, TAG)) for t in out_t]
+            if "local" in header:  # the peer reads the files itself: its answer says when it is done with them
+                ack = torch.zeros(1, dtype=torch.int64)
+                tensors.append(ack)
+                acks.append((dst, pg.recv([ack], dst, ACK_TAG)))
         except Exception as e:  # noqa: BLE001 - gloo: the group was closed by an earlier failure
             raise _lost(what, rank, "send to", dst, e, timeout) from e
-    out = {src: _receive(pg, src, dest, deadline, rank=rank, timeout=timeout, what=what, slots=slots)
+    out = {src: _receive(pg, src, dest, deadline, rank=rank, timeout=timeout, what=what, slots=slots,
+                         run_dir=run_dir, threads=threads)
            for src, dest in sorted(recvs.items())}
-    for dst, work in posted:
+    for dst, work in posted + acks:
         try:
             _wait(work, deadline)
         except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone
             raise _lost(what, rank, "send to", dst, e, timeout) from e
     posted.clear()
+    acks.clear()
     tensors.clear()  # the views go before the maps (an exported buffer cannot be closed)
     for m in maps:
         with contextlib.suppress(BufferError):
@@ -171,12 +201,21 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
     return out
 
 
+def _place(pkg: Package, run_dir: str | None) -> str | None:
+    """Where ``pkg``'s step directory lies relative to ``run_dir`` (None: not below it, send the bytes)."""
+    if run_dir is None or not pkg.dir:
+        return None
+    rel = os.path.relpath(os.path.abspath(pkg.dir), os.path.abspath(run_dir))
+    return None if rel == os.curdir or rel.startswith(os.pardir) or os.path.isabs(rel) else rel
+
+
 def _recv(pg: Any, src: int, t: torch.Tensor, deadline: float) -> None:
     _wait(pg.recv([t], src, TAG), deadline)
 
 
 def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeout: float,
-             what: str, slots: Callable[[int, int], Any] | None = None) -> Received:
+             what: str, slots: Callable[[int, int], Any] | None = None, run_dir: str | None = None,
+             threads: int = 4) -> Received:
     try:
         n = torch.zeros(1, dtype=torch.int64)
         _recv(pg, src, n, deadline)
@@ -187,6 +226,10 @@ def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeou
     header = msgpack.unpackb(head.numpy().tobytes(), raw=False)
     if not header.get("ok"):
         return Received(False, str(header.get("err", "the sender had nothing to send")))
+    if "local" in header:  # a peer of this host: the files are read from its step directory, then it is answered
+        got = _receive_local(src, dest, header, deadline, rank=rank, what=what, slots=slots, run_dir=run_dir,
+                             threads=threads)
+        return _answer(pg, src, got, deadline, rank=rank, timeout=timeout, what=what)
     files = [(str(rel), int(size)) for rel, size in header["files"]]
     error: BaseException | None = None
     try:  # the directories above the copy: real, ours, 0700 (else nothing is written: drained, reported)
@@ -253,6 +296,85 @@ def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeou
     return Received(True, bytes=sum(size for _rel, size in files))
 
 
+def _answer(pg: Any, src: int, got: Received, deadline: float, *, rank: int, timeout: float, what: str) -> Received:
+    """Tell a same-host sender that its files are no longer read (1: the copy was kept, 0: not); ``got``."""
+    answer = torch.tensor([int(got.ok)], dtype=torch.int64)
+    try:
+        _wait(pg.send([answer], src, ACK_TAG), deadline)
+    except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone
+        raise _lost(what, rank, "answer", src, e, timeout) from e
+    return got
+
+
+def _receive_local(src: int, dest: str, header: dict[str, Any], deadline: float, *, rank: int, what: str,
+                   slots: Callable[[int, int], Any] | None, run_dir: str | None, threads: int) -> Received:
+    """Keep rank ``src``'s copy by reading its files from its step directory (same host): into a slot
+    from ``slots`` (or a new file), every piece's CRC checked, linked, the manifest committed last."""
+    files = [(str(rel), int(size)) for rel, size in header["files"]]
+    error: BaseException | None = None
+    fresh: list[Slot] = []  # files made for this copy (no slot): unmapped at the end
+    storage: LocalStorage | None = None
+    try:
+        src_dir = os.path.join(_trusted(run_dir, what), _below(header.get("local"), "the sender's step directory"))
+        safefs.makedirs(os.path.dirname(dest))  # the directories above the copy: real, ours, 0700
+        remove_step(dest)
+        storage = LocalStorage(dest)
+        m = decode_manifest(bytes(header["manifest"]), url=os.path.join(src_dir, MANIFEST_NAME))
+        copies: list[FileCopy] = []
+        into: dict[str, Slot] = {}  # file name -> the reused slot it is copied into
+        for rel, size in files:
+            full = storage._full(_below(rel, "a data file"))  # (inside dest, or ManifestError)
+            if size == 0:
+                if (bad := _touch(storage, rel)) is not None:
+                    raise bad
+                continue
+            slot = slots(src, size) if slots is not None and not into else None  # one slot per copy, as above
+            if slot is None:
+                safefs.makedirs(os.path.dirname(full))
+                slot = Slot(full)
+                fresh.append(slot)
+                slot.shape_for(raw_layout(size), pin=False)  # (ENOSPC: an OSError, the copy not kept)
+            else:
+                into[rel] = slot
+            assert slot.base is not None
+            copies.append(FileCopy(rel, size, os.path.join(src_dir, rel), byte_view(slot.base)))
+        try:
+            copy_verified(copies, m, threads=threads, deadline=deadline, what=f"{what}: rank {src}'s copy")
+        finally:
+            for c in copies:
+                c.dst.release()
+        for rel, slot in into.items():
+            _link(slot, storage._full(rel))
+        error = _commit(storage, dest, header, files)
+    except (CheckpointError, OSError) as e:
+        error = e if isinstance(e, CheckpointError) else StorageError(f"{dest}: {e.strerror or e}")
+    finally:
+        for slot in fresh:
+            slot.close()
+        if storage is not None:
+            storage.close()
+    if error is not None:
+        remove_step(dest)
+        return Received(False, f"{what}: rank {rank} could not keep rank {src}'s copy: {describe(error)}")
+    return Received(True, bytes=sum(size for _rel, size in files))
+
+
+def _trusted(run_dir: str | None, what: str) -> str:
+    if run_dir is None:
+        raise StorageError(f"{what}: the sender named a copy on this host but this rank was given no run directory "
+                           "to read it from; pass run_dir to exchange (or unset the sender's local peers)")
+    return run_dir
+
+
+def _below(rel: Any, what: str) -> str:
+    """``rel`` when it is a plain relative path (no ``..``, not absolute): else UnsafePathError."""
+    if (not isinstance(rel, str) or not rel or os.path.isabs(rel) or os.path.normpath(rel) != rel
+            or rel.split(os.sep)[0] == os.pardir):
+        raise UnsafePathError(f"{rel!r}: {what} must be a plain path below the memory tier's run directory; the "
+                              f"sender's header is not the tier's, nothing was read: {safefs.ADVICE}")
+    return rel
+
+
 def _link(slot: Any, path: str) -> None:
     """Hard-link a received slot as ``path`` (exclusive: never replaces a file)."""
     try:
@@ -284,4 +406,4 @@ def _commit(storage: LocalStorage, dest: str, header: dict[str, Any], files: lis
         return e if isinstance(e, CheckpointError) else StorageError(f"{dest}: {e}")
 
 
-__all__ = ["CHUNK", "TAG", "Package", "Received", "failed", "package", "exchange"]
+__all__ = ["CHUNK", "TAG", "ACK_TAG", "Package", "Received", "failed", "package", "exchange"]

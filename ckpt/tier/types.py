@@ -168,6 +168,7 @@ class TierView(Protocol):
     senders: list[list[int]]
     store: NodeStore
     restore_clobbered: bool
+    copy_options: dict[str, Any]  # exchange's keywords for copies between ranks of one host (ckpt.tier.localcopy)
 
     def drain(self, *, raise_error: bool = False) -> MemoryHandle | None: ...
 
