@@ -58,7 +58,7 @@ from ckpt.hf.names import names_of
 from ckpt.hf.registry import adapter_named, adapter_of_checkpoint, importer_for
 from ckpt.layout import Layout
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest
-from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet, rules_named
+from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet, recorded_rules
 from ckpt.save import read_manifest
 from ckpt.shards import full_box
 from ckpt.storage import Storage, get_storage
@@ -261,7 +261,8 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
             if stale not in ours:
                 dst.delete(stale)
         return HFExportResult(out_dir=dst.url, files=[f.path for f in plan.files],
-                              tensors=len(plan.index["weight_map"]), total_size=plan.total_size,  # HF tensors, not pieces
+                              tensors=len(plan.index["weight_map"]),  # Hugging Face tensors, not copy pieces
+                              total_size=plan.total_size,
                               dtype=dtype_name(plan.dtype), buffer_bytes=buffer_bytes,
                               seconds=time.perf_counter() - t0, side_files=sorted(side))
     finally:
@@ -371,7 +372,7 @@ def read_hf_source(storage: Storage, names: str = "ckpt") -> HFSource:
         manifest, meta = params_import(adapter, cfg, entries, sizes, url=url)
         return HFSource(cfg, manifest, adapter.params(cfg), meta, adapter.rules)
     manifest, meta = import_manifest(adapter, cfg, entries, sizes, names, url=url)
-    recorded = rules_named(meta["rules"]) if isinstance(meta.get("rules"), str) else None  # fp8: scales' rules too
+    recorded = recorded_rules(meta)  # fp8: the scales' rules and the weights' blocks too
     return HFSource(cfg, manifest, [(k, tuple(t.shape)) for k, t in manifest.tensors.items()], meta,
                     recorded or adapter.rules)
 
@@ -447,7 +448,7 @@ def import_hf(hf_dir: str, dst_url: str, *, to: str | Layout | None = None, dtyp
                               "names only; import without --to (ckpt.load reshards at load time)")
         spec = quant_spec(source.config, where=origin)
         if spec is not None:  # before any byte is written: no shard may cut an fp8 block
-            check_layout(source.manifest, source.rules, target, spec.block, where=origin)
+            check_layout(source.manifest, source.rules, target, where=origin)
         if target.world_size == 1:
             manifest, buffer_bytes = _import_single(src, source, dst_url, dtype=out_dtype, budget=budget,
                                                     workers=workers, overwrite=overwrite, opts=opts,

@@ -34,7 +34,6 @@ from ckpt.hf.mapping import Map, compose, invert, whole
 from ckpt.hf.names import naming, resolve
 from ckpt.hf.registry import adapter_for, adapter_of_checkpoint
 from ckpt.manifest import Manifest, ShardEntry, TensorEntry
-from ckpt.resharders.rules import register_rules
 from ckpt.shards import Box, Flat, full_box
 
 __all__ = ["ADAPTER_KEY", "FUSED_EXPERT", "HF_GATE_UP", "HF_PER_EXPERT", "PREFIX", "check_scale", "export_items",
@@ -279,9 +278,9 @@ def import_manifest(adapter: Adapter, cfg: Config, entries: dict[str, tuple[str,
             shards.append(ShardEntry(region, file, h.start + p.at * dt.itemsize, p.numel * dt.itemsize))
         tensors[key] = TensorEntry(dtype_name(dt), shape, shards)
     meta = adapter.checkpoint_metadata(cfg, nm.kind)
-    if spec is not None and nm.kind == "ckpt":  # each scale is placed with its weight (ckpt.hf.fp8.fp8_rules)
-        rules = fp8_rules(adapter.rules)
-        register_rules(rules)
+    if spec is not None and nm.kind == "ckpt":  # scales placed with their weights, blocks kept whole (fp8_rules)
+        # recorded, not registered: the table depends on this model's fp8 weights and block size
+        rules = fp8_rules(adapter.rules, spec.block, {k: t.dtype for k, t in tensors.items()})
         meta |= {"rules": rules.name, "rules_table": rules.to_dict()}
     return Manifest(tensors=tensors, files=files, user_metadata={}), meta
 

@@ -8,17 +8,21 @@ Such a model's ``config.json`` carries ``quantization_config`` ``{"quant_method"
 
 Import keeps both as stored tensors, bit for bit: the scale's element map is the weight's map taken
 block by block (:func:`scale_target`; a map that would move part of a block is refused), its sharding
-rule is its weight's (:func:`fp8_rules`), and a layout whose split would cut a block is refused before
-anything is written (:func:`check_split`). Export writes them back under the same names and dtypes
+rule is its weight's and each fp8 weight declares its blocks (:func:`fp8_rules`: the resharders'
+block constraints, recorded with the table in the checkpoint), so a layout whose split would cut a
+block is refused by the import before anything is written (:func:`check_layout`) and by any later
+``ckpt reshard`` alike. Export writes them back under the same names and dtypes
 with the ``quantization_config`` kept. ``import-hf --dequantize`` computes the weights instead, as
 transformers' ``Fp8Dequantize`` does (:func:`dequantize`).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +31,10 @@ import torch
 from ckpt.errors import ConfigError, LayoutError, ManifestError, MismatchError
 from ckpt.hf.mapping import Map, Run, Target, merged
 from ckpt.layout import Layout
+from ckpt.resharders.placement import check_block_splits, specs_of
 from ckpt.resharders.rules import Rule, RuleSet
 
-__all__ = ["FP8_WEIGHTS", "QUANT_KEY", "SCALE_DTYPES", "Fp8Spec", "check_layout", "check_split", "dequantize",
+__all__ = ["FP8_WEIGHTS", "QUANT_KEY", "SCALE_DTYPES", "Fp8Spec", "block_patterns", "check_layout", "dequantize",
            "dequantize_dir", "export_scales", "fp8_rules", "import_scales", "quant_spec", "scale_name", "split_quant",
            "stored_scales", "with_quant"]
 
@@ -215,41 +220,58 @@ def export_scales(full: Map, stored: dict[str, tuple[tuple[int, ...], torch.dtyp
     return out, kept
 
 
-def fp8_rules(base: RuleSet) -> RuleSet:
-    """``base`` with a rule for each scale: its weight's placement (the same dims, in blocks)."""
+def fp8_rules(base: RuleSet, block: tuple[int, int], dtypes: Mapping[str, str]) -> RuleSet:
+    """``base`` with a rule for each scale (its weight's placement: the same dims, in blocks) and a
+    block constraint (:class:`~ckpt.resharders.rules.BlockRule`, ``block`` on the last two dims) on
+    each fp8 weight of ``dtypes`` (stored key -> dtype name) that has its scale beside it: no reshard
+    of the checkpoint may then cut a block (:func:`ckpt.resharders.rules.check_blocks`), the table
+    being recorded in it. Named ``<base>+fp8``.
+    """
+    from ckpt._dtypes import dtype_from_name
+
     scales = [Rule(scale_name(r.pattern), r.placement) for r in base.rules if scale_name(r.pattern) != r.pattern]
+    pre = base.param_prefix
+    params = [k[len(pre):] for k in dtypes if k.startswith(pre)]
+    weights = {k[len(pre):] for k, dt in dtypes.items() if k.startswith(pre) and scale_name(k) in dtypes
+               and dtype_from_name(dt, key=k) in FP8_WEIGHTS}
     d = base.to_dict() | {"name": f"{base.name}+fp8"}
     d["rules"] = [{"pattern": r.pattern, "tp_dim": r.placement.tp_dim, "ep_dim": r.placement.ep_dim,
                    "pad": r.placement.pad} for r in scales] + d["rules"]
+    d["blocks"] = [{"pattern": p, "block": list(block)} for p in block_patterns(weights, params)] + d.get("blocks", [])
     return RuleSet.from_dict(d, source=d["name"])
 
 
-def _bounds(n: int, parts: int) -> list[int]:
-    """torch.chunk's split points of ``n`` elements into ``parts`` (what the resharders cut at)."""
-    c = -(-n // parts)
-    return [min(k * c, n) for k in range(1, parts)]
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer (or expert) index between dots
 
 
-def check_split(shapes: dict[str, tuple[int, ...]], scales: dict[str, str], rules: RuleSet, layout: Layout,
-                block: tuple[int, int], *, where: str) -> None:
-    """Refuse a ``layout`` whose split of some fp8 weight would not fall on its block boundaries.
+def block_patterns(weights: set[str], params: list[str]) -> list[str]:
+    """Glob patterns that match exactly ``weights`` among ``params``: one per module, its indices as
+    ``*`` (``model.layers.*.mlp.down_proj.weight``: the table stays small for any depth), or the
+    weights' own names where that pattern would also match a tensor outside ``weights``."""
+    groups: dict[str, list[str]] = {}
+    for w in sorted(weights):
+        lits = _INDEX.split(w)
+        groups.setdefault("*".join(glob.escape(x) for x in lits), []).append(w)
+    out: list[str] = []
+    for pat, members in groups.items():
+        if all(p in weights for p in params if fnmatch.fnmatchcase(p, pat)):
+            out.append(pat)
+        else:
+            out += [glob.escape(w) for w in members]
+    return out
 
-    ``scales``: stored weight key -> stored scale key; ``shapes``: stored key -> shape. Raises
-    LayoutError naming the tensor, the dim and the block count that the parallel size must divide.
+
+def check_layout(manifest: Any, rules: RuleSet, layout: Layout, *, where: str) -> None:
+    """Refuse ``layout`` for an fp8 model (``manifest``, placed by :func:`fp8_rules`' table) when some
+    split would cut a block: the resharders' own check (:func:`ckpt.resharders.placement.check_block_splits`),
+    run before an import writes anything, with the hint to dequantize.
+
+    Raises LayoutError naming the tensor, the dim, its block count and the sizes that would work.
     """
-    for key, skey in sorted(scales.items()):
-        param = key[len(rules.param_prefix):] if key.startswith(rules.param_prefix) else key
-        pl = rules.placement(param)
-        shape, sshape = shapes[key], shapes[skey]
-        for dim, parts, axis in ((pl.tp_dim, layout.tp, "tp"), (pl.ep_dim, layout.ep, "ep")):
-            if dim is None or parts == 1 or dim >= len(shape):
-                continue
-            b = block[0] if dim == len(shape) - 2 else block[1] if dim == len(shape) - 1 else 1
-            if _bounds(shape[dim], parts) != [min(x * b, shape[dim]) for x in _bounds(sshape[dim], parts)]:
-                raise LayoutError(f"{where}: {key} {list(shape)} is fp8 in {block[0]}x{block[1]} blocks: its "
-                                  f"{sshape[dim]} blocks on dim {dim} do not split evenly over {axis}={parts}, so a "
-                                  f"shard would cut a block; pick a {axis} that divides {sshape[dim]} (or import "
-                                  "with --dequantize)")
+    try:
+        check_block_splits(specs_of(manifest), layout, rules)
+    except LayoutError as e:
+        raise LayoutError(f"{where}: {e} (or import with --dequantize)") from None
 
 
 def stored_scales(manifest: Any) -> dict[str, str]:
@@ -259,12 +281,6 @@ def stored_scales(manifest: Any) -> dict[str, str]:
     tensors = manifest.tensors
     return {k: scale_name(k) for k, t in tensors.items()
             if dtype_from_name(t.dtype, key=k) in FP8_WEIGHTS and scale_name(k) in tensors}
-
-
-def check_layout(manifest: Any, rules: RuleSet, layout: Layout, block: tuple[int, int], *, where: str) -> None:
-    """:func:`check_split` for every fp8 weight of a manifest (stored as fp8, with its scale beside it)."""
-    shapes = {k: tuple(t.shape) for k, t in manifest.tensors.items()}
-    check_split(shapes, stored_scales(manifest), rules, layout, block, where=where)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ckpt._dtypes import dtype_from_name
 from ckpt.errors import LayoutError
 from ckpt.layout import Layout
 from ckpt.manifest import Manifest
-from ckpt.resharders.rules import RuleSet, optim_region, param_box, stage_bounds
+from ckpt.resharders.rules import RuleSet, check_blocks, optim_region, param_box, stage_bounds
 from ckpt.shards import Box, FlatShard, Region, Shard, full_box
 
 PARAM = "param"  # a model parameter
@@ -114,6 +114,25 @@ def region_of(key: str, role: Role, shape: tuple[int, ...], layout: Layout, rank
     except LayoutError as e:
         raise LayoutError(f"tensor {key!r}, target rank {rank} ({layout.coord_str(rank)}) of layout {layout}: {e}") \
             from None
+
+
+def check_block_splits(specs: Mapping[str, Spec], layout: Layout, rules: RuleSet) -> None:
+    """Refuse ``layout`` when it would cut a declared block (``rules.blocks``) of some tensor of
+    ``specs``: one check per tensor, before any rank's regions are computed (pure, no I/O).
+
+    Raises LayoutError naming the layout, the tensor, the dim and its block count.
+    """
+    if not rules.blocks:
+        return
+    for key in sorted(specs):
+        shape = tuple(specs[key][1])
+        role = classify(key, shape, specs, rules)
+        if role.kind not in (PARAM, OPTIM) or role.param is None:
+            continue
+        try:
+            check_blocks(role.param, shape, layout, rules)
+        except LayoutError as e:
+            raise LayoutError(f"target layout {layout}: tensor {key!r}: {e}") from None
 
 
 def coord_str(layout: Layout, rank: int) -> str:
@@ -217,5 +236,6 @@ def _dtype_str(t: torch.Tensor) -> str:
 
 __all__ = [
     "Role", "PARAM", "OPTIM", "STAGED", "GLOBAL", "classify", "specs_of", "num_layers_of", "infer_num_layers",
-    "region_of", "regions_for_ranks", "stage_layers", "shard_state", "rank_state", "local_piece", "coord_str",
+    "region_of", "regions_for_ranks", "check_block_splits", "stage_layers", "shard_state", "rank_state",
+    "local_piece", "coord_str",
 ]

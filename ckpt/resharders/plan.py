@@ -30,8 +30,15 @@ from ckpt.layout import Coord, Layout
 from ckpt.manifest import Manifest, ObjectEntry, TensorEntry
 from ckpt.resharders.derive import PREFIX as DERIVED
 from ckpt.resharders.derive import check_strict, derive_rules, is_foreign, scheme_of, unmatched_keys
-from ckpt.resharders.placement import coord_str, num_layers_of, regions_for_ranks, specs_of, stage_layers
-from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet, load_rules, registered_rules, rules_named
+from ckpt.resharders.placement import (
+    check_block_splits,
+    coord_str,
+    num_layers_of,
+    regions_for_ranks,
+    specs_of,
+    stage_layers,
+)
+from ckpt.resharders.rules import HF_RULES, MOE_RULES, RuleSet, load_rules, recorded_rules, registered_rules
 from ckpt.shards import Box, Region
 
 UNMATCHED_SHOWN = 20  # names of whole tensors a JSON plan lists
@@ -261,6 +268,7 @@ def plan(manifest: Manifest, target: Layout, rules: RuleSet = MOE_RULES, *, stag
     if strict_rules:
         check_strict(whole, len(manifest.tensors))
     specs = specs_of(manifest)
+    check_block_splits(specs, target, rules)  # a split that would cut a stored block: refused by name
     n_layers = num_layers_of(manifest, rules)
     try:
         per_rank = regions_for_ranks(specs, target, rules, n_layers, stages)
@@ -353,9 +361,10 @@ def source_reads(manifest: Manifest, key: str, region: Region) -> list[tuple[str
 
 
 def rules_for(manifest: Manifest, path: str | None = None) -> RuleSet:
-    """The rules to reshard ``manifest`` with: the TOML file at ``path`` when given, else the
-    registered table the checkpoint names (``user_metadata["rules"]``: built in ``embedded-moe`` and
-    ``hf-decoder``, or one a model added with :func:`ckpt.resharders.rules.register_rules`), else,
+    """The rules to reshard ``manifest`` with: the TOML file at ``path`` when given, else the table
+    the checkpoint names (``user_metadata["rules"]``, :func:`~ckpt.resharders.rules.recorded_rules`:
+    the one it carries, or a registered one: built in ``embedded-moe`` and ``hf-decoder``, or one a
+    model added with :func:`ckpt.resharders.rules.register_rules`), else,
     when it names none: rules derived from its key names when they are not ckpt's (a torchtitan or DCP
     checkpoint, :func:`ckpt.resharders.derive.derive_rules`; recorded as ``names:<scheme>`` and derived
     again on the next reshard), else the embedded MoE's.
@@ -369,12 +378,9 @@ def rules_for(manifest: Manifest, path: str | None = None) -> RuleSet:
         return derive_rules(specs_of(manifest), scheme_of(manifest))
     if name is None:
         return MOE_RULES
-    found = rules_named(name) if isinstance(name, str) else None
+    found = recorded_rules(manifest.user_metadata)
     if found is not None:
         return found
-    table = manifest.user_metadata.get("rules_table")  # a table the checkpoint carries (ckpt.hf.generic)
-    if isinstance(table, dict) and table.get("name") == name:
-        return RuleSet.from_dict(table, source="user_metadata['rules_table']")
     raise LayoutError(f"the checkpoint was saved with sharding rules {name!r}, not a registered table "
                       f"({', '.join(registered_rules())}); pass the model's rules file with --rules FILE (TOML, "
                       "see the README)")

@@ -10,6 +10,11 @@ A placement says, for one parameter:
 - pipeline stage: by global layer index (``layers.N.``), ``first`` patterns on stage 0, ``last``
   patterns on the last stage.
 
+A table may also carry **block constraints** (``RuleSet.blocks``, :class:`BlockRule`): a tensor stored
+in blocks (an FP8 weight with one scale per 128x128 block) names the block size of its trailing dims,
+and a layout whose TP or EP split of such a dim would not fall on a multiple of the block is refused
+(:func:`check_blocks`, called by :func:`param_box`): no shard ever holds part of a block.
+
 Checkpoint keys map to parameter names through two prefixes (``RuleSet.param_prefix``, default
 ``"model."``, and ``RuleSet.optim_prefix``, default ``"optim."``): ``model.<param>`` is parameter
 ``<param>``; ``optim.<name>.<param>`` is optimizer state ``<name>`` of ``<param>`` (see
@@ -25,6 +30,7 @@ import fnmatch
 import math
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +56,16 @@ REPLICATED = Placement()
 
 
 @dataclass(frozen=True, slots=True)
+class BlockRule:
+    """``pattern`` (fnmatch glob over the parameter name) -> the block sizes of the tensor's trailing
+    ``len(block)`` dims: a split of one of those dims must fall on a multiple of its block (or on the
+    dim's end), so that every block stays whole on one rank."""
+
+    pattern: str
+    block: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Rule:
     """``pattern`` (fnmatch glob over the parameter name) -> placement."""
 
@@ -68,12 +84,20 @@ class RuleSet:
     name: str = "custom"
     param_prefix: str = "model."
     optim_prefix: str = "optim."
+    blocks: list[BlockRule] = field(default_factory=list)  # first match wins; none: no block constraint
 
     def placement(self, param: str) -> Placement:
         for r in self.rules:
             if fnmatch.fnmatchcase(param, r.pattern):
                 return r.placement
         return REPLICATED
+
+    def block_of(self, param: str) -> tuple[int, ...] | None:
+        """The block sizes of ``param``'s trailing dims (:class:`BlockRule`), or None: no blocks."""
+        for b in self.blocks:
+            if fnmatch.fnmatchcase(param, b.pattern):
+                return b.block
+        return None
 
     def key_role(self, key: str) -> tuple[str, str | None] | None:
         """How checkpoint ``key`` is placed when this table knows it by name: ``(kind, param)`` with
@@ -100,11 +124,14 @@ class RuleSet:
         return 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "layer_regex": self.layer_regex, "first_stage": self.first_stage,
-                "last_stage": self.last_stage, "param_prefix": self.param_prefix,
-                "optim_prefix": self.optim_prefix,
-                "rules": [{"pattern": r.pattern, "tp_dim": r.placement.tp_dim, "ep_dim": r.placement.ep_dim,
-                           "pad": r.placement.pad} for r in self.rules]}
+        d = {"name": self.name, "layer_regex": self.layer_regex, "first_stage": self.first_stage,
+             "last_stage": self.last_stage, "param_prefix": self.param_prefix,
+             "optim_prefix": self.optim_prefix,
+             "rules": [{"pattern": r.pattern, "tp_dim": r.placement.tp_dim, "ep_dim": r.placement.ep_dim,
+                        "pad": r.placement.pad} for r in self.rules]}
+        if self.blocks:  # only when set: tables without blocks keep their recorded form (and plan ids)
+            d["blocks"] = [{"pattern": b.pattern, "block": list(b.block)} for b in self.blocks]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "rules") -> RuleSet:
@@ -126,6 +153,7 @@ class RuleSet:
                 if r.get(k) is not None and (not isinstance(r[k], int) or r[k] < 0):
                     raise LayoutError(f"{source}: rule {i} ({r['pattern']!r}): {k} must be a dim index >= 0")
             rules.append(Rule(r["pattern"], Placement(r.get("tp_dim"), r.get("ep_dim"), bool(r.get("pad", False)))))
+        blocks = _block_rules(d.get("block", d.get("blocks", [])), source)
         pipe = d.get("pipeline", {}) or {}
         keys = d.get("keys", {}) or {}
         if not isinstance(pipe, dict) or not isinstance(keys, dict):
@@ -147,7 +175,23 @@ class RuleSet:
         return cls(rules, layer_regex=layer_regex,
                    first_stage=list(pipe.get("first", d.get("first_stage", []))),
                    last_stage=list(pipe.get("last", d.get("last_stage", []))),
-                   name=str(d.get("name", source)), **prefixes)
+                   name=str(d.get("name", source)), blocks=blocks, **prefixes)
+
+
+def _block_rules(items: Any, source: str) -> list[BlockRule]:
+    """``[[block]]`` tables (``pattern``, ``block`` = sizes of the trailing dims), checked."""
+    if not isinstance(items, list):
+        raise LayoutError(f"{source}: 'block' must be an array of tables ([[block]] with pattern and block)")
+    out = []
+    for i, b in enumerate(items):
+        if not isinstance(b, dict) or not isinstance(b.get("pattern"), str) or set(b) != {"pattern", "block"}:
+            raise LayoutError(f"{source}: block rule {i} needs exactly a string 'pattern' and a 'block' list")
+        sizes = b["block"]
+        if not (isinstance(sizes, list) and sizes and all(type(x) is int and x >= 1 for x in sizes)):
+            raise LayoutError(f"{source}: block rule {i} ({b['pattern']!r}): 'block' must be a non-empty list of "
+                              f"block sizes >= 1 (one per trailing dim), got {str(sizes)[:60]}")
+        out.append(BlockRule(b["pattern"], tuple(sizes)))
+    return out
 
 
 @dataclass(slots=True)
@@ -226,11 +270,48 @@ def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
     return start, min(start + size, n) - start
 
 
+def _cut_at(n: int, parts: int, block: int) -> int | None:
+    """The first boundary of ``torch.chunk``'s split of ``n`` elements into ``parts`` that falls
+    inside a block of ``block`` elements (None: every block whole)."""
+    c = -(-n // parts)
+    return next((k * c for k in range(1, parts) if k * c < n and (k * c) % block), None)
+
+
+def check_blocks(param: str, shape: tuple[int, ...], layout: Layout, rules: RuleSet) -> None:
+    """Refuse a ``layout`` whose TP or EP split of ``param`` (shape ``shape``) would cut one of the
+    blocks its :class:`BlockRule` declares: every split boundary must fall on a multiple of the dim's
+    block (or on its end). Pure; no-op for a tensor without blocks or not split.
+
+    Raises LayoutError naming the parameter, the dim, its block count and the sizes that would work.
+    """
+    if not rules.blocks:
+        return
+    p = rules.placement(param)
+    splits = [(d, k, axis) for d, k, axis in ((p.ep_dim, layout.ep, "ep"), (p.tp_dim, layout.tp, "tp"))
+              if d is not None and k > 1 and d < len(shape)]
+    block = rules.block_of(param) if splits else None
+    if not block:
+        return
+    for d, k, axis in splits:
+        lead = len(shape) - len(block)
+        b = block[d - lead] if d >= lead else 1
+        n = shape[d]
+        if b <= 1 or (at := _cut_at(n, k, b)) is None:
+            continue
+        even = axis == "ep" or not p.pad  # ep and unpadded tp must divide the dim
+        fits = [x for x in range(1, -(-n // b) + 1) if (not even or n % x == 0) and _cut_at(n, x, b) is None]
+        shown = str(fits) if len(fits) <= 12 else f"{str(fits[:12])[:-1]}, ...]"
+        raise LayoutError(f"parameter {param!r} {list(shape)}: its {-(-n // b)} blocks of {b} on dim {d} do not split "
+                          f"evenly over {axis}={k} (a shard would start at {at}, inside a block); choose {axis} in "
+                          f"{shown}")
+
+
 def param_box(param: str, shape: tuple[int, ...], layout: Layout, coord: Coord, rules: RuleSet) -> Box:
     """The block of the global parameter that a rank at ``coord`` holds (ignoring pipeline stages).
 
-    Raises LayoutError when an expert dim does not divide evenly over EP, or a non-padded TP dim
-    does not divide evenly over TP (the trainer cannot run such a layout).
+    Raises LayoutError when an expert dim does not divide evenly over EP, a non-padded TP dim
+    does not divide evenly over TP (the trainer cannot run such a layout), or a split would cut one
+    of the tensor's declared blocks (:func:`check_blocks`).
     """
     p = rules.placement(param)
     offs, lens = [0] * len(shape), list(shape)
@@ -250,6 +331,7 @@ def param_box(param: str, shape: tuple[int, ...], layout: Layout, coord: Coord, 
                               f"tp={layout.tp}; choose tp dividing it")
         s, n = _chunk(shape[d], layout.tp, coord.tp)
         offs[d], lens[d] = s, n
+    check_blocks(param, shape, layout, rules)
     return Box(tuple(offs), tuple(lens))
 
 
@@ -369,6 +451,23 @@ def rules_named(name: str) -> RuleSet | None:
     return _NAMED.get(name)
 
 
+def recorded_rules(user_metadata: Mapping[str, Any]) -> RuleSet | None:
+    """The rules table a checkpoint's ``user_metadata`` names (``"rules"``): the table it carries
+    under ``"rules_table"`` when that one has the same name (ckpt.hf.generic's, an fp8 import's with
+    its block constraints: the checkpoint's own table wins over a table registered in this process
+    under the same name), else the registered table of that name; None when neither exists.
+
+    Raises LayoutError for a carried table that is malformed.
+    """
+    name = user_metadata.get("rules")
+    if not isinstance(name, str):
+        return None
+    table = user_metadata.get("rules_table")
+    if isinstance(table, dict) and table.get("name") == name:
+        return RuleSet.from_dict(table, source="user_metadata['rules_table']")
+    return rules_named(name)
+
+
 def registered_rules() -> list[str]:
     """Names of the registered rules tables, sorted."""
     return sorted(_NAMED)
@@ -379,6 +478,7 @@ def numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-__all__ = ["Placement", "REPLICATED", "Rule", "RuleSet", "KeyedRules", "load_rules", "stage_bounds", "DENSE_REPLICAS",
-           "EXPERT_REPLICAS", "param_box", "padded_rows", "zero_range", "optim_region", "MOE_RULES", "HF_RULES",
-           "HF_WHOLE", "register_rules", "rules_named", "registered_rules", "numel"]
+__all__ = ["Placement", "REPLICATED", "BlockRule", "Rule", "RuleSet", "check_blocks", "KeyedRules", "load_rules",
+           "stage_bounds", "DENSE_REPLICAS", "EXPERT_REPLICAS", "param_box", "padded_rows", "zero_range",
+           "optim_region", "MOE_RULES", "HF_RULES", "HF_WHOLE", "register_rules", "rules_named", "recorded_rules",
+           "registered_rules", "numel"]

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 import ckpt
 from ckpt.errors import ConfigError, LayoutError, ManifestError, MismatchError
 from ckpt.hf.convert import export_hf, import_hf
-from ckpt.hf.fp8 import check_split, dequantize, scale_name
+from ckpt.hf.fp8 import dequantize, scale_name
 from ckpt.layout import Layout
-from ckpt.resharders.rules import Placement, Rule, RuleSet
+from ckpt.resharders.rules import BlockRule, Placement, Rule, RuleSet, check_blocks
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -110,7 +110,8 @@ def test_round_trip_tp2_ep2_bit_identical(fp8_model: Path, tmp_path: Path) -> No
 def test_split_that_cuts_a_block_is_refused(fp8_model: Path, tmp_path: Path) -> None:
     """tp=4 would give each rank 64 columns of the dense down_proj (2 column blocks): refused, nothing written."""
     dst = tmp_path / "ckpt"
-    with pytest.raises(LayoutError, match=r"down_proj\.weight \[256, 256\] is fp8 .* 2 blocks on dim 1 .* tp=4"):
+    with pytest.raises(LayoutError, match=r"down_proj\.weight' \[256, 256\]: its 2 blocks of 128 on dim 1 .* tp=4.*"
+                                          r"choose tp in \[1, 2\].*--dequantize"):
         import_hf(str(fp8_model), str(dst), to="tp=4")
     assert not dst.exists()
 
@@ -154,19 +155,18 @@ def test_dequantize_bitwise_transformers(rb: int, cb: int, block: tuple[int, int
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 700), b=st.sampled_from([1, 3, 128]), parts=st.integers(1, 8))
-def test_check_split_iff_blocks_stay_whole(n: int, b: int, parts: int) -> None:
-    """check_split refuses exactly when some element's shard (torch.chunk of the weight) differs from
-    the shard of its block's scale (torch.chunk of the scales)."""
+def test_block_rule_iff_blocks_stay_whole(n: int, b: int, parts: int) -> None:
+    """The resharders' block constraint (what fp8_rules declares) refuses exactly when some element's
+    shard (torch.chunk of the weight) differs from the shard of its block's scale (torch.chunk of the scales)."""
     nb = -(-n // b)
     c, cs = -(-n // parts), -(-nb // parts)
     whole = all(i // c == (i // b) // cs for i in range(n))
-    rules = RuleSet([Rule("w", Placement(tp_dim=0))], name="t", param_prefix="")
-    args = ({"w": (n, 4), "s": (nb, 1)}, {"w": "s"}, rules, Layout(tp=parts), (b, 4))
+    rules = RuleSet([Rule("w", Placement(tp_dim=0))], name="t", param_prefix="", blocks=[BlockRule("w", (b, 4))])
     if whole:
-        check_split(*args, where="x")
+        check_blocks("w", (n, 4), Layout(tp=parts), rules)
     else:
-        with pytest.raises(LayoutError, match="w "):
-            check_split(*args, where="x")
+        with pytest.raises(LayoutError, match=f"'w' \\[{n}, 4\\]: its {nb} blocks of {b} on dim 0 .* tp={parts}"):
+            check_blocks("w", (n, 4), Layout(tp=parts), rules)
 
 
 def _edit(fp8_model: Path, tmp: Path, tensors: Any = None, quant: Any = QUANT) -> str:
@@ -320,3 +320,52 @@ def test_dtype_casts_only_the_unquantized_tensors(fp8_model: Path, tmp_path: Pat
     want, got = _files(fp8_model), _files(out)
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_reshard_of_an_imported_fp8_checkpoint_keeps_blocks_whole(fp8_model: Path, tmp_path: Path) -> None:
+    """``ckpt reshard`` of an fp8 checkpoint imported as one layout: the recorded table carries the
+    weights' blocks, so --to tp=2 keeps each scale with its weight's blocks (exported bit-identical)
+    and --to tp=4 (the dense down_proj has 2 column blocks) is refused, nothing written."""
+    from typer.testing import CliRunner
+
+    from ckpt.cli.app import app
+
+    src, dst, bad, out = (str(tmp_path / n) for n in ("one", "tp2", "tp4", "out"))
+    import_hf(str(fp8_model), src)
+    table = ckpt.inspect(src).user_metadata["rules_table"]
+    assert {"pattern": "model.layers.*.mlp.down_proj.weight", "block": [BLOCK, BLOCK]} in table["blocks"]
+    assert not any("embed_tokens" in b["pattern"] or "scale_inv" in b["pattern"] for b in table["blocks"])
+    r = CliRunner().invoke(app, ["reshard", src, dst, "--to", "tp=2"])
+    assert r.exit_code == 0, r.output
+    assert ckpt.verify(dst, deep=True).ok
+    m = ckpt.inspect(dst)
+    for w in ("layers.0.mlp.down_proj.weight", "layers.1.self_attn.q_b_proj.weight", "layers.0.mlp.gate_proj.weight"):
+        ws, ss = (m.tensors[f"model.model.{w}"], m.tensors[f"model.model.{scale_name(w)}"])
+        assert len(ws.shards) == 2
+        assert sorted((tuple(o // BLOCK for o in sh.region.offsets), tuple(-(-n // BLOCK) for n in sh.region.lengths))
+                      for sh in ws.shards) == sorted((sh.region.offsets, sh.region.lengths) for sh in ss.shards), w
+    r = CliRunner().invoke(app, ["reshard", src, bad, "--to", "tp=4"])
+    assert r.exit_code != 0, r.output
+    said = " ".join(r.output.split())
+    assert "tensor 'model.model.layers.0.mlp.down_proj.weight'" in said, said
+    assert "its 2 blocks of 128 on dim 1 do not split evenly over tp=4" in said and "choose tp in [1, 2]" in said
+    assert not Path(bad).exists()
+    export_hf(dst, out)
+    want, got = _files(fp8_model), _files(Path(out))
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_block_patterns_match_exactly_the_fp8_weights() -> None:
+    """One pattern per module where it matches only fp8 weights; the weights' own names where it would
+    also match a tensor kept unquantized (a layer left in bf16); glob characters in names escaped."""
+    import fnmatch
+
+    from ckpt.hf.fp8 import block_patterns
+
+    params = [f"layers.{i}.{m}.weight" for i in range(3) for m in ("a", "b")] + ["x[1].weight", "x1.weight"]
+    weights = {"layers.0.a.weight", "layers.1.a.weight", "layers.2.a.weight", "layers.0.b.weight", "x[1].weight"}
+    pats = block_patterns(weights, params)
+    assert "layers.*.a.weight" in pats and "layers.0.b.weight" in pats and "layers.*.b.weight" not in pats
+    assert {p for p in params if any(fnmatch.fnmatchcase(p, q) for q in pats)} == weights
