@@ -7,7 +7,8 @@ Four verbs::
     ckpt.inspect(url)              # the manifest
     ckpt.verify(url, deep=True)    # structure, coverage, checksums
 
-and the tools around them, imported on first use: ``ckpt.reshard`` / ``ckpt.diff`` (another parallel
+and the tools around them, imported on first use: ``ckpt.transfer_iter`` (live weights, streamed),
+``ckpt.reshard`` / ``ckpt.diff`` (another parallel
 layout, offline), ``ckpt.import_checkpoint`` / ``ckpt.export_dcp`` (other tools' checkpoints),
 ``ckpt.export_hf`` / ``ckpt.import_hf`` (Hugging Face directories).
 """
@@ -35,7 +36,6 @@ from ckpt.manifest import Manifest
 from ckpt.save import save
 from ckpt.shards import FlatShard, PerRank, Shard
 from ckpt.transfer import TransferResult, TransferState, transfer
-from ckpt.transfer_stream import transfer_iter
 from ckpt.verify import Problem, VerifyReport, inspect, verify
 
 __version__ = "0.1.0"
@@ -43,7 +43,7 @@ __version__ = "0.1.0"
 _moved.install()  # the 0.1 module paths keep working, with a DeprecationWarning
 
 #: public functions whose modules are heavy (transformers, the resharder): imported when first used
-_LAZY = {"reshard": "ckpt.resharders.reshard", "diff": "ckpt.resharders.diff",
+_LAZY = {"transfer_iter": "ckpt.transfer_stream", "reshard": "ckpt.resharders.reshard", "diff": "ckpt.resharders.diff",
          "import_checkpoint": "ckpt.convert", "export_dcp": "ckpt.convert",
          "export_hf": "ckpt.hf.convert", "import_hf": "ckpt.hf.convert"}
 

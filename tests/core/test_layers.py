@@ -48,17 +48,16 @@ def _is_module(name: str) -> bool:
 def _node(module: str) -> str | None:
     """The graph node of a module of ckpt: its top folder, or itself at the package root."""
     parts = module.split(".")
-    if parts[0] != "ckpt" or len(parts) < 2:
+    if parts[0] != "ckpt":
         return None
-    return parts[1]
+    return parts[1] if len(parts) > 1 else "__init__"  # the package itself: what `import ckpt` runs
 
 
 def _graph() -> dict[tuple[str, str], list[str]]:
     edges: dict[tuple[str, str], list[str]] = defaultdict(list)
     for path in sorted(ROOT.rglob("*.py")):
-        if path.name == "__init__.py":  # a package's face: it hands names on, it is no layer
-            continue
-        mod = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+        rel = path.relative_to(ROOT.parent).with_suffix("").parts
+        mod = ".".join(rel[:-1] if path.name == "__init__.py" else rel)  # a package's face is its folder's
         for line, name in _imports(path):
             a, b = _node(mod), _node(name)
             if a and b and a != b:
