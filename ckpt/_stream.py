@@ -501,6 +501,8 @@ def read_items(src: Storage, manifest: Manifest, items: Sequence[Item], *, buffe
     reused buffer of about ``buffer`` bytes (an item larger than that comes in parts). ``values`` (in
     the output dtype, shaped like the part) is valid until the next iteration: copy what you keep.
     """
+    if not items:
+        return  # nothing to read (an empty file's parts would be its header alone)
     cap = _up(max(ALIGN * 4, buffer))
     batches = _batches(_parts([OutFile("", b"", list(items))], [0], cap), cap)
     slab = max((sum(p.cost for p in b) for b in batches), default=0)

@@ -209,13 +209,15 @@ def export_dcp(src: str, dst_dir: str, *, to: Layout | None = None, rules: RuleS
     try:
         manifest = fetch_manifest(st)
         pieces = _pieces(manifest, to, rules)
+        if not pieces and manifest.objects:
+            pieces = {0: []}  # no tensors: one file still carries the objects
         total = sum(b.numel * itemsize(dtype_from_name(manifest.tensors[k].dtype)) for ps in pieces.values()
                     for k, b in ps)
         writer = _DcpWriter(st, manifest, dst_dir, max(1 << 20, memory_budget // 4), workers, progress, total)
         for f in sorted(pieces):
             rel = f"__{f}_0-{transaction.new_id()}.distcp"  # a name no other writer can produce
             written.append(rel)
-            writer.write_file(rel, pieces[f], objects=f == min(pieces) or not pieces)
+            writer.write_file(rel, pieces[f], objects=f == min(pieces))
         # planner_data: the nesting DCP's own planners rebuild for an empty target (keys split on ".")
         meta = Metadata(state_dict_metadata=writer.sdm, planner_data={k: tuple(k.split(".")) for k in writer.sdm},
                         storage_data=writer.storage_data, version="1.0.0")

@@ -154,3 +154,14 @@ def test_import_to_a_layout(tmp_path):
     m = import_checkpoint(str(tmp_path / "m.pt"), str(tmp_path / "c"), to=Layout(dp=2))
     assert m.user_metadata["layout"] == Layout(dp=2).to_dict()
     assert torch.equal(ckpt.load({"w": torch.zeros(3, 4)}, str(tmp_path / "c"))["w"], torch.arange(12.0).reshape(3, 4))
+
+
+@pytest.mark.parametrize("objects", [{"step": 5}, {"step": 7, "sched": {"lr": 0.1, "milestones": [1, 2]}}])
+def test_export_dcp_of_a_checkpoint_without_tensors_keeps_its_objects(tmp_path, objects) -> None:
+    """A checkpoint holding only objects (a scheduler, a step) exports them (they were dropped: no
+    tensor, no data file, nowhere to put them), and DCP's own load reads them back."""
+    ckpt.save(objects, str(tmp_path / "c"))
+    export_dcp(str(tmp_path / "c"), str(tmp_path / "d"))
+    got: dict = {"step": 0, **({"sched": {"lr": 0.0, "milestones": [0]}} if "sched" in objects else {})}
+    dcp.load(got, checkpoint_id=str(tmp_path / "d"))
+    assert got == objects
