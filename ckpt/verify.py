@@ -60,13 +60,16 @@ class VerifyReport:
 def inspect(url: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``url`` (no data is read).
 
+    Not collective: any one rank may call it (it reads the manifest itself, even when
+    torch.distributed is up; ``ckpt.load`` shares one read among the ranks instead).
+
     Raises ManifestError when there is no committed checkpoint or the manifest is invalid.
     """
     from ckpt.load import fetch_manifest
 
     storage = get_storage(url, **(storage_options or {}))
     try:
-        return fetch_manifest(storage)
+        return fetch_manifest(storage, manifest_read="each")
     finally:
         storage.close()
 
