@@ -253,6 +253,15 @@ def cpus_per_rank(world: int = 1) -> int:
     return max(1, cpus // local)
 
 
+def _read_direct(storage: Storage, op: ReadOp, targets: list[torch.Tensor]) -> None:
+    """Read ``op``'s ranges straight into its target (``op.direct``: a contiguous run of it), no buffer."""
+    assert op.direct is not None
+    ti, off = op.direct
+    dst = byte_view(targets[ti])
+    for fo, n in op.ranges:
+        storage.read_into(op.file, fo, dst[off + fo - op.start : off + fo - op.start + n])
+
+
 def _copy_out(buf: torch.Tensor, op: ReadOp, targets: list[torch.Tensor], isz: list[int]) -> None:
     """Run ``op``'s copies from ``buf`` (its bytes ``[op.start, op.start + op.length)``) into ``targets``."""
     for c in op.copies:
@@ -300,10 +309,7 @@ def run_read_plan(storage: Storage, plan: ReadPlan, targets: list[torch.Tensor],
 
     def run(op: ReadOp) -> None:
         if op.direct is not None:
-            ti, off = op.direct
-            dst = byte_view(targets[ti])
-            for fo, n in op.ranges:
-                storage.read_into(op.file, fo, dst[off + fo - op.start : off + fo - op.start + n])
+            _read_direct(storage, op, targets)
             return
         if mapper is not None and mapped(op):
             return
@@ -425,10 +431,7 @@ class ScratchReader:
         storage = decoding(self.storage, plan.files)  # compressed files: raw bytes from their frames
         for op in plan.ops:
             if op.direct is not None:
-                ti, off = op.direct
-                dst = byte_view(targets[ti])
-                for fo, n in op.ranges:
-                    storage.read_into(op.file, fo, dst[off + fo - op.start : off + fo - op.start + n])
+                _read_direct(storage, op, targets)
                 continue
             if self.buf.numel() < op.length:
                 self.buf = torch.empty(op.length, dtype=torch.uint8)
