@@ -4,7 +4,9 @@ Import as ``from tests.helpers import ...`` (like ``tests.dist_utils``)."""
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +14,42 @@ import torch
 import ckpt
 
 Spec = tuple[int, ...] | tuple[tuple[int, ...], torch.dtype]
+SOURCE_ROOT = Path(__file__).resolve().parents[1]  # the folder holding the ckpt package
+
+
+def imports_in(tree: ast.AST, package: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``tree`` (a module of ``package``), function-local ones
+    included: relative imports resolved against ``package``; ``from a import b`` gives ``a.b`` when
+    that is a module of this tree, else ``a``; ``importlib.import_module("x")`` / ``__import__("x")``
+    with a literal name give ``x``. The one import scan of the layering and boundary tests."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append((node.lineno, sub if _is_module(sub) else base))
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")):
+            out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def file_imports(path: Path) -> list[tuple[int, str]]:
+    """:func:`imports_in` of a source file of this tree (its package taken from its path)."""
+    rel = path.resolve().relative_to(SOURCE_ROOT).with_suffix("")
+    return imports_in(ast.parse(path.read_text(), str(path)), ".".join(rel.parts[:-1]))
+
+
+def _is_module(name: str) -> bool:
+    p = SOURCE_ROOT.joinpath(*name.split("."))
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
 
 
 def random_state(seed: int, tensors: Mapping[str, Spec], /, **objects: Any) -> dict[str, Any]:

@@ -12,30 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import imports_in
+
 ROOT = Path(__file__).resolve().parents[2] / "ckpt"
 ALLOWED = {"cli/train.py"}  # `ckpt train` / `ckpt demo`: the trainer's own commands
 
 
 def _trainer_imports(tree: ast.AST, package: str) -> list[tuple[int, str]]:
     """(line, module) of every import in ``tree`` that names ckpt.trainer (absolute or relative)."""
-    out = []
-    for node in ast.walk(tree):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against the module's package
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            names = [mod] + [f"{mod}.{a.name}" for a in node.names]
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")):
-            names = [node.args[0].value]
-        out += [(node.lineno, n) for n in names if n == "ckpt.trainer" or n.startswith("ckpt.trainer.")]
-    return out
+    return [(line, n) for line, n in imports_in(tree, package) if n == "ckpt.trainer" or n.startswith("ckpt.trainer.")]
 
 
 def _library_modules() -> list[Path]:

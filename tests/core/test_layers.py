@@ -16,33 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt._moved import MOVED
+from tests.helpers import file_imports
 
 ROOT = Path(__file__).resolve().parents[2] / "ckpt"
-
-
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import of ``path``, function-local ones included; ``from a import b``
-    gives ``a.b`` when that is a module of the package, else ``a``."""
-    rel = path.relative_to(ROOT.parent).with_suffix("")
-    package = ".".join(rel.parts[:-1] if path.name != "__init__.py" else rel.parts[:-1])
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            for a in node.names:
-                sub = f"{base}.{a.name}"
-                out.append((node.lineno, sub if _is_module(sub) else base))
-    return out
-
-
-def _is_module(name: str) -> bool:
-    p = ROOT.parent.joinpath(*name.split("."))
-    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
 
 
 def _node(module: str) -> str | None:
@@ -58,7 +34,7 @@ def _graph() -> dict[tuple[str, str], list[str]]:
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT.parent).with_suffix("").parts
         mod = ".".join(rel[:-1] if path.name == "__init__.py" else rel)  # a package's face is its folder's
-        for line, name in _imports(path):
+        for line, name in file_imports(path):
             a, b = _node(mod), _node(name)
             if a and b and a != b:
                 edges[(a, b)].append(f"{mod}:{line} -> {name}")
@@ -124,7 +100,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 def test_the_package_uses_no_deprecated_path() -> None:
     bad = [f"{p.relative_to(ROOT.parent)}:{line} imports {name} (now {', '.join(MOVED[name])})"
            for p in sorted(ROOT.rglob("*.py")) if p.name != "_moved.py"
-           for line, name in _imports(p) if name in MOVED]
+           for line, name in file_imports(p) if name in MOVED]
     assert not bad, "\n".join(bad)
 
 

@@ -3,7 +3,6 @@ trainer's loop uses only it: ckpt/trainer/train.py imports nothing private of ck
 
 from __future__ import annotations
 
-import ast
 import os
 import tempfile
 import time
@@ -18,6 +17,7 @@ import ckpt
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager, SaveReport
 from ckpt.manifest import MANIFEST_NAME
+from tests.helpers import file_imports
 
 PUBLIC = {"ckpt", "ckpt.errors", "ckpt.manager", "ckpt.layout"}  # and ckpt.trainer.*
 
@@ -140,21 +140,11 @@ def test_restore_takes_the_memory_tier_when_it_is_at_least_as_new(tmp_path: Path
     again.close()
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module))
-    return out
-
-
 def test_the_trainer_loop_imports_only_public_ckpt_names() -> None:
     import ckpt.trainer.train as train
 
     path = Path(train.__file__)
-    private = [f"{path.name}:{line}: {mod}" for line, mod in _imports(path)
+    private = [f"{path.name}:{line}: {mod}" for line, mod in file_imports(path)
                if (mod == "ckpt" or mod.startswith("ckpt.")) and mod not in PUBLIC
                and not mod.startswith("ckpt.trainer.")]
     assert not private, f"the trainer reaches into ckpt internals: {private}; expose what it needs on the manager"
