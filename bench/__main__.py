@@ -27,6 +27,7 @@ Subcommands::
     trainer-gpu the trainer on N GPUs (NCCL) or CPU ranks: sp=1/2/4 and ep=4 (dedup / per-expert): tokens/s,
                 all-to-all bytes and time, peak memory vs sequence length, kill + resume bitwise (issue 20.3)
     transfer    ckpt.transfer between running CPU ranks (same and disjoint ranks) vs save+load and gather+broadcast
+    transfer-moe  ckpt.transfer of a MoE model, tp=2,ep=2 -> tp=4 and to a disjoint group, vs save+load and send/recv
     memtier-gpu the memory tier on N GPUs as 2 simulated nodes: --memory-every 1 slowdown at >= 8 GB per GPU,
                 node loss recovered from peer copies vs from storage, against H2D bandwidth (issue 20.2)
 """
@@ -61,6 +62,7 @@ from bench import (
     seqpar,
     trainer_gpu,
     transfer,
+    transfer_moe,
     xmoe,
 )
 
@@ -90,6 +92,7 @@ COMMANDS = {
     "memtier-gpu": (memtier_gpu, "memory tier on N GPUs as 2 nodes: --memory-every 1 cost, node loss vs storage"),
     "compression": (compression, "zstd data files (planes or not): bytes on disk, save/load GB/s vs DCP ZStandard"),
     "transfer": (transfer, "live resharding between CPU ranks: ckpt.transfer vs save+load vs gather+broadcast"),
+    "transfer-moe": (transfer_moe, "a MoE live: tp=2,ep=2 -> tp=4 and to a disjoint group vs save+load, send/recv"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 

@@ -294,6 +294,10 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
     posts each bucket's messages as soon as it is packed; else they are returned."""
     posts: list[Post] = []
     heads = torch.zeros(len(sends), 2, dtype=torch.int64, device=ctx.dev)
+    # on a GPU the headers are filled on the host and copied over once per round (not once per bucket:
+    # each small host-to-device copy from pageable memory waits for the host)
+    batched = emit is None and ctx.dev.type != "cpu"
+    rows = torch.zeros(len(sends), 2, dtype=torch.int64) if batched else heads
     fail = ctx.fail
     for i, b in enumerate(sends):
         view = None
@@ -306,7 +310,7 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
         try:
             if fail.primary is not None:
                 raise RuntimeError("this rank failed earlier")  # keep the protocol; send nothing of value
-            pack(b, view, heads[i], ctx.sources, ctx.src_regions, ctx.checksum, direct=direct)
+            pack(b, view, rows[i], ctx.sources, ctx.src_regions, ctx.checksum, direct=direct)
             if direct:
                 fail.direct += b.nbytes
             else:
@@ -314,12 +318,14 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
         except Exception as e:  # noqa: BLE001 - the bucket still goes, marked failed: no receiver waits
             if fail.primary is None:
                 fail.add(e)
-            mark_failed(heads[i])
+            mark_failed(rows[i])
         mine = [(heads[i], b.receiver, 2 * b.tag), (view, b.receiver, 2 * b.tag + 1)]
         if emit is not None:
             emit(mine)
         else:
             posts += mine
+    if batched and sends:
+        heads.copy_(rows)  # (the stream orders it before the sends posted after it)
     return posts
 
 

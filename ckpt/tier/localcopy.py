@@ -5,7 +5,7 @@ Why: ranks of one host (simulated nodes, or ``CKPT_NODE`` set apart on one machi
 copies and a loopback TCP stream): the receiver reads the sender's committed step files itself.
 Each thread takes *units* (at most :data:`UNIT` bytes of one file) and, :data:`SUB` bytes at a
 time, ``pread``\\ s them straight into the destination mapping (a kernel copy: no page faults on
-the source, and the reused slot's pages exist) and checksums them there while they are in cache.
+the source, and the reused slot's pages exist) and checksums them there.
 A piece's CRC is its units' CRCs combined, compared with the one its manifest records; so what is
 checked is what is kept, and a file changed, truncated or replaced after the sender committed it
 is refused. Bytes no piece covers (the safetensors header) are copied unchecked, as every reader
@@ -31,7 +31,12 @@ from ckpt.manifest import Manifest
 from ckpt.tier import safefs
 
 UNIT = 64 << 20  # bytes a thread takes at a time: few hand-offs, yet every thread busy on a large file
-SUB = 4 << 20  # bytes copied then checksummed at once: still in cache for the CRC
+# bytes copied then checksummed at once: a whole unit. Both calls release the GIL, but each return
+# takes it back, and while training runs Python on the main thread every take waits out the switch
+# interval and then makes the training thread wait in turn: with 4 MiB at a time (a CRC still in
+# cache) replication of 9.4 GB took 10.7 s alongside training (6.6 GB/s without) and the step time was
+# 2.67x (docs/BENCHMARKS.md, "Memory tier at steady state"); the CRC reading memory again costs less
+SUB = UNIT
 MAX_THREADS = 16
 
 

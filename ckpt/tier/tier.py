@@ -281,8 +281,11 @@ class MemoryTier:
             layout = self._slots.layout(flat)
         except Exception:  # noqa: BLE001 - no slot then: the ordinary save says what is wrong, if anything
             return None
+        cuda = [t.device for t in tensors if t.device.type == "cuda"]
         try:
-            return self._slots.acquire(layout, pin=any(t.device.type == "cuda" for t in tensors))
+            slot = self._slots.acquire(layout, pin=bool(cuda))
+            self._slots.shape_ahead(layout, slot, pin=bool(cuda), device=cuda[0] if cuda else None)
+            return slot
         except OSError:
             raise  # shared memory full: this memory checkpoint is skipped (on every rank)
         except Exception:  # noqa: BLE001 - anything else about the slot: the ordinary write instead
@@ -294,7 +297,9 @@ class MemoryTier:
         pool = self._replica_slots.get(owner)
         if pool is None:
             pool = self._replica_slots[owner] = SlotPool(self.store.replica_root(owner), self.config.keep + 1)
-        return pool.acquire(raw_layout(size), pin=False)
+        slot = pool.acquire(raw_layout(size), pin=False)
+        pool.shape_ahead(raw_layout(size), slot, pin=False)  # the next copies land in allocated pages
+        return slot
 
     def _skip(self, step: int) -> bool:
         """busy="skip": whether ``step`` is provably before the next agreed memory checkpoint while the

@@ -117,8 +117,11 @@ def test_mapped_and_pread_paths_load_the_same_bytes_and_catch_the_same_flip(
         tier.reset(None)
         assert tier.save(1, state).complete
         url = tier.store.own(1)
+        st_ = data_file(url).stat()
         mapped = tier._slots.mapped()
-        assert len(mapped) == 1
+        # the step's slot, and the spare one shaped ahead for the next memory checkpoint
+        assert len(mapped) == 2 and (st_.st_dev, st_.st_ino) in mapped
+        mapped = {k: v for k, v in mapped.items() if k == (st_.st_dev, st_.st_ino)}
         for m in (mapped, None):
             target = {k: torch.zeros_like(v) for k, v in state.items()}
             planned = fastload.plan_pieces(target, url)

@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -212,8 +213,10 @@ def _shm_full(rank: int, world: int, shm: str, out: str) -> None:
         return replica_slot(owner, size)
 
     def no_room(fd: int, offset: int, length: int) -> None:
-        # step 2: rank 1's own memory checkpoint finds no room for its slot (the one step 1 used is linked)
-        if state["step"] == 2 and rank == 1:
+        # step 2: rank 1's own memory checkpoint finds no room for its slot (the one step 1 used is
+        # linked; the spare one, shaped ahead during step 1, found no room either)
+        ahead = threading.current_thread().name == "ckpt-memory-tier-slots-ahead"
+        if rank == 1 and (state["step"] == 2 or ahead):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         fallocate(fd, offset, length)
 
