@@ -37,7 +37,7 @@ UNIT = 64 << 20  # bytes a thread takes at a time: few hand-offs, yet every thre
 # cache) replication of 9.4 GB took 10.7 s alongside training (6.6 GB/s without) and the step time was
 # 2.67x (docs/BENCHMARKS.md, "Memory tier at steady state"); the CRC reading memory again costs less
 SUB = UNIT
-MAX_THREADS = 16
+MAX_THREADS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +114,12 @@ def _cut(file: int, start: int, stop: int, piece: int, unit: int) -> list[Unit]:
 
 
 def threads_for(ranks_here: int) -> int:
-    """Copy threads of one rank: this process's CPUs shared among the ``ranks_here`` ranks of the host
-    that copy at the same time, at most :data:`MAX_THREADS`."""
-    return max(1, min(MAX_THREADS, cpus_per_rank(max(1, ranks_here))))
+    """Copy threads of one rank: three quarters of this process's share of the CPUs among the
+    ``ranks_here`` ranks of the host that copy at the same time, at most :data:`MAX_THREADS`. Why
+    not all: the copies run beside training, whose own threads (the Python loop, NCCL's proxies,
+    the CUDA waits that spin) lose their cores to them otherwise, and host memory bandwidth is spent
+    well before every core copies."""
+    return max(1, min(MAX_THREADS, cpus_per_rank(max(1, ranks_here)) * 3 // 4))
 
 
 def copy_verified(copies: list[FileCopy], manifest: Manifest, *, threads: int = 4, deadline: float | None = None,

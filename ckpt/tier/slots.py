@@ -221,7 +221,6 @@ class SlotPool:
         self.allocations = 0  # slot files (re)shaped, here or ahead: tests check the steady state
         self._claimed: set[int] = set()  # slots the shaping-ahead thread owns until it is done with them
         self._ahead: threading.Thread | None = None
-        self._ahead_key: tuple[Any, ...] | None = None  # the layout shaped ahead (once per structure)
         self.ahead_error: str | None = None  # why shaping ahead stopped early (e.g. shared memory full)
 
     def layout(self, flat: dict[str, Any]) -> SlotLayout:
@@ -270,28 +269,27 @@ class SlotPool:
         return free
 
     def shape_ahead(self, layout: SlotLayout, taken: Slot | None, *, pin: bool, device: Any = None) -> None:
-        """Shape every other free slot for ``layout`` on a background thread (once per layout), so
-        that the next memory checkpoints find their slot allocated, mapped and pinned: allocating and
-        pinning a fresh slot costs more than the copies into it (a first snapshot of 9.4 GB took ~3 s
-        where a reused slot takes a fraction). ``taken``: the slot just handed out (its snapshot is
-        landing: not touched). ``device``: the CUDA device whose context pins (the job's). The same
-        ``keep + 1`` slots as without it; only when they are allocated changes. Best effort: a full
-        shared memory stops it (``ahead_error``), and the slot is then allocated when needed."""
-        if self._ahead_key == layout.key:
+        """Keep one spare slot shaped for ``layout``: when no free slot but ``taken`` (the one just
+        handed out: its snapshot is landing, not touched) is ready, shape the next free one on a
+        background thread, so that the next memory checkpoint finds its slot allocated, mapped and
+        pinned: allocating and pinning a fresh slot costs more than the copies into it (the first
+        snapshots of 9.4 GB took ~3 s where a reused slot takes a fraction). One at a time: shaping
+        every spare at once (tens of GB of shared memory populated and pinned beside training) held
+        a step up for seconds. The same ``keep + 1`` slots as without it; only when they are
+        allocated changes. Best effort: a full shared memory stops it (``ahead_error``), and the
+        slot is then allocated when needed. ``device``: the CUDA device whose context pins."""
+        if self._ahead is not None and self._ahead.is_alive():
             return
-        self.join_ahead()  # (one for another layout, long done in practice)
-        self._ahead_key = layout.key
+        self.join_ahead()
         _discard_foreign(self.dir, directory=True)
         safefs.makedirs(self.dir)
-        todo = [i for i in range(self.count) if (s := self._slots.get(i)) is not taken
-                and (s is None or s.layout is None or s.layout.key != layout.key)]
-        todo = [i for i in todo if not (i in self._slots and self._slots[i].linked())]
-        for i in todo:
-            self._slots.setdefault(i, Slot(os.path.join(self.dir, f"slot-{i}")))
-        if not todo:
+        free = [s for s in self._free() if s is not taken]
+        if not free or any(s.layout is not None and s.layout.key == layout.key and s.size == layout.size
+                           for s in free):
             return
-        self._claimed = set(todo)
-        self._ahead = threading.Thread(target=self._shape_ahead, args=(layout, todo, pin, device), daemon=True,
+        i = next(i for i, s in self._slots.items() if s is free[0])
+        self._claimed = {i}
+        self._ahead = threading.Thread(target=self._shape_ahead, args=(layout, [i], pin, device), daemon=True,
                                        name="ckpt-memory-tier-slots-ahead")
         self._ahead.start()
 
@@ -368,7 +366,6 @@ class SlotPool:
     def close(self, *, remove: bool = False) -> None:
         """Unmap every slot; ``remove``: delete the files too (a linked one stays with its step)."""
         self.join_ahead()
-        self._ahead_key = None
         for s in self._slots.values():
             s.close()
         self._slots = {}

@@ -27,21 +27,29 @@ def _flat(n: int) -> dict[str, torch.Tensor]:
     return {"a": torch.zeros(n), "b": torch.zeros(n // 2 + 1, dtype=torch.bfloat16)}
 
 
-def test_the_spare_slots_are_shaped_ahead_and_taken_without_allocating(root: str) -> None:
+def test_one_spare_slot_is_shaped_ahead_and_taken_without_allocating(root: str) -> None:
     pool = SlotPool(root, 3)
     layout = pool.layout(_flat(1000))
     first = pool.acquire(layout, pin=False)
     assert first is not None and pool.allocations == 1
     pool.shape_ahead(layout, first, pin=False)
     pool.join_ahead()
-    assert pool.ahead_error is None and pool.allocations == 3
-    assert sorted(os.listdir(pool.dir)) == ["slot-0", "slot-1", "slot-2"]
+    assert pool.ahead_error is None and pool.allocations == 2  # one spare, not every free slot
+    assert sorted(os.listdir(pool.dir)) == ["slot-0", "slot-1"]
     assert all(os.path.getsize(os.path.join(pool.dir, f)) == layout.size for f in os.listdir(pool.dir))
+    pool.shape_ahead(layout, first, pin=False)  # a spare is ready: nothing to do
+    assert pool._ahead is None and pool.allocations == 2
     first.link_as(os.path.join(root, "step-1", "data"))  # step 1 committed in the first slot
     second = pool.acquire(layout, pin=False)
-    assert second is not None and second is not first and pool.allocations == 3  # nothing allocated
-    pool.shape_ahead(layout, second, pin=False)  # once per layout: nothing more to do
-    assert pool._ahead is None and pool.allocations == 3
+    assert second is not None and second is not first and pool.allocations == 2  # nothing allocated
+    pool.shape_ahead(layout, second, pin=False)  # the next spare
+    pool.join_ahead()
+    assert pool.allocations == 3 and sorted(os.listdir(pool.dir)) == ["slot-0", "slot-1", "slot-2"]
+    second.link_as(os.path.join(root, "step-2", "data"))
+    third = pool.acquire(layout, pin=False)
+    assert third is not None and third not in (first, second) and pool.allocations == 3
+    pool.shape_ahead(layout, third, pin=False)  # every other slot is linked: none to shape
+    assert pool._ahead is None
     pool.close()
 
 
