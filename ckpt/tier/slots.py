@@ -281,9 +281,13 @@ class SlotPool:
         if self._ahead is not None and self._ahead.is_alive():
             return
         self.join_ahead()
-        _discard_foreign(self.dir, directory=True)
-        safefs.makedirs(self.dir)
-        free = [s for s in self._free() if s is not taken]
+        try:
+            _discard_foreign(self.dir, directory=True)
+            safefs.makedirs(self.dir)
+            free = [s for s in self._free() if s is not taken]
+        except OSError as e:  # never the caller's failure: its slot is taken already
+            self.ahead_error = f"{type(e).__name__}: {e}"
+            return
         if not free or any(s.layout is not None and s.layout.key == layout.key and s.size == layout.size
                            for s in free):
             return
