@@ -5,7 +5,8 @@ whole on rank 0 and broadcasting it (the common baseline), and against the backe
 the same bytes between the same rank pairs. Medians of repeats; checked bitwise once.
 
     python -m bench transfer-moe [--ranks 4] [--size-gb 8] [--dtype bf16] [--repeats 3]
-                                 [--device cpu|cuda] [--in-place] [--profile] [--json F]
+                                 [--device cpu|cuda] [--in-place] [--profile] [--bucket-mb M] [--window N]
+                                 [--json F]
 
 The model: ``layers`` blocks of attention (``wqkv`` [3d, d], split by rows under tp; ``wo`` [d, d],
 by columns), experts (``w13`` [E, 2f, d] and ``w2`` [E, d, f]: experts split under ep, ``f`` under
@@ -112,7 +113,7 @@ def _pair_bytes(full: dict[str, torch.Tensor], src: dict[int, Any], dst: dict[in
 
 
 def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: int, dtype: str, root: str,
-               repeats: int, out: str, in_place: bool, profile: bool) -> None:
+               repeats: int, out: str, in_place: bool, profile: bool, knobs: dict[str, int]) -> None:
     torch.set_num_threads(1)
     g = torch.Generator(device=device).manual_seed(0)  # the same values on every rank (same device kind)
     dt = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype])
@@ -175,13 +176,17 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: i
     times: dict[str, list[float]] = {"transfer": [], "save+load": [], "gather+broadcast": [], "send/recv": []}
     res: list[ckpt.TransferResult] = []
     prof = cProfile.Profile() if profile and rank == 0 else None
-    ckpt.transfer(src, dst, in_place=in_place)  # warm: the plan, NCCL's connections
+    from ckpt.transfer import DEFAULT_BUCKET_BYTES, DEFAULT_WINDOW
+
+    bb, win = knobs.get("bucket_bytes", DEFAULT_BUCKET_BYTES), knobs.get("window", DEFAULT_WINDOW)
+    ckpt.transfer(src, dst, in_place=in_place, bucket_bytes=bb, window=win)  # warm: the plan, NCCL's connections
     check("transfer (first)")
     for r in range(repeats):
         res.clear()
         if prof is not None:
             prof.enable()
-        times["transfer"].append(timed(lambda: res.append(ckpt.transfer(src, dst, in_place=in_place))))
+        times["transfer"].append(timed(lambda: res.append(ckpt.transfer(src, dst, in_place=in_place, bucket_bytes=bb,
+                                                                       window=win))))
         if prof is not None:
             prof.disable()
         if r == 0:
@@ -218,14 +223,14 @@ def _cpu_main(rank: int, world: int, *args: Any) -> None:
 
 
 def run(ranks: int, size_gb: float, dtype: str, repeats: int, root: str, device: str = "cpu",
-        in_place: bool = False, profile: bool = False) -> dict[str, Any]:
+        in_place: bool = False, profile: bool = False, knobs: dict[str, int] | None = None) -> dict[str, Any]:
     layers = layers_for(size_gb, 2 if dtype == "bf16" else 4)
     nbytes = sum(torch.Size(s).numel() for s in shapes(layers).values()) * (2 if dtype == "bf16" else 4)
     out: dict[str, Any] = {"bytes": nbytes, "layers": layers, "ranks": ranks, "dtype": dtype, "repeats": repeats,
-                           "device": device, "in_place": in_place}
+                           "device": device, "in_place": in_place, "knobs": knobs or {}}
     for mode in ("same", "disjoint"):
         path = os.path.join(root, f"{mode}.json")
-        args = (mode, layers, dtype, root, repeats, path, in_place, profile)
+        args = (mode, layers, dtype, root, repeats, path, in_place, profile, knobs or {})
         if device == "cpu":
             gloo_ranks(ranks, _cpu_main, *args)
         elif fork_ranks(ranks, _rank_main, *args, device=device):
@@ -257,6 +262,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--in-place", action="store_true", help="transfer(in_place=True): no staging copy at commit")
     p.add_argument("--profile", action="store_true", help="rank 0's Python profile of the timed transfers")
+    p.add_argument("--bucket-mb", type=float, default=None, help="transfer's bucket_bytes (default: its own)")
+    p.add_argument("--window", type=int, default=None, help="transfer's buckets in flight (default: its own)")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
 
@@ -266,7 +273,11 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("transfer-moe needs an even number of ranks, at least 4 (tp=2 x ep=ranks/2)")
     root = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-transfer-moe-")
     os.makedirs(root, exist_ok=True)
-    res = run(args.ranks, args.size_gb, args.dtype, args.repeats, root, args.device, args.in_place, args.profile)
+    knobs = {} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * (1 << 20))}
+    if args.window is not None:
+        knobs["window"] = args.window
+    res = run(args.ranks, args.size_gb, args.dtype, args.repeats, root, args.device, args.in_place, args.profile,
+              knobs)
     title = (f"{args.ranks} {args.device} ranks, {res['bytes'] / 1e9:.2f} GB {args.dtype} MoE ({res['layers']} layers)"
              f": same = tp=2,ep={args.ranks // 2} -> tp={args.ranks}; disjoint = tp={args.ranks // 2} on the first half"
              f" -> ep={args.ranks // 2} on the second" + (" (in place)" if args.in_place else ""))

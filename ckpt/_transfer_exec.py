@@ -21,7 +21,7 @@ import torch
 
 from ckpt._checksum import crc32
 from ckpt._dtypes import dtype_from_name
-from ckpt._transfer_net import Arena, Buffers, Pool, Post, Transport
+from ckpt._transfer_net import Arena, Buffers, Pool, Post, Transport, Views
 from ckpt._transfer_plan import Bucket, Copy, Schedule, run_start
 from ckpt.errors import CollectiveError, IntegrityError
 from ckpt.shards import Box, Region
@@ -46,6 +46,7 @@ class Failure:
         # deferred writes (not in place): (copy, its elements), applied by :func:`commit_writes` only
         # after every rank agreed; the elements are views of received buckets or of sources
         self.writes: list[tuple[Copy, torch.Tensor]] = []
+        self.views: Views | None = None  # the kept views of this plan's copies (for the commit)
         self.packed = 0  # bytes this rank copied into send buffers
         self.direct = 0  # bytes this rank sent from, or received into, a tensor itself (no packing)
 
@@ -120,17 +121,37 @@ def local_copy(c: Copy, sources: list[torch.Tensor], src_regions: list[Region], 
     write_copy(c, targets[c.dst], dst_regions[c.dst], read_copy(c, sources[c.src], src_regions[c.src]))
 
 
+def _read(c: Copy, local: torch.Tensor, region: Region, views: Views | None) -> torch.Tensor:
+    """:func:`read_copy`, its box views taken from ``views`` when given (segments are gathered anew)."""
+    if views is None or c.geo.box is None:
+        return read_copy(c, local, region)
+    return views.get("src", c, local, lambda: read_copy(c, local, region))
+
+
+def _payload_view(c: Copy, payload: torch.Tensor, shape: Any, views: Views | None) -> torch.Tensor:
+    """Copy ``c``'s bytes in ``payload`` (a bucket's buffer), typed and shaped ``shape``."""
+    def make() -> torch.Tensor:
+        return payload[c.offset: c.offset + c.nbytes].view(dtype_from_name(c.dtype)).view(shape)
+
+    if views is None or c.geo.box is None:
+        return make()
+    whole = payload._base if payload._base is not None else payload  # the kept buffer, not this call's slice
+    return views.get("buf", c, whole, make, at=payload.data_ptr())
+
+
 def pack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, sources: list[torch.Tensor],
-         src_regions: list[Region], checksum: bool, direct: bool = False) -> None:
+         src_regions: list[Region], checksum: bool, direct: bool = False, views: Views | None = None) -> None:
     """Fill ``payload`` (uint8, ``b.nbytes``) with bucket ``b`` (unless ``direct``: it already is the
     source's bytes) and ``head`` (int64[2]) with status OK and the payload's CRC32."""
     if FAULT is not None:
         FAULT("pack", {"bucket": b})
     if not direct:
+        outs, datas = [], []
         for c in b.copies:
-            out = payload[c.offset: c.offset + c.nbytes].view(dtype_from_name(c.dtype))
-            data = read_copy(c, sources[c.src], src_regions[c.src])
-            out.view(data.shape).copy_(data)
+            data = _read(c, sources[c.src], src_regions[c.src], views)
+            outs.append(_payload_view(c, payload, data.shape, views))
+            datas.append(data)
+        torch._foreach_copy_(outs, datas)  # one call for the bucket's copies
     head.copy_(torch.tensor([OK, _crc(payload) if checksum else 0], dtype=torch.int64))
     if FAULT is not None:
         FAULT("packed", {"bucket": b, "buf": payload})
@@ -173,17 +194,32 @@ def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, targets: list[t
 
 
 def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.Tensor],
-                  dst_regions: list[Region]) -> None:
+                  dst_regions: list[Region], views: Views | None = None) -> None:
     """Apply deferred writes to the destination pieces (the commit, once every rank agreed). A piece
-    that is not contiguous and gets segment runs is written through one contiguous copy of it."""
+    that is not contiguous and gets segment runs is written through one contiguous copy of it. Box
+    copies go in one batch (``views``: their views, kept for the next run of the plan)."""
     bounce: dict[int, torch.Tensor] = {}
+    outs, datas = [], []
     for c, data in writes:
         t = targets[c.dst]
-        if c.geo.box is None and not t.is_contiguous():
+        box = c.geo.box
+        if box is not None:
+            if views is None:
+                outs.append(box_view(t, dst_regions[c.dst], box))
+                datas.append(data.view(box.lengths))
+            else:
+                outs.append(views.get("dst", c, t, functools.partial(box_view, t, dst_regions[c.dst], box)))
+                whole = data._base if data._base is not None else data  # (a slice of the kept arena)
+                datas.append(views.get("data", c, whole, functools.partial(data.view, box.lengths),
+                                       at=data.data_ptr()))
+            continue
+        if not t.is_contiguous():
             if c.dst not in bounce:
                 bounce[c.dst] = t.contiguous()
             t = bounce[c.dst]
         write_copy(c, t, dst_regions[c.dst], data)
+    if outs:
+        torch._foreach_copy_(outs, datas)  # (casts where a target's dtype differs, as copy_ does)
     for j, t in bounce.items():
         targets[j].copy_(t)
 
@@ -222,10 +258,13 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
     next round is packed while this one travels. A wait that fails (deadline passed, peer gone)
     stops the rounds: the data group is closed then. ``keep``: buffers of an earlier run to reuse."""
     fail = Failure()
+    fail.views = keep.views if keep is not None else None
+    if fail.views is not None:
+        fail.views.begin()
     for c in sched.local:
         try:
             if defer:
-                data = read_copy(c, sources[c.src], src_regions[c.src])
+                data = _read(c, sources[c.src], src_regions[c.src], None if snapshot else fail.views)
                 fail.writes.append((c, data.clone() if snapshot else data))
             else:
                 local_copy(c, sources, src_regions, targets, dst_regions)
@@ -285,6 +324,7 @@ class _Ctx:
                  dst_regions: list[Region], checksum: bool, fail: Failure, dev: torch.device):
         self.sources, self.src_regions, self.targets, self.dst_regions = sources, src_regions, targets, dst_regions
         self.checksum, self.fail, self.dev = checksum, fail, dev
+        self.views = fail.views
 
 
 def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
@@ -310,7 +350,7 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
         try:
             if fail.primary is not None:
                 raise RuntimeError("this rank failed earlier")  # keep the protocol; send nothing of value
-            pack(b, view, rows[i], ctx.sources, ctx.src_regions, ctx.checksum, direct=direct)
+            pack(b, view, rows[i], ctx.sources, ctx.src_regions, ctx.checksum, direct=direct, views=ctx.views)
             if direct:
                 fail.direct += b.nbytes
             else:

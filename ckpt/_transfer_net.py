@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ckpt._transfer_plan import ALIGN, Bucket, Schedule
+from ckpt._transfer_plan import ALIGN, Bucket, Copy, Schedule
 
 Post = tuple[torch.Tensor, int, int]  # (buffer, peer, tag)
 
@@ -115,6 +116,37 @@ class Arena:
         return out
 
 
+class Views:
+    """Views a plan's copies read and write, made once per tensor and reused by later runs of the same
+    (cached) plan. Why: on GPUs a transfer is bound by the host; making a sub-box view (a ``narrow``
+    per dimension and a ``view``) for each of a few hundred copies was a large part of a call's time
+    (docs/TRANSFER.md, "A mixture-of-experts model on 4 x H100"). A view is reused only for the very
+    tensor it was made of, at the same address (a tensor whose storage was replaced since, e.g.
+    ``p.data = ...``, gets a new one). Only the views the last run used are kept (:meth:`begin`): a
+    caller passing new tensors each call keeps at most one call's views alive."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._prev: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def begin(self) -> None:
+        """A new run: the views the previous one used are the candidates; the others go."""
+        self._prev, self._memo = self._memo, {}
+
+    def get(self, tag: str, c: Copy, base: torch.Tensor, make: Callable[[], torch.Tensor],
+            at: int | None = None) -> torch.Tensor:
+        """The view ``make()`` gives for copy ``c`` of ``base`` (``at``: the address that tells
+        views of one base apart, default ``base``'s own)."""
+        key = (tag, id(c), id(base), base.data_ptr() if at is None else at)
+        hit = self._memo.get(key) or self._prev.pop(key, None)
+        if hit is not None and hit[0] is base:
+            self._memo[key] = hit
+            return hit[1]
+        v = make()
+        self._memo[key] = (base, v)  # (holding base: its id is not reused while the entry lives)
+        return v
+
+
 class Buffers:
     """The send pools and the receive arena of a schedule, kept by the caller for the next run of
     the same plan (fresh host memory costs a page fault per page on first touch)."""
@@ -122,17 +154,20 @@ class Buffers:
     def __init__(self) -> None:
         self.pools: list[Pool] = []
         self.arena: Arena | None = None
+        self.views = Views()
 
     def get(self, sched: Schedule, cap: int, dev: torch.device, defer: bool) -> tuple[list[Pool], Arena | None]:
         if not self.pools or self.pools[0].cap != cap or self.pools[0].device != dev:
             self.pools = [Pool(cap, dev), Pool(cap, dev)]  # two: the next round is packed while one travels
+            self.views = Views()  # (views of the old buffers would never be hit again)
         if not defer:
             return self.pools, None
         size = Arena.size(sched.recvs)
         if self.arena is None or self.arena.buf.numel() != size or self.arena.buf.device != dev:
             self.arena = Arena(sched.recvs, dev)
+            self.views = Views()
         self.arena.at = 0
         return self.pools, self.arena
 
 
-__all__ = ["Post", "Transport", "GlooTransport", "NcclTransport", "Pool", "Arena", "Buffers"]
+__all__ = ["Post", "Transport", "GlooTransport", "NcclTransport", "Pool", "Arena", "Views", "Buffers"]

@@ -355,7 +355,7 @@ def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: l
             targets[j] = staged[j]
         transport = _transport(comm, group, mine, opts.timeout) if mine["net"] else None
         keep = None
-        if transport is not None and transport.device.type == "cpu" and not opts.delta:
+        if transport is not None and not opts.delta:  # (kept on GPUs too: see release_buffers)
             pc, keep = _BUFFERS.get(_key(comm, group), ("", None))
             if pc != mine["pc"] or keep is None:
                 keep = net.Buffers()
@@ -370,6 +370,16 @@ def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: l
     return staged, wanted, fail
 
 
+def release_buffers(group: Any = None) -> None:
+    """Free the buffers (and kept views) that :func:`transfer` keeps between calls of the same plan
+    on ``group`` (default: the default group), e.g. before the memory is wanted for something else
+    (an inference engine's cache after a refit). The next call allocates them again. Not collective."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    _BUFFERS.pop(id(group) if group is not None else ("world", world), None)
+
+
 def _share_memory(srcs: list[TensorItem], dsts: list[TensorItem]) -> bool:
     """Whether some destination piece lives in the same storage as some source piece (then a local
     copy cannot wait for the commit: its source may be overwritten first)."""
@@ -380,7 +390,7 @@ def _share_memory(srcs: list[TensorItem], dsts: list[TensorItem]) -> bool:
 def _commit(comm: Comm, fail: ex.Failure, staged: dict[int, torch.Tensor], dsts: list[TensorItem]) -> None:
     """Write this version into ``dst``: every bucket of it arrived and was checked, on every rank."""
     try:
-        ex.commit_writes(fail.writes, [i.local for i in dsts], [i.region for i in dsts])
+        ex.commit_writes(fail.writes, [i.local for i in dsts], [i.region for i in dsts], fail.views)
         for j, t in staged.items():
             dsts[j].local.copy_(t)
     except Exception as e:  # an agreed version that cannot be written here: say so, it is this rank's
@@ -460,4 +470,5 @@ def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | No
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "DEFAULT_TIMEOUT_S", "Rename", "TransferState", "TransferResult",
-           "rank_payload", "pick_error", "transfer", "Options", "declared", "run_items", "structure_fingerprint"]
+           "rank_payload", "pick_error", "transfer", "release_buffers", "Options", "declared", "run_items",
+           "structure_fingerprint"]

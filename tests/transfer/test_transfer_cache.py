@@ -175,3 +175,51 @@ def test_large_runs_of_a_source_travel_alone_and_arrive_bitwise(c: tuple) -> Non
     for r, ps in enumerate(dsts):
         for j, p in enumerate(ps):
             assert torch.equal(got[r][j], _piece(globs[p.key], p.region)), (r, p)
+
+
+def _views(rank: int, world: int) -> None:
+    """Repeated transfers of one plan reuse their views: values changed in place arrive, a tensor
+    whose storage was replaced (``.data = ...``) is read / written at its new address, new tensor
+    objects each call arrive, and only the last call's views stay kept."""
+    from ckpt.transfer import _BUFFERS
+
+    def rows(seed: int) -> torch.Tensor:
+        return _ref((8, 6), seed)[rank * 4: rank * 4 + 4].clone()
+
+    def cols() -> torch.Tensor:
+        return torch.zeros(8, 3, dtype=torch.bfloat16)  # (cast on the way: bfloat16 targets)
+
+    def want(seed: int) -> torch.Tensor:
+        return _ref((8, 6), seed)[:, rank * 3: rank * 3 + 3].to(torch.bfloat16)
+
+    src = {"w": ckpt.Shard(rows(0), (8, 6), (rank * 4, 0)), "v": ckpt.Shard(rows(7), (8, 6), (rank * 4, 0))}
+    dst = {"w": ckpt.Shard(cols(), (8, 6), (0, rank * 3)), "v": ckpt.Shard(cols(), (8, 6), (0, rank * 3))}
+    for seed in (0, 1, 2):
+        src["w"].local.copy_(rows(seed))  # the same tensors, new values
+        r = ckpt.transfer(src, dst, bucket_bytes=64, timeout=60, cast=True)
+        assert torch.equal(dst["w"].local, want(seed)) and torch.equal(dst["v"].local, want(7))
+    assert r.cached_plan
+    keep = next(iter(_BUFFERS.values()))[1]
+    kept = len(keep.views._memo)
+    assert kept > 0
+    src["w"].local.data = rows(3)  # the same tensor object, a new storage
+    old = dst["w"].local.data_ptr()
+    dst["w"].local.data = cols()
+    assert dst["w"].local.data_ptr() != old
+    ckpt.transfer(src, dst, bucket_bytes=64, timeout=60, cast=True)
+    assert torch.equal(dst["w"].local, want(3))
+    for seed in (4, 5):  # new tensor objects every call
+        src = {"w": ckpt.Shard(rows(seed), (8, 6), (rank * 4, 0)), "v": ckpt.Shard(rows(7), (8, 6), (rank * 4, 0))}
+        dst = {"w": ckpt.Shard(cols(), (8, 6), (0, rank * 3)), "v": ckpt.Shard(cols(), (8, 6), (0, rank * 3))}
+        ckpt.transfer(src, dst, bucket_bytes=64, timeout=60, cast=True)
+        assert torch.equal(dst["w"].local, want(seed)) and torch.equal(dst["v"].local, want(7))
+        assert len(keep.views._memo) <= kept and not keep.views._prev.keys() & keep.views._memo.keys()
+    from ckpt.transfer import release_buffers
+
+    release_buffers()
+    assert not _BUFFERS
+
+
+@pytest.mark.multiproc
+def test_a_cached_plan_reuses_its_views_only_for_the_same_tensors_at_the_same_address() -> None:
+    run_ranks(2, _views)
