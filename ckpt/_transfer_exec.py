@@ -168,7 +168,7 @@ def mark_failed(head: torch.Tensor) -> None:
 
 def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, targets: list[torch.Tensor],
            dst_regions: list[Region], checksum: bool, rank: int, direct: bool = False,
-           writes: list[tuple[Copy, torch.Tensor]] | None = None) -> None:
+           writes: list[tuple[Copy, torch.Tensor]] | None = None, views: Views | None = None) -> None:
     """Check bucket ``b`` received in ``payload`` (with header ``head``) and copy its runs into
     ``targets`` (unless ``direct``: it was received in place; or ``writes`` is given: the runs are
     appended to it as ``(copy, view of payload)``, to be written at commit).
@@ -186,11 +186,13 @@ def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, targets: list[t
     if direct:
         return
     for c in b.copies:
-        data = payload[c.offset: c.offset + c.nbytes].view(dtype_from_name(c.dtype))
-        if writes is not None:
-            writes.append((c, data))
-        else:
-            write_copy(c, targets[c.dst], dst_regions[c.dst], data)
+        if writes is not None:  # (a box's elements as the same view each run of a cached plan: see Views)
+            box = c.geo.box
+            writes.append((c, _payload_view(c, payload, box.lengths, views) if box is not None
+                           else payload[c.offset: c.offset + c.nbytes].view(dtype_from_name(c.dtype))))
+            continue
+        write_copy(c, targets[c.dst], dst_regions[c.dst], payload[c.offset: c.offset + c.nbytes].view(
+            dtype_from_name(c.dtype)))
 
 
 def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.Tensor],
@@ -395,7 +397,7 @@ def _unpack_round(recvs: list[Bucket], rviews: list[tuple[torch.Tensor, torch.Te
     for i, (b, (view, head, direct)) in enumerate(zip(recvs, rviews, strict=True)):
         try:
             unpack(b, view, head if heads is None else heads[i], ctx.targets, ctx.dst_regions, ctx.checksum, rank,
-                   direct, writes=fail.writes if defer else None)
+                   direct, writes=fail.writes if defer else None, views=ctx.views)
             if direct:
                 fail.direct += b.nbytes
         except CollectiveError as e:

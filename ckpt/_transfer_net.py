@@ -129,6 +129,10 @@ class Views:
         self._memo: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._prev: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def clear(self) -> None:
+        """Forget every view (the buffers they were made of are replaced)."""
+        self._memo, self._prev = {}, {}
+
     def begin(self) -> None:
         """A new run: the views the previous one used are the candidates; the others go."""
         self._prev, self._memo = self._memo, {}
@@ -159,13 +163,13 @@ class Buffers:
     def get(self, sched: Schedule, cap: int, dev: torch.device, defer: bool) -> tuple[list[Pool], Arena | None]:
         if not self.pools or self.pools[0].cap != cap or self.pools[0].device != dev:
             self.pools = [Pool(cap, dev), Pool(cap, dev)]  # two: the next round is packed while one travels
-            self.views = Views()  # (views of the old buffers would never be hit again)
+            self.views.clear()  # (views of the old buffers would never be hit again)
         if not defer:
             return self.pools, None
         size = Arena.size(sched.recvs)
         if self.arena is None or self.arena.buf.numel() != size or self.arena.buf.device != dev:
             self.arena = Arena(sched.recvs, dev)
-            self.views = Views()
+            self.views.clear()
         self.arena.at = 0
         return self.pools, self.arena
 

@@ -194,12 +194,15 @@ def _views(rank: int, world: int) -> None:
 
     src = {"w": ckpt.Shard(rows(0), (8, 6), (rank * 4, 0)), "v": ckpt.Shard(rows(7), (8, 6), (rank * 4, 0))}
     dst = {"w": ckpt.Shard(cols(), (8, 6), (0, rank * 3)), "v": ckpt.Shard(cols(), (8, 6), (0, rank * 3))}
+    made = []
     for seed in (0, 1, 2):
         src["w"].local.copy_(rows(seed))  # the same tensors, new values
         r = ckpt.transfer(src, dst, bucket_bytes=64, timeout=60, cast=True)
         assert torch.equal(dst["w"].local, want(seed)) and torch.equal(dst["v"].local, want(7))
+        keep = next(iter(_BUFFERS.values()))[1]
+        made.append({k: id(v[1]) for k, v in keep.views._memo.items()})
     assert r.cached_plan
-    keep = next(iter(_BUFFERS.values()))[1]
+    assert made[0] and made[1] == made[2]  # kept from the first call; the third made none
     kept = len(keep.views._memo)
     assert kept > 0
     src["w"].local.data = rows(3)  # the same tensor object, a new storage
