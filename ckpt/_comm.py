@@ -32,6 +32,11 @@ from ckpt import errors
 
 DEFAULT_TIMEOUT_S = 600.0
 FANIN = 8  # children per rank in the exchange tree (read when a Comm is created); 0: flat star
+# A message's first part: its size (int64, little-endian), then the payload itself when it fits. Most
+# metadata messages (a fingerprint, a verdict, a plan of a few pieces) fit, so they cross each edge as
+# one gloo message instead of two: every exchange of a repeated ckpt.transfer is two of them.
+HEAD = 256
+INLINE = HEAD - 8
 _LOST = -1  # the rank field of a gather entry that reports lost ranks instead of a message
 _GLOO_GROUPS: dict[Any, Any] = {}
 
@@ -234,10 +239,15 @@ class Comm:
             f"{_consequence(what)}. The metadata group is unusable after this: restart the job")
 
     def _post_sends(self, data: bytes, peer: int) -> list[Any]:
-        """Post the size, then the payload, to ``peer`` without blocking; returns the works to wait for."""
+        """Post the head (the size, and the payload when it fits: :data:`HEAD`), then the payload when
+        it did not fit, to ``peer`` without blocking; returns the works to wait for."""
+        head = bytearray(HEAD)
+        head[:8] = len(data).to_bytes(8, "little")
+        if len(data) <= INLINE:
+            head[8: 8 + len(data)] = data
         # the group's own send / recv take group ranks, for registered groups and ckpt's own alike
-        works = [self.cpu_group.send([torch.tensor([len(data)], dtype=torch.int64)], peer, 0)]
-        if data:
+        works = [self.cpu_group.send([torch.frombuffer(head, dtype=torch.uint8)], peer, 0)]
+        if len(data) > INLINE:
             works.append(self.cpu_group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], peer, 0))
         return works
 
@@ -267,14 +277,16 @@ class Comm:
         for data in datas.values():
             self.sent += len(data) + 8
 
-    def _recv_payloads(self, sizes: dict[int, int], deadline: float | None, timeout: float | None,
+    def _recv_payloads(self, heads: dict[int, bytes], deadline: float | None, timeout: float | None,
                        what: str, root: int = 0) -> dict[int, bytes]:
-        bufs = {p: torch.empty(n, dtype=torch.uint8) for p, n in sizes.items()}
+        """The payloads whose heads (:meth:`_wait_sizes`) arrived: inline, or received now."""
+        sizes = {p: int.from_bytes(h[:8], "little") for p, h in heads.items()}
+        bufs = {p: torch.empty(n, dtype=torch.uint8) for p, n in sizes.items() if n > INLINE}
         missing: list[int] = []
         first: BaseException | None = None
         works: dict[int, Any] = {}
         for p, n in sizes.items():
-            if n:
+            if n > INLINE:
                 try:
                     works[p] = self.cpu_group.recv([bufs[p]], p, 0)
                 except Exception as e:  # noqa: BLE001
@@ -290,17 +302,18 @@ class Comm:
             raise self._lost(what, "receive from", sorted(missing), first, timeout, root) from first
         for n in sizes.values():
             self.received += n + 8
-        return {p: bufs[p].numpy().tobytes() for p in sizes}
+        return {p: bufs[p].numpy().tobytes() if n > INLINE else heads[p][8: 8 + n] for p, n in sizes.items()}
 
     def _wait_sizes(self, peers: list[int], timeout: float | None, what: str,
-                    deadline: float | None = None, root: int = 0) -> dict[int, int]:
-        """Post a size receive from every peer, then wait for all; name the missing ones on timeout.
+                    deadline: float | None = None, root: int = 0) -> dict[int, bytes]:
+        """Post a head receive (:data:`HEAD`: the size, and the payload when it fits) from every peer,
+        then wait for all; the heads; name the missing ones on timeout.
 
         ``deadline`` (monotonic seconds) defaults to ``timeout`` seconds from now.
         """
         if deadline is None:
             deadline = _deadline(timeout)
-        bufs = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
+        bufs = {p: torch.zeros(HEAD, dtype=torch.uint8) for p in peers}
         missing: list[int] = []
         lost: BaseException | None = None
         works: dict[int, Any] = {}
@@ -323,13 +336,13 @@ class Comm:
                 f"{what}: rank(s) {missing} did not report {how}{self._relays(missing, root)}, seen from rank "
                 f"{self.rank}; {_consequence(what)}. The metadata group is unusable after this: restart the job"
             ) from lost
-        return {p: int(bufs[p].item()) for p in peers}
+        return {p: bufs[p].numpy().tobytes() for p in peers}
 
     def _recv_from_parent(self, deadline: float | None, timeout: float | None, what: str, root: int = 0) -> bytes:
         """The one message this rank gets from its parent in the tree rooted at ``root``."""
         parent = self._parent(root)
-        sizes = self._wait_sizes([parent], timeout, what, deadline, root)
-        return self._recv_payloads(sizes, deadline, timeout, what, root)[parent]
+        heads = self._wait_sizes([parent], timeout, what, deadline, root)
+        return self._recv_payloads(heads, deadline, timeout, what, root)[parent]
 
     # --- gather, reply, exchange --------------------------------------------------------------
 
@@ -349,8 +362,8 @@ class Comm:
         kids = self._children()
         if kids:
             try:
-                sizes = self._wait_sizes(kids, timeout, what, deadline)
-                data = self._recv_payloads(sizes, deadline, timeout, what)
+                heads = self._wait_sizes(kids, timeout, what, deadline)
+                data = self._recv_payloads(heads, deadline, timeout, what)
             except errors.CollectiveError as e:
                 self._report_up(e, deadline, what)
                 raise

@@ -151,3 +151,23 @@ def test_a_bad_state_on_a_relayed_rank_fails_every_rank_typed(tmp_path) -> None:
         assert_typed(x, 20.0, has=("rank 4",))
         assert x["typed"] and x["type"] != "CollectiveError", x
     assert not os.path.exists(tmp_path / "c" / "manifest.msgpack")
+
+
+def _sizes(rank: int, world: int) -> dict[str, Any]:
+    from ckpt._comm import INLINE
+
+    c = Comm(None, fanin=2)
+    got = []
+    for n in (0, 1, INLINE - 1, INLINE, INLINE + 1, 3 * INLINE):  # around the head's inline capacity
+        data = bytes((rank + i) % 251 for i in range(n))
+        everyone = c.gather(data, timeout=10)
+        back = c.broadcast_bytes(bytes(range(256)) * (n // 256) + bytes(n % 256) if rank == 0 else None, timeout=10)
+        got.append([everyone == [bytes((r + i) % 251 for i in range(n)) for r in range(world)] if rank == 0
+                    else everyone is None, back == bytes(range(256)) * (n // 256) + bytes(n % 256)])
+    return {"ok": got}
+
+
+@pytest.mark.multiproc
+def test_messages_of_every_size_around_the_inline_head_arrive_whole() -> None:
+    res = run_forked(5, _sizes)
+    assert all(all(a and b for a, b in r["ok"]) for r in res), res
