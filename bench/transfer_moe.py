@@ -93,22 +93,22 @@ def _state(full: dict[str, torch.Tensor], place: tuple[tuple[int, int], tuple[in
 
 def _pair_bytes(full: dict[str, torch.Tensor], src: dict[int, Any], dst: dict[int, Any], world: int
                 ) -> list[list[int]]:
-    """bytes[s][r] a sender sends a receiver: each byte from its lowest-ranked holder, none to itself."""
+    """bytes[s][r] a sender sends a receiver: each distinct source piece once, none where the receiver
+    holds it itself (as transfer does), else from its lowest-ranked holder."""
     out = [[0] * world for _ in range(world)]
     for k, t in full.items():
+        holders: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        for s in sorted(src):
+            holders.setdefault(box(k, tuple(t.shape), *src[s]), []).append(s)
         for r, rp in dst.items():
             roff, rln = box(k, tuple(t.shape), *rp)
-            got: set[tuple[tuple[int, ...], ...]] = set()  # source boxes already counted (replicas: the first holder)
-            for s in sorted(src):
-                soff, sln = box(k, tuple(t.shape), *src[s])
-                if (soff, sln) in got:
+            for (soff, sln), hs in holders.items():
+                if r in hs:
                     continue
-                got.add((soff, sln))
                 n = 1
                 for a, la, b, lb in zip(soff, sln, roff, rln, strict=True):
                     n *= max(0, min(a + la, b + lb) - max(a, b))
-                if s != r:
-                    out[s][r] += n * t.element_size()
+                out[hs[0]][r] += n * t.element_size()
     return out
 
 

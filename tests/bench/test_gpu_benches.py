@@ -78,3 +78,25 @@ def test_memtier_gpu_bench_on_cpu(tmp_path: Path) -> None:
     assert m["memory_complete"] == m["memory_checkpoints"] > 0 and m["replica_bytes_per_step"] > 0
     assert res["slowdown"] > 0 and m["restore_gbps_per_rank"] > 0 and res["bandwidth"]["memcpy_gbps"] > 0
     assert s["evicted"]["how"] in ("drop_caches", "fadvise")
+
+
+@pytest.mark.multiproc
+def test_transfer_moe_bench_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE live-transfer bench at a tiny width on 4 gloo ranks: every method checked bitwise (the
+    bench asserts it), and the figures the GPU run reports are in its JSON."""
+    import bench.transfer_moe as tm
+
+    monkeypatch.setattr(tm, "D", 32)  # (forked ranks see the patched module)
+    monkeypatch.setattr(tm, "F", 16)
+    monkeypatch.setattr(tm, "E", 4)
+    out = tmp_path / "t.json"
+    assert bench_main.main(["transfer-moe", "--size-gb", "0.0003", "--repeats", "2", "--bucket-mb", "0.01",
+                            "--dir", str(tmp_path / "w"), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["layers"] >= 2 and res["knobs"] == {"bucket_bytes": int(0.01 * (1 << 20))}
+    for mode in ("same", "disjoint"):
+        r = res[mode]
+        assert set(r["times"]) == {"transfer", "save+load", "gather+broadcast", "send/recv"}
+        assert all(len(v) == 2 for v in r["times"].values()) and r["cached_plan"]
+        # the network bytes: the pairs' sum, fewer than gathering and broadcasting whole tensors
+        assert r["bytes_sent"] == sum(map(sum, r["pair_bytes"])) < r["gather_broadcast_bytes"]
