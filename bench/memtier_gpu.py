@@ -22,7 +22,9 @@ Figures (from the trainer's metrics file: ``step_ms`` per step, ``memory_checkpo
 ``recovery`` records):
 
 - **step time**: median ``step_ms`` of attempt 0's steps, the first step and those with a persistent
-  save left out. The memory tier copies each rank's pieces into host buffers on the training thread
+  save left out; also of their later half (``step_ms_late``: past the first memory checkpoints,
+  which allocate, map and pin their slots: use ``--steps 24`` or more to see the settled cost).
+  The memory tier copies each rank's pieces into host buffers on the training thread
   (``snapshot_ms``) and writes them to ``/dev/shm``, copies them to the peer node and agrees in the
   background (``write_ms``, ``replicate_ms``); the step pays the snapshot plus, with ``busy=wait``,
   the wait for the previous checkpoint (``ckpt_stall_ms``). Slowdown = memory / storage. The
@@ -219,7 +221,9 @@ def summarize(metrics: str) -> dict[str, Any]:
     timed = [r["step_ms"] for r in timed_recs]
     mem = [r for r in recs if r.get("event") == "memory_checkpoint"]
     rec = next((r for r in recs if r.get("event") == "recovery"), None)
+    # the later half: past the first memory checkpoints, which allocate and pin their slots
     out: dict[str, Any] = {"step_ms": median(timed), "step_ms_all": timed,
+                           "step_ms_late": median(timed[len(timed) // 2:]),
                            "stall_ms": median([r.get("ckpt_stall_ms", 0.0) for r in timed_recs]),
                            "steps_attempt0": [[r["step"], r["step_ms"]] for r in steps[0]],
                            "steps_attempt1": [[r["step"], r["step_ms"]] for r in steps[1]],
@@ -377,6 +381,8 @@ def derive(res: dict[str, Any]) -> None:
     for m in mems:
         if s.get("step_ms") and m.get("step_ms"):
             m["slowdown"] = m["step_ms"] / s["step_ms"]
+        if s.get("step_ms_late") and m.get("step_ms_late"):
+            m["slowdown_late"] = m["step_ms_late"] / s["step_ms_late"]
         if m.get("memory_replicate_ms"):  # each rank's copy to its peer (same host: read from its files)
             m["replicate_gbps_per_rank"] = (m["replica_bytes_per_step"] / res["ranks"] / 1e9
                                             / (m["memory_replicate_ms"] / 1e3))
@@ -401,7 +407,7 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     limit_name = "H2D" if bw.get("h2d_gbps") else "memcpy"
     limit = bw.get("h2d_gbps") or bw.get("memcpy_gbps") or nan
     step_rows = [["no memory tier", fmt(s.get("step_ms", nan), 1), fmt(s.get("stall_ms", nan), 1), "-", "-", "-",
-                  "-", "-", "-", "1.00"]]
+                  "-", "-", "-", "1.00", fmt(s.get("step_ms_late", nan), 1), "1.00"]]
     for k, m in mems:
         step_rows.append([f"--memory-every 1, busy={'skip' if k == 'memory-skip' else 'wait'}",
                           fmt(m.get("step_ms", nan), 1), fmt(m.get("stall_ms", nan), 1),
@@ -409,7 +415,8 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                           str(m.get("memory_complete", 0)),
                           fmt(m.get("memory_snapshot_ms", nan), 0), fmt(m.get("memory_write_ms", nan), 0),
                           fmt(m.get("memory_replicate_ms", nan), 0), fmt(m.get("replicate_gbps_per_rank", nan), 2),
-                          fmt(m.get("slowdown", nan), 2)])
+                          fmt(m.get("slowdown", nan), 2), fmt(m.get("step_ms_late", nan), 1),
+                          fmt(m.get("slowdown_late", nan), 2)])
     rec_rows = []
     for label, run in (("persistent storage", s),
                        *((f"memory tier, busy={'skip' if k == 'memory-skip' else 'wait'}", m) for k, m in mems)):
@@ -423,7 +430,8 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     return [
         (f"step time, {res['model']} under {res['layout']} ({res['ranks']} ranks, 2 simulated nodes)",
          ["run", "step ms", "stall ms", "memory ckpt GB/rank", "complete ckpts logged", "snapshot ms", "write ms",
-          "replicate ms", "replicate GB/s per rank", "slowdown"], step_rows),
+          "replicate ms", "replicate GB/s per rank", "slowdown", "later half step ms", "later half slowdown"],
+         step_rows),
         (f"node 1 lost after step {res['fail_at']}: restart to the next step ({limit_name} {fmt(limit, 1)} GB/s"
          + (" per GPU)" if limit_name == "H2D" else ")"),
          ["restore from", "tier", "step", "steps lost", "restart ms", "pin ahead ms", "of it waited ms",

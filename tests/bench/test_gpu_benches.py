@@ -77,6 +77,7 @@ def test_memtier_gpu_bench_on_cpu(tmp_path: Path) -> None:
     assert m["recovery"]["tier"] == "memory-peer" and m["recovery"]["steps_lost"] == 0
     assert m["memory_complete"] == m["memory_checkpoints"] > 0 and m["replica_bytes_per_step"] > 0
     assert res["slowdown"] > 0 and m["restore_gbps_per_rank"] > 0 and res["bandwidth"]["memcpy_gbps"] > 0
+    assert m["step_ms_late"] > 0 and m["slowdown_late"] > 0
     assert s["evicted"]["how"] in ("drop_caches", "fadvise")
 
 
