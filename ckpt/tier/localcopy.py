@@ -32,10 +32,10 @@ from ckpt.tier import safefs
 
 UNIT = 64 << 20  # bytes a thread takes at a time: few hand-offs, yet every thread busy on a large file
 # bytes copied then checksummed at once: a whole unit. Both calls release the GIL, but each return
-# takes it back, and while training runs Python on the main thread every take waits out the switch
-# interval and then makes the training thread wait in turn: with 4 MiB at a time (a CRC still in
-# cache) replication of 9.4 GB took 10.7 s alongside training (6.6 GB/s without) and the step time was
-# 2.67x (docs/BENCHMARKS.md, "Memory tier at steady state"); the CRC reading memory again costs less
+# takes it back, and while training runs Python on the main thread a take can wait out the switch
+# interval and then make the training thread wait in turn: with 4 MiB at a time (a CRC still in
+# cache: ~4,700 takes per 9.4 GB) the training steps beside the replication ran 2.67x, with 64 MiB
+# 1.87x (docs/BENCHMARKS.md, "Memory tier at steady state"); the CRC reading memory again costs less
 SUB = UNIT
 MAX_THREADS = 8
 
