@@ -226,3 +226,68 @@ def _views(rank: int, world: int) -> None:
 @pytest.mark.multiproc
 def test_a_cached_plan_reuses_its_views_only_for_the_same_tensors_at_the_same_address() -> None:
     run_ranks(2, _views)
+
+
+def _random_calls(rank: int, world: int, seed: int) -> None:
+    """A generated sequence of repeated transfers (both ranks draw the same events): new values in the
+    same tensors, a source or destination storage swapped under the same tensor object, new tensor
+    objects, another column split (a new plan), other buckets; every result bitwise."""
+    import random
+
+    rng = random.Random(seed)
+    n_rows, n_cols = 8, 12
+    counter = [0]
+
+    def full() -> torch.Tensor:
+        counter[0] += 1
+        return _ref((n_rows, n_cols), seed * 1000 + counter[0])
+
+    def cut(n: int, parts: int, i: int) -> tuple[int, int]:
+        return n * i // parts, n * (i + 1) // parts
+
+    value = {"w": full(), "v": full()}
+    splits = [0, 5, 12]
+
+    def src_of(t: torch.Tensor) -> ckpt.Shard:
+        a, b = cut(n_rows, world, rank)
+        return ckpt.Shard(t[a:b].clone(), (n_rows, n_cols), (a, 0))
+
+    def dst_of() -> ckpt.Shard:
+        a, b = splits[rank], splits[rank + 1]
+        return ckpt.Shard(torch.zeros(n_rows, b - a), (n_rows, n_cols), (0, a))
+
+    src = {k: src_of(t) for k, t in value.items()}
+    dst = {k: dst_of() for k in value}
+    bucket = 64
+    for step in range(18):
+        what = rng.choice(["values", "swap_src", "swap_dst", "objects", "relayout", "bucket", "same"])
+        if what == "values":
+            value["w"] = full()
+            a, b = cut(n_rows, world, rank)
+            src["w"].local.copy_(value["w"][a:b])
+        elif what == "swap_src":
+            value["v"] = full()
+            src["v"].local.data = src_of(value["v"]).local
+        elif what == "swap_dst":
+            dst["w"].local.data = torch.full_like(dst["w"].local, -1.0)
+        elif what == "objects":
+            value = {k: full() for k in value}
+            src = {k: src_of(t) for k, t in value.items()}
+            dst = {k: dst_of() for k in value}
+        elif what == "relayout":
+            splits = [0, rng.randint(1, n_cols - 1), n_cols]
+            dst = {k: dst_of() for k in value}
+        elif what == "bucket":
+            bucket = rng.choice([64, 96, 4096])
+        ckpt.transfer(src, dst, bucket_bytes=bucket, timeout=60)
+        for k, t in value.items():
+            d = dst[k]
+            want = t[:, d.offsets[1]: d.offsets[1] + d.local.shape[1]]
+            assert torch.equal(d.local, want), (seed, step, what, k)
+            d.local.fill_(-2.0)  # what the next transfer must overwrite
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_generated_sequences_of_repeated_transfers_stay_bitwise(seed: int) -> None:
+    run_ranks(2, _random_calls, seed)
