@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from bench.ranks import cuda_sync, fork_ranks, gloo_ranks
 from ckpt.transfer import DEFAULT_BUCKET_BYTES, DEFAULT_WINDOW
 
 
-def _cut(n: int, parts: int, i: int) -> tuple[int, int]:
+def cut(n: int, parts: int, i: int) -> tuple[int, int]:
     return n * i // parts, n * (i + 1) // parts
 
 
@@ -46,13 +47,13 @@ def _layout_state(rank: int, world: int, device: torch.device, mode: str, full: 
     dst: dict[str, Any] | None = None
     if rank in senders:
         i, n = senders.index(rank), len(senders)
-        src = {f"w{k}": ckpt.Shard(t[slice(*_cut(t.shape[0], n, i))].clone(), tuple(t.shape),
-                                   (_cut(t.shape[0], n, i)[0], 0)) for k, t in enumerate(full)}
+        src = {f"w{k}": ckpt.Shard(t[slice(*cut(t.shape[0], n, i))].clone(), tuple(t.shape),
+                                   (cut(t.shape[0], n, i)[0], 0)) for k, t in enumerate(full)}
     if rank in receivers:
         i, n = receivers.index(rank), len(receivers)
-        dst = {f"w{k}": ckpt.Shard(torch.zeros(t.shape[0], _cut(t.shape[1], n, i)[1] - _cut(t.shape[1], n, i)[0],
+        dst = {f"w{k}": ckpt.Shard(torch.zeros(t.shape[0], cut(t.shape[1], n, i)[1] - cut(t.shape[1], n, i)[0],
                                                device=device),
-                                   tuple(t.shape), (0, _cut(t.shape[1], n, i)[0])) for k, t in enumerate(full)}
+                                   tuple(t.shape), (0, cut(t.shape[1], n, i)[0])) for k, t in enumerate(full)}
     return senders, receivers, src, dst
 
 
@@ -70,10 +71,6 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
                 assert torch.equal(s.local, t[:, s.offsets[1]: s.offsets[1] + s.local.shape[1]]), what
                 s.local.zero_()
 
-    def via_disk(d: str) -> None:
-        ckpt.save(src or {}, d)
-        ckpt.load(dst or {}, d)
-
     def gather_broadcast() -> None:
         # rank 0 gathers every sender's rows (point to point), then broadcasts each full tensor
         for k, t in enumerate(full):
@@ -81,7 +78,7 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
             if rank == 0:
                 assert whole is not None
                 for j, s in enumerate(senders):
-                    a, b = _cut(t.shape[0], len(senders), j)
+                    a, b = cut(t.shape[0], len(senders), j)
                     if s == 0:
                         assert src is not None
                         whole[a:b] = src[f"w{k}"].local
@@ -102,7 +99,9 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
 
         return timed_collective(once)
 
-    raw = _raw_baselines(rank, world, device, full, senders, receivers)
+    raw = raw_baselines(rank, world, device, [[_pair_bytes(full, senders, receivers, a, b)
+                                               if a in senders and b in receivers else 0 for b in range(world)]
+                                              for a in range(world)])
     times: dict[str, list[float]] = {"transfer": [], "save+load": [], "gather+broadcast": [],
                                      **{k: [] for k in raw}}
     stats: dict[str, Any] = {}
@@ -117,13 +116,9 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
                  "rank_direct": res[0].rank_direct}
         if r == 0:
             check("transfer")
-        d = os.path.join(root, f"{mode}-{r}")
-        times["save+load"].append(timed(lambda d=d: via_disk(d)))
+        times["save+load"].append(timed_save_load(timed, rank, src, dst, os.path.join(root, f"{mode}-{r}")))
         if r == 0:
             check("save+load")
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(d, ignore_errors=True)
         times["gather+broadcast"].append(timed(gather_broadcast))
         if r == 0:
             check("gather+broadcast")
@@ -141,21 +136,19 @@ def _pair_bytes(full: list[torch.Tensor], senders: list[int], receivers: list[in
     i, j = senders.index(s), receivers.index(r)
     total = 0
     for t in full:
-        a, b = _cut(t.shape[0], len(senders), i)
-        c, d = _cut(t.shape[1], len(receivers), j)
+        a, b = cut(t.shape[0], len(senders), i)
+        c, d = cut(t.shape[1], len(receivers), j)
         total += (b - a) * (d - c) * t.element_size()
     return total
 
 
-def _raw_baselines(rank: int, world: int, device: torch.device, full: list[torch.Tensor], senders: list[int],
-                   receivers: list[int]) -> dict[str, Any]:
-    """The backend's own bandwidth for transfer's traffic: ``send/recv`` (one batch of point-to-point
-    messages per pair, preallocated contiguous buffers) and ``all_to_all`` (one all_to_all_single with
-    the same per-pair byte counts); on GPUs these are NCCL's figures the goal compares against."""
-    out_n = [_pair_bytes(full, senders, receivers, rank, r) if rank in senders and r in receivers else 0
-             for r in range(world)]
-    in_n = [_pair_bytes(full, senders, receivers, s, rank) if s in senders and rank in receivers else 0
-            for s in range(world)]
+def raw_baselines(rank: int, world: int, device: torch.device, pairs: list[list[int]]) -> dict[str, Any]:
+    """The backend's own bandwidth for transfer's traffic, ``pairs[s][r]`` bytes from rank s to rank r:
+    ``send/recv`` (one batch of point-to-point messages per pair, preallocated contiguous buffers) and
+    ``all_to_all`` (one all_to_all_single with the same per-pair byte counts); on GPUs these are
+    NCCL's figures the goal compares against."""
+    out_n = pairs[rank]
+    in_n = [pairs[s][rank] for s in range(world)]
     send = torch.ones(max(sum(out_n), 1), dtype=torch.uint8, device=device)
     recv = torch.empty(max(sum(in_n), 1), dtype=torch.uint8, device=device)
 
@@ -174,6 +167,17 @@ def _raw_baselines(rank: int, world: int, device: torch.device, full: list[torch
         dist.all_to_all_single(recv[: sum(in_n)], send[: sum(out_n)], in_n, out_n)
 
     return {"send/recv": p2p, "all_to_all": all_to_all}
+
+
+def timed_save_load(timed: Callable[[Callable[[], Any]], float], rank: int, src: dict[str, Any] | None,
+                    dst: dict[str, Any] | None, d: str) -> float:
+    """``timed`` ``ckpt.save`` of ``src`` + ``ckpt.load`` into ``dst`` through directory ``d``, which
+    rank 0 removes afterwards (every rank past the barrier first)."""
+    took = timed(lambda: (ckpt.save(src or {}, d), ckpt.load(dst or {}, d)))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(d, ignore_errors=True)
+    return took
 
 
 def run(ranks: int, size_mb: float, n: int, repeats: int, root: str, device: str = "cpu",

@@ -23,7 +23,6 @@ import io
 import json
 import os
 import pstats
-import shutil
 import tempfile
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import ckpt
 from bench.common import fmt, gbps, markdown_table, median, print_table, timed_collective
 from bench.ranks import cuda_sync, fork_ranks, gloo_ranks
+from bench.transfer import cut, raw_baselines, timed_save_load
 
 D, F, E = 2048, 1024, 16  # model width, expert hidden size, experts (at --size-gb 8: 34 layers)
 
@@ -50,19 +50,15 @@ def layers_for(size_gb: float, itemsize: int) -> int:
     return max(1, round(size_gb * 1e9 / per))
 
 
-def _cut(n: int, parts: int, i: int) -> tuple[int, int]:
-    return n * i // parts, n * (i + 1) // parts
-
-
 def box(key: str, shape: tuple[int, ...], tp: tuple[int, int], ep: tuple[int, int]) -> tuple[tuple[int, ...], ...]:
     """(offsets, lengths) of a rank's piece of ``key`` at tp index/size ``tp`` and ep index/size ``ep``."""
     off, ln = [0] * len(shape), list(shape)
     dim = {"wqkv": 0, "wo": 1, "w13": 1, "w2": 2}.get(key.split(".")[1])
     if dim is not None and tp[1] > 1:
-        off[dim], end = _cut(shape[dim], tp[1], tp[0])
+        off[dim], end = cut(shape[dim], tp[1], tp[0])
         ln[dim] = end - off[dim]
     if key.endswith((".w13", ".w2")) and ep[1] > 1:
-        off[0], end = _cut(shape[0], ep[1], ep[0])
+        off[0], end = cut(shape[0], ep[1], ep[0])
         ln[0] = end - off[0]
     return tuple(off), tuple(ln)
 
@@ -130,19 +126,7 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: i
             s.local.zero_()
 
     pairs = _pair_bytes(full, sp, dp, world)
-    send = torch.ones(max(sum(pairs[rank]), 1), dtype=torch.uint8, device=device)
-    recv = torch.empty(max(sum(p[rank] for p in pairs), 1), dtype=torch.uint8, device=device)
-
-    def p2p() -> None:
-        ops, o, i = [], 0, 0
-        for peer in range(world):
-            if pairs[rank][peer]:
-                ops.append(dist.P2POp(dist.isend, send[o: o + pairs[rank][peer]], peer))
-            if pairs[peer][rank]:
-                ops.append(dist.P2POp(dist.irecv, recv[i: i + pairs[peer][rank]], peer))
-            o, i = o + pairs[rank][peer], i + pairs[peer][rank]
-        for w in dist.batch_isend_irecv(ops) if ops else []:
-            w.wait()
+    p2p = raw_baselines(rank, world, device, pairs)["send/recv"]
 
     # the common baseline: rank 0 gathers each tensor whole (each distinct piece from its first
     # holder), broadcasts it, and every receiver keeps its part
@@ -191,13 +175,9 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: i
             prof.disable()
         if r == 0:
             check("transfer")
-        d = os.path.join(root, f"{mode}-{r}")
-        times["save+load"].append(timed(lambda d=d: (ckpt.save(src or {}, d), ckpt.load(dst or {}, d))))
+        times["save+load"].append(timed_save_load(timed, rank, src, dst, os.path.join(root, f"{mode}-{r}")))
         if r == 0:
             check("save+load")
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(d, ignore_errors=True)
         times["gather+broadcast"].append(timed(gather_broadcast))
         if r == 0:
             check("gather+broadcast")
