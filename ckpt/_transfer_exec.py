@@ -186,13 +186,15 @@ def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, targets: list[t
     if direct:
         return
     for c in b.copies:
-        if writes is not None:  # (a box's elements as the same view each run of a cached plan: see Views)
-            box = c.geo.box
-            writes.append((c, _payload_view(c, payload, box.lengths, views) if box is not None
-                           else payload[c.offset: c.offset + c.nbytes].view(dtype_from_name(c.dtype))))
+        box = c.geo.box
+        if writes is not None and box is not None:  # (the same view each run of a cached plan: see Views)
+            writes.append((c, _payload_view(c, payload, box.lengths, views)))
             continue
-        write_copy(c, targets[c.dst], dst_regions[c.dst], payload[c.offset: c.offset + c.nbytes].view(
-            dtype_from_name(c.dtype)))
+        data = payload[c.offset: c.offset + c.nbytes].view(dtype_from_name(c.dtype))
+        if writes is not None:
+            writes.append((c, data))
+        else:
+            write_copy(c, targets[c.dst], dst_regions[c.dst], data)
 
 
 def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.Tensor],
@@ -211,9 +213,8 @@ def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.T
                 datas.append(data.view(box.lengths))
             else:
                 outs.append(views.get("dst", c, t, functools.partial(box_view, t, dst_regions[c.dst], box)))
-                whole = data._base if data._base is not None else data  # (a slice of the kept arena)
-                datas.append(views.get("data", c, whole, functools.partial(data.view, box.lengths),
-                                       at=data.data_ptr()))
+                # (data is itself a kept view when the plan's views were hit: then so is this one)
+                datas.append(views.get("data", c, data, functools.partial(data.view, box.lengths)))
             continue
         if not t.is_contiguous():
             if c.dst not in bounce:

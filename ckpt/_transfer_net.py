@@ -162,14 +162,16 @@ class Buffers:
 
     def get(self, sched: Schedule, cap: int, dev: torch.device, defer: bool) -> tuple[list[Pool], Arena | None]:
         if not self.pools or self.pools[0].cap != cap or self.pools[0].device != dev:
+            if self.pools:
+                self.views.clear()  # (views of the old buffers would never be hit again)
             self.pools = [Pool(cap, dev), Pool(cap, dev)]  # two: the next round is packed while one travels
-            self.views.clear()  # (views of the old buffers would never be hit again)
         if not defer:
             return self.pools, None
         size = Arena.size(sched.recvs)
         if self.arena is None or self.arena.buf.numel() != size or self.arena.buf.device != dev:
+            if self.arena is not None:
+                self.views.clear()
             self.arena = Arena(sched.recvs, dev)
-            self.views.clear()
         self.arena.at = 0
         return self.pools, self.arena
 

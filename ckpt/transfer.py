@@ -377,7 +377,7 @@ def release_buffers(group: Any = None) -> None:
     import torch.distributed as dist
 
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    _BUFFERS.pop(id(group) if group is not None else ("world", world), None)
+    _BUFFERS.pop(_group_key(group, world), None)
 
 
 def _share_memory(srcs: list[TensorItem], dsts: list[TensorItem]) -> bool:
@@ -423,7 +423,12 @@ def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, A
 
 
 def _key(comm: Comm, group: Any) -> Any:
-    return id(group) if group is not None else ("world", comm.world)
+    return _group_key(group, comm.world)
+
+
+def _group_key(group: Any, world: int) -> Any:
+    """What plans and buffers are kept under: the group object, or the default group of ``world`` ranks."""
+    return id(group) if group is not None else ("world", world)
 
 
 def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int, window: int, strict: bool,

@@ -219,7 +219,7 @@ class SlotPool:
         self._slots: dict[int, Slot] = {}
         self._layouts: dict[tuple[Any, ...], SlotLayout] = {}
         self.allocations = 0  # slot files (re)shaped, here or ahead: tests check the steady state
-        self._claimed: set[int] = set()  # slots the shaping-ahead thread owns until it is done with them
+        self._claimed: int | None = None  # the slot the shaping-ahead thread owns until it is done with it
         self._ahead: threading.Thread | None = None
         self.ahead_error: str | None = None  # why shaping ahead stopped early (e.g. shared memory full)
 
@@ -241,7 +241,7 @@ class SlotPool:
         safefs.makedirs(self.dir)
         self.trim()
         free = self._free()
-        if not [s for s in free if s.layout is not None and s.layout.key == layout.key] and self._claimed:
+        if not [s for s in free if s.layout is not None and s.layout.key == layout.key] and self._claimed is not None:
             self.join_ahead()  # the slot being shaped for this layout is the one to take
             free = self._free()
         if not free:
@@ -258,7 +258,7 @@ class SlotPool:
         """The slots no step links and the shaping-ahead thread does not hold, in index order."""
         free = []
         for i in range(self.count):
-            if i in self._claimed:
+            if i == self._claimed:
                 continue
             s = self._slots.get(i) or Slot(os.path.join(self.dir, f"slot-{i}"))
             self._slots[i] = s
@@ -291,36 +291,32 @@ class SlotPool:
         if not free or any(s.layout is not None and s.layout.key == layout.key and s.size == layout.size
                            for s in free):
             return
-        i = next(i for i, s in self._slots.items() if s is free[0])
-        self._claimed = {i}
-        self._ahead = threading.Thread(target=self._shape_ahead, args=(layout, [i], pin, device), daemon=True,
-                                       name="ckpt-memory-tier-slots-ahead")
+        self._claimed = next(i for i, s in self._slots.items() if s is free[0])
+        self._ahead = threading.Thread(target=self._shape_ahead, args=(layout, self._claimed, pin, device),
+                                       daemon=True, name="ckpt-memory-tier-slots-ahead")
         self._ahead.start()
 
-    def _shape_ahead(self, layout: SlotLayout, todo: list[int], pin: bool, device: Any) -> None:
+    def _shape_ahead(self, layout: SlotLayout, i: int, pin: bool, device: Any) -> None:
         try:
             if pin and device is not None and torch.cuda.is_available():
                 torch.cuda.set_device(device)  # the registration's context is the job's device's
-            for i in todo:
-                s = self._slots[i]
-                if _discard_foreign(s.path, directory=False):
-                    s.close()
-                if s.linked():  # (a link made since: not ours to write)
-                    continue
+            s = self._slots[i]
+            if _discard_foreign(s.path, directory=False):
+                s.close()
+            if not s.linked():  # (a link made since: not ours to write)
                 s.shape_for(layout, pin)
                 self.allocations += 1
-                self._claimed.discard(i)
         except Exception as e:  # noqa: BLE001 - best effort: acquire allocates what is missing
             self.ahead_error = f"{type(e).__name__}: {e}"
         finally:
-            self._claimed = set()
+            self._claimed = None
 
     def join_ahead(self) -> None:
         """Wait for the shaping-ahead thread, if any (the pool is the caller's alone afterwards)."""
         t, self._ahead = self._ahead, None
         if t is not None:
             t.join()
-        self._claimed = set()
+        self._claimed = None
 
     def map_linked(self, data_file: str, *, pin: bool) -> Slot | None:
         """Map (and pin when ``pin``) the slot that ``data_file`` (a committed step's data file)
