@@ -1,4 +1,5 @@
-"""Helpers shared by test modules: seeded random states, load targets and bitwise comparison.
+"""Helpers shared by test modules: seeded random states, load targets and bitwise comparison,
+injected write failures.
 
 Import as ``from tests.helpers import ...`` (like ``tests.dist_utils``)."""
 
@@ -90,3 +91,19 @@ def assert_same_state(a: Any, b: Any) -> None:
 def load_like(url: str, state: Mapping[str, Any], **kw: Any) -> dict[str, Any]:
     """``ckpt.load`` of ``url`` into a fresh :func:`zeros_like_state` of ``state``."""
     return ckpt.load(zeros_like_state(state), url, **kw)
+
+
+def fail_local_writes(mp: Any, over: int = -1) -> None:
+    """Make ckpt's local file writes raise an injected StorageError ("injected I/O error") once the
+    file being written holds more than ``over`` bytes (-1: every write). ``mp``: a pytest
+    ``MonkeyPatch`` (or its ``context()``), which puts the real write back."""
+    from ckpt.storage import local
+
+    real = local.LocalWriter.write
+
+    def write(w: Any, data: Any) -> None:
+        if w.size > over:
+            raise ckpt.StorageError(f"{w.full}: injected I/O error")
+        real(w, data)
+
+    mp.setattr(local.LocalWriter, "write", write)

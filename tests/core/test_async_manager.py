@@ -16,7 +16,7 @@ from ckpt.cli.app import app
 from ckpt.manager import CheckpointInfo, select_removals, step_dir
 from ckpt.manifest import MANIFEST_NAME
 from tests.dist_utils import run_ranks
-from tests.helpers import random_state
+from tests.helpers import fail_local_writes, random_state
 
 pytestmark = pytest.mark.multiproc
 
@@ -63,27 +63,11 @@ def test_twenty_async_saves_keep_memory_flat(tmp_path):
     assert growth_mib < 8, f"RSS grew {growth_mib:.1f} MiB over 17 steady-state saves: {rss}"
 
 
-class FailingWrites:
-    """Make local writes fail after some bytes (an injected I/O error)."""
-
-    def __init__(self, monkeypatch):
-        from ckpt.storage import local
-
-        real = local.LocalWriter.write
-
-        def write(w, data):
-            if w.size > 1000:
-                raise ckpt.StorageError(f"{w.full}: injected I/O error")
-            real(w, data)
-
-        monkeypatch.setattr(local.LocalWriter, "write", write)
-
-
 def test_failed_async_save_surfaces_on_done_and_next_save_and_latest_unchanged(tmp_path, monkeypatch):
     mgr = ckpt.CheckpointManager(str(tmp_path), keep_last=3)
     mgr.save(1, _state(1)).done()
     assert mgr.latest() == mgr.url_for(1)
-    FailingWrites(monkeypatch)
+    fail_local_writes(monkeypatch, over=1000)
     h = mgr.save(2, _state(2))
     with pytest.raises(ckpt.StorageError, match="injected"):
         h.done()

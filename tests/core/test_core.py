@@ -12,6 +12,7 @@ import torch
 import ckpt
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
 from ckpt.manifest import MANIFEST_NAME
+from tests.helpers import fail_local_writes
 from tests.layouts import assert_bitwise
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -202,16 +203,7 @@ def test_symlink_escape_is_rejected(tmp_path):
 def test_failed_save_leaves_no_manifest_and_other_checkpoints_intact(tmp_path, monkeypatch):
     good = str(tmp_path / "good")
     ckpt.save({"a": torch.ones(1000)}, good)
-    from ckpt.storage import local
-
-    real_write = local.LocalWriter.write
-
-    def failing(self, data):
-        if self.size > 100:
-            raise ckpt.StorageError(f"{self.full}: injected I/O error")
-        real_write(self, data)
-
-    monkeypatch.setattr(local.LocalWriter, "write", failing)
+    fail_local_writes(monkeypatch, over=100)
     with pytest.raises(ckpt.StorageError, match="injected"):
         ckpt.save({"a": torch.ones(1000)}, str(tmp_path / "bad"))
     monkeypatch.undo()

@@ -36,7 +36,7 @@ from ckpt.manager import gc, list_checkpoints, step_dir
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.storage import local as local_mod
 from tests.dist_utils import run_ranks
-from tests.helpers import random_state
+from tests.helpers import fail_local_writes, random_state
 
 DEAD_PID = 2**22 + 12345  # above Linux's largest pid_max: never a running process
 runner = CliRunner(env={"COLUMNS": "200"})
@@ -117,17 +117,12 @@ def test_failed_save_drops_only_its_own_lease(tmp_path, monkeypatch, async_save)
     mgr = ckpt.CheckpointManager(str(tmp_path / "r"), keep_last=None, async_save=async_save)
     url = mgr.url_for(5)
     other = lease.acquire(url, 7)  # another writer of the same directory, alive (this process)
-    real = local_mod.LocalWriter.write
-
-    def failing(w: Any, data: Any) -> None:
-        raise ckpt.StorageError(f"{w.full}: injected I/O error")
-
-    monkeypatch.setattr(local_mod.LocalWriter, "write", failing)
-    with pytest.raises(ckpt.StorageError, match="injected"):
-        out = mgr.save(5, _state(5))
-        if async_save:
-            out.done()
-    monkeypatch.setattr(local_mod.LocalWriter, "write", real)
+    with monkeypatch.context() as mp:
+        fail_local_writes(mp)
+        with pytest.raises(ckpt.StorageError, match="injected"):
+            out = mgr.save(5, _state(5))
+            if async_save:
+                out.done()
     assert _leases_in(url) == [other.name]  # ours is gone, the other writer's is untouched
     assert gc(str(tmp_path / "r")) == [] and os.path.exists(os.path.join(url, other.name))
     other.release()

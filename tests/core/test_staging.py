@@ -18,6 +18,7 @@ import ckpt
 from ckpt import _staging as staging
 from ckpt.async_save import AsyncSaver
 from ckpt.errors import StateError
+from tests.helpers import fail_local_writes
 
 
 @pytest.fixture
@@ -135,20 +136,11 @@ def test_bad_caps_are_refused_before_anything_is_written(tmp_path):
 
 def test_a_write_failure_inside_the_ring_ends_the_save_and_frees_the_stager(small_slabs, tmp_path, monkeypatch):
     """The stager waits for the writer to free a slot; when the writer fails it must not wait forever."""
-    from ckpt.storage import local
-
-    real = local.LocalWriter.write
-
-    def write(w, data):
-        if w.size > 5000:
-            raise ckpt.StorageError(f"{w.full}: injected I/O error")
-        real(w, data)
-
     ckpt.save({"w": torch.ones(3)}, str(tmp_path / "c"), step=0)
     state = _state([3000] * 10)
     saver = AsyncSaver()
     with monkeypatch.context() as mp:
-        mp.setattr(local.LocalWriter, "write", write)
+        fail_local_writes(mp, over=5000)
         h = saver.save(state, str(tmp_path / "c"), step=1, max_staging_bytes=2048, overwrite=True)
         with pytest.raises(ckpt.StorageError, match="injected"):
             h.done(timeout=30)

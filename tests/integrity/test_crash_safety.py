@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from tests.helpers import fail_local_writes
 from tests.integrity.crash_harness import ASYNC_ONLY, KILL_POINTS, run_trials, summarize
 from tests.integrity.sample import memory_dir
 
@@ -69,22 +70,16 @@ def test_skipped_or_failed_save_leaves_no_live_lease(tmp_path, monkeypatch: pyte
     import torch
 
     import ckpt
-    from ckpt.storage import local
 
     mgr = ckpt.CheckpointManager(str(tmp_path / "run"), keep_last=3, async_save=True, policy="skip")
     big = {"w": torch.randn(4_000_000)}
     h1 = mgr.save(1, big)
     h2 = mgr.save(2, big)
     h1.done()
-    real_write = local.LocalWriter.write
-
-    def failing(self, data):
-        raise ckpt.StorageError(f"{self.full}: injected I/O error")
-
-    monkeypatch.setattr(local.LocalWriter, "write", failing)
-    with pytest.raises(ckpt.StorageError):
-        mgr.save(3, big).done()
-    monkeypatch.setattr(local.LocalWriter, "write", real_write)
+    with monkeypatch.context() as mp:
+        fail_local_writes(mp)
+        with pytest.raises(ckpt.StorageError):
+            mgr.save(3, big).done()
     live = [c.name for c in mgr.list() if not c.committed and c.live]
     assert h2.skipped and not live, f"directories held by a lease although no save is running: {live}"
 
