@@ -165,6 +165,7 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: i
     bb, win = knobs.get("bucket_bytes", DEFAULT_BUCKET_BYTES), knobs.get("window", DEFAULT_WINDOW)
     ckpt.transfer(src, dst, in_place=in_place, bucket_bytes=bb, window=win)  # warm: the plan, NCCL's connections
     check("transfer (first)")
+    phases: dict[str, list[float]] = {}
     for r in range(repeats):
         res.clear()
         if prof is not None:
@@ -173,6 +174,8 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: i
                                                                        window=win))))
         if prof is not None:
             prof.disable()
+        for k, v in res[0].phases.items():
+            phases.setdefault(k, []).append(v)
         if r == 0:
             check("transfer")
         times["save+load"].append(timed_save_load(timed, rank, src, dst, os.path.join(root, f"{mode}-{r}")))
@@ -185,6 +188,7 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: i
     if rank == 0:
         info: dict[str, Any] = {"times": times, "bytes_sent": res[0].bytes_sent, "buckets": res[0].buckets,
                                 "rounds": res[0].rounds, "cached_plan": res[0].cached_plan,
+                                "replayed": res[0].replayed, "phases": phases,
                                 "pair_bytes": pairs,
                                 "gather_broadcast_bytes": sum(  # sent over the network: gathers + broadcasts
                                     torch.Size(ln).numel() * t.element_size()
@@ -265,7 +269,9 @@ def main(args: argparse.Namespace) -> int:
     for mode in ("same", "disjoint"):
         print(f"{mode}: bytes sent {res[mode]['bytes_sent']} (gather + broadcast: "
               f"{res[mode]['gather_broadcast_bytes']}), buckets {res[mode]['buckets']}, "
-              f"rounds {res[mode]['rounds']}, cached plan {res[mode]['cached_plan']}")
+              f"rounds {res[mode]['rounds']}, cached plan {res[mode]['cached_plan']}, replayed {res[mode]['replayed']}; "
+              "rank 0's median ms per phase: " + ", ".join(f"{k} {median(v) * 1e3:.2f}"
+                                                        for k, v in res[mode]["phases"].items()))
         if "profile" in res[mode]:
             print(res[mode]["profile"])
     print("\n" + markdown_table(COLUMNS, rows_for(res)))

@@ -21,7 +21,7 @@ import torch
 
 from ckpt._checksum import crc32
 from ckpt._dtypes import dtype_from_name
-from ckpt._transfer_net import Arena, Buffers, Pool, Post, Transport, Views
+from ckpt._transfer_net import Arena, Buffers, Pool, Post, Program, Round, Transport, Views, signature
 from ckpt._transfer_plan import Bucket, Copy, Schedule, run_start
 from ckpt.errors import CollectiveError, IntegrityError
 from ckpt.shards import Box, Region
@@ -47,6 +47,9 @@ class Failure:
         # after every rank agreed; the elements are views of received buckets or of sources
         self.writes: list[tuple[Copy, torch.Tensor]] = []
         self.views: Views | None = None  # the kept views of this plan's copies (for the commit)
+        self.rec: Program | None = None  # this run, being recorded for replays
+        self.program: Program | None = None  # the recorded run this one replayed (its commit is recorded too)
+        self.keep: Buffers | None = None  # where a recorded run is kept once committed
         self.packed = 0  # bytes this rank copied into send buffers
         self.direct = 0  # bytes this rank sent from, or received into, a tensor itself (no packing)
 
@@ -139,10 +142,12 @@ def _payload_view(c: Copy, payload: torch.Tensor, shape: Any, views: Views | Non
     return views.get("buf", c, whole, make, at=payload.data_ptr())
 
 
-def pack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, sources: list[torch.Tensor],
-         src_regions: list[Region], checksum: bool, direct: bool = False, views: Views | None = None) -> None:
+def pack(b: Bucket, payload: torch.Tensor, head: torch.Tensor | None, sources: list[torch.Tensor],
+         src_regions: list[Region], checksum: bool, direct: bool = False, views: Views | None = None,
+         rec: Round | None = None) -> None:
     """Fill ``payload`` (uint8, ``b.nbytes``) with bucket ``b`` (unless ``direct``: it already is the
-    source's bytes) and ``head`` (int64[2]) with status OK and the payload's CRC32."""
+    source's bytes) and ``head`` (int64[2], only with ``checksum``) with status OK and the payload's
+    CRC32. ``rec``: the copies made are recorded for a replay of the plan."""
     if FAULT is not None:
         FAULT("pack", {"bucket": b})
     if not direct:
@@ -152,7 +157,11 @@ def pack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, sources: list[tor
             outs.append(_payload_view(c, payload, data.shape, views))
             datas.append(data)
         torch._foreach_copy_(outs, datas)  # one call for the bucket's copies
-    head.copy_(torch.tensor([OK, _crc(payload) if checksum else 0], dtype=torch.int64))
+        if rec is not None:
+            rec.outs += outs
+            rec.datas += datas
+    if head is not None:
+        head.copy_(torch.tensor([OK, _crc(payload) if checksum else 0], dtype=torch.int64))
     if FAULT is not None:
         FAULT("packed", {"bucket": b, "buf": payload})
 
@@ -166,15 +175,15 @@ def mark_failed(head: torch.Tensor) -> None:
     head.copy_(torch.tensor([FAILED, 0], dtype=torch.int64))
 
 
-def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, targets: list[torch.Tensor],
+def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor | None, targets: list[torch.Tensor],
            dst_regions: list[Region], checksum: bool, rank: int, direct: bool = False,
            writes: list[tuple[Copy, torch.Tensor]] | None = None, views: Views | None = None) -> None:
-    """Check bucket ``b`` received in ``payload`` (with header ``head``) and copy its runs into
-    ``targets`` (unless ``direct``: it was received in place; or ``writes`` is given: the runs are
-    appended to it as ``(copy, view of payload)``, to be written at commit).
+    """Check bucket ``b`` received in ``payload`` (with header ``head``, only with ``checksum``) and
+    copy its runs into ``targets`` (unless ``direct``: it was received in place; or ``writes`` is
+    given: the runs are appended to it as ``(copy, view of payload)``, to be written at commit).
 
     Raises CollectiveError when its sender marked it FAILED, IntegrityError on a CRC mismatch."""
-    status, sent = head.tolist()
+    status, sent = head.tolist() if head is not None else (OK, 0)
     keys = sorted({c.key for c in b.copies})
     if status != OK:
         raise CollectiveError(f"rank {rank}: bucket {b.tag} from rank {b.sender} ({_few(keys)}) was sent as failed; "
@@ -198,10 +207,11 @@ def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor, targets: list[t
 
 
 def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.Tensor],
-                  dst_regions: list[Region], views: Views | None = None) -> None:
+                  dst_regions: list[Region], views: Views | None = None, rec: Program | None = None) -> None:
     """Apply deferred writes to the destination pieces (the commit, once every rank agreed). A piece
     that is not contiguous and gets segment runs is written through one contiguous copy of it. Box
-    copies go in one batch (``views``: their views, kept for the next run of the plan)."""
+    copies go in one batch (``views``: their views, kept for the next run of the plan; ``rec``: the
+    batch is recorded for a replay, which :func:`commit_program` runs instead)."""
     bounce: dict[int, torch.Tensor] = {}
     outs, datas = [], []
     for c, data in writes:
@@ -216,6 +226,8 @@ def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.T
                 # (data is itself a kept view when the plan's views were hit: then so is this one)
                 datas.append(views.get("data", c, data, functools.partial(data.view, box.lengths)))
             continue
+        if rec is not None:
+            rec.ok = False  # (segment writes are not one batch)
         if not t.is_contiguous():
             if c.dst not in bounce:
                 bounce[c.dst] = t.contiguous()
@@ -225,6 +237,23 @@ def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.T
         torch._foreach_copy_(outs, datas)  # (casts where a target's dtype differs, as copy_ does)
     for j, t in bounce.items():
         targets[j].copy_(t)
+    if rec is not None:
+        rec.commit_outs, rec.commit_datas = outs, datas
+
+
+def commit(fail: Failure, targets: list[torch.Tensor], dst_regions: list[Region]) -> None:
+    """Write a run's deferred writes into the destination pieces, once every rank agreed: a replayed
+    run's recorded batch, else :func:`commit_writes`; a recorded run without failure is kept then
+    for the next run of its plan."""
+    if fail.program is not None:
+        if fail.program.commit_outs:
+            torch._foreach_copy_(fail.program.commit_outs, fail.program.commit_datas)
+        return
+    commit_writes(fail.writes, targets, dst_regions, fail.views, fail.rec)
+    rec = fail.rec
+    if rec is not None and rec.ok and fail.first is None and fail.keep is not None:
+        rec.packed, rec.direct = fail.packed, fail.direct
+        fail.keep.program = rec
 
 
 def direct_view(t: torch.Tensor, region: Region, c: Copy, src: bool, device: torch.device) -> torch.Tensor | None:
@@ -252,15 +281,26 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
     """Run this rank's schedule; never raises (the errors are returned, for the commit exchange).
 
     Local copies first, then each round: post every receive, pack and post every send, wait,
-    unpack. A bucket travels as two messages, its header (status, CRC32) and its payload. A bucket of
-    one copy that is a contiguous run of its source goes from the source's memory (no packing); one
-    that is a contiguous run of its target is received into it (only when not ``defer``). With
-    ``defer`` nothing is written into ``targets``: local copies (their source views, or copies of
-    them with ``snapshot``, when a destination may share memory with a source) and received runs
-    (views of the received buckets) go to ``Failure.writes`` for :func:`commit_writes`. On NCCL the
-    next round is packed while this one travels. A wait that fails (deadline passed, peer gone)
-    stops the rounds: the data group is closed then. ``keep``: buffers of an earlier run to reuse."""
+    unpack. A bucket travels as its payload, preceded with ``checksum`` by a header message
+    (status, CRC32; a bucket whose packing failed is sent marked FAILED; without checksum it goes
+    as it is, and the commit exchange carries the failure). A bucket of one copy that is a
+    contiguous run of its source goes from the source's memory (no packing); one that is a
+    contiguous run of its target is received into it (only when not ``defer``). With ``defer``
+    nothing is written into ``targets``: local copies (their source views, or copies of them with
+    ``snapshot``, when a destination may share memory with a source) and received runs (views of
+    the received buckets) go to ``Failure.writes`` for :func:`commit_writes`. On NCCL the next
+    round is packed while this one travels. A wait that fails (deadline passed, peer gone) stops
+    the rounds: the data group is closed then. ``keep``: buffers of an earlier run to reuse, and
+    its recorded :class:`~ckpt._transfer_net.Program`, replayed when the tensors are where they were."""
     fail = Failure()
+    recordable = keep is not None and defer and not snapshot and not checksum and FAULT is None
+    if recordable:
+        assert keep is not None
+        sig = signature(sources + targets)
+        if keep.program is not None and keep.program.sig == sig:
+            return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
+        keep.program = None
+        fail.rec, fail.keep = Program(sig), keep
     fail.views = keep.views if keep is not None else None
     if fail.views is not None:
         fail.views.begin()
@@ -269,6 +309,7 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
             if defer:
                 data = _read(c, sources[c.src], src_regions[c.src], None if snapshot else fail.views)
                 fail.writes.append((c, data.clone() if snapshot else data))
+                _note_view(fail.rec, c)
             else:
                 local_copy(c, sources, src_regions, targets, dst_regions)
         except Exception as e:  # noqa: BLE001 - reported to every rank by the commit exchange
@@ -295,17 +336,19 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
             if transport.eager or k not in ahead:  # (receives take buffers after this round's sends)
                 pool.used = 0
             if not transport.eager and k not in ahead:
-                ahead[k] = _pack_sends(sends, pool, ctx, None)
+                ahead[k] = _pack_sends(sends, pool, ctx, None, k)
             posts_r, rviews = _post_recvs(recvs, arena if arena is not None else pool, ctx)
+            if fail.rec is not None:
+                fail.rec.at(k).recvs = posts_r
             if transport.eager:
                 works += transport.post([], posts_r)
-                _pack_sends(sends, pool, ctx, functools.partial(_post_now, transport, works))
+                _pack_sends(sends, pool, ctx, functools.partial(_post_now, transport, works), k)
             else:
                 works = transport.post(ahead.pop(k), posts_r)
                 if n + 1 < len(rounds):  # pack round k+1 now: on GPUs it overlaps round k's transfer
                     nxt = pools[(n + 1) % 2]
                     nxt.used = 0
-                    ahead[rounds[n + 1]] = _pack_sends(by_round[rounds[n + 1]][0], nxt, ctx, None)
+                    ahead[rounds[n + 1]] = _pack_sends(by_round[rounds[n + 1]][0], nxt, ctx, None, rounds[n + 1])
         except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
             fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
                                      f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
@@ -314,6 +357,46 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
             return fail
         _unpack_round(recvs, rviews, ctx, rank, defer)
     return fail
+
+
+def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: float | None,
+           timeout: float | None) -> Failure:
+    """Run a recorded plan again (see :class:`~ckpt._transfer_net.Program`): per round one batch of
+    packing copies and the round's messages. On NCCL no round waits for the host: the send buffers
+    of round k are reused by round k + 2 after a stream wait, and the host waits (until the
+    deadline) only once every round is posted."""
+    fail = Failure()
+    fail.program = prog
+    fail.packed, fail.direct = prog.packed, prog.direct
+    if not prog.rounds:
+        return fail
+    assert transport is not None
+    posted: list[list[tuple[Any, int]]] = []
+    for n, k in enumerate(sorted(prog.rounds)):
+        r = prog.rounds[k]
+        try:
+            if n >= 2:
+                for w, _ in posted[n - 2]:
+                    transport.fence(w)  # (its send buffers are this round's)
+            if r.outs:
+                torch._foreach_copy_(r.outs, r.datas)
+            posted.append(transport.post(r.sends, r.recvs))
+        except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
+            fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
+                                     f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
+            return fail
+        if transport.eager and not _wait_all(transport, posted[-1], deadline, timeout, rank, fail):
+            return fail
+    for works in [] if transport.eager else posted:
+        if not _wait_all(transport, works, deadline, timeout, rank, fail):
+            return fail
+    return fail
+
+
+def _note_view(rec: Program | None, c: Copy) -> None:
+    """A copy read as a gather (several segments) is a new tensor, not a view: no replay then."""
+    if rec is not None and c.geo.box is None and c.geo.ln is not None and len(c.geo.ln) > 1:
+        rec.ok = False
 
 
 def _post_now(transport: Transport, works: list[tuple[Any, int]], posts: list[Post]) -> None:
@@ -331,17 +414,20 @@ class _Ctx:
 
 
 def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
-                emit: Callable[[list[Post]], None] | None) -> list[Post]:
-    """Pack a round's outgoing buckets (a one-copy bucket that is a contiguous run of its source goes
-    from the source itself); a bucket that cannot be packed still goes, marked FAILED. ``emit``
-    posts each bucket's messages as soon as it is packed; else they are returned."""
+                emit: Callable[[list[Post]], None] | None, k: int) -> list[Post]:
+    """Pack round ``k``'s outgoing buckets (a one-copy bucket that is a contiguous run of its source
+    goes from the source itself); a bucket that cannot be packed still goes (marked FAILED when it
+    has a header). ``emit`` posts each bucket's messages as soon as it is packed. Returns the posts."""
     posts: list[Post] = []
-    heads = torch.zeros(len(sends), 2, dtype=torch.int64, device=ctx.dev)
-    # on a GPU the headers are filled on the host and copied over once per round (not once per bucket:
-    # each small host-to-device copy from pageable memory waits for the host)
-    batched = emit is None and ctx.dev.type != "cpu"
-    rows = torch.zeros(len(sends), 2, dtype=torch.int64) if batched else heads
     fail = ctx.fail
+    rec = fail.rec.at(k) if fail.rec is not None else None
+    heads = rows = None
+    if ctx.checksum:
+        heads = torch.zeros(len(sends), 2, dtype=torch.int64, device=ctx.dev)
+        # on a GPU the headers are filled on the host and copied over once per round (not once per
+        # bucket: each small host-to-device copy from pageable memory waits for the host)
+        batched = emit is None and ctx.dev.type != "cpu"
+        rows = torch.zeros(len(sends), 2, dtype=torch.int64) if batched else heads
     for i, b in enumerate(sends):
         view = None
         if len(b.copies) == 1:
@@ -353,7 +439,11 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
         try:
             if fail.primary is not None:
                 raise RuntimeError("this rank failed earlier")  # keep the protocol; send nothing of value
-            pack(b, view, rows[i], ctx.sources, ctx.src_regions, ctx.checksum, direct=direct, views=ctx.views)
+            if fail.rec is not None and not direct:
+                for c in b.copies:
+                    _note_view(fail.rec, c)
+            pack(b, view, rows[i] if rows is not None else None, ctx.sources, ctx.src_regions, ctx.checksum,
+                 direct=direct, views=ctx.views, rec=rec)
             if direct:
                 fail.direct += b.nbytes
             else:
@@ -361,40 +451,49 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
         except Exception as e:  # noqa: BLE001 - the bucket still goes, marked failed: no receiver waits
             if fail.primary is None:
                 fail.add(e)
-            mark_failed(rows[i])
-        mine = [(heads[i], b.receiver, 2 * b.tag), (view, b.receiver, 2 * b.tag + 1)]
+            if rows is not None:
+                mark_failed(rows[i])
+        mine = [(view, b.receiver, 2 * b.tag + 1)]
+        if heads is not None:
+            mine.insert(0, (heads[i], b.receiver, 2 * b.tag))
         if emit is not None:
             emit(mine)
-        else:
-            posts += mine
-    if batched and sends:
+        posts += mine
+    if heads is not None and rows is not None and rows is not heads and sends:
         heads.copy_(rows)  # (the stream orders it before the sends posted after it)
+    if rec is not None:
+        rec.sends = posts
     return posts
 
 
 def _post_recvs(recvs: list[Bucket], bufs: Pool | Arena, ctx: _Ctx
-                ) -> tuple[list[Post], list[tuple[torch.Tensor, torch.Tensor, bool]]]:
+                ) -> tuple[list[Post], list[tuple[torch.Tensor, torch.Tensor | None, bool]]]:
     """Where a round's incoming buckets land: the target itself for a one-copy bucket that is a
     contiguous run of it (unless writes are deferred: then ``bufs`` is an arena), else a buffer;
-    the posts and ``(payload, header, direct)`` per bucket."""
+    the posts and ``(payload, header or None, direct)`` per bucket."""
     posts: list[Post] = []
-    rviews: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
-    heads = torch.zeros(len(recvs), 2, dtype=torch.int64, device=ctx.dev)
+    rviews: list[tuple[torch.Tensor, torch.Tensor | None, bool]] = []
+    heads = torch.zeros(len(recvs), 2, dtype=torch.int64, device=ctx.dev) if ctx.checksum else None
     for i, b in enumerate(recvs):
         view = None
         if len(b.copies) == 1 and isinstance(bufs, Pool):
             c = b.copies[0]
             view = direct_view(ctx.targets[c.dst], ctx.dst_regions[c.dst], c, False, ctx.dev)
-        rviews.append((view if view is not None else bufs.next(b.nbytes), heads[i], view is not None))
-        posts += [(heads[i], b.sender, 2 * b.tag), (rviews[-1][0], b.sender, 2 * b.tag + 1)]
+        payload = view if view is not None else bufs.next(b.nbytes)
+        rviews.append((payload, heads[i] if heads is not None else None, view is not None))
+        if heads is not None:
+            posts.append((heads[i], b.sender, 2 * b.tag))
+        posts.append((payload, b.sender, 2 * b.tag + 1))
     return posts, rviews
 
 
-def _unpack_round(recvs: list[Bucket], rviews: list[tuple[torch.Tensor, torch.Tensor, bool]], ctx: _Ctx, rank: int,
-                  defer: bool) -> None:
-    """Check and unpack a round's received buckets (their headers read back in one copy)."""
+def _unpack_round(recvs: list[Bucket], rviews: list[tuple[torch.Tensor, torch.Tensor | None, bool]], ctx: _Ctx,
+                  rank: int, defer: bool) -> None:
+    """Check and unpack a round's received buckets (their headers, if any, read back in one copy)."""
     fail = ctx.fail
-    heads = torch.stack([h for _, h, _ in rviews]).cpu() if rviews and ctx.dev.type != "cpu" else None
+    heads = None
+    if ctx.checksum and rviews and ctx.dev.type != "cpu":
+        heads = torch.stack([h for _, h, _ in rviews if h is not None]).cpu()
     for i, (b, (view, head, direct)) in enumerate(zip(recvs, rviews, strict=True)):
         try:
             unpack(b, view, head if heads is None else heads[i], ctx.targets, ctx.dst_regions, ctx.checksum, rank,

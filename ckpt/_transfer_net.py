@@ -35,6 +35,10 @@ class Transport:
     def wait(self, work: Any, deadline: float | None) -> None:
         raise NotImplementedError
 
+    def fence(self, work: Any) -> None:
+        """Order what the caller does next after ``work`` without blocking the host where the
+        backend can (NCCL: the current stream waits); eager transports have waited already."""
+
 
 class GlooTransport(Transport):
     """Over a gloo group, through the group's own ``send`` / ``recv`` (group ranks)."""
@@ -81,6 +85,9 @@ class NcclTransport(Transport):
                 raise TimeoutError("NCCL point-to-point operation timed out")
             time.sleep(0.00005)
         work.wait()  # orders the current stream after the transfer: what follows reads the buffers
+
+    def fence(self, work: Any) -> None:
+        work.wait()  # (a stream wait: the host goes on)
 
 
 class Pool:
@@ -151,19 +158,63 @@ class Views:
         return v
 
 
+class Round:
+    """One round of a recorded run: the packing copies (outputs and inputs of one ``_foreach_copy_``)
+    and the messages posted."""
+
+    __slots__ = ("outs", "datas", "sends", "recvs")
+
+    def __init__(self) -> None:
+        self.outs: list[torch.Tensor] = []
+        self.datas: list[torch.Tensor] = []
+        self.sends: list[Post] = []
+        self.recvs: list[Post] = []
+
+
+def signature(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+    """Where each tensor's bytes are: a recorded run holds only for tensors at the same addresses."""
+    return tuple((t.data_ptr(), t.stride(), t.device) for t in tensors)
+
+
+class Program:
+    """A run of a cached plan, recorded so that later runs over the same tensors replay it: per round
+    one ``_foreach_copy_`` for the packing and the round's messages, and one ``_foreach_copy_`` for
+    the commit. Why: on GPUs a transfer of a few hundred tensors is bound by the host (making,
+    finding and checking views per copy: docs/TRANSFER.md); a replay does none of that.
+
+    Replayed only when every source and target is where it was when recorded (:func:`signature`:
+    address, strides, device): the recorded views hold what they view, so no other tensor can come
+    to live at those addresses in between. Recorded only when every copy is a view (boxes, single
+    runs), without checksum, deferred to the commit, and the run met no failure."""
+
+    def __init__(self, sig: tuple[Any, ...]):
+        self.sig = sig
+        self.rounds: dict[int, Round] = {}
+        self.commit_outs: list[torch.Tensor] = []
+        self.commit_datas: list[torch.Tensor] = []
+        self.packed = self.direct = 0
+        self.ok = True  # False: a copy that is not a view was made (a gather, a snapshot): not replayable
+
+    def at(self, k: int) -> Round:
+        return self.rounds.setdefault(k, Round())
+
+
 class Buffers:
     """The send pools and the receive arena of a schedule, kept by the caller for the next run of
-    the same plan (fresh host memory costs a page fault per page on first touch)."""
+    the same plan (fresh host memory costs a page fault per page on first touch), and the recorded
+    run of the plan (:class:`Program`)."""
 
     def __init__(self) -> None:
         self.pools: list[Pool] = []
         self.arena: Arena | None = None
         self.views = Views()
+        self.program: Program | None = None
 
     def get(self, sched: Schedule, cap: int, dev: torch.device, defer: bool) -> tuple[list[Pool], Arena | None]:
         if not self.pools or self.pools[0].cap != cap or self.pools[0].device != dev:
             if self.pools:
                 self.views.clear()  # (views of the old buffers would never be hit again)
+                self.program = None
             self.pools = [Pool(cap, dev), Pool(cap, dev)]  # two: the next round is packed while one travels
         if not defer:
             return self.pools, None
@@ -171,9 +222,11 @@ class Buffers:
         if self.arena is None or self.arena.buf.numel() != size or self.arena.buf.device != dev:
             if self.arena is not None:
                 self.views.clear()
+                self.program = None
             self.arena = Arena(sched.recvs, dev)
         self.arena.at = 0
         return self.pools, self.arena
 
 
-__all__ = ["Post", "Transport", "GlooTransport", "NcclTransport", "Pool", "Arena", "Views", "Buffers"]
+__all__ = ["Post", "Transport", "GlooTransport", "NcclTransport", "Pool", "Arena", "Views", "Round", "signature",
+           "Program", "Buffers"]

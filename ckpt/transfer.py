@@ -71,6 +71,10 @@ class TransferResult:
     cached_plan: bool = False  # the plan of an earlier transfer of the same structure was reused
     rank_packed: int = 0  # this rank's bytes copied into send buffers
     rank_direct: int = 0  # this rank's bytes sent from a source, or received into a target, as they are
+    replayed: bool = False  # this rank replayed its recorded run of the cached plan (see ckpt._transfer_net.Program)
+    # this rank's seconds per phase: "plan" (declaring and the plan exchange), "move" (local copies and
+    # the data), "agree" (the commit exchange), "commit" (writing into dst)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 _STALE: dict[Any, bool] = {}  # per group: the data group must be made anew (a data-phase failure closed it)
@@ -250,9 +254,13 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
             err = rank_payload(e, comm.who)
     mine, sched, hit = _plan_or_reuse(comm, group, err, wire, fp, opts)
     ver = int(mine["version"])
+    t1 = time.perf_counter()
     staged, wanted, fail = _move(comm, group, mine, sched, srcs, dsts, opts)
+    t2 = time.perf_counter()
     _agree(comm, group, fail, ver, mine, opts)
+    t3 = time.perf_counter()
     _commit(comm, fail, staged, dsts)
+    t4 = time.perf_counter()
     if opts.delta and state is not None:
         state.fingerprint = mine["fp"]
         state.src_hashes = src_h
@@ -261,8 +269,10 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
         state.version = ver
     sent = sum(b.nbytes for b in sched.sends)
     received = sum(b.nbytes for b in sched.recvs)
+    phases = {"plan": t1 - t0, "move": t2 - t1, "agree": t3 - t2, "commit": t4 - t3}
     return TransferResult(ver, mine["sent"], mine["skipped"], mine["local"], mine["buckets"], mine["rounds"],
-                          time.perf_counter() - t0, sent, received, state, hit, fail.packed, fail.direct)
+                          time.perf_counter() - t0, sent, received, state, hit, fail.packed, fail.direct,
+                          fail.program is not None, phases)
 
 
 def structure_fingerprint(wire: dict[str, Any], rank: int, world: int, opts: Options) -> str:
@@ -270,7 +280,7 @@ def structure_fingerprint(wire: dict[str, Any], rank: int, world: int, opts: Opt
     regions), its place in the group, whether it joins over NCCL, and the planning options. Equal
     fingerprints on every rank, as at an earlier transfer, mean that transfer's plan holds again."""
     what = [wire["s"], wire["d"], wire["nccl"], rank, world, opts.bucket_bytes, opts.window, opts.strict,
-            opts.cast, opts.min_part]
+            opts.cast, opts.min_part, opts.checksum]
     return hashlib.blake2b(msgpack.packb(what, use_bin_type=True), digest_size=16).hexdigest()
 
 
@@ -310,7 +320,7 @@ def _declaration(srcs: list[TensorItem], dsts: list[TensorItem], opts: Options, 
             if state is not None else [],
             "c": [j < len(state.dst_hashes) and h == state.dst_hashes[j] for j, h in enumerate(dst_h)]
             if state is not None else [],
-            "nccl": any(i.local.device.type == "cuda" for i in srcs + dsts)}
+            "nccl": any(i.local.device.type == "cuda" for i in srcs + dsts), "ck": opts.checksum}
 
 
 def _planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dict[str, Any]:
@@ -390,7 +400,7 @@ def _share_memory(srcs: list[TensorItem], dsts: list[TensorItem]) -> bool:
 def _commit(comm: Comm, fail: ex.Failure, staged: dict[int, torch.Tensor], dsts: list[TensorItem]) -> None:
     """Write this version into ``dst``: every bucket of it arrived and was checked, on every rank."""
     try:
-        ex.commit_writes(fail.writes, [i.local for i in dsts], [i.region for i in dsts], fail.views)
+        ex.commit(fail, [i.local for i in dsts], [i.region for i in dsts])
         for j, t in staged.items():
             dsts[j].local.copy_(t)
     except Exception as e:  # an agreed version that cannot be written here: say so, it is this rank's
@@ -439,6 +449,10 @@ def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int, win
         raise StateError(f"ranks give different transfer versions: {sorted(versions)}; pass the same version "
                          "on every rank (or none)")
     ver = next(iter(versions))[1] if versions else max(int(g["last"]) for g in got) + 1
+    checks = {bool(g.get("ck")) for g in got if "s" in g}
+    if len(checks) > 1:  # (a bucket carries a header only with checksum: the ranks must agree on it)
+        raise StateError(f"ranks disagree on checksum: {[r for r, g in enumerate(got) if g.get('ck')]} pass "
+                         "checksum=True, the others not; pass the same on every rank")
     pcs = {g.get("pc") for g in got}
     if len(pcs) == 1 and None not in pcs:  # every rank holds the plan these fingerprints name
         return [{"version": ver, "cached": True}] * comm.world
@@ -453,7 +467,7 @@ def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int, win
                          min_part=min_part, unchanged=[g["u"] for g in got] if same else None,
                          clean=[g["c"] for g in got] if same else None)
     nccl = any(g["nccl"] for g in got)
-    pc = hashlib.blake2b(msgpack.packb([fp, nccl, bucket_bytes, window, strict], use_bin_type=True),
+    pc = hashlib.blake2b(msgpack.packb([fp, nccl, bucket_bytes, window, strict, checks == {True}], use_bin_type=True),
                          digest_size=16).hexdigest()
     common = {"version": ver, "fp": fp, "pc": pc, "net": plan.buckets > 0, "nccl": nccl, "sent": plan.bytes_sent,
               "skipped": plan.bytes_skipped, "local": plan.bytes_local, "buckets": plan.buckets, "rounds": plan.rounds}
