@@ -375,9 +375,10 @@ def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: f
     for n, k in enumerate(sorted(prog.rounds)):
         r = prog.rounds[k]
         try:
-            if n >= 2:
-                for w, _ in posted[n - 2]:
-                    transport.fence(w)  # (its send buffers are this round's)
+            # (round n - 2's send buffers are this round's)
+            if n >= 2 and not transport.eager and not _wait_all(transport, posted[n - 2], deadline, timeout, rank,
+                                                                fail, fence=True):
+                return fail
             if r.outs:
                 torch._foreach_copy_(r.outs, r.datas)
             posted.append(transport.post(r.sends, r.recvs))
@@ -387,7 +388,8 @@ def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: f
             return fail
         if transport.eager and not _wait_all(transport, posted[-1], deadline, timeout, rank, fail):
             return fail
-    for works in [] if transport.eager else posted:
+    # (not again the rounds fenced above where a fence is a wait: a gloo work takes one wait)
+    for works in [] if transport.eager else posted[-2:] if transport.fence_waits else posted:
         if not _wait_all(transport, works, deadline, timeout, rank, fail):
             return fail
     return fail
@@ -507,12 +509,16 @@ def _unpack_round(recvs: list[Bucket], rviews: list[tuple[torch.Tensor, torch.Te
 
 
 def _wait_all(transport: Transport, works: list[tuple[Any, int]], deadline: float | None, timeout: float | None,
-              rank: int, fail: Failure) -> bool:
-    """Wait for a round's messages; False (the failure recorded) when a wait failed: the data group
-    is closed then and the rounds stop."""
+              rank: int, fail: Failure, fence: bool = False) -> bool:
+    """Wait for a round's messages (``fence``: order what follows after them, see
+    :meth:`Transport.fence`); False (the failure recorded) when a wait failed: the data group is
+    closed then and the rounds stop."""
     for w, peer in works:
         try:
-            transport.wait(w, deadline)
+            if fence:
+                transport.fence(w, deadline)
+            else:
+                transport.wait(w, deadline)
         except Exception as e:  # noqa: BLE001 - gloo: timed out or the peer is gone
             fail.timed_out = "timed out" in str(e).lower()
             how = (f"within {timeout:g} s" if timeout is not None and fail.timed_out

@@ -27,6 +27,7 @@ class Transport:
 
     device = torch.device("cpu")
     eager = False
+    fence_waits = True  # :meth:`fence` is a wait (else the host goes on)
 
     def post(self, sends: list[Post], recvs: list[Post]) -> list[tuple[Any, int]]:
         """Post receives, then sends; returns ``(work, peer)`` pairs to wait for."""
@@ -35,9 +36,10 @@ class Transport:
     def wait(self, work: Any, deadline: float | None) -> None:
         raise NotImplementedError
 
-    def fence(self, work: Any) -> None:
-        """Order what the caller does next after ``work`` without blocking the host where the
-        backend can (NCCL: the current stream waits); eager transports have waited already."""
+    def fence(self, work: Any, deadline: float | None) -> None:
+        """Order what the caller does next after ``work``: a wait, except where the backend orders
+        it without the host (NCCL: the current stream waits)."""
+        self.wait(work, deadline)
 
 
 class GlooTransport(Transport):
@@ -63,6 +65,8 @@ class GlooTransport(Transport):
 class NcclTransport(Transport):
     """Over the caller's NCCL group: one ``batch_isend_irecv`` per round, buffers on the current GPU."""
 
+    fence_waits = False
+
     def __init__(self, group: Any):
         import torch.distributed as dist
 
@@ -86,7 +90,7 @@ class NcclTransport(Transport):
             time.sleep(0.00005)
         work.wait()  # orders the current stream after the transfer: what follows reads the buffers
 
-    def fence(self, work: Any) -> None:
+    def fence(self, work: Any, deadline: float | None) -> None:
         work.wait()  # (a stream wait: the host goes on)
 
 

@@ -231,7 +231,8 @@ def test_a_cached_plan_reuses_its_views_only_for_the_same_tensors_at_the_same_ad
 def _random_calls(rank: int, world: int, seed: int) -> None:
     """A generated sequence of repeated transfers (both ranks draw the same events): new values in the
     same tensors, a source or destination storage swapped under the same tensor object, new tensor
-    objects, another column split (a new plan), other buckets; every result bitwise."""
+    objects, another column split (a new plan), other buckets; every result bitwise, and the recorded
+    run replayed exactly when nothing but values changed."""
     import random
 
     rng = random.Random(seed)
@@ -261,6 +262,7 @@ def _random_calls(rank: int, world: int, seed: int) -> None:
     bucket = 64
     for step in range(18):
         what = rng.choice(["values", "swap_src", "swap_dst", "objects", "relayout", "bucket", "same"])
+        was = bucket
         if what == "values":
             value["w"] = full()
             a, b = cut(n_rows, world, rank)
@@ -279,7 +281,10 @@ def _random_calls(rank: int, world: int, seed: int) -> None:
             dst = {k: dst_of() for k in value}
         elif what == "bucket":
             bucket = rng.choice([64, 96, 4096])
-        ckpt.transfer(src, dst, bucket_bytes=bucket, timeout=60)
+        r = ckpt.transfer(src, dst, bucket_bytes=bucket, timeout=60)
+        # the recorded run is replayed exactly when the plan and every tensor's address are as before
+        assert r.replayed == (step > 0 and (what in ("values", "same") or (what == "bucket" and bucket == was))), (
+            seed, step, what)
         for k, t in value.items():
             d = dst[k]
             want = t[:, d.offsets[1]: d.offsets[1] + d.local.shape[1]]

@@ -1,0 +1,135 @@
+"""Replays of a recorded transfer (ckpt._transfer_net.Program): a repeated transfer over the same
+tensors runs its recorded copies and messages; it stays bitwise over many rounds, with the rounds
+pipelined as on NCCL, fails like any transfer (named rank, dst unchanged), and is never used where
+a copy is not a view (gathered segments) or buckets carry a checksum."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import _transfer_net as net
+from tests.dist_utils import run_ranks
+
+
+def _ref(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _rows(t: torch.Tensor, rank: int, world: int) -> ckpt.Shard:
+    n = t.shape[0]
+    a, b = n * rank // world, n * (rank + 1) // world
+    return ckpt.Shard(t[a:b].clone(), tuple(t.shape), (a, 0))
+
+
+def _cols(t: torch.Tensor, rank: int, world: int) -> ckpt.Shard:
+    n = t.shape[1]
+    a, b = n * rank // world, n * (rank + 1) // world
+    return ckpt.Shard(torch.zeros(t.shape[0], b - a, dtype=t.dtype), tuple(t.shape), (0, a))
+
+
+def _want(t: torch.Tensor, s: ckpt.Shard) -> torch.Tensor:
+    return t[:, s.offsets[1]: s.offsets[1] + s.local.shape[1]]
+
+
+def _pipelined(rank: int, world: int, eager: bool) -> None:
+    """Many rounds (tiny buckets, window 1), values changed between calls; ``eager=False`` runs the
+    replay as on NCCL (every round posted before the host waits; round k's send buffers reused by
+    round k + 2 after a fence)."""
+    net.GlooTransport.eager = eager
+    try:
+        ws = {f"t{i}": _ref((12, 10), seed=i) for i in range(5)}
+        src = {k: _rows(t, rank, world) for k, t in ws.items()}
+        dst = {k: _cols(t, rank, world) for k, t in ws.items()}
+        seen = []
+        for step in range(6):
+            for i, (k, t) in enumerate(ws.items()):
+                t.copy_(_ref((12, 10), seed=100 * step + i))
+                src[k].local.copy_(_rows(t, rank, world).local)
+            r = ckpt.transfer(src, dst, bucket_bytes=64, window=1, timeout=60)
+            seen.append(r.replayed)
+            for k, t in ws.items():
+                assert torch.equal(dst[k].local, _want(t, dst[k])), (step, k)
+                dst[k].local.fill_(-1.0)
+        assert r.rounds > 4  # (the pool of round k is reused by round k + 2)
+        assert seen == [False] + [True] * 5
+    finally:
+        net.GlooTransport.eager = True
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_replayed_transfer_of_many_rounds_stays_bitwise(eager: bool) -> None:
+    run_ranks(3, _pipelined, eager)
+
+
+def _stall(rank: int, world: int) -> None:
+    """A sender stalls inside a replayed transfer: its receiver names it within the timeout, no dst
+    changed, and the next transfer records anew and replays again."""
+    w = _ref((8, 6))
+    src = {"w": _rows(w, rank, world)}
+    dst = {"w": _cols(w, rank, world)}
+    for _ in range(2):
+        r = ckpt.transfer(src, dst, bucket_bytes=64, timeout=30)
+    assert r.replayed
+    dst["w"].local.fill_(7.0)
+    post = net.GlooTransport.post
+
+    def slow(self: net.GlooTransport, sends: list, recvs: list) -> list:
+        time.sleep(2.0)  # past the others' deadline
+        return post(self, sends, recvs)
+
+    if rank == 0:
+        net.GlooTransport.post = slow  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ckpt.CollectiveError, match=r"rank 0 within 1.5 s.*no destination tensor was changed"):
+            ckpt.transfer(src, dst, bucket_bytes=64, timeout=1.5)
+    finally:
+        net.GlooTransport.post = post  # type: ignore[method-assign]
+    assert torch.equal(dst["w"].local, torch.full_like(dst["w"].local, 7.0))
+    seen = [ckpt.transfer(src, dst, bucket_bytes=64, timeout=30).replayed for _ in range(2)]
+    assert seen == [False, True] and torch.equal(dst["w"].local, _want(w, dst["w"]))
+
+
+@pytest.mark.multiproc
+def test_a_sender_stalled_in_a_replay_is_named_and_nothing_is_committed() -> None:
+    run_ranks(2, _stall)
+
+
+def _not_replayed(rank: int, world: int) -> None:
+    """Runs that are not views are never replayed, and stay bitwise: a FlatShard source whose part
+    of a column block is several segments (gathered anew each call), and buckets with checksum."""
+    w = _ref((6, 8))
+    flat = w.reshape(-1)
+    a, b = 48 * rank // world, 48 * (rank + 1) // world
+    src = {"w": ckpt.FlatShard(flat[a:b].clone(), (6, 8), a)}
+    dst = {"w": _cols(w, rank, world)}
+    for step in range(3):
+        r = ckpt.transfer(src, dst, bucket_bytes=64, timeout=30)
+        assert not r.replayed and (step == 0 or r.cached_plan)
+        assert torch.equal(dst["w"].local, _want(w, dst["w"]))
+        dst["w"].local.zero_()
+    src = {"w": _rows(w, rank, world)}
+    for _ in range(3):
+        r = ckpt.transfer(src, dst, bucket_bytes=64, checksum=True, timeout=30)
+        assert not r.replayed and torch.equal(dst["w"].local, _want(w, dst["w"]))
+        dst["w"].local.zero_()
+
+
+@pytest.mark.multiproc
+def test_gathered_segments_and_checksums_are_never_replayed() -> None:
+    run_ranks(2, _not_replayed)
+
+
+def _checksum_disagrees(rank: int, world: int) -> None:
+    w = _ref((4, 4))
+    with pytest.raises(ckpt.StateError, match=r"ranks disagree on checksum: \[1\] pass checksum=True"):
+        ckpt.transfer({"w": _rows(w, rank, world)}, {"w": _cols(w, rank, world)}, checksum=rank == 1, timeout=30)
+
+
+@pytest.mark.multiproc
+def test_ranks_that_disagree_on_checksum_get_a_typed_error_on_every_rank() -> None:
+    run_ranks(2, _checksum_disagrees)
