@@ -119,9 +119,26 @@ def write_copy(c: Copy, target: torch.Tensor, region: Region, data: torch.Tensor
 
 
 def local_copy(c: Copy, sources: list[torch.Tensor], src_regions: list[Region], targets: list[torch.Tensor],
-               dst_regions: list[Region]) -> None:
+               dst_regions: list[Region], rec: Program | None = None, into: list[list[torch.Tensor]] | None = None
+               ) -> None:
     """A copy between two pieces of this rank (it holds what it wants)."""
-    write_copy(c, targets[c.dst], dst_regions[c.dst], read_copy(c, sources[c.src], src_regions[c.src]))
+    _write(c, targets[c.dst], dst_regions[c.dst], read_copy(c, sources[c.src], src_regions[c.src]), rec, into)
+
+
+def _write(c: Copy, target: torch.Tensor, region: Region, data: torch.Tensor, rec: Program | None,
+           into: list[list[torch.Tensor]] | None) -> None:
+    """:func:`write_copy`, recorded into ``into`` (``[outs, datas]`` of a batch) for a replay: a box
+    copy is a view of both sides; any other makes ``rec`` not replayable."""
+    box = c.geo.box
+    if rec is None or into is None or box is None:
+        if rec is not None and box is None:
+            rec.ok = False
+        write_copy(c, target, region, data)
+        return
+    out, src = box_view(target, region, box), data.view(box.lengths)
+    out.copy_(src)
+    into[0].append(out)
+    into[1].append(src)
 
 
 def _read(c: Copy, local: torch.Tensor, region: Region, views: Views | None) -> torch.Tensor:
@@ -177,7 +194,8 @@ def mark_failed(head: torch.Tensor) -> None:
 
 def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor | None, targets: list[torch.Tensor],
            dst_regions: list[Region], checksum: bool, rank: int, direct: bool = False,
-           writes: list[tuple[Copy, torch.Tensor]] | None = None, views: Views | None = None) -> None:
+           writes: list[tuple[Copy, torch.Tensor]] | None = None, views: Views | None = None,
+           rec: Program | None = None, into: list[list[torch.Tensor]] | None = None) -> None:
     """Check bucket ``b`` received in ``payload`` (with header ``head``, only with ``checksum``) and
     copy its runs into ``targets`` (unless ``direct``: it was received in place; or ``writes`` is
     given: the runs are appended to it as ``(copy, view of payload)``, to be written at commit).
@@ -203,7 +221,7 @@ def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor | None, targets:
         if writes is not None:
             writes.append((c, data))
         else:
-            write_copy(c, targets[c.dst], dst_regions[c.dst], data)
+            _write(c, targets[c.dst], dst_regions[c.dst], data, rec, into)
 
 
 def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.Tensor],
@@ -293,7 +311,7 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
     the rounds: the data group is closed then. ``keep``: buffers of an earlier run to reuse, and
     its recorded :class:`~ckpt._transfer_net.Program`, replayed when the tensors are where they were."""
     fail = Failure()
-    recordable = keep is not None and defer and not snapshot and not checksum and FAULT is None
+    recordable = keep is not None and not snapshot and not checksum and FAULT is None
     if recordable:
         assert keep is not None
         sig = signature(sources + targets)
@@ -311,7 +329,8 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
                 fail.writes.append((c, data.clone() if snapshot else data))
                 _note_view(fail.rec, c)
             else:
-                local_copy(c, sources, src_regions, targets, dst_regions)
+                local_copy(c, sources, src_regions, targets, dst_regions, fail.rec,
+                           fail.rec.local if fail.rec is not None else None)
         except Exception as e:  # noqa: BLE001 - reported to every rank by the commit exchange
             fail.add(e)
     if not sched.sends and not sched.recvs:
@@ -362,35 +381,51 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
 def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: float | None,
            timeout: float | None) -> Failure:
     """Run a recorded plan again (see :class:`~ckpt._transfer_net.Program`): per round one batch of
-    packing copies and the round's messages. On NCCL no round waits for the host: the send buffers
-    of round k are reused by round k + 2 after a stream wait, and the host waits (until the
-    deadline) only once every round is posted."""
+    packing copies, the round's messages and (in place) one batch of copies out of the received
+    buffers. On NCCL no round waits for the host: the buffers of round k are reused by round k + 2
+    after a stream wait, and the host waits (until the deadline) only once every round is posted."""
     fail = Failure()
     fail.program = prog
     fail.packed, fail.direct = prog.packed, prog.direct
+    if prog.local[0]:  # (in place: the local copies; deferred, they are part of the commit)
+        torch._foreach_copy_(prog.local[0], prog.local[1])
     if not prog.rounds:
         return fail
     assert transport is not None
+    order = sorted(prog.rounds)
     posted: list[list[tuple[Any, int]]] = []
-    for n, k in enumerate(sorted(prog.rounds)):
+    waited: set[int] = set()
+
+    def settle(n: int, fence: bool) -> bool:
+        """Round n done (``fence``: ordered after, on NCCL without the host), its copies out made."""
+        if n in waited:
+            return True
+        if not _wait_all(transport, posted[n], deadline, timeout, rank, fail, fence=fence):
+            return False
+        waited.add(n)
+        out = prog.rounds[order[n]].unpack
+        if out[0]:
+            torch._foreach_copy_(out[0], out[1])
+        return True
+
+    for n, k in enumerate(order):
         r = prog.rounds[k]
         try:
-            # (round n - 2's send buffers are this round's)
-            if n >= 2 and not transport.eager and not _wait_all(transport, posted[n - 2], deadline, timeout, rank,
-                                                                fail, fence=True):
-                return fail
-            if r.outs:
+            if r.outs:  # (into the buffers of round n - 2: settled below, in round n - 1)
                 torch._foreach_copy_(r.outs, r.datas)
             posted.append(transport.post(r.sends, r.recvs))
         except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
             fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
                                      f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
             return fail
-        if transport.eager and not _wait_all(transport, posted[-1], deadline, timeout, rank, fail):
+        # eager (gloo): each round is waited for in turn; else the last round is settled (NCCL: ordered on the
+        # stream) while this one travels
+        if not (settle(n, fence=False) if transport.eager else n < 1 or settle(n - 1, fence=True)):
             return fail
-    # (not again the rounds fenced above where a fence is a wait: a gloo work takes one wait)
-    for works in [] if transport.eager else posted[-2:] if transport.fence_waits else posted:
-        if not _wait_all(transport, works, deadline, timeout, rank, fail):
+    for n in range(len(order)):
+        if not transport.fence_waits and not _wait_all(transport, posted[n], deadline, timeout, rank, fail):
+            return fail  # (NCCL: the host waits for every round; settled ones too, a second wait is harmless)
+        if not settle(n, fence=False):
             return fail
     return fail
 
@@ -499,7 +534,8 @@ def _unpack_round(recvs: list[Bucket], rviews: list[tuple[torch.Tensor, torch.Te
     for i, (b, (view, head, direct)) in enumerate(zip(recvs, rviews, strict=True)):
         try:
             unpack(b, view, head if heads is None else heads[i], ctx.targets, ctx.dst_regions, ctx.checksum, rank,
-                   direct, writes=fail.writes if defer else None, views=ctx.views)
+                   direct, writes=fail.writes if defer else None, views=ctx.views, rec=fail.rec,
+                   into=fail.rec.at(b.round).unpack if fail.rec is not None else None)
             if direct:
                 fail.direct += b.nbytes
         except CollectiveError as e:

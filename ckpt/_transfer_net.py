@@ -166,13 +166,14 @@ class Round:
     """One round of a recorded run: the packing copies (outputs and inputs of one ``_foreach_copy_``)
     and the messages posted."""
 
-    __slots__ = ("outs", "datas", "sends", "recvs")
+    __slots__ = ("outs", "datas", "sends", "recvs", "unpack")
 
     def __init__(self) -> None:
         self.outs: list[torch.Tensor] = []
         self.datas: list[torch.Tensor] = []
         self.sends: list[Post] = []
         self.recvs: list[Post] = []
+        self.unpack: list[list[torch.Tensor]] = [[], []]  # in place: [outs, datas] of the received copies
 
 
 def signature(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
@@ -189,11 +190,12 @@ class Program:
     Replayed only when every source and target is where it was when recorded (:func:`signature`:
     address, strides, device): the recorded views hold what they view, so no other tensor can come
     to live at those addresses in between. Recorded only when every copy is a view (boxes, single
-    runs), without checksum, deferred to the commit, and the run met no failure."""
+    runs), without checksum, and the run met no failure."""
 
     def __init__(self, sig: tuple[Any, ...]):
         self.sig = sig
         self.rounds: dict[int, Round] = {}
+        self.local: list[list[torch.Tensor]] = [[], []]  # in place: [outs, datas] of the local copies
         self.commit_outs: list[torch.Tensor] = []
         self.commit_datas: list[torch.Tensor] = []
         self.packed = self.direct = 0

@@ -35,25 +35,39 @@ def _want(t: torch.Tensor, s: ckpt.Shard) -> torch.Tensor:
     return t[:, s.offsets[1]: s.offsets[1] + s.local.shape[1]]
 
 
-def _pipelined(rank: int, world: int, eager: bool) -> None:
+def _pipelined(rank: int, world: int, eager: bool, in_place: bool) -> None:
     """Many rounds (tiny buckets, window 1), values changed between calls; ``eager=False`` runs the
-    replay as on NCCL (every round posted before the host waits; round k's send buffers reused by
-    round k + 2 after a fence)."""
+    replay as on NCCL (every round posted before the host waits; round k's buffers reused by round
+    k + 2 after a fence); ``in_place``: received copies written out after each round. ``t*`` go
+    rows -> columns (each received run is contiguous in its target), ``u*`` columns -> rows (strided:
+    unpacked from the buffers)."""
     net.GlooTransport.eager = eager
     try:
-        ws = {f"t{i}": _ref((12, 10), seed=i) for i in range(5)}
-        src = {k: _rows(t, rank, world) for k, t in ws.items()}
-        dst = {k: _cols(t, rank, world) for k, t in ws.items()}
+        ws = {f"t{i}": _ref((12, 10), seed=i) for i in range(3)} | {f"u{i}": _ref((10, 12), seed=i) for i in range(3)}
+
+        def held(k: str, t: torch.Tensor, fill: bool) -> ckpt.Shard:
+            rows = k.startswith("t") == fill
+            s = _rows(t, rank, world) if rows else _cols(t, rank, world)
+            if fill and not rows:
+                s.local.copy_(_want(t, s))
+            if not fill:
+                s.local.zero_()
+            return s
+
+        src = {k: held(k, t, True) for k, t in ws.items()}
+        dst = {k: held(k, t, False) for k, t in ws.items()}
         seen = []
         for step in range(6):
             for i, (k, t) in enumerate(ws.items()):
-                t.copy_(_ref((12, 10), seed=100 * step + i))
-                src[k].local.copy_(_rows(t, rank, world).local)
-            r = ckpt.transfer(src, dst, bucket_bytes=64, window=1, timeout=60)
+                t.copy_(_ref(tuple(t.shape), seed=100 * step + i))
+                src[k].local.copy_(held(k, t, True).local)
+            r = ckpt.transfer(src, dst, bucket_bytes=64, window=1, timeout=60, in_place=in_place)
             seen.append(r.replayed)
             for k, t in ws.items():
-                assert torch.equal(dst[k].local, _want(t, dst[k])), (step, k)
-                dst[k].local.fill_(-1.0)
+                d = dst[k]
+                want = t[tuple(slice(o, o + n) for o, n in zip(d.offsets, d.local.shape, strict=True))]
+                assert torch.equal(d.local, want), (step, k)
+                d.local.fill_(-1.0)
         assert r.rounds > 4  # (the pool of round k is reused by round k + 2)
         assert seen == [False] + [True] * 5
     finally:
@@ -62,8 +76,9 @@ def _pipelined(rank: int, world: int, eager: bool) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("eager", [True, False])
-def test_a_replayed_transfer_of_many_rounds_stays_bitwise(eager: bool) -> None:
-    run_ranks(3, _pipelined, eager)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_replayed_transfer_of_many_rounds_stays_bitwise(eager: bool, in_place: bool) -> None:
+    run_ranks(3, _pipelined, eager, in_place)
 
 
 def _stall(rank: int, world: int) -> None:
