@@ -315,10 +315,10 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
     if recordable:
         assert keep is not None
         sig = signature(sources + targets)
-        if keep.program is not None and keep.program.sig == sig:
+        if keep.program is not None and keep.program.holds(sig):
             return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
         keep.program = None
-        fail.rec, fail.keep = Program(sig), keep
+        fail.rec, fail.keep = Program(sig, sources + targets), keep
     fail.views = keep.views if keep is not None else None
     if fail.views is not None:
         fail.views.begin()

@@ -188,18 +188,24 @@ class Program:
     finding and checking views per copy: docs/TRANSFER.md); a replay does none of that.
 
     Replayed only when every source and target is where it was when recorded (:func:`signature`:
-    address, strides, device): the recorded views hold what they view, so no other tensor can come
-    to live at those addresses in between. Recorded only when every copy is a view (boxes, single
-    runs), without checksum, and the run met no failure."""
+    address, strides, device) and so are the recorded tensors: the recorded views hold what they
+    view, so no other tensor can come to live at those addresses in between. Recorded only when
+    every copy is a view (boxes, single runs), without checksum, and the run met no failure."""
 
-    def __init__(self, sig: tuple[Any, ...]):
-        self.sig = sig
+    def __init__(self, sig: tuple[Any, ...], held: list[torch.Tensor]):
+        self.sig, self.held = sig, held
         self.rounds: dict[int, Round] = {}
         self.local: list[list[torch.Tensor]] = [[], []]  # in place: [outs, datas] of the local copies
         self.commit_outs: list[torch.Tensor] = []
         self.commit_datas: list[torch.Tensor] = []
         self.packed = self.direct = 0
         self.ok = True  # False: a copy that is not a view was made (a gather, a snapshot): not replayable
+
+    def holds(self, sig: tuple[Any, ...]) -> bool:
+        """Whether a run over tensors of signature ``sig`` may replay this one: the same places, and
+        the recorded tensors still there (a storage resized away and back elsewhere, as FSDP does
+        with unsharded parameters, would leave the recorded views pointing at freed memory)."""
+        return sig == self.sig and signature(self.held) == self.sig
 
     def at(self, k: int) -> Round:
         return self.rounds.setdefault(k, Round())

@@ -148,3 +148,43 @@ def _checksum_disagrees(rank: int, world: int) -> None:
 @pytest.mark.multiproc
 def test_ranks_that_disagree_on_checksum_get_a_typed_error_on_every_rank() -> None:
     run_ranks(2, _checksum_disagrees)
+
+
+def _same_memory(rank: int, world: int) -> None:
+    """New tensor objects over the same memory each call (as ``model.state_dict()`` gives) replay; a
+    source whose storage was freed (FSDP resizes unsharded parameters to 0) never replays the old
+    views, even when a new tensor lands at its address; every result bitwise."""
+    w = _ref((8, 6))
+    held = _rows(w, rank, world).local
+    dst = {"w": _cols(w, rank, world)}
+    seen = []
+    for step in range(3):
+        held.copy_(_rows(w * step, rank, world).local)
+        src = {"w": ckpt.Shard(held.detach(), (8, 6), (held.shape[0] * rank, 0))}  # a new object each call
+        seen.append(ckpt.transfer(src, dst, bucket_bytes=64, timeout=30).replayed)
+        assert torch.equal(dst["w"].local, _want(w * step, dst["w"]))
+    assert seen == [False, True, True]
+    was, shape = held.data_ptr(), held.shape
+    held.untyped_storage().resize_(0)  # freed: the recorded views now view nothing
+    fresh = torch.empty(shape)  # (often where the freed memory was)
+    fresh.copy_(_rows(w * 5, rank, world).local)
+    r = ckpt.transfer({"w": ckpt.Shard(fresh, (8, 6), (fresh.shape[0] * rank, 0))}, dst, bucket_bytes=64,
+                      timeout=30)
+    assert not r.replayed and torch.equal(dst["w"].local, _want(w * 5, dst["w"])), fresh.data_ptr() == was
+
+
+@pytest.mark.multiproc
+def test_new_objects_over_the_same_memory_replay_and_reallocated_memory_is_followed() -> None:
+    run_ranks(2, _same_memory)
+
+
+def test_a_recording_does_not_hold_for_a_tensor_whose_storage_was_freed() -> None:
+    """The same signature (a new tensor landing where a freed one was) does not make a recording
+    replayable: its views would read freed memory."""
+    t = torch.randn(4, 6)
+    prog = net.Program(net.signature([t]), [t])
+    assert prog.holds(net.signature([t]))
+    assert not prog.holds(net.signature([torch.randn(4, 6)]))  # elsewhere
+    sig = prog.sig
+    t.untyped_storage().resize_(0)
+    assert not prog.holds(sig)  # (what a new tensor at the old address would show)
