@@ -269,7 +269,8 @@ def main(args: argparse.Namespace) -> int:
     for mode in ("same", "disjoint"):
         print(f"{mode}: bytes sent {res[mode]['bytes_sent']} (gather + broadcast: "
               f"{res[mode]['gather_broadcast_bytes']}), buckets {res[mode]['buckets']}, "
-              f"rounds {res[mode]['rounds']}, cached plan {res[mode]['cached_plan']}, replayed {res[mode]['replayed']}; "
+              f"rounds {res[mode]['rounds']}, cached plan {res[mode]['cached_plan']}, "
+              f"replayed {res[mode]['replayed']}; "
               "rank 0's median ms per phase: " + ", ".join(f"{k} {median(v) * 1e3:.2f}"
                                                         for k, v in res[mode]["phases"].items()))
         if "profile" in res[mode]:
