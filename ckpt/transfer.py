@@ -26,6 +26,7 @@ import msgpack
 import torch
 
 from ckpt import _transfer_exec as ex
+from ckpt import _transfer_front as _front
 from ckpt import _transfer_net as net
 from ckpt import stateful
 from ckpt._comm import Comm, describe, raise_payload, side_group
@@ -195,7 +196,7 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
     srcs: list[TensorItem] = []
     dsts: list[TensorItem] = []
     try:
-        srcs, dsts = declared(src, dst, rename)
+        srcs, dsts = _front.declared(_key(comm, group), src, dst, rename, declared)
     except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
         err = rank_payload(e, comm.who)
     return run_items(comm, group, srcs, dsts, opts, state, err)
@@ -249,7 +250,10 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
                 dst_h = [_hash(i.local) for i in dsts]
             wire = _declaration(srcs, dsts, opts, state, src_h, dst_h)
             # delta plans depend on which pieces changed: planned every time
-            fp = None if opts.delta else structure_fingerprint(wire, comm.rank, comm.world, opts)
+            fp = None if opts.delta else _front.fingerprint_of(
+                srcs, dsts, (comm.rank, comm.world, opts.bucket_bytes, opts.window, opts.strict, opts.cast,
+                             opts.min_part, opts.checksum),
+                lambda: structure_fingerprint(wire, comm.rank, comm.world, opts))
         except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
             err = rank_payload(e, comm.who)
     mine, sched, hit = _plan_or_reuse(comm, group, err, wire, fp, opts)
@@ -312,15 +316,15 @@ def _declaration(srcs: list[TensorItem], dsts: list[TensorItem], opts: Options, 
                  src_h: list[bytes], dst_h: list[bytes]) -> dict[str, Any]:
     """What this rank tells the coordinator: its pieces, version wishes and, for delta, which of its
     pieces are unchanged (sources) or clean (destinations) since the last transfer."""
-    return {"s": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in srcs],
-            "d": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in dsts],
-            "v": opts.version, "last": state.version if state is not None else 0,
+    s, d, nccl = _front.wire_of(srcs, dsts, lambda items: [PieceDecl(i.key, i.dtype, i.global_shape, i.region)
+                                                          .to_wire() for i in items])
+    return {"s": s, "d": d, "v": opts.version, "last": state.version if state is not None else 0,
             "fp": state.fingerprint if opts.delta and state is not None else None,
             "u": [i < len(state.src_hashes) and h == state.src_hashes[i] for i, h in enumerate(src_h)]
             if state is not None else [],
             "c": [j < len(state.dst_hashes) and h == state.dst_hashes[j] for j, h in enumerate(dst_h)]
             if state is not None else [],
-            "nccl": any(i.local.device.type == "cuda" for i in srcs + dsts), "ck": opts.checksum}
+            "nccl": nccl, "ck": opts.checksum}
 
 
 def _planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dict[str, Any]:
@@ -381,13 +385,15 @@ def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: l
 
 
 def release_buffers(group: Any = None) -> None:
-    """Free the buffers (and kept views) that :func:`transfer` keeps between calls of the same plan
-    on ``group`` (default: the default group), e.g. before the memory is wanted for something else
-    (an inference engine's cache after a refit). The next call allocates them again. Not collective."""
+    """Free the buffers (and kept views, recorded runs and declared pieces) that :func:`transfer`
+    keeps between calls of the same plan on ``group`` (default: the default group), e.g. before the
+    memory is wanted for something else (an inference engine's cache after a refit). The next call
+    allocates them again. Not collective."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     _BUFFERS.pop(_group_key(group, world), None)
+    _front.forget(_group_key(group, world))
 
 
 def _share_memory(srcs: list[TensorItem], dsts: list[TensorItem]) -> bool:
