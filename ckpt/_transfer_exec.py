@@ -1,13 +1,14 @@
 """The executor of :func:`ckpt.transfer`: runs one rank's :class:`~ckpt._transfer_plan.Schedule`.
 
-Bytes move as buckets: a header message ``[status, crc32]`` (int64) and a payload message. A sender
-that fails while packing a bucket still sends it, with status FAILED, so that its receiver is never
-left waiting; the failure itself travels in the commit exchange. Rounds run in order; in a round a
-rank posts every send and receive before waiting for any (see the planner's rules), waits until the
-transfer's deadline, then unpacks what it received into its targets (staging copies or, with
-``in_place``, the destination tensors).
+Bytes move as buckets: a payload message, with ``checksum`` preceded by a header message
+``[status, crc32]`` (int64). A sender that fails while packing a bucket still sends it (with status
+FAILED where it has a header), so that its receiver is never left waiting; the failure itself
+travels in the commit exchange. Rounds run in order; in a round a rank posts every send and receive
+before waiting for any (see the planner's rules), waits until the transfer's deadline, then unpacks
+what it received into its targets (staging copies or, with ``in_place``, the destination tensors).
+A run of a cached plan is recorded and later replayed (:mod:`ckpt._transfer_replay`).
 
-The transports and the buffers live in :mod:`ckpt._transfer_net`.
+The transports, the buffers and the recorded runs live in :mod:`ckpt._transfer_net`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from ckpt._checksum import crc32
 from ckpt._dtypes import dtype_from_name
-from ckpt._transfer_net import Arena, Buffers, Pool, Post, Program, Round, Transport, Views, signature
+from ckpt._transfer_net import Arena, Buffers, Pool, Post, Program, Round, Transport, Views
 from ckpt._transfer_plan import Bucket, Copy, Schedule, run_start
 from ckpt.errors import CollectiveError, IntegrityError
 from ckpt.shards import Box, Region
@@ -229,7 +230,7 @@ def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.T
     """Apply deferred writes to the destination pieces (the commit, once every rank agreed). A piece
     that is not contiguous and gets segment runs is written through one contiguous copy of it. Box
     copies go in one batch (``views``: their views, kept for the next run of the plan; ``rec``: the
-    batch is recorded for a replay, which :func:`commit_program` runs instead)."""
+    batch is recorded for a replay, whose :func:`commit` runs it instead)."""
     bounce: dict[int, torch.Tensor] = {}
     outs, datas = [], []
     for c, data in writes:
@@ -295,7 +296,7 @@ def _few(keys: list[str], n: int = 4) -> str:
 def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
                  targets: list[torch.Tensor], dst_regions: list[Region], transport: Transport | None, *,
                  rank: int, checksum: bool, deadline: float | None, timeout: float | None, defer: bool = False,
-                 snapshot: bool = False, keep: Buffers | None = None) -> Failure:
+                 snapshot: bool = False, keep: Buffers | None = None, rec: Program | None = None) -> Failure:
     """Run this rank's schedule; never raises (the errors are returned, for the commit exchange).
 
     Local copies first, then each round: post every receive, pack and post every send, wait,
@@ -308,17 +309,11 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
     ``snapshot``, when a destination may share memory with a source) and received runs (views of
     the received buckets) go to ``Failure.writes`` for :func:`commit_writes`. On NCCL the next
     round is packed while this one travels. A wait that fails (deadline passed, peer gone) stops
-    the rounds: the data group is closed then. ``keep``: buffers of an earlier run to reuse, and
-    its recorded :class:`~ckpt._transfer_net.Program`, replayed when the tensors are where they were."""
+    the rounds: the data group is closed then. ``keep``: buffers of an earlier run to reuse;
+    ``rec``: record this run into it, kept in ``keep`` at the commit (see :mod:`ckpt._transfer_replay`)."""
     fail = Failure()
-    recordable = keep is not None and not snapshot and not checksum and FAULT is None
-    if recordable:
-        assert keep is not None
-        sig = signature(sources + targets)
-        if keep.program is not None and keep.program.holds(sig):
-            return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
-        keep.program = None
-        fail.rec, fail.keep = Program(sig, sources + targets), keep
+    if rec is not None:
+        fail.rec, fail.keep = rec, keep
     fail.views = keep.views if keep is not None else None
     if fail.views is not None:
         fail.views.begin()
@@ -372,61 +367,9 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
             fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
                                      f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
             return fail
-        if not _wait_all(transport, works, deadline, timeout, rank, fail):
+        if not wait_all(transport, works, deadline, timeout, rank, fail):
             return fail
         _unpack_round(recvs, rviews, ctx, rank, defer)
-    return fail
-
-
-def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: float | None,
-           timeout: float | None) -> Failure:
-    """Run a recorded plan again (see :class:`~ckpt._transfer_net.Program`): per round one batch of
-    packing copies, the round's messages and (in place) one batch of copies out of the received
-    buffers. On NCCL no round waits for the host: the buffers of round k are reused by round k + 2
-    after a stream wait, and the host waits (until the deadline) only once every round is posted."""
-    fail = Failure()
-    fail.program = prog
-    fail.packed, fail.direct = prog.packed, prog.direct
-    if prog.local[0]:  # (in place: the local copies; deferred, they are part of the commit)
-        torch._foreach_copy_(prog.local[0], prog.local[1])
-    if not prog.rounds:
-        return fail
-    assert transport is not None
-    order = sorted(prog.rounds)
-    posted: list[list[tuple[Any, int]]] = []
-    waited: set[int] = set()
-
-    def settle(n: int, fence: bool) -> bool:
-        """Round n done (``fence``: ordered after, on NCCL without the host), its copies out made."""
-        if n in waited:
-            return True
-        if not _wait_all(transport, posted[n], deadline, timeout, rank, fail, fence=fence):
-            return False
-        waited.add(n)
-        out = prog.rounds[order[n]].unpack
-        if out[0]:
-            torch._foreach_copy_(out[0], out[1])
-        return True
-
-    for n, k in enumerate(order):
-        r = prog.rounds[k]
-        try:
-            if r.outs:  # (into the buffers of round n - 2: settled below, in round n - 1)
-                torch._foreach_copy_(r.outs, r.datas)
-            posted.append(transport.post(r.sends, r.recvs))
-        except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
-            fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
-                                     f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
-            return fail
-        # eager (gloo): each round is waited for in turn; else the last round is settled (NCCL: ordered on the
-        # stream) while this one travels
-        if not (settle(n, fence=False) if transport.eager else n < 1 or settle(n - 1, fence=True)):
-            return fail
-    for n in range(len(order)):
-        if not transport.fence_waits and not _wait_all(transport, posted[n], deadline, timeout, rank, fail):
-            return fail  # (NCCL: the host waits for every round; settled ones too, a second wait is harmless)
-        if not settle(n, fence=False):
-            return fail
     return fail
 
 
@@ -544,7 +487,7 @@ def _unpack_round(recvs: list[Bucket], rviews: list[tuple[torch.Tensor, torch.Te
             fail.add(e)
 
 
-def _wait_all(transport: Transport, works: list[tuple[Any, int]], deadline: float | None, timeout: float | None,
+def wait_all(transport: Transport, works: list[tuple[Any, int]], deadline: float | None, timeout: float | None,
               rank: int, fail: Failure, fence: bool = False) -> bool:
     """Wait for a round's messages (``fence``: order what follows after them, see
     :meth:`Transport.fence`); False (the failure recorded) when a wait failed: the data group is

@@ -28,6 +28,7 @@ import torch
 from ckpt import _transfer_exec as ex
 from ckpt import _transfer_front as _front
 from ckpt import _transfer_net as net
+from ckpt import _transfer_replay as _replay
 from ckpt import stateful
 from ckpt._comm import Comm, describe, raise_payload, side_group
 from ckpt._save_plan import PieceDecl
@@ -374,11 +375,11 @@ def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: l
             if pc != mine["pc"] or keep is None:
                 keep = net.Buffers()
                 _BUFFERS[_key(comm, group)] = (mine["pc"], keep)
-        fail = ex.run_schedule(sched, [i.local for i in srcs], [i.region for i in srcs], targets,
-                               [i.region for i in dsts], transport, rank=comm.rank, checksum=opts.checksum,
-                               deadline=deadline, timeout=opts.timeout, defer=not opts.in_place,
-                               snapshot=not opts.in_place and bool(sched.local) and _share_memory(srcs, dsts),
-                               keep=keep)
+        fail = _replay.run(sched, [i.local for i in srcs], [i.region for i in srcs], targets,
+                           [i.region for i in dsts], transport, rank=comm.rank, checksum=opts.checksum,
+                           deadline=deadline, timeout=opts.timeout, defer=not opts.in_place,
+                           snapshot=not opts.in_place and bool(sched.local) and _share_memory(srcs, dsts),
+                           keep=keep)
     except Exception as e:  # noqa: BLE001
         fail.add(e)
     return staged, wanted, fail

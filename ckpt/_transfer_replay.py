@@ -1,0 +1,92 @@
+"""Replays of :func:`ckpt.transfer`'s recorded runs (:class:`ckpt._transfer_net.Program`).
+
+A run of a cached plan over the same tensors is the same copies and messages every time; replaying
+the recording skips making and checking views in Python, which bound transfers of a few hundred
+tensors on GPUs (docs/TRANSFER.md, "Replay").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckpt import _transfer_exec as ex
+from ckpt._transfer_exec import Failure, wait_all
+from ckpt._transfer_net import Buffers, Program, Transport, signature
+from ckpt._transfer_plan import Schedule
+from ckpt.errors import CollectiveError
+from ckpt.shards import Region
+
+
+def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region], targets: list[torch.Tensor],
+        dst_regions: list[Region], transport: Transport | None, *, rank: int, checksum: bool,
+        deadline: float | None, timeout: float | None, defer: bool = False, snapshot: bool = False,
+        keep: Buffers | None = None) -> Failure:
+    """:func:`ckpt._transfer_exec.run_schedule`, or the replay of its recorded run in ``keep`` when
+    every tensor is where it was; a run that may be replayed later is recorded. Never raises."""
+    rec = None
+    if keep is not None and not snapshot and not checksum and ex.FAULT is None:
+        sig = signature(sources + targets)
+        if keep.program is not None and keep.program.holds(sig):
+            return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
+        keep.program = None
+        rec = Program(sig, sources + targets)
+    return ex.run_schedule(sched, sources, src_regions, targets, dst_regions, transport, rank=rank,
+                           checksum=checksum, deadline=deadline, timeout=timeout, defer=defer, snapshot=snapshot,
+                           keep=keep, rec=rec)
+
+
+def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: float | None,
+           timeout: float | None) -> Failure:
+    """Run a recorded plan again (see :class:`~ckpt._transfer_net.Program`): per round one batch of
+    packing copies, the round's messages and (in place) one batch of copies out of the received
+    buffers. On NCCL no round waits for the host: the buffers of round k are reused by round k + 2
+    after a stream wait, and the host waits (until the deadline) only once every round is posted."""
+    fail = Failure()
+    fail.program = prog
+    fail.packed, fail.direct = prog.packed, prog.direct
+    if prog.local[0]:  # (in place: the local copies; deferred, they are part of the commit)
+        torch._foreach_copy_(prog.local[0], prog.local[1])
+    if not prog.rounds:
+        return fail
+    assert transport is not None
+    order = sorted(prog.rounds)
+    posted: list[list[tuple[Any, int]]] = []
+    waited: set[int] = set()
+
+    def settle(n: int, fence: bool) -> bool:
+        """Round n done (``fence``: ordered after, on NCCL without the host), its copies out made."""
+        if n in waited:
+            return True
+        if not wait_all(transport, posted[n], deadline, timeout, rank, fail, fence=fence):
+            return False
+        waited.add(n)
+        out = prog.rounds[order[n]].unpack
+        if out[0]:
+            torch._foreach_copy_(out[0], out[1])
+        return True
+
+    for n, k in enumerate(order):
+        r = prog.rounds[k]
+        try:
+            if r.outs:  # (into the buffers of round n - 2: settled below, in round n - 1)
+                torch._foreach_copy_(r.outs, r.datas)
+            posted.append(transport.post(r.sends, r.recvs))
+        except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
+            fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
+                                     f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
+            return fail
+        # eager (gloo): each round is waited for in turn; else the last round is settled (NCCL: ordered on the
+        # stream) while this one travels
+        if not (settle(n, fence=False) if transport.eager else n < 1 or settle(n - 1, fence=True)):
+            return fail
+    for n in range(len(order)):
+        if not transport.fence_waits and not wait_all(transport, posted[n], deadline, timeout, rank, fail):
+            return fail  # (NCCL: the host waits for every round; settled ones too, a second wait is harmless)
+        if not settle(n, fence=False):
+            return fail
+    return fail
+
+
+__all__ = ["run", "replay"]
