@@ -118,7 +118,10 @@ def threads_for(ranks_here: int) -> int:
     ``ranks_here`` ranks of the host that copy at the same time, at most :data:`MAX_THREADS`. Why
     not all: the copies run beside training, whose own threads (the Python loop, NCCL's proxies,
     the CUDA waits that spin) lose their cores to them otherwise, and host memory bandwidth is spent
-    well before every core copies."""
+    well before every core copies. ``CKPT_TIER_COPY_THREADS`` sets the number instead."""
+    env = os.environ.get("CKPT_TIER_COPY_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     return max(1, min(MAX_THREADS, cpus_per_rank(max(1, ranks_here)) * 3 // 4))
 
 
