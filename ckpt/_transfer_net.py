@@ -201,11 +201,14 @@ class Program:
         self.packed = self.direct = 0
         self.ok = True  # False: a copy that is not a view was made (a gather, a snapshot): not replayable
 
-    def holds(self, sig: tuple[Any, ...]) -> bool:
-        """Whether a run over tensors of signature ``sig`` may replay this one: the same places, and
-        the recorded tensors still there (a storage resized away and back elsewhere, as FSDP does
-        with unsharded parameters, would leave the recorded views pointing at freed memory)."""
-        return sig == self.sig and signature(self.held) == self.sig
+    def holds(self, tensors: list[torch.Tensor], sig: tuple[Any, ...]) -> bool:
+        """Whether a run over ``tensors`` (of signature ``sig``) may replay this one: the same places,
+        and the recorded tensors still there (a storage freed, as FSDP frees unsharded parameters,
+        with a new tensor at its address would leave the recorded views on freed memory)."""
+        if sig != self.sig:
+            return False
+        same = len(tensors) == len(self.held) and all(a is b for a, b in zip(tensors, self.held, strict=True))
+        return same or signature(self.held) == self.sig
 
     def at(self, k: int) -> Round:
         return self.rounds.setdefault(k, Round())

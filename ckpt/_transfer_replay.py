@@ -28,7 +28,7 @@ def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
     rec = None
     if keep is not None and not snapshot and not checksum and ex.FAULT is None:
         sig = signature(sources + targets)
-        if keep.program is not None and keep.program.holds(sig):
+        if keep.program is not None and keep.program.holds(sources + targets, sig):
             return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
         keep.program = None
         rec = Program(sig, sources + targets)

@@ -183,8 +183,9 @@ def test_a_recording_does_not_hold_for_a_tensor_whose_storage_was_freed() -> Non
     replayable: its views would read freed memory."""
     t = torch.randn(4, 6)
     prog = net.Program(net.signature([t]), [t])
-    assert prog.holds(net.signature([t]))
-    assert not prog.holds(net.signature([torch.randn(4, 6)]))  # elsewhere
+    assert prog.holds([t], net.signature([t]))
+    other = torch.randn(4, 6)
+    assert not prog.holds([other], net.signature([other]))  # elsewhere
     sig = prog.sig
     t.untyped_storage().resize_(0)
-    assert not prog.holds(sig)  # (what a new tensor at the old address would show)
+    assert not prog.holds([other], sig)  # (what a new tensor at the old address would show)
