@@ -116,14 +116,8 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
                  "rank_direct": res[0].rank_direct}
         if r == 0:
             check("transfer")
-        times["save+load"].append(timed_save_load(timed, rank, src, dst, os.path.join(root, f"{mode}-{r}")))
-        if r == 0:
-            check("save+load")
-        times["gather+broadcast"].append(timed(gather_broadcast))
-        if r == 0:
-            check("gather+broadcast")
-        for name, fn in raw.items():  # the same bytes between the same pairs, contiguous, no planning
-            times[name].append(timed(fn))
+        time_baselines(times, timed, check if r == 0 else None, rank, src, dst, os.path.join(root, f"{mode}-{r}"),
+                       gather_broadcast, raw)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times": times, "transfer": stats}, f)
@@ -178,6 +172,24 @@ def timed_save_load(timed: Callable[[Callable[[], Any]], float], rank: int, src:
     if rank == 0:
         shutil.rmtree(d, ignore_errors=True)
     return took
+
+
+def time_baselines(times: dict[str, list[float]], timed: Callable[[Callable[[], Any]], float],
+                   check: Callable[[str], None] | None, rank: int, src: dict[str, Any] | None,
+                   dst: dict[str, Any] | None, d: str, gather_broadcast: Callable[[], None],
+                   raw: dict[str, Callable[[], None]]) -> None:
+    """One repeat of the methods transfer is compared with, each appended to ``times``: save + load
+    through ``d``, gather + broadcast, and the backend's ``raw`` baselines (the same bytes between the
+    same pairs, contiguous, no planning); ``check`` (the first repeat) checks and resets ``dst`` after
+    the first two."""
+    times["save+load"].append(timed_save_load(timed, rank, src, dst, d))
+    if check is not None:
+        check("save+load")
+    times["gather+broadcast"].append(timed(gather_broadcast))
+    if check is not None:
+        check("gather+broadcast")
+    for name, fn in raw.items():
+        times[name].append(timed(fn))
 
 
 def run(ranks: int, size_mb: float, n: int, repeats: int, root: str, device: str = "cpu",

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import ckpt
 from bench.common import fmt, gbps, markdown_table, median, print_table, timed_collective
 from bench.ranks import cuda_sync, fork_ranks, gloo_ranks
-from bench.transfer import cut, raw_baselines, timed_save_load
+from bench.transfer import cut, raw_baselines, time_baselines
 
 D, F, E = 2048, 1024, 16  # model width, expert hidden size, experts (at --size-gb 8: 34 layers)
 
@@ -178,13 +178,8 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: i
             phases.setdefault(k, []).append(v)
         if r == 0:
             check("transfer")
-        times["save+load"].append(timed_save_load(timed, rank, src, dst, os.path.join(root, f"{mode}-{r}")))
-        if r == 0:
-            check("save+load")
-        times["gather+broadcast"].append(timed(gather_broadcast))
-        if r == 0:
-            check("gather+broadcast")
-        times["send/recv"].append(timed(p2p))
+        time_baselines(times, timed, check if r == 0 else None, rank, src, dst, os.path.join(root, f"{mode}-{r}"),
+                       gather_broadcast, {"send/recv": p2p})
     if rank == 0:
         info: dict[str, Any] = {"times": times, "bytes_sent": res[0].bytes_sent, "buckets": res[0].buckets,
                                 "rounds": res[0].rounds, "cached_plan": res[0].cached_plan,
