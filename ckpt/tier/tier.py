@@ -297,8 +297,9 @@ class MemoryTier:
         pool = self._replica_slots.get(owner)
         if pool is None:
             pool = self._replica_slots[owner] = SlotPool(self.store.replica_root(owner), self.config.keep + 1)
-        slot = pool.acquire(raw_layout(size), pin=False)
-        pool.shape_ahead(raw_layout(size), slot, pin=False)  # the next copies land in allocated pages
+        layout = raw_layout(size)
+        slot = pool.acquire(layout, pin=False)
+        pool.shape_ahead(layout, slot, pin=False)  # the next copies land in allocated pages
         return slot
 
     def _skip(self, step: int) -> bool:
