@@ -313,24 +313,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"bandwidth: {json.dumps({k: v for k, v in bw.items() if k.endswith('gbps') or k == 'gpu'})}",
               flush=True)
         busy = [b.strip() for b in args.memory_busy.split(",") if b.strip()]
-        runs = ["storage"] + ["memory" if b == "wait" else f"memory-{b}" for b in busy]
+        variants = parse_variants(args.tier_variants)
+        runs = ["storage"] + [("memory" if b == "wait" else f"memory-{b}") + ("" if v == "plain" else f"+{v}")
+                              for b in busy for v in variants]
         res["runs"] = runs
+        fail_at = args.fail_at or None  # 0: no node is lost
         for kind in runs:
+            stage, gbps = variants.get(kind.partition("+")[2] or "plain", (False, None))
             t = time.perf_counter()
             ckpt_dir = os.path.join(work, kind)
             shutil.rmtree(ckpt_dir, ignore_errors=True)
             cfg = TrainConfig(model=model, seq_len=args.seq, global_batch=res["global_batch"], microbatches=1,
                               steps=args.steps, save_every=args.save_every, async_save=False, warmup=1,
-                              ckpt_dir=ckpt_dir, fail_at_step=args.fail_at, fail_node=1, nodes=2, device=args.device,
-                              memory_every=1 if kind != "storage" else None, replicas=1, shm_dir=shm,
-                              memory_busy="skip" if kind == "memory-skip" else "wait",
+                              ckpt_dir=ckpt_dir, fail_at_step=fail_at, fail_node=1 if fail_at else None, nodes=2,
+                              device=args.device, memory_every=1 if kind != "storage" else None, replicas=1,
+                              shm_dir=shm, memory_busy="skip" if kind.startswith("memory-skip") else "wait",
+                              memory_stage_on_device=stage, memory_max_gbps=gbps,
                               metrics_path=os.path.join(work, f"{kind}.metrics.jsonl"))
             if os.path.exists(cfg.metrics_file or ""):
                 os.unlink(cfg.metrics_file or "")
             cfg.check_layout(layout)
             mem_note = f", memory checkpoint every step (busy={cfg.memory_busy})" if kind != "storage" else ""
-            print(f"== {kind}: {layout}, {args.steps} steps, persistent save every {args.save_every}, node 1 lost "
-                  f"after step {args.fail_at}{mem_note}", flush=True)
+            lost = f"node 1 lost after step {fail_at}" if fail_at else "no node lost"
+            print(f"== {kind}: {layout}, {args.steps} steps, persistent save every {args.save_every}, {lost}"
+                  f"{mem_note}", flush=True)
             evicted: dict[str, Any] = {}
 
             def between(d: str = ckpt_dir, kind: str = kind, evicted: dict[str, Any] = evicted) -> None:
@@ -374,6 +380,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def parse_variants(text: str) -> dict[str, tuple[bool, float | None]]:
+    """``--tier-variants``: ``plain`` (the defaults), ``stage`` (``memory_stage_on_device``), ``@G`` (a
+    budget of G GB/s per rank: ``memory_max_gbps``) or ``stage@G``, comma-separated; by name, in order,
+    each as ``(stage_on_device, max_gbps)``."""
+    out: dict[str, tuple[bool, float | None]] = {}
+    for name in (v.strip() for v in text.split(",")):
+        if not name:
+            continue
+        head, _, gbps = name.partition("@")
+        if head not in ("plain", "stage", "") or (head == "plain" and gbps) or (not head and not gbps):
+            raise SystemExit(f"--tier-variants: {name!r}: use plain, stage, @G or stage@G (G: GB/s per rank)")
+        try:
+            budget = float(gbps) if gbps else None
+        except ValueError:
+            raise SystemExit(f"--tier-variants: {name!r}: {gbps!r} is not a number of GB/s") from None
+        if budget is not None and not budget > 0:
+            raise SystemExit(f"--tier-variants: {name!r}: the budget must be positive")
+        out[name] = (head == "stage", budget)
+    return out or {"plain": (False, None)}
+
+
+def _label(k: str) -> str:
+    busy, _, variant = k.partition("+")
+    return f"busy={'skip' if busy == 'memory-skip' else 'wait'}" + (f", {variant}" if variant else "")
+
+
 def derive(res: dict[str, Any]) -> None:
     """Slowdown and restore bandwidths (per rank, and over the H2D / memcpy limit)."""
     s = res.get("storage", {})
@@ -409,7 +441,7 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     step_rows = [["no memory tier", fmt(s.get("step_ms", nan), 1), fmt(s.get("stall_ms", nan), 1), "-", "-", "-",
                   "-", "-", "-", "1.00", fmt(s.get("step_ms_late", nan), 1), "1.00"]]
     for k, m in mems:
-        step_rows.append([f"--memory-every 1, busy={'skip' if k == 'memory-skip' else 'wait'}",
+        step_rows.append([f"--memory-every 1, {_label(k)}",
                           fmt(m.get("step_ms", nan), 1), fmt(m.get("stall_ms", nan), 1),
                           fmt(m.get("memory_bytes_per_step", nan) / res["ranks"] / 1e9, 3),
                           str(m.get("memory_complete", 0)),
@@ -419,7 +451,7 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                           fmt(m.get("slowdown_late", nan), 2)])
     rec_rows = []
     for label, run in (("persistent storage", s),
-                       *((f"memory tier, busy={'skip' if k == 'memory-skip' else 'wait'}", m) for k, m in mems)):
+                       *((f"memory tier, {_label(k)}", m) for k, m in mems)):
         r = run.get("recovery") or {}
         rec_rows.append([label, str(r.get("tier", "-")), str(r.get("step", "-")), str(r.get("steps_lost", "-")),
                          fmt(r.get("restart_ms", nan), 0), fmt(r.get("pin_ahead_ms", nan), 0),
@@ -432,7 +464,7 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
          ["run", "step ms", "stall ms", "memory ckpt GB/rank", "complete ckpts logged", "snapshot ms", "write ms",
           "replicate ms", "replicate GB/s per rank", "slowdown", "later half step ms", "later half slowdown"],
          step_rows),
-        (f"node 1 lost after step {res['fail_at']}: restart to the next step ({limit_name} {fmt(limit, 1)} GB/s"
+        (f"node 1 lost after step {res['fail_at'] or '-'}: restart to the next step ({limit_name} {fmt(limit, 1)} GB/s"
          + (" per GPU)" if limit_name == "H2D" else ")"),
          ["restore from", "tier", "step", "steps lost", "restart ms", "pin ahead ms", "of it waited ms",
           "restore ms", "first step ms",
@@ -450,12 +482,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=None, help="default 2 samples per data-parallel rank")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-every", type=int, default=3, help="synchronous persistent saves (both runs)")
-    p.add_argument("--fail-at", type=int, default=5, help="node 1 is lost after this many steps")
+    p.add_argument("--fail-at", type=int, default=5, help="node 1 is lost after this many steps (0: never)")
     p.add_argument("--launcher", default="torchrun", choices=("torchrun", "fork"),
                    help="torchrun (new processes per attempt, as ckpt train) or forked ranks (faster, CPU tests)")
     p.add_argument("--memory-busy", default="wait",
                    help="memory runs: wait (a checkpoint due while the previous runs waits for it), skip, or "
                         "wait,skip for both (one more run, ~1 min on GPUs)")
+    p.add_argument("--tier-variants", default="plain",
+                   help="memory runs per busy mode: plain, stage (GPU state staged in device memory first), @G "
+                        "(a background budget of G GB/s per rank) or stage@G, comma-separated")
     p.add_argument("--pretouch", default="auto", choices=("auto", "on", "off"),
                    help="touch the host memory the runs need first (auto: when MemTotal is below it)")
     p.add_argument("--h2d-gib", type=float, default=1.0, help="size of the bandwidth probe")
@@ -485,4 +520,6 @@ def main(args: argparse.Namespace) -> int:
         return rec.get("tier") == "storage" and not [s for s in r.get("memory_complete_before_failure", [])
                                                      if s > int(rec.get("step", -1))]
 
+    if not args.fail_at:  # no node lost: nothing restored to check
+        return 0 if ok else 1
     return 0 if ok and tiers[0] == "storage" and all(expected(k) for k in runs[1:]) else 1

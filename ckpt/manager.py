@@ -123,7 +123,10 @@ class CheckpointManager:
     ``$CKPT_RUN_ID`` or a hash of the root), ``node`` / ``nodes`` (this rank's node, or simulated
     nodes; default ``$CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE`` grouping), ``memory_timeout`` (s),
     ``memory_busy`` (``wait``: a memory checkpoint due while the previous one still runs waits for it;
-    ``skip``: it is skipped, see :class:`ckpt.tier.TierConfig`).
+    ``skip``: it is skipped, see :class:`ckpt.tier.TierConfig`), ``memory_stage_on_device`` (GPU
+    pieces staged in device memory first: the optimizer step waits for a device copy only) and
+    ``memory_max_gbps`` (a budget for the tier's background traffic, GB/s per rank); see
+    :class:`ckpt.tier.TierConfig`.
 
     ``lease_grace_s``: how long this manager's gc (at start and in retention) counts a lease written
     on another machine as live (:mod:`ckpt._lease`; same-machine leases are checked exactly).
@@ -136,6 +139,7 @@ class CheckpointManager:
                  memory_every: int | None = None, replicas: int = 1, memory_keep: int = 1,
                  shm_dir: str | None = None, run_id: str | None = None, node: int | None = None,
                  nodes: int | None = None, memory_timeout: float = 120.0, memory_busy: str = "wait",
+                 memory_stage_on_device: bool = False, memory_max_gbps: float | None = None,
                  lease_grace_s: float = LEASE_GRACE_S, save_every: int | None = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
@@ -173,7 +177,8 @@ class CheckpointManager:
 
             self.memory = MemoryTier(TierConfig(self.root, run_id=run_id, shm_dir=shm_dir, node=node, nodes=nodes,
                                                 keep=memory_keep, replicas=replicas, timeout=memory_timeout,
-                                                lineage=self._lineage(memory_timeout), busy=memory_busy),
+                                                lineage=self._lineage(memory_timeout), busy=memory_busy,
+                                                stage_on_device=memory_stage_on_device, max_gbps=memory_max_gbps),
                                      group=group)
         if gc_on_start and self._rank == 0:
             # Incomplete leftovers of a crash. No save of this job can have started yet: the first

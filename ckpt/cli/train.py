@@ -56,6 +56,11 @@ def train_cmd(
     memory_keep: int = typer.Option(1, "--memory-keep", min=1, help="complete memory checkpoints kept per rank"),
     memory_busy: str = typer.Option("wait", "--memory-busy",
                                     help="a memory checkpoint due while the previous one runs: wait, or skip it"),
+    memory_stage_on_device: bool = typer.Option(
+        False, "--memory-stage-on-device",
+        help="stage GPU state in device memory first (the optimizer waits for a device copy only)"),
+    memory_max_gbps: float | None = typer.Option(None, "--memory-max-gbps", min=0.001,
+                                                 help="budget for the memory tier's background traffic, GB/s per rank"),
     nodes: int | None = typer.Option(None, "--nodes", min=1,
                                      help="simulate N nodes on this host (default with --memory-every: 2)"),
     shm_dir: str | None = typer.Option(None, "--shm-dir", help="memory tier base (default $CKPT_SHM_DIR, /dev/shm)"),
@@ -130,8 +135,8 @@ def _train_config(opts: dict[str, Any], layout: Layout) -> TrainConfig:
         raise StateError(f"--max-staging-bytes: {e}") from None
     same = ("seq_len", "global_batch", "microbatches", "schedule", "steps", "stop_after", "lr", "seed", "ckpt_dir",
             "save_every", "keep_last", "init_from", "fail_at_step", "fail_rank", "device", "fail_node",
-            "memory_every", "replicas", "memory_keep", "memory_busy", "shm_dir", "run_id", "moe_dispatch",
-            "moe_sequence_shard")
+            "memory_every", "replicas", "memory_keep", "memory_busy", "memory_stage_on_device", "memory_max_gbps",
+            "shm_dir", "run_id", "moe_dispatch", "moe_sequence_shard")
     try:
         return TrainConfig(model=model_config(opts["config"]), async_save=not opts["sync_save"],
                            max_staging_bytes=cap, verify_restore=not opts["no_verify_restore"],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -126,12 +127,13 @@ def threads_for(ranks_here: int) -> int:
 
 
 def copy_verified(copies: list[FileCopy], manifest: Manifest, *, threads: int = 4, deadline: float | None = None,
-                  what: str = "memory tier copy", unit: int = UNIT) -> int:
+                  what: str = "memory tier copy", unit: int = UNIT, pace: Callable[[int], None] | None = None) -> int:
     """Copy each ``copies[i].src`` into ``copies[i].dst`` on ``threads`` threads, checking every piece
     ``manifest`` lists against its recorded CRC-32 as its bytes land; returns the bytes copied.
 
     ``deadline`` (``time.monotonic()``): a copy still running then is abandoned. Nothing is committed
-    here: the caller keeps the destination only when this returns.
+    here: the caller keeps the destination only when this returns. ``pace(nbytes)``: called before
+    each read (a bandwidth budget: :class:`ckpt.tier.pace.Pacer`).
 
     Raises UnsafePathError (a source is a link, a FIFO, another user's file, or below one),
     IntegrityError (a source is not the size its manifest records, or a piece's CRC differs: the
@@ -151,7 +153,7 @@ def copy_verified(copies: list[FileCopy], manifest: Manifest, *, threads: int = 
             if found != c.size:
                 raise IntegrityError(f"{what}: {c.src}: {found} bytes, its manifest says {c.size}; the sender's copy "
                                      "was truncated or replaced after its commit, not kept")
-        crcs = _run(units, copies, fds, max(1, threads), deadline, what)
+        crcs = _run(units, copies, fds, max(1, threads), deadline, what, pace)
     finally:
         for fd in fds:
             os.close(fd)
@@ -160,7 +162,7 @@ def copy_verified(copies: list[FileCopy], manifest: Manifest, *, threads: int = 
 
 
 def _run(units: list[Unit], copies: list[FileCopy], fds: list[int], threads: int, deadline: float | None,
-         what: str) -> list[int]:
+         what: str, pace: Callable[[int], None] | None = None) -> list[int]:
     """Copy every unit on ``threads`` threads; each unit's CRC, or raise the first failure."""
     crcs = [0] * len(units)
     stop = threading.Event()
@@ -174,6 +176,8 @@ def _run(units: list[Unit], copies: list[FileCopy], fds: list[int], threads: int
             if deadline is not None and time.monotonic() > deadline:
                 raise StorageError(f"{what}: still copying {copies[u.file].rel} at its deadline; not kept")
             n = min(SUB, u.length - done)
+            if pace is not None:
+                pace(n)
             view = dst[u.offset + done : u.offset + done + n]
             got = os.preadv(fd, [view], u.offset + done)
             if got <= 0:

@@ -25,18 +25,30 @@ speed (measured in docs/BENCHMARKS.md, section "Memory tier on one H200", "Defer
 
 With a slot (:mod:`ckpt.tier.slots`) the buffers are the slot's views: the copies land in the
 shared-memory data file itself, and nothing is written again.
+
+With ``stage_on_device`` the GPU pieces are first copied into one device buffer per GPU, kept
+across steps (a device-to-device copy: ~1.5 TB/s on an H100 against ~25-50 GB/s to the host), and
+the fence owed before the optimizer's update is that copy's only. A :class:`Drain` thread then
+copies the staged bytes to the host buffers in groups of :data:`LANDED_EVERY` bytes, at the pace
+of the tier's :class:`ckpt.tier.pace.Pacer`, while training goes on: the update never waits for the
+host, and the traffic through host memory can be spread over several steps. It costs the state's
+size in device memory; when that cannot be allocated, the snapshot copies to the host directly
+(with a warning) and staging is off for the rest of the run.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ckpt.shards import PerRank
+from ckpt.tier.pace import Pacer
 
 
 @dataclass(slots=True)
@@ -50,7 +62,7 @@ class Snapshot:
     slot: Any = None  # the ckpt.tier.slots.Slot the buffers live in, if any
     fences: list[tuple[Any, Any]] = field(default_factory=list)  # (device, event) the current stream still owes
     landed: dict[str, Any] = field(default_factory=dict)  # key -> the event after its copy (GPU pieces)
-    _waiter: Landing | None = None  # started by the first wait on ``landed``
+    _waiter: Landing | None = None  # started by the first wait on ``landed`` (a Drain at once if staged)
 
     def ready(self) -> None:
         """Block until every device-to-host copy has landed (call on the background thread). Raises
@@ -128,11 +140,21 @@ class Landing:
                     current = dev
                 ev.synchronize()
             except BaseException as e:  # noqa: BLE001 - a CUDA error: the waiters of it and of later ones raise it
-                self._error, self._failed_at = e, i
-                for f in self._flags[i:]:
-                    f.set()
+                self._fail(i, e)
                 return
             flag.set()
+
+    def _fail(self, i: int, e: BaseException) -> None:
+        """Event ``i`` and every later one failed with ``e``: wake their waiters, who raise it."""
+        self._error, self._failed_at = e, i
+        for f in self._flags[i:]:
+            f.set()
+
+    def settle(self) -> None:
+        """Block until every event has landed or failed; never raises (the snapshot's own waiters
+        reported any failure)."""
+        if self._flags:
+            self._flags[-1].wait()
 
     def wait(self, i: int) -> None:
         """Block until event ``i`` (in landing order) has landed; raise the CUDA wait's error if that
@@ -143,14 +165,117 @@ class Landing:
             raise self._error
 
 
+class Drain(Landing):
+    """The device-to-host half of a staged snapshot (see the module docstring): one thread queues
+    each group's copies from the device staging buffer to the host buffers on the copy stream,
+    records the group's event and, two groups behind, waits for it in ``Event.synchronize()`` (no
+    GIL) and wakes its waiters; ``pace`` is paid before each group is queued. The copy stream
+    already waits for the staging copies (queued before on the same stream)."""
+
+    DEPTH = 2  # groups queued ahead of the one waited for: the copy engine never idles on the host
+
+    def __init__(self, events: list[Any], groups: list[list[tuple[torch.Tensor, torch.Tensor]]], stream: Any,
+                 pace: Pacer):
+        self._groups = groups
+        self._stream = stream
+        self._pace = pace
+        super().__init__(events)
+
+    def _run(self) -> None:
+        pending: deque[int] = deque()
+        i = 0
+        try:
+            torch.cuda.set_device(self._stream.device)
+            for i, (ev, copies) in enumerate(zip(self.events, self._groups, strict=True)):
+                self._pace.take(sum(d.numel() * d.element_size() for d, _s in copies))
+                with torch.cuda.stream(self._stream):
+                    for dst, src in copies:
+                        dst.copy_(src, non_blocking=True)
+                    ev.record(self._stream)
+                pending.append(i)
+                while len(pending) > self.DEPTH:
+                    self._land(pending.popleft())
+            while pending:
+                self._land(pending.popleft())
+        except BaseException as e:  # noqa: BLE001 - a CUDA error: the waiters of the groups not landed raise it
+            self._fail(pending[0] if pending else i, e)
+        finally:
+            self._groups = []  # the device views: not kept past the drain
+
+    def _land(self, i: int) -> None:
+        self.events[i].synchronize()
+        self._flags[i].set()
+
+
+class DeviceStage:
+    """One device buffer per GPU holding a staged copy of that GPU's pieces (see the module
+    docstring), reallocated only when the pieces' keys, dtypes or shapes change."""
+
+    def __init__(self) -> None:
+        self._key: dict[int, tuple[Any, ...]] = {}
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._sizes: dict[int, int] = {}
+        self.allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held now."""
+        return sum(self._sizes.values())
+
+    def views(self, dev: int, pieces: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``dev``'s staging views, one per ``(key, source)``, contiguous and shaped like it.
+
+        Raises torch.OutOfMemoryError when the device cannot hold them (nothing is kept then)."""
+        key = tuple((k, v.dtype, tuple(v.shape)) for k, v in pieces)
+        if self._key.get(dev) != key:
+            self._views.pop(dev, None)  # the old buffer goes before the new one is allocated
+            self._key.pop(dev, None)
+            self._sizes.pop(dev, None)
+            places, size = stage_layout([(v.dtype, tuple(v.shape)) for _k, v in pieces])
+            flat = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", dev))
+            self._sizes[dev] = size
+            self._views[dev] = {k: flat[o:o + n].view(v.dtype).view(v.shape)
+                                for (k, v), (o, n) in zip(pieces, places, strict=True)}
+            self._key[dev] = key
+            self.allocations += 1
+        return self._views[dev]
+
+    def release(self) -> None:
+        """Give the device memory back (to the caching allocator)."""
+        self._views, self._key, self._sizes = {}, {}, {}
+
+
+STAGE_ALIGN = 256  # bytes: every staged piece starts at a multiple (any dtype's view, full-width copies)
+
+
+def stage_layout(pieces: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[tuple[int, int]], int]:
+    """``(offset, nbytes)`` of each ``(dtype, shape)`` in one staging buffer, offsets aligned to
+    :data:`STAGE_ALIGN`, and the buffer's size. Pure."""
+    places: list[tuple[int, int]] = []
+    at = 0
+    for dtype, shape in pieces:
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        places.append((at, n))
+        at += -(-n // STAGE_ALIGN) * STAGE_ALIGN
+    return places, at
+
+
 class HostSnapshots:
     """Reused host buffers of one rank's memory checkpoints (one per piece; pinned for GPU pieces)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, stage_on_device: bool = False, pace: Pacer | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
         self._key: tuple[Any, ...] | None = None
         self._bufs: dict[str, torch.Tensor] = {}
         self._streams: dict[int, Any] = {}
         self.allocations = 0  # how many times buffers were (re)allocated: tests check the steady state
+        self.stage_on_device = stage_on_device
+        self.stage = DeviceStage()
+        self._pace = pace or Pacer(None)
+        self._warn = warn
+        self._drain: Drain | None = None  # the last staged snapshot's
 
     @property
     def nbytes(self) -> int:
@@ -163,6 +288,9 @@ class HostSnapshots:
         by the next ``take``: the caller must be done with the previous snapshot (the tier keeps one
         in flight). ``deferred``: see the module docstring."""
         tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        if self._drain is not None:  # its host buffers (or slot) and staged bytes are reused below
+            self._drain.settle()
+            self._drain = None
         if slot is not None:
             bufs: dict[str, torch.Tensor] = slot.views
             self._bufs, self._key = {}, None  # the slot replaces them: no second copy of the state kept
@@ -192,17 +320,26 @@ class HostSnapshots:
                 out[k] = PerRank(copy.deepcopy(v.value))  # training may change its objects in place too
             else:
                 out[k] = copy.deepcopy(v)
+        drain: tuple[int, list[Any], list[Any]] | None = None
         for dev, keys in on_gpu.items():  # queued first: they run while the host copies below do
-            self._copy_cuda(dev, [(k, bufs[k], flat[k].detach()) for k in keys], starts, landed)
+            pieces = [(k, bufs[k], flat[k].detach()) for k in keys]
+            staged = self._stage_cuda(dev, pieces, starts, landed) if len(on_gpu) == 1 else None
+            if staged is None:
+                self._copy_cuda(dev, pieces, starts, landed)
+            else:
+                drain = (dev, *staged)
         for k in on_cpu:
             bufs[k].copy_(flat[k].detach())
         fences = []
-        for dev in starts:
+        for dev in starts:  # (a staged device's: after its staging copy, before the drain's)
             ev = torch.cuda.Event()
             ev.record(self._streams[dev])
             fences.append((dev, ev))
         nbytes = sum(out[k].numel() * out[k].element_size() for k in tensors)
         snap = Snapshot(out, nbytes, slot=slot, fences=fences, landed=landed)
+        if drain is not None:
+            dev, events, groups = drain
+            snap._waiter = self._drain = Drain(events, groups, self._streams[dev], self._pace)
         if not deferred:
             snap.staged()  # later in-place updates wait for the copies
         return snap
@@ -214,13 +351,7 @@ class HostSnapshots:
         ``LANDED_EVERY`` bytes. One stream context for them all: entered per copy, it was a sizeable
         part of the training thread's time per memory checkpoint (measured in docs/BENCHMARKS.md,
         section "Memory tier, second pass")."""
-        stream = self._streams.get(dev)
-        if stream is None:
-            stream = self._streams[dev] = torch.cuda.Stream(device=dev)
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
-        stream.wait_event(ev)
-        starts[dev] = ev
+        stream, starts[dev] = self._stream(dev)
         keys: list[str] = []
         size = 0
         with torch.cuda.stream(stream):
@@ -235,6 +366,54 @@ class HostSnapshots:
             if keys:
                 self._mark(stream, keys, landed)
 
+    def _stream(self, dev: int) -> Any:
+        """Device ``dev``'s copy stream, made to wait for everything queued so far on the current
+        stream (the event of that is returned)."""
+        stream = self._streams.get(dev)
+        if stream is None:
+            stream = self._streams[dev] = torch.cuda.Stream(device=dev)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        stream.wait_event(ev)
+        return stream, ev
+
+    def _stage_cuda(self, dev: int, copies: list[tuple[str, torch.Tensor, torch.Tensor]], starts: dict[int, Any],
+                    landed: dict[str, Any]) -> tuple[list[Any], list[Any]] | None:
+        """With ``stage_on_device``: queue device ``dev``'s copies ``(key, host buffer, source)`` into
+        its staging buffer on its copy stream and return the drain's work (an unrecorded event per
+        group of at most ``LANDED_EVERY`` bytes, ``landed`` filled with them, and each group's
+        ``(host buffer, staged view)`` copies). None: not staged (off, or the device cannot hold
+        the buffer: then off from now on, with a warning)."""
+        if not self.stage_on_device:
+            return None
+        try:
+            views = self.stage.views(dev, [(k, src) for k, _buf, src in copies])
+        except torch.OutOfMemoryError as e:
+            self.stage_on_device = False
+            self.stage.release()
+            if self._warn is not None:
+                need = sum(src.numel() * src.element_size() for _k, _b, src in copies)
+                self._warn(f"memory tier: cannot stage {need / 1e9:.2f} GB on cuda:{dev} ({str(e).splitlines()[0]}); "
+                           "snapshots copy to the host directly from now on (the optimizer step waits for them)")
+            return None
+        stream, starts[dev] = self._stream(dev)
+        with torch.cuda.stream(stream):
+            torch._foreach_copy_([views[k] for k, _b, _s in copies], [src for _k, _b, src in copies])
+            for _k, _buf, src in copies:
+                src.record_stream(stream)  # the caller may free src meanwhile: keep its memory until copied
+        events: list[Any] = []
+        groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        size = LANDED_EVERY
+        for k, buf, _src in copies:
+            if size >= LANDED_EVERY:
+                events.append(torch.cuda.Event())
+                groups.append([])
+                size = 0
+            groups[-1].append((buf, views[k]))
+            landed[k] = events[-1]
+            size += buf.numel() * buf.element_size()
+        return events, groups
+
     @staticmethod
     def _mark(stream: Any, keys: list[str], landed: dict[str, Any]) -> None:
         """One event on ``stream`` after the copies of ``keys`` (and clear ``keys``)."""
@@ -245,4 +424,4 @@ class HostSnapshots:
         keys.clear()
 
 
-__all__ = ["Snapshot", "LANDED_EVERY", "Landing", "HostSnapshots"]
+__all__ = ["Snapshot", "LANDED_EVERY", "Landing", "Drain", "HostSnapshots", "STAGE_ALIGN"]

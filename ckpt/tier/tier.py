@@ -58,6 +58,7 @@ from ckpt.tier.nodes import (
     shm_base,
     tier_dir,
 )
+from ckpt.tier.pace import Pacer, budget_from_env
 from ckpt.tier.pinahead import PinAhead
 from ckpt.tier.runlock import RunLock, exclusive, host_key, lock_names, remove_locks
 from ckpt.tier.slots import Slot, SlotPool, raw_layout
@@ -151,7 +152,8 @@ class MemoryTier:
         self.store = NodeStore(self.base, self.run_id, node, self.rank, self.world, config.lineage)
         self._complete: list[int] = []
         self.warnings: list[str] = []
-        self._snapshots = HostSnapshots()  # host buffers, where no slot serves
+        self.pacer = Pacer(budget_from_env(config.max_gbps))  # the background's budget (ckpt.tier.pace)
+        self._snapshots = HostSnapshots(stage_on_device=config.staging(), pace=self.pacer, warn=self._warn)
         self._slots = SlotPool(self.store.own_root(), config.keep + 1)
         self._replica_slots: dict[int, SlotPool] = {}  # by owner: the files its copies are received into
         self._pin: PinAhead | None = None  # mapping the newest step's slot ahead of a restore (pin_ahead)
@@ -393,7 +395,8 @@ class MemoryTier:
                  for h in self.holders[self.rank]}
         recvs = {s: self.store.replica(s, step) for s in self.senders[self.rank]}
         arrived = exchange(self.pg, sends, recvs, rank=self.rank, timeout=self.timeout,
-                           what=f"memory tier copy of step {step}", slots=self._replica_slot, **self.copy_options)
+                           what=f"memory tier copy of step {step}", slots=self._replica_slot, pace=self.pacer.take,
+                           **self.copy_options)
         copy_errs = [r.err for r in arrived.values() if not r.ok]
         t2 = time.perf_counter()
         mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),
@@ -527,6 +530,7 @@ class MemoryTier:
         back (see :mod:`ckpt.tier.runlock`); the tier is not used after this (e.g. a process handing
         the node to its restarted self). Not collective."""
         self.drain()
+        self._snapshots.stage.release()
         self._slots.close()
         for pool in self._replica_slots.values():
             pool.close()
@@ -538,6 +542,7 @@ class MemoryTier:
         save) and give the run id back: the tier is not used after this. The directories go when
         empty, the run's when no rank of it is left. Not collective."""
         self.reset(None)
+        self._snapshots.stage.release()
         self._slots.close(remove=True)
         for pool in self._replica_slots.values():
             pool.close(remove=True)

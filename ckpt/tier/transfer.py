@@ -132,7 +132,8 @@ def _buffers(need: int) -> list[torch.Tensor]:
 
 def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank: int, timeout: float,
              what: str, slots: Callable[[int, int], Any] | None = None, local: Collection[int] = (),
-             run_dir: str | None = None, threads: int = 4) -> dict[int, Received]:
+             run_dir: str | None = None, threads: int = 4,
+             pace: Callable[[int], None] | None = None) -> dict[int, Received]:
     """Send each ``sends[peer]`` to its peer and receive one package from each ``recvs`` peer into
     the directory ``recvs[peer]`` (replaced if it exists); collective among the ranks involved.
 
@@ -145,6 +146,8 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
     the packages lie in, the same on both sides) a package for one of them carries only its place,
     and the peer copies the files on ``threads`` threads, checking every piece's CRC (see the module
     docstring). The receiver follows what each header says, so ranks need not agree on ``local``.
+    ``pace(nbytes)``, when given, is called before each such copy's reads (the tier's bandwidth
+    budget, :mod:`ckpt.tier.pace`).
 
     ``pg``: the gloo group (None: not distributed, then both maps must be empty), registered with
     torch or one of ckpt's own (:func:`ckpt._comm.side_group`); peers are ranks of that group, and
@@ -185,7 +188,7 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
         except Exception as e:  # noqa: BLE001 - gloo: the group was closed by an earlier failure
             raise _lost(what, rank, "send to", dst, e, timeout) from e
     out = {src: _receive(pg, src, dest, deadline, rank=rank, timeout=timeout, what=what, slots=slots,
-                         run_dir=run_dir, threads=threads)
+                         run_dir=run_dir, threads=threads, pace=pace)
            for src, dest in sorted(recvs.items())}
     for dst, work in posted + acks:
         try:
@@ -215,7 +218,7 @@ def _recv(pg: Any, src: int, t: torch.Tensor, deadline: float) -> None:
 
 def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeout: float,
              what: str, slots: Callable[[int, int], Any] | None = None, run_dir: str | None = None,
-             threads: int = 4) -> Received:
+             threads: int = 4, pace: Callable[[int], None] | None = None) -> Received:
     try:
         n = torch.zeros(1, dtype=torch.int64)
         _recv(pg, src, n, deadline)
@@ -228,7 +231,7 @@ def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeou
         return Received(False, str(header.get("err", "the sender had nothing to send")))
     if "local" in header:  # a peer of this host: the files are read from its step directory, then it is answered
         got = _receive_local(src, dest, header, deadline, rank=rank, what=what, slots=slots, run_dir=run_dir,
-                             threads=threads)
+                             threads=threads, pace=pace)
         return _answer(pg, src, got, deadline, rank=rank, timeout=timeout, what=what)
     files = [(str(rel), int(size)) for rel, size in header["files"]]
     error: BaseException | None = None
@@ -307,7 +310,8 @@ def _answer(pg: Any, src: int, got: Received, deadline: float, *, rank: int, tim
 
 
 def _receive_local(src: int, dest: str, header: dict[str, Any], deadline: float, *, rank: int, what: str,
-                   slots: Callable[[int, int], Any] | None, run_dir: str | None, threads: int) -> Received:
+                   slots: Callable[[int, int], Any] | None, run_dir: str | None, threads: int,
+                   pace: Callable[[int], None] | None = None) -> Received:
     """Keep rank ``src``'s copy by reading its files from its step directory (same host): into a slot
     from ``slots`` (or a new file), every piece's CRC checked, linked, the manifest committed last."""
     files = [(str(rel), int(size)) for rel, size in header["files"]]
@@ -339,7 +343,7 @@ def _receive_local(src: int, dest: str, header: dict[str, Any], deadline: float,
             assert slot.base is not None
             copies.append(FileCopy(rel, size, os.path.join(src_dir, rel), byte_view(slot.base)))
         try:
-            copy_verified(copies, m, threads=threads, deadline=deadline, what=f"{what}: rank {src}'s copy")
+            copy_verified(copies, m, threads=threads, deadline=deadline, what=f"{what}: rank {src}'s copy", pace=pace)
         finally:
             for c in copies:
                 c.dst.release()

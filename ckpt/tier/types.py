@@ -3,11 +3,13 @@ running in the background."""
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpt.errors import StateError
+from ckpt.tier.pace import check_budget
 
 if TYPE_CHECKING:
     from ckpt._comm import Comm
@@ -36,6 +38,13 @@ class TierConfig:
             training thread waits for it: every due step is checkpointed) or ``skip`` (no wait: the
             step is skipped, and the next memory checkpoint starts at the first due step after the
             previous one finished, agreed by every rank; see :meth:`MemoryTier.save_async`).
+        stage_on_device: copy GPU pieces into a device buffer kept across steps first, and from
+            there to the host in the background (see :mod:`ckpt.tier.snapshot`): the optimizer step
+            waits for a device-to-device copy only, at the price of the state's size in device
+            memory. ``$CKPT_TIER_STAGE_ON_DEVICE`` (1 / 0) overrides it.
+        max_gbps: a budget, in GB/s per rank, for the background's traffic through host memory (the
+            staged snapshot's device-to-host drain and the copies to peers on this host; see
+            :mod:`ckpt.tier.pace`); None: full speed. ``$CKPT_TIER_MAX_GBPS`` overrides it.
     """
 
     root: str
@@ -48,6 +57,8 @@ class TierConfig:
     timeout: float = 120.0
     lineage: str | None = None
     busy: str = "wait"
+    stage_on_device: bool = False
+    max_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if self.busy not in ("wait", "skip"):
@@ -59,6 +70,17 @@ class TierConfig:
             raise StateError(f"memory tier replicas={self.replicas!r}: use 0 (no peer copies) or more")
         if not self.timeout > 0:
             raise StateError(f"memory tier timeout={self.timeout!r}: use a positive number of seconds")
+        check_budget(self.max_gbps)
+
+    def staging(self) -> bool:
+        """``stage_on_device``, or ``$CKPT_TIER_STAGE_ON_DEVICE`` when set. Raises StateError for a
+        value of it other than 1 / 0 / true / false."""
+        env = os.environ.get("CKPT_TIER_STAGE_ON_DEVICE", "").strip().lower()
+        if not env:
+            return bool(self.stage_on_device)
+        if env not in ("1", "0", "true", "false"):
+            raise StateError(f"CKPT_TIER_STAGE_ON_DEVICE={env!r}: use 1 or 0")
+        return env in ("1", "true")
 
 
 @dataclass(slots=True)

@@ -59,6 +59,9 @@ class TrainConfig:
         memory_busy: ``wait`` (a memory checkpoint due while the previous one still runs waits for
             it) or ``skip`` (it is skipped: no stall, fewer memory checkpoints); see
             :class:`ckpt.tier.TierConfig`.
+        memory_stage_on_device / memory_max_gbps: stage GPU pieces in device memory before the host
+            copy; a budget (GB/s per rank) for the tier's background traffic; see
+            :class:`ckpt.tier.TierConfig`.
         nodes: simulate this many nodes on one host (contiguous blocks of ranks); None: the node
             comes from ``CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE``.
         shm_dir / run_id: the memory tier's base directory (default ``$CKPT_SHM_DIR`` or
@@ -102,6 +105,8 @@ class TrainConfig:
     replicas: int = 1
     memory_keep: int = 1
     memory_busy: str = "wait"
+    memory_stage_on_device: bool = False
+    memory_max_gbps: float | None = None
     nodes: int | None = None
     shm_dir: str | None = None
     run_id: str | None = None
@@ -139,6 +144,9 @@ class TrainConfig:
                              "ckpt_dir (it names the run; persistent saves go there)")
         if self.memory_busy not in ("wait", "skip"):
             raise ValueError(f"TrainConfig.memory_busy={self.memory_busy!r}: use 'wait' or 'skip'")
+        if self.memory_max_gbps is not None and not self.memory_max_gbps > 0:
+            raise ValueError(f"TrainConfig.memory_max_gbps={self.memory_max_gbps!r}: use a positive GB/s per rank, "
+                             "or None for full speed")
         if self.replicas < 0 or self.memory_keep < 1:
             raise ValueError(f"TrainConfig: replicas={self.replicas} must be >= 0 and memory_keep="
                              f"{self.memory_keep} >= 1")

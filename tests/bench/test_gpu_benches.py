@@ -81,6 +81,35 @@ def test_memtier_gpu_bench_on_cpu(tmp_path: Path) -> None:
     assert s["evicted"]["how"] in ("drop_caches", "fadvise")
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_memtier_gpu_bench_variants_reach_the_tier(tmp_path: Path) -> None:
+    """``--tier-variants``: each variant is its own run, its settings reach every rank's tier (a budget
+    of 0.001 GB/s makes each memory checkpoint take seconds: with busy=skip fewer complete than with
+    the defaults), and ``--fail-at 0`` loses no node."""
+    out = tmp_path / "m.json"
+    rc = bench_main.main(["memtier-gpu", "--device", "cpu", "--quick", "--launcher", "fork", "--steps", "6",
+                          "--save-every", "6", "--fail-at", "0", "--h2d-gib", "0.01", "--memory-busy", "skip",
+                          "--tier-variants", "plain,stage@0.001", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["runs"] == ["storage", "memory-skip", "memory-skip+stage@0.001"]
+    plain, paced = res["memory-skip"], res["memory-skip+stage@0.001"]
+    assert not plain.get("recovery") and not paced.get("recovery")
+    assert paced["memory_complete"] < plain["memory_complete"]
+
+
+def test_tier_variants_parse_and_refuse_by_name() -> None:
+    from bench.memtier_gpu import parse_variants
+
+    assert parse_variants("plain,stage,@2,stage@0.5") == {"plain": (False, None), "stage": (True, None),
+                                                         "@2": (False, 2.0), "stage@0.5": (True, 0.5)}
+    assert parse_variants("") == {"plain": (False, None)}
+    for bad in ("fast", "plain@2", "@", "stage@x", "@-1"):
+        with pytest.raises(SystemExit, match="--tier-variants"):
+            parse_variants(bad)
+
+
 @pytest.mark.multiproc
 def test_transfer_moe_bench_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The MoE live-transfer bench at a tiny width on 4 gloo ranks: every method checked bitwise (the
