@@ -104,6 +104,14 @@ class Snapshot:
 
 
 _LANDING_LOCK = threading.Lock()
+
+
+def landed_event() -> Any:
+    """An event a background thread waits for in ``synchronize()``: a blocking one, whose waiter
+    sleeps until it completes. Why: with CUDA's default schedule the waiter spins a core for as
+    long as the copies take (seconds per memory checkpoint, or for the whole drain when paced),
+    beside a training thread that needs its cores and its host memory bandwidth to launch."""
+    return torch.cuda.Event(blocking=True)
 LANDED_EVERY = 64 << 20  # GPU bytes copied between two "landed" events (see Snapshot.wait_piece)
 
 
@@ -117,8 +125,8 @@ class Landing:
     step slowed clearly more when each checksum thread polled for its piece than when they all
     started after the copies (measured in docs/BENCHMARKS.md, section "Memory tier, third pass").
     Here the GIL is taken once per event (an event every ``LANDED_EVERY`` bytes) by this thread and
-    once per piece by its checksum thread. ``synchronize`` spins one core (CUDA's default schedule)
-    for as long as the copies take."""
+    once per piece by its checksum thread. The events are blocking (:func:`landed_event`): the
+    waiter sleeps, no core spins."""
 
     def __init__(self, events: list[Any]):
         self.events = list({id(ev): ev for ev in events}.values())  # distinct, in order
@@ -182,29 +190,50 @@ class Drain(Landing):
         super().__init__(events)
 
     def _run(self) -> None:
+        try:
+            self._drain()
+        finally:
+            self._groups = []  # the device views: not kept past the drain
+
+    def _drain(self) -> None:
         pending: deque[int] = deque()
-        i = 0
         try:
             torch.cuda.set_device(self._stream.device)
-            for i, (ev, copies) in enumerate(zip(self.events, self._groups, strict=True)):
+        except BaseException as e:  # noqa: BLE001 - a CUDA error: every waiter raises it
+            self._fail(0, e)
+            return
+        for i, (ev, copies) in enumerate(zip(self.events, self._groups, strict=True)):
+            try:
                 self._pace.take(sum(d.numel() * d.element_size() for d, _s in copies))
                 with torch.cuda.stream(self._stream):
                     for dst, src in copies:
                         dst.copy_(src, non_blocking=True)
                     ev.record(self._stream)
-                pending.append(i)
-                while len(pending) > self.DEPTH:
-                    self._land(pending.popleft())
-            while pending:
-                self._land(pending.popleft())
-        except BaseException as e:  # noqa: BLE001 - a CUDA error: the waiters of the groups not landed raise it
-            self._fail(pending[0] if pending else i, e)
-        finally:
-            self._groups = []  # the device views: not kept past the drain
+            except BaseException as e:  # noqa: BLE001 - queueing group i failed: the groups before may land
+                while pending:
+                    if not self._land_next(pending):
+                        return
+                self._fail(i, e)
+                return
+            pending.append(i)
+            while len(pending) > self.DEPTH:
+                if not self._land_next(pending):
+                    return
+        while pending:
+            if not self._land_next(pending):
+                return
 
-    def _land(self, i: int) -> None:
-        self.events[i].synchronize()
-        self._flags[i].set()
+    def _land_next(self, pending: deque[int]) -> bool:
+        """Wait for the oldest pending group and wake its waiters; False when its wait failed (its
+        waiters and every later one's raise the error)."""
+        j = pending.popleft()
+        try:
+            self.events[j].synchronize()
+        except BaseException as e:  # noqa: BLE001 - a CUDA error
+            self._fail(j, e)
+            return False
+        self._flags[j].set()
+        return True
 
 
 class DeviceStage:
@@ -406,7 +435,7 @@ class HostSnapshots:
         size = LANDED_EVERY
         for k, buf, _src in copies:
             if size >= LANDED_EVERY:
-                events.append(torch.cuda.Event())
+                events.append(landed_event())
                 groups.append([])
                 size = 0
             groups[-1].append((buf, views[k]))
@@ -417,7 +446,7 @@ class HostSnapshots:
     @staticmethod
     def _mark(stream: Any, keys: list[str], landed: dict[str, Any]) -> None:
         """One event on ``stream`` after the copies of ``keys`` (and clear ``keys``)."""
-        ev = torch.cuda.Event()
+        ev = landed_event()
         ev.record(stream)
         for k in keys:
             landed[k] = ev
