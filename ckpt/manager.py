@@ -395,6 +395,7 @@ class CheckpointManager:
             t = time.perf_counter()
             self.wait()  # the last checkpoint is committed before this returns
             if self.memory is not None:
+                self.memory.pacer.release()  # training is over: the memory checkpoint in flight at full speed
                 self.memory.drain(raise_error=True)
                 self.memory.clear()  # the last step is persistent now: give the shared memory back
             rep.commit_wait_s = time.perf_counter() - t

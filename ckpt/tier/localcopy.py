@@ -127,13 +127,15 @@ def threads_for(ranks_here: int) -> int:
 
 
 def copy_verified(copies: list[FileCopy], manifest: Manifest, *, threads: int = 4, deadline: float | None = None,
-                  what: str = "memory tier copy", unit: int = UNIT, pace: Callable[[int], None] | None = None) -> int:
+                  what: str = "memory tier copy", unit: int = UNIT,
+                  pace: Callable[[int, float | None], None] | None = None) -> int:
     """Copy each ``copies[i].src`` into ``copies[i].dst`` on ``threads`` threads, checking every piece
     ``manifest`` lists against its recorded CRC-32 as its bytes land; returns the bytes copied.
 
     ``deadline`` (``time.monotonic()``): a copy still running then is abandoned. Nothing is committed
-    here: the caller keeps the destination only when this returns. ``pace(nbytes)``: called before
-    each read (a bandwidth budget: :class:`ckpt.tier.pace.Pacer`).
+    here: the caller keeps the destination only when this returns. ``pace(nbytes, deadline)``:
+    called before each read, returning by ``deadline`` (a bandwidth budget:
+    :meth:`ckpt.tier.pace.Pacer.take`).
 
     Raises UnsafePathError (a source is a link, a FIFO, another user's file, or below one),
     IntegrityError (a source is not the size its manifest records, or a piece's CRC differs: the
@@ -162,7 +164,7 @@ def copy_verified(copies: list[FileCopy], manifest: Manifest, *, threads: int = 
 
 
 def _run(units: list[Unit], copies: list[FileCopy], fds: list[int], threads: int, deadline: float | None,
-         what: str, pace: Callable[[int], None] | None = None) -> list[int]:
+         what: str, pace: Callable[[int, float | None], None] | None = None) -> list[int]:
     """Copy every unit on ``threads`` threads; each unit's CRC, or raise the first failure."""
     crcs = [0] * len(units)
     stop = threading.Event()
@@ -173,11 +175,11 @@ def _run(units: list[Unit], copies: list[FileCopy], fds: list[int], threads: int
         u = units[k]
         dst, fd, crc, done = copies[u.file].dst, fds[u.file], 0, 0
         while done < u.length:
-            if deadline is not None and time.monotonic() > deadline:
-                raise StorageError(f"{what}: still copying {copies[u.file].rel} at its deadline; not kept")
             n = min(SUB, u.length - done)
             if pace is not None:
-                pace(n)
+                pace(n, deadline)  # (returns by the deadline at the latest)
+            if deadline is not None and time.monotonic() > deadline:
+                raise StorageError(f"{what}: still copying {copies[u.file].rel} at its deadline; not kept")
             view = dst[u.offset + done : u.offset + done + n]
             got = os.preadv(fd, [view], u.offset + done)
             if got <= 0:

@@ -10,7 +10,8 @@ same bytes, checksums and commit).
 
 One :class:`Pacer` per tier, shared by the device-to-host drain of a staged snapshot
 (:mod:`ckpt.tier.snapshot`) and the peer copy threads (:mod:`ckpt.tier.localcopy`): a token bucket
-whose waits sleep (no GIL, no spinning core).
+whose waits sleep (no GIL, no spinning core); :meth:`Pacer.release` lifts it (the run's last step
+waits for the memory checkpoint in flight at full speed).
 """
 
 from __future__ import annotations
@@ -53,14 +54,15 @@ class Pacer:
 
     def __init__(self, gbps: float | None):
         self.rate = None if gbps is None else gbps * 1e9
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._next = float("-inf")  # when the budget spent so far is paid back (-inf: idle)
         self.waited_s = 0.0  # total sleep
         self.taken = 0  # bytes accounted for
 
-    def take(self, nbytes: int) -> None:
+    def take(self, nbytes: int, deadline: float | None = None) -> None:
         """Account for ``nbytes`` about to move, sleeping first while the budget is overdrawn by more
-        than :data:`BURST_S` seconds' worth."""
+        than :data:`BURST_S` seconds' worth; never past ``deadline`` (``time.monotonic()``: the
+        caller's own timeout, which it then checks)."""
         if nbytes <= 0:
             return
         with self._lock:
@@ -70,11 +72,21 @@ class Pacer:
             now = time.monotonic()
             start = max(self._next, now - BURST_S)  # an idle pacer lends at most one burst
             self._next = start + nbytes / self.rate
-            wait = start - now
+            wait = start - now if deadline is None else min(start - now, deadline - now)
             if wait > 0:
                 self.waited_s += wait
-        if wait > 0:
-            time.sleep(wait)
+                self._wait(wait)
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep ``seconds`` with the lock released (woken early by :meth:`release`)."""
+        self._lock.wait(seconds)
+
+    def release(self) -> None:
+        """No budget from now on, and no take waits any longer (e.g. training is over: the memory
+        checkpoint in flight is waited for at full speed)."""
+        with self._lock:
+            self.rate = None
+            self._lock.notify_all()
 
 
 __all__ = ["BURST_S", "Pacer", "budget_from_env", "check_budget"]

@@ -529,6 +529,7 @@ class MemoryTier:
         """Unmap (and unpin) this rank's slots, keeping every memory checkpoint, and give the run id
         back (see :mod:`ckpt.tier.runlock`); the tier is not used after this (e.g. a process handing
         the node to its restarted self). Not collective."""
+        self.pacer.release()  # (the memory checkpoint in flight, if any, finishes at full speed)
         self.drain()
         self._snapshots.stage.release()
         self._slots.close()
@@ -541,6 +542,7 @@ class MemoryTier:
         """Remove every memory checkpoint this rank owns or keeps (e.g. after the run's last persistent
         save) and give the run id back: the tier is not used after this. The directories go when
         empty, the run's when no rank of it is left. Not collective."""
+        self.pacer.release()
         self.reset(None)
         self._snapshots.stage.release()
         self._slots.close(remove=True)

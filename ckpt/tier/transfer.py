@@ -133,7 +133,7 @@ def _buffers(need: int) -> list[torch.Tensor]:
 def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank: int, timeout: float,
              what: str, slots: Callable[[int, int], Any] | None = None, local: Collection[int] = (),
              run_dir: str | None = None, threads: int = 4,
-             pace: Callable[[int], None] | None = None) -> dict[int, Received]:
+             pace: Callable[[int, float | None], None] | None = None) -> dict[int, Received]:
     """Send each ``sends[peer]`` to its peer and receive one package from each ``recvs`` peer into
     the directory ``recvs[peer]`` (replaced if it exists); collective among the ranks involved.
 
@@ -146,7 +146,7 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
     the packages lie in, the same on both sides) a package for one of them carries only its place,
     and the peer copies the files on ``threads`` threads, checking every piece's CRC (see the module
     docstring). The receiver follows what each header says, so ranks need not agree on ``local``.
-    ``pace(nbytes)``, when given, is called before each such copy's reads (the tier's bandwidth
+    ``pace(nbytes, deadline)``, when given, is called before each such copy's reads (the tier's bandwidth
     budget, :mod:`ckpt.tier.pace`).
 
     ``pg``: the gloo group (None: not distributed, then both maps must be empty), registered with
@@ -218,7 +218,7 @@ def _recv(pg: Any, src: int, t: torch.Tensor, deadline: float) -> None:
 
 def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeout: float,
              what: str, slots: Callable[[int, int], Any] | None = None, run_dir: str | None = None,
-             threads: int = 4, pace: Callable[[int], None] | None = None) -> Received:
+             threads: int = 4, pace: Callable[[int, float | None], None] | None = None) -> Received:
     try:
         n = torch.zeros(1, dtype=torch.int64)
         _recv(pg, src, n, deadline)
@@ -311,7 +311,7 @@ def _answer(pg: Any, src: int, got: Received, deadline: float, *, rank: int, tim
 
 def _receive_local(src: int, dest: str, header: dict[str, Any], deadline: float, *, rank: int, what: str,
                    slots: Callable[[int, int], Any] | None, run_dir: str | None, threads: int,
-                   pace: Callable[[int], None] | None = None) -> Received:
+                   pace: Callable[[int, float | None], None] | None = None) -> Received:
     """Keep rank ``src``'s copy by reading its files from its step directory (same host): into a slot
     from ``slots`` (or a new file), every piece's CRC checked, linked, the manifest committed last."""
     files = [(str(rel), int(size)) for rel, size in header["files"]]

@@ -44,7 +44,9 @@ class TierConfig:
             memory. ``$CKPT_TIER_STAGE_ON_DEVICE`` (1 / 0) overrides it.
         max_gbps: a budget, in GB/s per rank, for the background's traffic through host memory (the
             staged snapshot's device-to-host drain and the copies to peers on this host; see
-            :mod:`ckpt.tier.pace`); None: full speed. ``$CKPT_TIER_MAX_GBPS`` overrides it.
+            :mod:`ckpt.tier.pace`); None: full speed. ``$CKPT_TIER_MAX_GBPS`` overrides it. A copy
+            to a peer still running at ``timeout`` is abandoned (that memory checkpoint is skipped):
+            keep the state's bytes per rank over the budget well below ``timeout``.
     """
 
     root: str

@@ -50,7 +50,7 @@ def test_a_pacer_never_lets_more_through_than_its_rate_and_one_burst(gbps: float
     clock = _Clock()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pace.time, "monotonic", clock.monotonic)
-        mp.setattr(pace.time, "sleep", clock.sleep)
+        mp.setattr(Pacer, "_wait", lambda self, s: clock.sleep(s))
         _paced(gbps, reqs, clock)
 
 
@@ -87,6 +87,22 @@ def test_a_pacer_sleeps_for_real_and_none_never_sleeps() -> None:
 def test_bad_budgets_are_refused_by_name(bad: Any) -> None:
     with pytest.raises(StateError, match="max_gbps"):
         TierConfig("/tmp/x", max_gbps=bad)
+
+
+def test_release_lifts_the_budget_and_wakes_a_waiting_take() -> None:
+    import threading
+
+    p = Pacer(0.001)  # 1 MB/s
+    p.take(1_000_000)  # the burst: no wait
+    t = time.monotonic()
+    th = threading.Thread(target=p.take, args=(10_000_000,))  # would wait ~0.95 s for the first MB
+    th.start()
+    time.sleep(0.1)
+    p.release()
+    th.join(5)
+    assert not th.is_alive() and time.monotonic() - t < 0.6
+    p.take(10**12)  # no budget any more
+    assert p.rate is None
 
 
 def test_the_environment_overrides_the_budget_and_the_staging(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,6 +154,22 @@ def test_the_peer_copy_pays_the_budget_for_every_byte_it_reads(shm: str, threads
     localcopy.copy_verified(copies, m, threads=threads, unit=4096, pace=p.take)
     assert p.taken == sum(size for _rel, size in files)
     assert [bytes(b) for b in out] == [(run / "s" / rel).read_bytes() for rel, _ in files]
+
+
+def test_a_paced_copy_never_runs_past_its_deadline(shm: str) -> None:
+    """A budget too small for the copy's timeout: the copy is abandoned at its deadline (a StorageError
+    the tier turns into a skipped memory checkpoint), never a wait the peers would take for a lost rank."""
+    from ckpt.errors import StorageError
+
+    run = Path(safefs.trust_root(os.path.join(shm, "ckpt-late"), create=True))
+    ckpt.save({"w": torch.randn(3000, 7)}, str(run / "s"))
+    m = ckpt.inspect(str(run / "s"))
+    files = sorted(m.files.items())
+    copies = [localcopy.FileCopy(rel, size, str(run / "s" / rel), memoryview(bytearray(size))) for rel, size in files]
+    t = time.monotonic()
+    with pytest.raises(StorageError, match="at its deadline"):
+        localcopy.copy_verified(copies, m, threads=2, unit=4096, pace=Pacer(1e-6).take, deadline=t + 0.3)
+    assert time.monotonic() - t < 3
 
 
 def test_cpu_pieces_are_never_staged() -> None:
@@ -263,3 +295,41 @@ def test_a_drain_that_fails_wakes_its_waiters_with_the_error() -> None:
         with pytest.raises(RuntimeError):
             d.wait(i)
     d.settle()  # never raises
+
+
+def _paced_run(rank: int, world: int, shm: str, root: str, out: str) -> None:
+    import json
+
+    g = torch.Generator().manual_seed(rank)
+    # 68 MB: two units of the peer copy (64 MiB each), the second one ~11 minutes behind the first at
+    # the budget below (a pacer charges first and waits for what was taken before)
+    state = {"w": torch.randn(17_000_000, generator=g)}
+    mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=shm, nodes=2, memory_timeout=60,
+                                 memory_busy="skip", memory_max_gbps=1e-4, save_every=None)
+    assert mgr.memory is not None and mgr.memory.pacer.rate == 1e5
+    rep = mgr.maybe_save(1, state)
+    assert rep.memory is not None  # started, its copy to the peer paced
+    t = time.monotonic()
+    mgr.maybe_save(2, state, last_step=True)  # waits for it: at full speed, training is over
+    took = time.monotonic() - t
+    done = rep.memory.result()
+    with open(out, "a") as f:
+        f.write(json.dumps({"rank": rank, "took": took, "complete": done.complete,
+                            "taken": mgr.memory.pacer.taken, "replica_bytes": done.replica_bytes}) + "\n")
+
+
+@pytest.mark.multiproc
+def test_the_last_step_lifts_the_budget_of_the_memory_checkpoint_in_flight(shm: str, tmp_path: Path) -> None:
+    """A budget of 100 kB/s would take ~11 minutes to copy 68 MB to the peer; the last step waits for
+    that memory checkpoint at full speed instead (and it completes, its bytes paid for)."""
+    import json
+
+    from tests.dist_utils import run_ranks
+
+    out = tmp_path / "out.jsonl"
+    run_ranks(2, _paced_run, shm, str(tmp_path / "root"), str(out))
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(got) == 2
+    for r in got:
+        assert r["complete"] and r["took"] < 10, r
+        assert r["taken"] > 0  # the peer copy's reads went through the pacer
