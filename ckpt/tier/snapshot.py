@@ -104,6 +104,7 @@ class Snapshot:
 
 
 _LANDING_LOCK = threading.Lock()
+LANDED_EVERY = 64 << 20  # GPU bytes copied between two "landed" events (see Snapshot.wait_piece)
 
 
 def landed_event() -> Any:
@@ -112,7 +113,6 @@ def landed_event() -> Any:
     long as the copies take (seconds per memory checkpoint, or for the whole drain when paced),
     beside a training thread that needs its cores and its host memory bandwidth to launch."""
     return torch.cuda.Event(blocking=True)
-LANDED_EVERY = 64 << 20  # GPU bytes copied between two "landed" events (see Snapshot.wait_piece)
 
 
 class Landing:
@@ -395,7 +395,7 @@ class HostSnapshots:
             if keys:
                 self._mark(stream, keys, landed)
 
-    def _stream(self, dev: int) -> Any:
+    def _stream(self, dev: int) -> tuple[Any, Any]:
         """Device ``dev``'s copy stream, made to wait for everything queued so far on the current
         stream (the event of that is returned)."""
         stream = self._streams.get(dev)
