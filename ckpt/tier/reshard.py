@@ -9,9 +9,18 @@ that rank assembles a *view*: an ordinary checkpoint directory whose data files 
 the copies' files (no bytes copied) and whose manifest lists every piece as a shard of its global
 tensor, with the copies' own byte offsets and CRCs. ``ckpt.load`` then reads exactly the byte
 ranges the new layout needs, every checksum checked, as from any persistent checkpoint. The ranks
-agree on the step (the newest one every rank can reach, of one attempt of the old job); any failure
-on any rank falls back to storage on every rank. Pieces on other hosts are not fetched (a
-multi-host layout change restores from storage).
+agree on the step (the newest one whose every old rank's copy some new rank can reach, of one
+attempt of the old job); any failure on any rank falls back to storage on every rank.
+
+Across hosts (each host's shared memory holds only the copies of its own nodes), a rank fetches
+the copies it cannot reach from a rank that can, whole, over the tier's gloo group (the same
+packages as the peer copies; :func:`ckpt.tier.transfer.exchange`), once per host: the lowest rank
+of the host lacking a copy fetches it into a directory of its own below the run directory
+(``view-<rank>-<token>-fetched``), the host's other ranks link their views to the same files, and
+the fetcher removes it once every rank agreed. So a job restarted on another world size after
+losing a node restores from its peers' memory without storage, on any number of hosts. What is
+fetched is whole copies (each host gets every copy it lacks), not only the byte ranges its ranks
+need.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from ckpt.tier import safefs
 from ckpt.tier.nodes import NODE_DIR, RANK_DIR, STEP_DIR, tier_dir
 from ckpt.tier.restore import TierRestore
 from ckpt.tier.store import META_KEY, REPLICAS, _listdir
+from ckpt.tier.transfer import exchange, failed, package
 
 if TYPE_CHECKING:
     from ckpt.tier.types import TierView
@@ -156,57 +166,167 @@ def build_view(copies: dict[int, str], dest: str) -> Manifest:
     return merged
 
 
+def plan_fetches(reach: list[dict[str, list[int]]], hosts: list[Any], token: str) -> dict[str, Any] | None:
+    """The step to restore and who fetches what (pure; run on the coordinator of the planning exchange).
+
+    ``reach[r]``: for each ``"step|epoch|world"`` key, the old ranks whose copy rank r reaches;
+    ``hosts[r]``: rank r's host (ranks with equal hosts share shared memory). The step is the newest
+    key whose every old rank some rank reaches. For each host and each old rank none of the host's
+    ranks reaches, the host's lowest rank fetches it from a rank that reaches it (the one with the
+    fewest sends so far). Returns None (no such step) or ``{"key", "token", "fetch": [[fetcher, owner,
+    sender], ...], "at": {"rank": [[owner, fetcher], ...]}}`` (``at``: where each rank finds the copies
+    fetched for its host)."""
+    keys = sorted(set().union(*reach), key=_order, reverse=True)
+    n = len(reach)
+    for key in keys:
+        world = int(key.split("|")[2])
+        holders = {o: [r for r in range(n) if o in reach[r].get(key, [])] for o in range(world)}
+        if not all(holders.values()):
+            continue
+        sends = [0] * n
+        fetch: list[list[int]] = []
+        at: dict[int, list[list[int]]] = {}
+        for host in dict.fromkeys(map(_host_id, hosts)):  # in order of first rank
+            ranks = [r for r in range(n) if _host_id(hosts[r]) == host]
+            here = set().union(*(reach[r].get(key, []) for r in ranks))
+            for o in range(world):
+                if o in here:
+                    continue
+                sender = min(holders[o], key=lambda h: (sends[h], h))
+                sends[sender] += 1
+                fetch.append([ranks[0], o, sender])
+                for r in ranks:
+                    at.setdefault(r, []).append([o, ranks[0]])
+        return {"key": key, "token": token, "fetch": fetch, "at": {str(r): v for r, v in at.items()}}
+    return None
+
+
+def _order(key: str) -> tuple[int, str, int]:
+    step, epoch, world = key.split("|")
+    return int(step), epoch, int(world)
+
+
+def _host_id(host: Any) -> str:
+    return repr(host)  # (host keys are lists or tuples once they crossed the wire)
+
+
+def _rounds(fetch: list[list[int]]) -> list[list[list[int]]]:
+    """``fetch`` in rounds where each sender sends each fetcher at most one copy (one package per
+    pair per :func:`ckpt.tier.transfer.exchange`)."""
+    rounds: list[list[list[int]]] = []
+    used: list[set[tuple[int, int]]] = []
+    for f in fetch:
+        pair = (f[2], f[0])
+        k = next((i for i, u in enumerate(used) if pair not in u), len(rounds))
+        if k == len(rounds):
+            rounds.append([])
+            used.append(set())
+        rounds[k].append(f)
+        used[k].add(pair)
+    return rounds
+
+
+def _fetch_dir(tier: TierView, fetcher: int, token: str) -> str:
+    return os.path.join(tier_dir(tier.base, tier.run_id), f"{VIEW_PREFIX}{fetcher}-{token}-fetched")
+
+
+def _fetch(tier: TierView, plan: dict[str, Any], local: dict[int, str]) -> tuple[dict[int, str], int, list[int]]:
+    """Run ``plan``'s fetches this rank takes part in; returns where each old rank's copy is for this
+    rank (its own reach, or its host's fetcher's directory), the bytes it received and the ranks it
+    received from. Raises CheckpointError / OSError for a copy that did not arrive whole (CRCs are
+    checked by the load), CollectiveError for a peer lost."""
+    rank, token = tier.rank, str(plan["token"])
+    step = int(plan["key"].split("|")[0])
+    where = dict(local)
+    for o, fetcher in plan["at"].get(str(rank), []):
+        where[int(o)] = os.path.join(_fetch_dir(tier, int(fetcher), token), f"rank-{int(o)}")
+    got_bytes, senders = 0, []
+    mine = [f for f in plan["fetch"] if rank in (f[0], f[2])]
+    if any(f[0] == rank for f in mine):
+        safefs.makedirs(_fetch_dir(tier, rank, token))
+    for rnd in _rounds(mine):
+        sends = {f[0]: package(local[f[1]], f"rank {rank}'s copy of rank {f[1]}'s memory step {step}")
+                 for f in rnd if f[2] == rank}
+        for dst, pkg in sends.items():
+            if not pkg.header.get("ok"):
+                sends[dst] = failed(str(pkg.header.get("err")))
+        recvs = {f[2]: where[f[1]] for f in rnd if f[0] == rank}
+        arrived = exchange(tier.pg, sends, recvs, rank=rank, timeout=tier.timeout,
+                           what=f"memory tier resharding restore of step {step} (fetching copies)", **tier.copy_options)
+        for src, r in arrived.items():
+            if not r.ok:
+                raise ManifestError(f"rank {src}'s copy did not arrive: {r.err}")
+            got_bytes += r.bytes
+            senders.append(src)
+    return where, got_bytes, senders
+
+
 def run(tier: TierView, fn: Callable[[str], Any], *, min_step: int | None = None,
         on_failure: Callable[[dict[str, Any]], None] | None = None) -> TierRestore | None:
-    """Restore the newest memory step every rank can reach whole, under this job's layout, through
-    ``fn(view_url)`` (collective over the tier's group; ``fn`` a resharding load of this rank's
-    state, not collective); None when there is none or it failed on any rank (``restore_failed``
-    records, tier ``memory-reshard``). Raises CollectiveError when a rank is lost."""
+    """Restore the newest memory step whose every old rank's copy some rank reaches, under this job's
+    layout, through ``fn(view_url)`` (collective over the tier's group; ``fn`` a resharding load of
+    this rank's state, not collective), fetching the copies this rank's host lacks first; None when
+    there is none or it failed on any rank (``restore_failed`` records, tier ``memory-reshard``).
+    Raises CollectiveError when a rank is lost."""
     tier.drain()
     found = _copies(tier)
-    mine = sorted([s, e, w] for (s, e, w), owners in found.items() if set(owners) == set(range(w))
-                  and (min_step is None or s >= min_step))
-
-    def decide(got: list[Any]) -> list[Any]:
-        common = set(map(tuple, got[0]))
-        for g in got[1:]:
-            common &= set(map(tuple, g))
-        best = max(common) if common else None
-        return [best] * len(got)
-
-    best = tier.comm.exchange(mine, decide, timeout=tier.timeout, what="memory tier resharding restore planning")
-    if best is None:
+    reach = {f"{s}|{e}|{w}": sorted(owners) for (s, e, w), owners in found.items()
+             if min_step is None or s >= min_step}
+    token = uuid.uuid4().hex[:8]
+    plan = tier.comm.exchange(reach, lambda got: [plan_fetches(got, tier.hosts, token)] * len(got),
+                              timeout=tier.timeout, what="memory tier resharding restore planning")
+    if plan is None:
         return None
-    step, epoch, world = int(best[0]), str(best[1]), int(best[2])
+    step, epoch, world = plan["key"].split("|")
+    step_i, world_i = int(step), int(world)
+    local = found.get((step_i, epoch, world_i), {})
     view = os.path.join(tier_dir(tier.base, tier.run_id), f"{VIEW_PREFIX}{tier.rank}-{uuid.uuid4().hex[:8]}")
     t0 = time.perf_counter()
     err: str | None = None
     value: Any = None
-    nbytes = 0
-    try:
-        manifest = build_view(found[(step, epoch, world)], view)
-        nbytes = sum(manifest.files.values())
-        value = fn(view)
-    except CollectiveError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any failure: every rank falls back to storage
-        err = f"rank {tier.rank}: {describe(e)}"
-    finally:
-        safefs.rmtree(view)  # links only: the copies stay
+    nbytes = fetched = 0
+    senders: list[int] = []
+    where = local
+    if plan["fetch"]:
+        try:
+            where, fetched, senders = _fetch(tier, plan, local)
+        except CollectiveError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in the agreement: every rank falls back to storage
+            err = f"rank {tier.rank} (fetching copies): {describe(e)}"
+        # the host's other ranks read what its fetcher received: nobody reads before every fetch is over
+        if tier.comm.exchange(err is not None, lambda got: [any(got)] * len(got), timeout=tier.timeout,
+                              what=f"memory tier resharding restore of step {step_i} (fetch results)") and err is None:
+            err = f"rank {tier.rank}: another rank's fetch failed"
+    t_fetch = time.perf_counter() - t0
+    if err is None:
+        try:
+            manifest = build_view(where, view)
+            nbytes = sum(manifest.files.values())
+            value = fn(view)
+        except CollectiveError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure: every rank falls back to storage
+            err = f"rank {tier.rank}: {describe(e)}"
+        finally:
+            safefs.rmtree(view)  # links only: the copies stay
     t1 = time.perf_counter()
 
     def agree(got: list[Any]) -> list[Any]:
         return [[g for g in got if g is not None]] * len(got)
 
     errors = tier.comm.exchange(err, agree, timeout=tier.timeout, what="memory tier resharding restore (agreement)")
+    if any(f[0] == tier.rank for f in plan["fetch"]):
+        safefs.rmtree(_fetch_dir(tier, tier.rank, str(plan["token"])))  # every rank's view is gone: ours to remove
     if errors:
         if on_failure is not None:
-            on_failure({"event": "restore_failed", "tier": "memory-reshard", "step": step, "error": errors[0],
+            on_failure({"event": "restore_failed", "tier": "memory-reshard", "step": step_i, "error": errors[0],
                         "errors": errors[:8]})
         return None
-    return TierRestore(step=step, value=value, url=f"{tier_dir(tier.base, tier.run_id)} (step {step} of {world} "
-                       "ranks, resharded)", source="reshard", holder=-1, tier="memory-reshard", peer_ranks=[],
-                       bytes=nbytes, fetched_bytes=0, rank_fetch_s=0.0, rank_load_s=t1 - t0)
+    return TierRestore(step=step_i, value=value, url=f"{tier_dir(tier.base, tier.run_id)} (step {step_i} of "
+                       f"{world_i} ranks, resharded)", source="reshard", holder=-1, tier="memory-reshard",
+                       peer_ranks=sorted(set(senders)), bytes=nbytes, fetched_bytes=fetched, rank_fetch_s=t_fetch,
+                       rank_load_s=t1 - t0 - t_fetch)
 
 
 def clear_views(tier: TierView) -> None:
@@ -217,4 +337,4 @@ def clear_views(tier: TierView) -> None:
             safefs.rmtree(os.path.join(run, name))
 
 
-__all__ = ["VIEW_PREFIX", "build_view", "run", "clear_views"]
+__all__ = ["VIEW_PREFIX", "build_view", "plan_fetches", "run", "clear_views"]

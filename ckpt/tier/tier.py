@@ -147,7 +147,8 @@ class MemoryTier:
         self.node = node
         self.epoch = str(everyone[0]["epoch"])  # this attempt of the job: copies of one step share it
         self.holders = replica_holders(self.nodes, config.replicas)
-        self.copy_options = self._copy_options([g["host"] for g in everyone])
+        self.hosts = [g["host"] for g in everyone]  # ranks with equal entries share this host's shared memory
+        self.copy_options = self._copy_options(self.hosts)
         self.senders = senders_to(self.holders)
         self.store = NodeStore(self.base, self.run_id, node, self.rank, self.world, config.lineage)
         self._complete: list[int] = []

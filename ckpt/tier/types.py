@@ -189,6 +189,7 @@ class TierView(Protocol):
     world: int
     nodes: list[int]
     node: int
+    hosts: list[Any]
     senders: list[list[int]]
     store: NodeStore
     restore_clobbered: bool
