@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -103,6 +104,29 @@ def test_config_errors_name_the_flag(tmp_path: Path) -> None:
     assert code == 5 and "error: --max-staging-bytes: size 'lots'" in out, out
     code, out = _invoke(["--config", "huge"])
     assert code == 5 and "unknown model config 'huge'" in out, out
+
+
+def test_memory_tier_budget_and_staging_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckpt.cli.train as cli_train
+    from ckpt.trainer.config import TrainConfig
+
+    code, out = _invoke(["--memory-max-gbps", "0"])
+    assert code == 2 and "--memory-max-gbps" in out, out
+    with pytest.raises(ValueError, match="memory_max_gbps=-1"):
+        TrainConfig(memory_max_gbps=-1)
+    seen: list[TrainConfig] = []
+
+    def stop(opts: dict[str, Any], layout: Any) -> TrainConfig:
+        seen.append(real(opts, layout))
+        raise SystemExit(0)
+
+    real = cli_train._train_config
+    monkeypatch.setattr(cli_train, "_train_config", stop)
+    code, out = _invoke(["--memory-every", "1", "--memory-busy", "skip", "--memory-stage-on-device",
+                         "--memory-max-gbps", "1.5", "--ckpt-dir", "r"])
+    assert code == 0, out
+    (cfg,) = seen
+    assert cfg.memory_stage_on_device and cfg.memory_max_gbps == 1.5 and cfg.memory_busy == "skip"
 
 
 # torchrun says this on stderr when it starts several workers without OMP_NUM_THREADS set

@@ -22,8 +22,8 @@ import ckpt
 from ckpt.tier.nodes import run_id_for
 from ckpt.tier.reshard import _rounds, plan_fetches
 from tests.dist_utils import run_ranks
-from tests.tier.test_tier_reshard import _global, _target
 from tests.tier.kill_harness import state_of
+from tests.tier.test_tier_reshard import _global, _target
 
 
 @st.composite
