@@ -135,6 +135,10 @@ def test_a_layout_change_across_hosts_fetches_what_each_host_lacks(shm: str, tmp
     for h in hosts:
         os.mkdir(h, 0o700)
     _split(shm, root, hosts)
+    # what a fetcher killed mid-fetch would leave behind: removed at the next restore of that rank
+    left = Path(hosts[0]) / f"ckpt-{run_id_for(root)}" / "view-0-dead0000-fetched" / "rank-3"
+    left.mkdir(parents=True, mode=0o700)
+    (left / "part").write_bytes(b"x" * 100)
     got = _run(hosts, root, tmp_path)
     # step 3 from memory (storage has step 1): each rank fetched the other host's two copies
     assert [(r["step"], r["tier"]) for r in got] == [(3, "memory-reshard")] * 2
