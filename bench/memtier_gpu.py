@@ -237,6 +237,7 @@ def summarize(metrics: str) -> dict[str, Any]:
         out["memory_wait_ms"] = median([r.get("wait_ms", 0.0) for r in mem])
         out["memory_snapshot_ms"] = median([r.get("snapshot_ms", 0.0) for r in mem])
         out["memory_steps"] = [r["step"] for r in mem if r["complete"]]
+        out["memory_interval_s"] = interval_s(out["memory_steps"], out["steps_attempt0"])
         out["memory_warnings"] = [r.get("warning") for r in mem if not r["complete"]][:3]
     if rec is not None:
         out["recovery"] = rec
@@ -380,6 +381,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def interval_s(complete: list[int], steps: list[list[float]]) -> float | None:
+    """Mean seconds of training between consecutive complete memory checkpoints (the steps they
+    were taken at; ``steps``: ``[step, step_ms]``); None with fewer than two."""
+    if len(complete) < 2:
+        return None
+    ms = {int(s): t for s, t in steps}
+    return sum(ms.get(s, 0.0) for s in range(complete[0] + 1, complete[-1] + 1)) / 1e3 / (len(complete) - 1)
+
+
 def parse_variants(text: str) -> dict[str, tuple[bool, float | None]]:
     """``--tier-variants``: ``plain`` (the defaults), ``stage`` (``memory_stage_on_device``), ``@G`` (a
     budget of G GB/s per rank: ``memory_max_gbps``) or ``stage@G``, comma-separated; by name, in order,
@@ -439,7 +449,7 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     limit_name = "H2D" if bw.get("h2d_gbps") else "memcpy"
     limit = bw.get("h2d_gbps") or bw.get("memcpy_gbps") or nan
     step_rows = [["no memory tier", fmt(s.get("step_ms", nan), 1), fmt(s.get("stall_ms", nan), 1), "-", "-", "-",
-                  "-", "-", "-", "1.00", fmt(s.get("step_ms_late", nan), 1), "1.00"]]
+                  "-", "-", "-", "1.00", fmt(s.get("step_ms_late", nan), 1), "1.00", "-"]]
     for k, m in mems:
         step_rows.append([f"--memory-every 1, {_label(k)}",
                           fmt(m.get("step_ms", nan), 1), fmt(m.get("stall_ms", nan), 1),
@@ -448,7 +458,7 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                           fmt(m.get("memory_snapshot_ms", nan), 0), fmt(m.get("memory_write_ms", nan), 0),
                           fmt(m.get("memory_replicate_ms", nan), 0), fmt(m.get("replicate_gbps_per_rank", nan), 2),
                           fmt(m.get("slowdown", nan), 2), fmt(m.get("step_ms_late", nan), 1),
-                          fmt(m.get("slowdown_late", nan), 2)])
+                          fmt(m.get("slowdown_late", nan), 2), fmt(m.get("memory_interval_s") or nan, 1)])
     rec_rows = []
     for label, run in (("persistent storage", s),
                        *((f"memory tier, {_label(k)}", m) for k, m in mems)):
@@ -462,7 +472,8 @@ def tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     return [
         (f"step time, {res['model']} under {res['layout']} ({res['ranks']} ranks, 2 simulated nodes)",
          ["run", "step ms", "stall ms", "memory ckpt GB/rank", "complete ckpts logged", "snapshot ms", "write ms",
-          "replicate ms", "replicate GB/s per rank", "slowdown", "later half step ms", "later half slowdown"],
+          "replicate ms", "replicate GB/s per rank", "slowdown", "later half step ms", "later half slowdown",
+          "s between ckpts"],
          step_rows),
         (f"node 1 lost after step {res['fail_at'] or '-'}: restart to the next step ({limit_name} {fmt(limit, 1)} GB/s"
          + (" per GPU)" if limit_name == "H2D" else ")"),

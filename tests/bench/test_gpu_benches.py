@@ -99,6 +99,14 @@ def test_memtier_gpu_bench_variants_reach_the_tier(tmp_path: Path) -> None:
     assert paced["memory_complete"] < plain["memory_complete"]
 
 
+def test_the_interval_between_memory_checkpoints_is_the_training_time_between_them() -> None:
+    from bench.memtier_gpu import interval_s
+
+    steps = [[s, 100.0 * s] for s in range(1, 10)]  # step s took 100 * s ms
+    assert interval_s([2, 4, 7], steps) == pytest.approx((300 + 400 + 500 + 600 + 700) / 1e3 / 2)
+    assert interval_s([5], steps) is None and interval_s([], steps) is None
+
+
 def test_tier_variants_parse_and_refuse_by_name() -> None:
     from bench.memtier_gpu import parse_variants
 
