@@ -35,7 +35,9 @@ def budget_from_env(value: float | None) -> float | None:
     try:
         got = float(env)
     except ValueError:
-        raise StateError(f"CKPT_TIER_MAX_GBPS={env!r}: use GB/s per rank (e.g. 2 or 0.5), or 0 for no budget") from None
+        got = -1.0
+    if not got >= 0:  # (NaN too)
+        raise StateError(f"CKPT_TIER_MAX_GBPS={env!r}: use GB/s per rank (e.g. 2 or 0.5), or 0 for no budget")
     return check_budget(got or None)
 
 

@@ -110,9 +110,10 @@ def test_the_environment_overrides_the_budget_and_the_staging(monkeypatch: pytes
     assert budget_from_env(None) == 2.5 and budget_from_env(7) == 2.5
     monkeypatch.setenv("CKPT_TIER_MAX_GBPS", "0")
     assert budget_from_env(7) is None  # 0: no budget
-    monkeypatch.setenv("CKPT_TIER_MAX_GBPS", "fast")
-    with pytest.raises(StateError, match="CKPT_TIER_MAX_GBPS='fast'"):
-        budget_from_env(None)
+    for bad in ("fast", "-2", "nan"):
+        monkeypatch.setenv("CKPT_TIER_MAX_GBPS", bad)
+        with pytest.raises(StateError, match=f"CKPT_TIER_MAX_GBPS='{bad}'"):
+            budget_from_env(None)
     monkeypatch.delenv("CKPT_TIER_MAX_GBPS")
     assert budget_from_env(3) == 3.0 and budget_from_env(None) is None
     cfg = TierConfig("/tmp/x", stage_on_device=False)
