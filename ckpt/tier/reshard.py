@@ -273,7 +273,8 @@ def run(tier: TierView, fn: Callable[[str], Any], *, min_step: int | None = None
     reach = {f"{s}|{e}|{w}": sorted(owners) for (s, e, w), owners in found.items()
              if min_step is None or s >= min_step}
     token = uuid.uuid4().hex[:8]
-    plan = tier.comm.exchange(reach, lambda got: [plan_fetches(got, tier.hosts, token)] * len(got),
+    hosts = getattr(tier, "hosts", None) or list(range(tier.world))  # (unknown: every rank fetches for itself)
+    plan = tier.comm.exchange(reach, lambda got: [plan_fetches(got, hosts, token)] * len(got),
                               timeout=tier.timeout, what="memory tier resharding restore planning")
     if plan is None:
         return None
