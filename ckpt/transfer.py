@@ -252,8 +252,7 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
             wire = _declaration(srcs, dsts, opts, state, src_h, dst_h)
             # delta plans depend on which pieces changed: planned every time
             fp = None if opts.delta else _front.fingerprint_of(
-                srcs, dsts, (comm.rank, comm.world, opts.bucket_bytes, opts.window, opts.strict, opts.cast,
-                             opts.min_part, opts.checksum),
+                srcs, dsts, _shaping(comm.rank, comm.world, opts),
                 lambda: structure_fingerprint(wire, comm.rank, comm.world, opts))
         except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
             err = rank_payload(e, comm.who)
@@ -284,9 +283,14 @@ def structure_fingerprint(wire: dict[str, Any], rank: int, world: int, opts: Opt
     """What makes this rank's part of a plan: its declared pieces (keys, dtypes, global shapes,
     regions), its place in the group, whether it joins over NCCL, and the planning options. Equal
     fingerprints on every rank, as at an earlier transfer, mean that transfer's plan holds again."""
-    what = [wire["s"], wire["d"], wire["nccl"], rank, world, opts.bucket_bytes, opts.window, opts.strict,
-            opts.cast, opts.min_part, opts.checksum]
+    what = [wire["s"], wire["d"], wire["nccl"], *_shaping(rank, world, opts)]
     return hashlib.blake2b(msgpack.packb(what, use_bin_type=True), digest_size=16).hexdigest()
+
+
+def _shaping(rank: int, world: int, opts: Options) -> tuple[Any, ...]:
+    """What besides the pieces shapes this rank's plan: its place in the group and the planning
+    options (in the structure fingerprint, and the key a kept front caches fingerprints under)."""
+    return (rank, world, opts.bucket_bytes, opts.window, opts.strict, opts.cast, opts.min_part, opts.checksum)
 
 
 def _plan_or_reuse(comm: Comm, group: Any, err: dict[str, Any] | None, wire: dict[str, Any], fp: str | None,
