@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from ckpt._io import cpus_per_rank
 from ckpt.errors import IntegrityError, ManifestError, StorageError
 from ckpt.manifest import Manifest
 from ckpt.tier import safefs
+from ckpt.tier.pace import Pace
 
 UNIT = 64 << 20  # bytes a thread takes at a time: few hand-offs, yet every thread busy on a large file
 # bytes copied then checksummed at once: a whole unit. Both calls release the GIL, but each return
@@ -128,7 +128,7 @@ def threads_for(ranks_here: int) -> int:
 
 def copy_verified(copies: list[FileCopy], manifest: Manifest, *, threads: int = 4, deadline: float | None = None,
                   what: str = "memory tier copy", unit: int = UNIT,
-                  pace: Callable[[int, float | None], None] | None = None) -> int:
+                  pace: Pace | None = None) -> int:
     """Copy each ``copies[i].src`` into ``copies[i].dst`` on ``threads`` threads, checking every piece
     ``manifest`` lists against its recorded CRC-32 as its bytes land; returns the bytes copied.
 
@@ -164,7 +164,7 @@ def copy_verified(copies: list[FileCopy], manifest: Manifest, *, threads: int = 
 
 
 def _run(units: list[Unit], copies: list[FileCopy], fds: list[int], threads: int, deadline: float | None,
-         what: str, pace: Callable[[int, float | None], None] | None = None) -> list[int]:
+         what: str, pace: Pace | None = None) -> list[int]:
     """Copy every unit on ``threads`` threads; each unit's CRC, or raise the first failure."""
     crcs = [0] * len(units)
     stop = threading.Event()

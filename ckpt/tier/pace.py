@@ -19,8 +19,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from ckpt.errors import StateError
+
+Pace = Callable[[int, float | None], None]  # ``take(nbytes, deadline)``: what the copies call before reading
 
 BURST_S = 0.05  # the budget a pacer may run ahead by: short bursts at full speed, never a long one
 
@@ -91,4 +94,4 @@ class Pacer:
             self._lock.notify_all()
 
 
-__all__ = ["BURST_S", "Pacer", "budget_from_env", "check_budget"]
+__all__ = ["BURST_S", "Pace", "Pacer", "budget_from_env", "check_budget"]

@@ -45,6 +45,7 @@ from ckpt.manifest import MANIFEST_NAME
 from ckpt.storage.local import LocalStorage, LocalWriter
 from ckpt.tier import safefs
 from ckpt.tier.localcopy import FileCopy, copy_verified
+from ckpt.tier.pace import Pace
 from ckpt.tier.slots import Slot, raw_layout
 from ckpt.tier.store import manifest_bytes, remove_step
 
@@ -133,7 +134,7 @@ def _buffers(need: int) -> list[torch.Tensor]:
 def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank: int, timeout: float,
              what: str, slots: Callable[[int, int], Any] | None = None, local: Collection[int] = (),
              run_dir: str | None = None, threads: int = 4,
-             pace: Callable[[int, float | None], None] | None = None) -> dict[int, Received]:
+             pace: Pace | None = None) -> dict[int, Received]:
     """Send each ``sends[peer]`` to its peer and receive one package from each ``recvs`` peer into
     the directory ``recvs[peer]`` (replaced if it exists); collective among the ranks involved.
 
@@ -218,7 +219,7 @@ def _recv(pg: Any, src: int, t: torch.Tensor, deadline: float) -> None:
 
 def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeout: float,
              what: str, slots: Callable[[int, int], Any] | None = None, run_dir: str | None = None,
-             threads: int = 4, pace: Callable[[int, float | None], None] | None = None) -> Received:
+             threads: int = 4, pace: Pace | None = None) -> Received:
     try:
         n = torch.zeros(1, dtype=torch.int64)
         _recv(pg, src, n, deadline)
@@ -311,7 +312,7 @@ def _answer(pg: Any, src: int, got: Received, deadline: float, *, rank: int, tim
 
 def _receive_local(src: int, dest: str, header: dict[str, Any], deadline: float, *, rank: int, what: str,
                    slots: Callable[[int, int], Any] | None, run_dir: str | None, threads: int,
-                   pace: Callable[[int, float | None], None] | None = None) -> Received:
+                   pace: Pace | None = None) -> Received:
     """Keep rank ``src``'s copy by reading its files from its step directory (same host): into a slot
     from ``slots`` (or a new file), every piece's CRC checked, linked, the manifest committed last."""
     files = [(str(rel), int(size)) for rel, size in header["files"]]
