@@ -100,6 +100,17 @@ def _split(shm: str, root: str, hosts: list[str]) -> None:
                         copy_function=shutil.copy2)
 
 
+def _two_hosts(shm: str, root: str, save_memory: Callable[..., None]) -> list[str]:
+    """Steps 1-3 of 4 ranks in the memory tier (step 1 also in storage), split over two simulated
+    hosts' shared memory (see :func:`_split`); their base directories."""
+    run_ranks(4, save_memory, shm, root, (1, 2, 3), (1,))
+    hosts = [os.path.join(shm, "host-a"), os.path.join(shm, "host-b")]
+    for h in hosts:
+        os.mkdir(h, 0o700)
+    _split(shm, root, hosts)
+    return hosts
+
+
 def _restore(rank: int, world: int, hosts: list[str], root: str, out: str) -> None:
     mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=hosts[rank], nodes=2,
                                  memory_timeout=30)
@@ -130,11 +141,7 @@ def _run(hosts: list[str], root: str, tmp: Path) -> list[dict[str, Any]]:
 def test_a_layout_change_across_hosts_fetches_what_each_host_lacks(shm: str, tmp_path: Path,
                                                                    save_memory: Callable[..., None]) -> None:
     root = str(tmp_path / "ckpts")
-    run_ranks(4, save_memory, shm, root, (1, 2, 3), (1,))
-    hosts = [os.path.join(shm, "host-a"), os.path.join(shm, "host-b")]
-    for h in hosts:
-        os.mkdir(h, 0o700)
-    _split(shm, root, hosts)
+    hosts = _two_hosts(shm, root, save_memory)
     # what a fetcher killed mid-fetch would leave behind: removed at the next restore of that rank
     left = Path(hosts[0]) / f"ckpt-{run_id_for(root)}" / "view-0-dead0000-fetched" / "rank-3"
     left.mkdir(parents=True, mode=0o700)
@@ -150,11 +157,7 @@ def test_a_layout_change_across_hosts_fetches_what_each_host_lacks(shm: str, tmp
 def test_a_damaged_copy_on_the_sending_host_falls_back_to_storage_everywhere(
         shm: str, tmp_path: Path, save_memory: Callable[..., None]) -> None:
     root = str(tmp_path / "ckpts")
-    run_ranks(4, save_memory, shm, root, (1, 2, 3), (1,))
-    hosts = [os.path.join(shm, "host-a"), os.path.join(shm, "host-b")]
-    for h in hosts:
-        os.mkdir(h, 0o700)
-    _split(shm, root, hosts)
+    hosts = _two_hosts(shm, root, save_memory)
     copy = Path(hosts[1]) / f"ckpt-{run_id_for(root)}" / "node-1" / "rank-2" / "step-0000000003"
     m = ckpt.inspect(str(copy))
     s = m.tensors["model.w"].shards[0]
