@@ -239,6 +239,8 @@ def summarize(metrics: str) -> dict[str, Any]:
         out["memory_steps"] = [r["step"] for r in mem if r["complete"]]
         out["memory_interval_s"] = interval_s(out["memory_steps"], out["steps_attempt0"])
         out["memory_warnings"] = [r.get("warning") for r in mem if not r["complete"]][:3]
+        if any("budget_gbps" in r for r in mem):  # a budget or a governor: rank 0's, checkpoint by checkpoint
+            out["memory_budget_gbps"] = [[r["step"], r.get("budget_gbps"), r.get("overhead")] for r in mem]
     if rec is not None:
         out["recovery"] = rec
         if "total_ms" in rec:
@@ -320,7 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["runs"] = runs
         fail_at = args.fail_at or None  # 0: no node is lost
         for kind in runs:
-            stage, gbps = variants.get(kind.partition("+")[2] or "plain", (False, None))
+            stage, gbps, overhead = variants.get(kind.partition("+")[2] or "plain", (False, None, None))
             t = time.perf_counter()
             ckpt_dir = os.path.join(work, kind)
             shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -330,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               device=args.device, memory_every=1 if kind != "storage" else None, replicas=1,
                               shm_dir=shm, memory_busy="skip" if kind.startswith("memory-skip") else "wait",
                               memory_stage_on_device=stage, memory_max_gbps=gbps,
+                              memory_max_overhead=overhead if kind.startswith("memory-skip") else None,
                               metrics_path=os.path.join(work, f"{kind}.metrics.jsonl"))
             if os.path.exists(cfg.metrics_file or ""):
                 os.unlink(cfg.metrics_file or "")
@@ -355,7 +358,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"recovery tier {rec.get('tier')} from step {rec.get('step')}, lost {rec.get('steps_lost')}, "
                   f"restart {rec.get('restart_ms')} ms + restore {rec.get('restore_ms')} ms + first step "
                   f"{rec.get('first_step_ms')} ms, {rec.get('bytes', 0) / 1e9:.2f} GB restored; {out['wall_s']} s"
-                  + (f"; memory tier warnings: {out['memory_warnings']}" if out.get("memory_warnings") else ""),
+                  + (f"; memory tier warnings: {out['memory_warnings']}" if out.get("memory_warnings") else "")
+                  + (f"; [step, rank 0's budget GB/s, measured slowdown]: {out['memory_budget_gbps']}"
+                     if out.get("memory_budget_gbps") else ""),
                   flush=True)
             if codes[-1] != 0:
                 log = os.path.join(work, f"{kind}.log")
@@ -390,25 +395,38 @@ def interval_s(complete: list[int], steps: list[list[float]]) -> float | None:
     return sum(ms.get(s, 0.0) for s in range(complete[0] + 1, complete[-1] + 1)) / 1e3 / (len(complete) - 1)
 
 
-def parse_variants(text: str) -> dict[str, tuple[bool, float | None]]:
-    """``--tier-variants``: ``plain`` (the defaults), ``stage`` (``memory_stage_on_device``), ``@G`` (a
-    budget of G GB/s per rank: ``memory_max_gbps``) or ``stage@G``, comma-separated; by name, in order,
-    each as ``(stage_on_device, max_gbps)``."""
-    out: dict[str, tuple[bool, float | None]] = {}
+Variant = tuple[bool, float | None, float | None]  # (stage_on_device, max_gbps, max_overhead)
+
+
+def parse_variants(text: str) -> dict[str, Variant]:
+    """``--tier-variants``: ``plain`` (the defaults), ``stage`` (``memory_stage_on_device``), then
+    optionally ``@G`` (a budget of G GB/s per rank: ``memory_max_gbps``) and ``%P`` (a governor keeping
+    the slowdown within P percent: ``memory_max_overhead``; with ``@G`` its ceiling), e.g. ``stage@2``,
+    ``stage%5``, ``%5@4``; comma-separated; by name, in order."""
+    import re
+
+    out: dict[str, Variant] = {}
     for name in (v.strip() for v in text.split(",")):
         if not name:
             continue
-        head, _, gbps = name.partition("@")
-        if head not in ("plain", "stage", "") or (head == "plain" and gbps) or (not head and not gbps):
-            raise SystemExit(f"--tier-variants: {name!r}: use plain, stage, @G or stage@G (G: GB/s per rank)")
-        try:
-            budget = float(gbps) if gbps else None
-        except ValueError:
-            raise SystemExit(f"--tier-variants: {name!r}: {gbps!r} is not a number of GB/s") from None
-        if budget is not None and not budget > 0:
-            raise SystemExit(f"--tier-variants: {name!r}: the budget must be positive")
-        out[name] = (head == "stage", budget)
-    return out or {"plain": (False, None)}
+        m = re.fullmatch(r"(plain|stage|)((?:[@%][^@%]*)*)", name)
+        parts = re.findall(r"([@%])([^@%]*)", m.group(2)) if m else []
+        kinds = [k for k, _ in parts]
+        if m is None or len(set(kinds)) != len(kinds) or (m.group(1) == "plain" and parts) or \
+                (not m.group(1) and not parts):
+            raise SystemExit(f"--tier-variants: {name!r}: use plain, stage, then optionally @G (GB/s per rank) and "
+                             "%P (percent slowdown), e.g. stage@2, stage%5")
+        got: dict[str, float] = {}
+        for k, v in parts:
+            try:
+                got[k] = float(v)
+            except ValueError:
+                raise SystemExit(f"--tier-variants: {name!r}: {v!r} is not a number") from None
+            if not got[k] > 0 or (k == "%" and not got[k] < 100):
+                raise SystemExit(f"--tier-variants: {name!r}: {k}{v} must be positive (and a percent below 100)")
+        overhead = got["%"] / 100 if "%" in got else None
+        out[name] = (m.group(1) == "stage", got.get("@"), overhead)
+    return out or {"plain": (False, None, None)}
 
 
 def _label(k: str) -> str:
@@ -500,8 +518,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory runs: wait (a checkpoint due while the previous runs waits for it), skip, or "
                         "wait,skip for both (one more run, ~1 min on GPUs)")
     p.add_argument("--tier-variants", default="plain",
-                   help="memory runs per busy mode: plain, stage (GPU state staged in device memory first), @G "
-                        "(a background budget of G GB/s per rank) or stage@G, comma-separated")
+                   help="memory runs per busy mode: plain or stage (GPU state staged in device memory first), "
+                        "then optionally @G (a background budget of G GB/s per rank) and %%P (a governor keeping "
+                        "the slowdown within P percent; busy=skip runs only), e.g. stage@2,stage%%5")
     p.add_argument("--pretouch", default="auto", choices=("auto", "on", "off"),
                    help="touch the host memory the runs need first (auto: when MemTotal is below it)")
     p.add_argument("--h2d-gib", type=float, default=1.0, help="size of the bandwidth probe")

@@ -125,8 +125,9 @@ class CheckpointManager:
     ``memory_busy`` (``wait``: a memory checkpoint due while the previous one still runs waits for it;
     ``skip``: it is skipped, see :class:`ckpt.tier.TierConfig`), ``memory_stage_on_device`` (GPU
     pieces staged in device memory first: the optimizer step waits for a device copy only) and
-    ``memory_max_gbps`` (a budget for the tier's background traffic, GB/s per rank); see
-    :class:`ckpt.tier.TierConfig`.
+    ``memory_max_gbps`` (a budget for the tier's background traffic, GB/s per rank) and
+    ``memory_max_overhead`` (the slowdown of a step the tier may cost, e.g. 0.05: the budget then
+    follows from the step times; needs ``memory_busy="skip"``); see :class:`ckpt.tier.TierConfig`.
 
     ``lease_grace_s``: how long this manager's gc (at start and in retention) counts a lease written
     on another machine as live (:mod:`ckpt._lease`; same-machine leases are checked exactly).
@@ -140,7 +141,8 @@ class CheckpointManager:
                  shm_dir: str | None = None, run_id: str | None = None, node: int | None = None,
                  nodes: int | None = None, memory_timeout: float = 120.0, memory_busy: str = "wait",
                  memory_stage_on_device: bool = False, memory_max_gbps: float | None = None,
-                 lease_grace_s: float = LEASE_GRACE_S, save_every: int | None = None):
+                 memory_max_overhead: float | None = None, lease_grace_s: float = LEASE_GRACE_S,
+                 save_every: int | None = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
         if save_every is not None and (not isinstance(save_every, int) or save_every < 0):
@@ -178,7 +180,8 @@ class CheckpointManager:
             self.memory = MemoryTier(TierConfig(self.root, run_id=run_id, shm_dir=shm_dir, node=node, nodes=nodes,
                                                 keep=memory_keep, replicas=replicas, timeout=memory_timeout,
                                                 lineage=self._lineage(memory_timeout), busy=memory_busy,
-                                                stage_on_device=memory_stage_on_device, max_gbps=memory_max_gbps),
+                                                stage_on_device=memory_stage_on_device, max_gbps=memory_max_gbps,
+                                                max_overhead=memory_max_overhead),
                                      group=group)
         if gc_on_start and self._rank == 0:
             # Incomplete leftovers of a crash. No save of this job can have started yet: the first

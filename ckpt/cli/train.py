@@ -61,6 +61,10 @@ def train_cmd(
         help="stage GPU state in device memory first (the optimizer waits for a device copy only)"),
     memory_max_gbps: float | None = typer.Option(None, "--memory-max-gbps", min=0.001,
                                                  help="budget for the memory tier's background traffic, GB/s per rank"),
+    memory_max_overhead: float | None = typer.Option(
+        None, "--memory-max-overhead", min=0.001, max=0.999,
+        help="slowdown of a step the memory tier may cost, e.g. 0.05: it sets its budget from the step times "
+             "(needs --memory-busy skip)"),
     nodes: int | None = typer.Option(None, "--nodes", min=1,
                                      help="simulate N nodes on this host (default with --memory-every: 2)"),
     shm_dir: str | None = typer.Option(None, "--shm-dir", help="memory tier base (default $CKPT_SHM_DIR, /dev/shm)"),
@@ -136,6 +140,7 @@ def _train_config(opts: dict[str, Any], layout: Layout) -> TrainConfig:
     same = ("seq_len", "global_batch", "microbatches", "schedule", "steps", "stop_after", "lr", "seed", "ckpt_dir",
             "save_every", "keep_last", "init_from", "fail_at_step", "fail_rank", "device", "fail_node",
             "memory_every", "replicas", "memory_keep", "memory_busy", "memory_stage_on_device", "memory_max_gbps",
+            "memory_max_overhead",
             "shm_dir", "run_id", "moe_dispatch", "moe_sequence_shard")
     try:
         return TrainConfig(model=model_config(opts["config"]), async_save=not opts["sync_save"],

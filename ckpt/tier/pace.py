@@ -12,11 +12,20 @@ One :class:`Pacer` per tier, shared by the device-to-host drain of a staged snap
 (:mod:`ckpt.tier.snapshot`) and the peer copy threads (:mod:`ckpt.tier.localcopy`): a token bucket
 whose waits sleep (no GIL, no spinning core); :meth:`Pacer.release` lifts it (the run's last step
 waits for the memory checkpoint in flight at full speed).
+
+What budget to pick depends on the step, the host and the state. A :class:`Governor` picks it from the
+steps themselves (``max_overhead``: the slowdown of training the tier may cost, e.g. 0.05): it
+compares the time per step while a memory checkpoint runs with the time per step while none does,
+and moves the pacer's rate so that the first stays within ``1 + max_overhead`` of the second. Steps
+with nothing in flight come from ``memory_every`` > 1, or from a short rest the tier's agreement
+grants when a rank's governor asks for one (its reference is missing or old; see
+:meth:`Governor.wants_rest`).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +68,7 @@ class Pacer:
 
     def __init__(self, gbps: float | None):
         self.rate = None if gbps is None else gbps * 1e9
+        self.released = False
         self._lock = threading.Condition()
         self._next = float("-inf")  # when the budget spent so far is paid back (-inf: idle)
         self.waited_s = 0.0  # total sleep
@@ -91,7 +101,119 @@ class Pacer:
         checkpoint in flight is waited for at full speed)."""
         with self._lock:
             self.rate = None
+            self.released = True
             self._lock.notify_all()
 
+    def set_rate(self, gbps: float) -> None:
+        """A new budget from now on (a :class:`Governor`'s); ignored once released. Waits under way
+        keep the wake-up they computed (at most one burst plus one group's worth at the old rate)."""
+        with self._lock:
+            if not self.released:
+                self.rate = gbps * 1e9
 
-__all__ = ["BURST_S", "Pace", "Pacer", "budget_from_env", "check_budget"]
+
+class Governor:
+    """Sets ``pacer``'s rate so that a step with a memory checkpoint in flight takes at most
+    ``1 + overhead`` times a step without one (this rank's view; the training thread calls
+    :meth:`tick` once per memory-tier call).
+
+    Each :data:`WINDOW` busy steps it compares their median time per step with the median of the
+    last :data:`REFERENCE` idle ones. The traffic's cost grows with its rate, so it estimates the
+    slowdown per GB/s (smoothed over windows: one window of noisy steps is not a signal) and sets
+    the rate that costs ``overhead``, moving at most by [1/2, 3/2] per window and staying within
+    [``min_gbps``, ``max_gbps``]. A released pacer stays released.
+    """
+
+    WINDOW = 12  # busy steps per adjustment (launch-bound steps vary by 10-20%: one is not a signal)
+    REFERENCE = 32  # idle steps kept for the reference (median)
+    SMOOTH = 0.25  # weight of a new window in the estimated slowdown per GB/s
+    AIM = 0.85  # of ``overhead``: the noise of the estimate then errs below the target more often
+    STALE = 4  # windows after which the reference is renewed (the step's own pace drifts)
+    START_GBPS = 1.0  # the first rate (when max_gbps is not lower): measured at ~1-6% on 4 x H100
+    MIN_GBPS = 0.05  # never below: a 10 GB state then still completes within ~200 s
+
+    def __init__(self, pacer: Pacer, overhead: float, *, max_gbps: float | None = None,
+                 start_gbps: float | None = None, min_gbps: float | None = None):
+        self.pacer = pacer
+        check_overhead(overhead)
+        self.overhead = float(overhead)
+        self.max_gbps = max_gbps
+        self.min_gbps = min_gbps if min_gbps is not None else self.MIN_GBPS
+        first = start_gbps if start_gbps is not None else self.START_GBPS
+        self.gbps = self._bound(first)
+        pacer.set_rate(self.gbps)
+        self.idle: list[float] = []  # seconds per step with nothing in flight, newest last
+        self.busy: list[float] = []  # the window being filled
+        self.windows_since_idle = 0
+        self.measured: float | None = None  # the last window's overhead
+        self.per_gbps: float | None = None  # the estimated slowdown per GB/s of budget
+        self.history: list[tuple[float, float]] = []  # (measured overhead, the rate it led to)
+        self._prev: tuple[float, int, bool] | None = None  # (time, step, busy) of the last tick
+
+    def _bound(self, gbps: float) -> float:
+        hi = self.max_gbps if self.max_gbps is not None else float("inf")
+        return min(max(gbps, self.min_gbps), hi)
+
+    def tick(self, now: float, step: int, busy: bool) -> None:
+        """The training thread reached ``step`` at ``now`` (``time.monotonic()``); ``busy``: a memory
+        checkpoint runs from here to the next tick (one in flight, or one started by this call)."""
+        prev, self._prev = self._prev, (now, step, busy)
+        if prev is None or step <= prev[1] or now <= prev[0]:
+            return  # the first tick, or a restart of the step count: no interval
+        per = (now - prev[0]) / (step - prev[1])
+        if not prev[2]:
+            self.idle = (self.idle + [per])[-self.REFERENCE:]
+            self.windows_since_idle = 0
+            return
+        self.busy.append(per)
+        if len(self.busy) < self.WINDOW:
+            return
+        window, self.busy = self.busy, []
+        if not self.idle:
+            return  # nothing to compare with yet (a rest is asked for)
+        self.windows_since_idle += 1
+        self.measured = statistics.median(window) / statistics.median(self.idle) - 1.0
+        seen = self.measured / self.gbps  # the slowdown per GB/s in this window (smoothed: one is noisy)
+        est = seen if self.per_gbps is None else self.per_gbps + self.SMOOTH * (seen - self.per_gbps)
+        self.per_gbps = est
+        want = self.overhead * self.AIM / est if est > 0 else float("inf")
+        self.gbps = self._bound(min(max(want, self.gbps * 0.5), self.gbps * 1.5))
+        self.pacer.set_rate(self.gbps)
+        self.history.append((self.measured, self.gbps))
+
+    def wants_rest(self) -> bool:
+        """Whether the next memory checkpoint should start a few steps late, so that steps with
+        nothing in flight renew the reference (none yet, too few, or older than :data:`STALE`
+        windows)."""
+        return len(self.idle) < 3 or self.windows_since_idle >= self.STALE
+
+
+def check_overhead(value: float | None) -> float | None:
+    """``value`` (a fraction of the step time, 0 < value < 1; None: no governor) or StateError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise StateError(f"memory tier max_overhead={value!r}: use the slowdown of a step the tier may cost "
+                         "as a fraction (e.g. 0.05 for 5%), or None for no governor")
+    return float(value)
+
+
+def overhead_from_env(value: float | None) -> float | None:
+    """``value`` unless ``$CKPT_TIER_MAX_OVERHEAD`` is set (a fraction; 0 or empty: no governor).
+
+    Raises StateError for a value that is not a number in [0, 1)."""
+    env = os.environ.get("CKPT_TIER_MAX_OVERHEAD")
+    if env is None or env.strip() == "":
+        return check_overhead(value)
+    try:
+        got = float(env)
+    except ValueError:
+        got = -1.0
+    if not 0 <= got < 1:
+        raise StateError(f"CKPT_TIER_MAX_OVERHEAD={env!r}: use a fraction of the step time (e.g. 0.05), or 0 for "
+                         "no governor")
+    return check_overhead(got or None)
+
+
+__all__ = ["BURST_S", "Governor", "Pace", "Pacer", "budget_from_env", "check_budget", "check_overhead",
+           "overhead_from_env"]

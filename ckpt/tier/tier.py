@@ -58,7 +58,7 @@ from ckpt.tier.nodes import (
     shm_base,
     tier_dir,
 )
-from ckpt.tier.pace import Pacer, budget_from_env
+from ckpt.tier.pace import Governor, Pacer, budget_from_env, overhead_from_env
 from ckpt.tier.pinahead import PinAhead
 from ckpt.tier.runlock import RunLock, exclusive, host_key, lock_names, remove_locks
 from ckpt.tier.slots import Slot, SlotPool, raw_layout
@@ -76,6 +76,7 @@ from ckpt.tier.store import (
 from ckpt.tier.transfer import exchange, failed, package
 from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
+REST_STEPS = 2  # steps a governed tier leaves without a memory checkpoint when one asks (see pace.Governor)
 BACKGROUND_NICE = 10  # the background thread's niceness with busy="skip" (see MemoryTier._background)
 
 
@@ -153,7 +154,10 @@ class MemoryTier:
         self.store = NodeStore(self.base, self.run_id, node, self.rank, self.world, config.lineage)
         self._complete: list[int] = []
         self.warnings: list[str] = []
-        self.pacer = Pacer(budget_from_env(config.max_gbps))  # the background's budget (ckpt.tier.pace)
+        budget = budget_from_env(config.max_gbps)
+        self.pacer = Pacer(budget)  # the background's budget (ckpt.tier.pace)
+        overhead = config.governed(overhead_from_env(config.max_overhead))
+        self.governor = None if overhead is None else Governor(self.pacer, overhead, max_gbps=budget)
         self._snapshots = HostSnapshots(stage_on_device=config.staging(), pace=self.pacer, warn=self._warn)
         self._slots = SlotPool(self.store.own_root(), config.keep + 1)
         self._replica_slots: dict[int, SlotPool] = {}  # by owner: the files its copies are received into
@@ -247,12 +251,12 @@ class MemoryTier:
         """
         t0 = time.perf_counter()
         if self.config.busy == "skip" and self._skip(step):
-            self._busy_skips += 1
-            return MemoryHandle.skipped_busy(step)
+            return self._skipped(step, t0, busy=True)
         self.drain(raise_error=True)
         if self.config.busy == "skip" and self._next_at is not None and step < self._next_at:
-            self._busy_skips += 1
-            return MemoryHandle.skipped_busy(step)
+            return self._skipped(step, t0, busy=False)  # (a rest asked for by a governor, see _verdict)
+        if self.governor is not None:
+            self.governor.tick(t0, step, busy=True)
         t1 = time.perf_counter()
         problem: BaseException | None = None
         snap: Snapshot | None = None
@@ -271,6 +275,13 @@ class MemoryTier:
         threading.Thread(target=self._background, args=(handle, snap, problem, meta, layout, busy), daemon=True,
                          name=f"ckpt-memory-tier-step-{step}").start()
         return handle
+
+    def _skipped(self, step: int, now: float, *, busy: bool) -> MemoryHandle:
+        """A call of ``save_async`` that starts nothing; ``busy``: the previous one still runs."""
+        self._busy_skips += 1
+        if self.governor is not None:
+            self.governor.tick(now, step, busy=busy)
+        return MemoryHandle.skipped_busy(step)
 
     def _slot_for(self, flat: dict[str, Any]) -> Slot | None:
         """A slot no committed step links, shaped for ``flat`` (None: none is free, or ``flat`` has no
@@ -348,6 +359,9 @@ class MemoryTier:
             result = self._write_and_agree(handle, snap, problem, meta, layout)
             result.rank_wait_s, result.rank_snapshot_s, result.busy_skipped = handle.wait_s, handle.snapshot_s, busy
             result.snapshot_bytes = snap.nbytes if snap is not None else 0
+            rate, gov = self.pacer.rate, self.governor
+            result.budget_gbps = None if rate is None else rate / 1e9
+            result.overhead = None if gov is None else gov.measured
             handle._result = result
         except BaseException as e:  # noqa: BLE001 - kept for the training thread (result() / the next save)
             handle.error = e
@@ -401,7 +415,8 @@ class MemoryTier:
         copy_errs = [r.err for r in arrived.values() if not r.ok]
         t2 = time.perf_counter()
         mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),
-                "w": t1 - t0, "r": t2 - t1, "fatal": fatal}
+                "w": t1 - t0, "r": t2 - t1, "fatal": fatal,
+                "rest": self.governor is not None and self.governor.wants_rest()}
         with self._lock:  # see _skip: what this rank reports bounds the steps it skips meanwhile
             handle.reported = mine["at"] = max(self._called, step)
         verdict = self.comm.exchange(mine, _verdict, timeout=self.timeout, what=f"memory tier agreement on step {step}")
@@ -578,9 +593,9 @@ def _verdict(got: list[Any]) -> list[Any]:
     slow_r = max(range(len(got)), key=lambda r: got[r]["r"])
     fatal = next((g["fatal"] for g in got if g.get("fatal")), None)
     v = {"complete": not errors, "errors": errors, "fatal": fatal, "bytes": sum(g["bytes"] for g in got),
-         "next_at": max(int(g["at"]) for g in got) + 1,
+         "next_at": max(int(g["at"]) for g in got) + 1 + (REST_STEPS if any(g.get("rest") for g in got) else 0),
          "sent": sum(g["sent"] for g in got), "max_w": got[slow_w]["w"], "max_r": got[slow_r]["r"]}
     return [v] * len(got)
 
 
-__all__ = ["BACKGROUND_NICE", "MemoryTier"]
+__all__ = ["BACKGROUND_NICE", "REST_STEPS", "MemoryTier"]

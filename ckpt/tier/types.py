@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpt.errors import StateError
-from ckpt.tier.pace import check_budget
+from ckpt.tier.pace import check_budget, check_overhead
 
 if TYPE_CHECKING:
     from ckpt._comm import Comm
@@ -47,6 +47,10 @@ class TierConfig:
             :mod:`ckpt.tier.pace`); None: full speed. ``$CKPT_TIER_MAX_GBPS`` overrides it. A copy
             to a peer still running at ``timeout`` is abandoned (that memory checkpoint is skipped):
             keep the state's bytes per rank over the budget well below ``timeout``.
+        max_overhead: the slowdown of training the tier may cost (a fraction, e.g. 0.05): a
+            :class:`ckpt.tier.pace.Governor` then sets the budget from the step times (``max_gbps``
+            its ceiling), and a memory checkpoint now and then starts two steps late to measure steps
+            with nothing in flight. Needs ``busy="skip"``. ``$CKPT_TIER_MAX_OVERHEAD`` overrides it.
     """
 
     root: str
@@ -61,6 +65,7 @@ class TierConfig:
     busy: str = "wait"
     stage_on_device: bool = False
     max_gbps: float | None = None
+    max_overhead: float | None = None
 
     def __post_init__(self) -> None:
         if self.busy not in ("wait", "skip"):
@@ -73,6 +78,15 @@ class TierConfig:
         if not self.timeout > 0:
             raise StateError(f"memory tier timeout={self.timeout!r}: use a positive number of seconds")
         check_budget(self.max_gbps)
+        self.governed(check_overhead(self.max_overhead))
+
+    def governed(self, overhead: float | None) -> float | None:
+        """``overhead`` (this config's ``max_overhead``, or the environment's), or StateError when it
+        is set while ``busy`` is not ``skip``."""
+        if overhead is not None and self.busy != "skip":
+            raise StateError(f"memory tier max_overhead={overhead!r} needs busy='skip' (with 'wait' training "
+                             "waits for every memory checkpoint, so slowing its traffic slows training)")
+        return overhead
 
     def staging(self) -> bool:
         """``stage_on_device``, or ``$CKPT_TIER_STAGE_ON_DEVICE`` when set. Raises StateError for a
@@ -109,6 +123,8 @@ class MemoryCheckpoint:
     rank_wait_s: float = 0.0  # the training thread waiting for the previous memory checkpoint
     rank_snapshot_s: float = 0.0  # the training thread copying its pieces into host buffers
     snapshot_bytes: int = 0
+    budget_gbps: float | None = None  # this rank's budget when it ended (None: full speed)
+    overhead: float | None = None  # this rank's governor's last measured slowdown (None: no governor, or not yet)
 
     @property
     def skipped(self) -> bool:
@@ -123,6 +139,10 @@ class MemoryCheckpoint:
                                "agree_ms": ms(self.rank_agree_s), "max_write_ms": ms(self.max_write_s),
                                "max_replicate_ms": ms(self.max_replicate_s), "wait_ms": ms(self.rank_wait_s),
                                "snapshot_ms": ms(self.rank_snapshot_s), "busy_skipped": self.busy_skipped}
+        if self.budget_gbps is not None:
+            rec["budget_gbps"] = round(self.budget_gbps, 3)
+        if self.overhead is not None:
+            rec["overhead"] = round(self.overhead, 4)
         if self.skipped:
             rec["warning"] = self.warning
             rec["errors"] = self.errors[:8]

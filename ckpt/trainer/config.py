@@ -59,8 +59,9 @@ class TrainConfig:
         memory_busy: ``wait`` (a memory checkpoint due while the previous one still runs waits for
             it) or ``skip`` (it is skipped: no stall, fewer memory checkpoints); see
             :class:`ckpt.tier.TierConfig`.
-        memory_stage_on_device / memory_max_gbps: stage GPU pieces in device memory before the host
-            copy; a budget (GB/s per rank) for the tier's background traffic; see
+        memory_stage_on_device / memory_max_gbps / memory_max_overhead: stage GPU pieces in device
+            memory before the host copy; a budget (GB/s per rank) for the tier's background traffic;
+            the slowdown the tier may cost (a fraction: the budget follows from the step times); see
             :class:`ckpt.tier.TierConfig`.
         nodes: simulate this many nodes on one host (contiguous blocks of ranks); None: the node
             comes from ``CKPT_NODE`` or torchrun's ``LOCAL_WORLD_SIZE``.
@@ -107,6 +108,7 @@ class TrainConfig:
     memory_busy: str = "wait"
     memory_stage_on_device: bool = False
     memory_max_gbps: float | None = None
+    memory_max_overhead: float | None = None
     nodes: int | None = None
     shm_dir: str | None = None
     run_id: str | None = None
@@ -147,6 +149,10 @@ class TrainConfig:
         if self.memory_max_gbps is not None and not self.memory_max_gbps > 0:
             raise ValueError(f"TrainConfig.memory_max_gbps={self.memory_max_gbps!r}: use a positive GB/s per rank, "
                              "or None for full speed")
+        if self.memory_max_overhead is not None and (not 0 < self.memory_max_overhead < 1
+                                                     or self.memory_busy != "skip"):
+            raise ValueError(f"TrainConfig.memory_max_overhead={self.memory_max_overhead!r}: use a fraction of the "
+                             "step time (e.g. 0.05) with memory_busy='skip', or None")
         if self.replicas < 0 or self.memory_keep < 1:
             raise ValueError(f"TrainConfig: replicas={self.replicas} must be >= 0 and memory_keep="
                              f"{self.memory_keep} >= 1")

@@ -19,7 +19,9 @@ Checkpoint figures (rank 0's own, durations in ms, sizes in bytes):
   (sent to peer nodes), ``write_ms`` / ``replicate_ms`` / ``agree_ms`` (rank 0's background work),
   ``max_write_ms`` / ``max_replicate_ms`` (the slowest rank's), ``snapshot_ms`` / ``wait_ms`` (rank
   0's training thread: the host copy, and waiting for the previous one), ``busy_skipped`` (due steps
-  skipped before it with ``--memory-busy skip``; those get no record). Written once the background
+  skipped before it with ``--memory-busy skip``; those get no record), ``budget_gbps`` (rank 0's
+  budget for the tier's traffic when it ended, with ``--memory-max-gbps`` or ``--memory-max-overhead``)
+  and ``overhead`` (the governor's last measured slowdown of a step). Written once the background
   work is over (it may come after later steps' records).
 - ``recovery`` (after a resume, once the first step is done): ``tier`` (``memory``: every rank its own
   copy; ``memory-peer``: some fetched from peer nodes, ``peer_ranks``; ``memory-reshard``: written

@@ -266,7 +266,8 @@ def _manager(cfg: TrainConfig) -> CheckpointManager | None:
                              max_staging_bytes=cfg.max_staging_bytes, memory_every=cfg.memory_every,
                              replicas=cfg.replicas, memory_keep=cfg.memory_keep, shm_dir=cfg.shm_dir,
                              run_id=cfg.run_id, nodes=cfg.nodes, memory_busy=cfg.memory_busy,
-                             memory_stage_on_device=cfg.memory_stage_on_device, memory_max_gbps=cfg.memory_max_gbps)
+                             memory_stage_on_device=cfg.memory_stage_on_device, memory_max_gbps=cfg.memory_max_gbps,
+                             memory_max_overhead=cfg.memory_max_overhead)
 
 
 def _global_loss(ctx: ParallelContext, local: torch.Tensor | None) -> float:

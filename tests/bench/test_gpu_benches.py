@@ -110,10 +110,11 @@ def test_the_interval_between_memory_checkpoints_is_the_training_time_between_th
 def test_tier_variants_parse_and_refuse_by_name() -> None:
     from bench.memtier_gpu import parse_variants
 
-    assert parse_variants("plain,stage,@2,stage@0.5") == {"plain": (False, None), "stage": (True, None),
-                                                         "@2": (False, 2.0), "stage@0.5": (True, 0.5)}
-    assert parse_variants("") == {"plain": (False, None)}
-    for bad in ("fast", "plain@2", "@", "stage@x", "@-1"):
+    assert parse_variants("plain,stage,@2,stage@0.5,stage%5,%2.5@4") == {
+        "plain": (False, None, None), "stage": (True, None, None), "@2": (False, 2.0, None),
+        "stage@0.5": (True, 0.5, None), "stage%5": (True, None, 0.05), "%2.5@4": (False, 4.0, 0.025)}
+    assert parse_variants("") == {"plain": (False, None, None)}
+    for bad in ("fast", "plain@2", "@", "stage@x", "@-1", "stage%100", "stage%5%6", "%", "stage@1@2", "plain%5"):
         with pytest.raises(SystemExit, match="--tier-variants"):
             parse_variants(bad)
 

@@ -114,6 +114,11 @@ def test_memory_tier_budget_and_staging_flags_reach_the_config(monkeypatch: pyte
     assert code == 2 and "--memory-max-gbps" in out, out
     with pytest.raises(ValueError, match="memory_max_gbps=-1"):
         TrainConfig(memory_max_gbps=-1)
+    code, out = _invoke(["--memory-max-overhead", "1"])
+    assert code == 2 and "--memory-max-overhead" in out, out
+    for bad in ({"memory_max_overhead": 0.05}, {"memory_max_overhead": 0.0, "memory_busy": "skip"}):
+        with pytest.raises(ValueError, match="memory_max_overhead"):
+            TrainConfig(**bad)  # type: ignore[arg-type]
     seen: list[TrainConfig] = []
 
     def stop(opts: dict[str, Any], layout: Any) -> TrainConfig:
@@ -123,10 +128,11 @@ def test_memory_tier_budget_and_staging_flags_reach_the_config(monkeypatch: pyte
     real = cli_train._train_config
     monkeypatch.setattr(cli_train, "_train_config", stop)
     code, out = _invoke(["--memory-every", "1", "--memory-busy", "skip", "--memory-stage-on-device",
-                         "--memory-max-gbps", "1.5", "--ckpt-dir", "r"])
+                         "--memory-max-gbps", "1.5", "--memory-max-overhead", "0.05", "--ckpt-dir", "r"])
     assert code == 0, out
     (cfg,) = seen
     assert cfg.memory_stage_on_device and cfg.memory_max_gbps == 1.5 and cfg.memory_busy == "skip"
+    assert cfg.memory_max_overhead == 0.05
 
 
 # torchrun says this on stderr when it starts several workers without OMP_NUM_THREADS set

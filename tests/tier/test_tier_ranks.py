@@ -353,12 +353,12 @@ def test_save_async_returns_after_the_snapshot_and_the_caller_may_change_its_sta
     tier.clear()
 
 
-def _busy_skip(rank: int, world: int, shm: str, out: str) -> None:
+def _busy_skip(rank: int, world: int, shm: str, out: str, overhead: float | None = None) -> None:
     import time
 
     import ckpt.tier.tier as tier_mod
 
-    tier = _tier(shm, busy="skip")
+    tier = _tier(shm, busy="skip", max_overhead=overhead)
     tier.reset(None)
     exchange = tier_mod.exchange
 
@@ -390,15 +390,23 @@ def _busy_skip(rank: int, world: int, shm: str, out: str) -> None:
     assert last is not None and last.result().complete
     with open(out, "a") as f:
         f.write(json.dumps({"rank": rank, "seen": seen, "last": last.step,
-                            "busy_skipped": last.result().busy_skipped}) + "\n")
+                            "busy_skipped": last.result().busy_skipped,
+                            "idle": len(tier.governor.idle) if tier.governor else None,
+                            "budget": last.result().budget_gbps}) + "\n")
 
 
-def test_busy_skip_never_waits_and_every_rank_skips_the_same_steps(shm: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("overhead", [None, 0.05])
+def test_busy_skip_never_waits_and_every_rank_skips_the_same_steps(shm: str, tmp_path: Path,
+                                                                   overhead: float | None) -> None:
+    """... also with a governor (``max_overhead``), whose rests (steps left without a memory
+    checkpoint to measure idle steps) are agreed like the skips: the same on every rank."""
     out = tmp_path / "busy.jsonl"
-    run_ranks(4, _busy_skip, shm, str(out))
+    run_ranks(4, _busy_skip, shm, str(out), overhead)
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(g["seen"] == got[0]["seen"] for g in got)  # the same steps started (or skipped) on every rank
     started = [s for s, busy in got[0]["seen"] if not busy]
     assert 1 in started and 3 <= len(started) < 24  # some due steps were skipped: the previous one still ran
     assert {g["last"] for g in got} == {started[-1]}
     assert {r["step"] for r in _restored(shm, tmp_path).values()} == {started[-1]}  # bitwise (see _restore)
+    if overhead is not None:  # every rank measured steps with nothing in flight (asked-for rests)
+        assert all(g["idle"] >= 1 and g["budget"] is not None for g in got), got

@@ -1,0 +1,154 @@
+"""The memory tier's governor (:class:`ckpt.tier.pace.Governor`): it sets the background budget
+from the step times so that steps with a memory checkpoint in flight stay within ``max_overhead`` of
+steps without one.
+
+Simulated training on a fake clock: a step takes ``base`` seconds (with noise) plus ``cost`` x the
+budget in GB/s while a memory checkpoint of ``size`` bytes runs at that budget; between memory
+checkpoints the governor's asked-for rests leave steps idle, as the tier's agreement does. Over
+generated bases, costs, sizes and noise the governor converges to a budget whose true slowdown is
+within the target (with a margin for the noise), never starves the tier when the target allows
+more, and never leaves its bounds."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt.errors import StateError
+from ckpt.tier import TierConfig
+from ckpt.tier.pace import Governor, Pacer, check_overhead, overhead_from_env
+from ckpt.tier.tier import REST_STEPS
+
+
+def _train(gov: Governor, *, base: float, cost: float, size: float, noise: float, steps: int,
+           seed: int) -> list[tuple[float, bool]]:
+    """Run ``steps`` steps; returns (true slowdown of the step, busy) per step. ``cost``: the slowdown
+    per GB/s of budget (the traffic's cost grows with its rate)."""
+    rng = random.Random(seed)
+    now, left, rest, out = 0.0, size, 0, []  # the first memory checkpoint starts at step 1
+    for step in range(1, steps + 1):
+        busy = left > 0 or rest == 0
+        if not busy:
+            rest -= 1  # a step the agreement left idle
+        elif left <= 0:
+            left = size  # the next memory checkpoint starts here
+        gov.tick(now, step, busy)
+        gbps = gov.gbps
+        slow = cost * gbps if busy else 0.0
+        dt = base * (1 + slow) * (1 + rng.uniform(-noise, noise))
+        now += dt
+        out.append((slow, busy))
+        if busy:
+            left -= gbps * 1e9 * dt
+            if left <= 0:  # it completes: the agreement grants a rest when this rank asks for one
+                rest = REST_STEPS if gov.wants_rest() else 0
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(base=st.floats(0.05, 2.0), cost=st.floats(0.005, 0.5), size=st.floats(1e8, 2e10),
+       noise=st.floats(0.0, 0.05), target=st.sampled_from([0.02, 0.05, 0.1]), seed=st.integers(0, 2**16))
+def test_the_governor_keeps_the_slowdown_near_its_target(base: float, cost: float, size: float, noise: float,
+                                                        target: float, seed: int) -> None:
+    pacer = Pacer(None)
+    gov = Governor(pacer, target, max_gbps=20.0)
+    got = _train(gov, base=base, cost=cost, size=size, noise=noise, steps=3000, seed=seed)
+    assert gov.min_gbps <= gov.gbps <= 20.0 and pacer.rate == gov.gbps * 1e9
+    late = [slow for slow, busy in got[-1000:] if busy]
+    assert late, "the tier checkpoints on in the last third"
+    mean = sum(late) / len(late)
+    # within the target, with room for what the medians of noisy steps let through (steps varying
+    # by +-5% cannot resolve a 2% target exactly)
+    floor = cost * gov.min_gbps  # the slowdown at the lowest budget: a target below it is out of reach
+    assert mean <= max(target * 1.1 + 0.6 * noise, floor), (mean, gov.history[-5:])
+    if floor > target * 1.1 + 0.6 * noise:
+        assert gov.gbps == gov.min_gbps
+    best = min(target / cost, 20.0)  # the budget whose slowdown is the target (or the ceiling)
+    if best > gov.min_gbps * 4 and noise <= target / 2:  # (noisier steps than that hide the slope)
+        assert gov.gbps >= best * 0.4, (gov.gbps, best, gov.history[-5:])  # not starved
+
+
+def test_the_budget_grows_to_its_ceiling_when_steps_do_not_slow_and_halves_when_they_do() -> None:
+    gov = Governor(Pacer(None), 0.05, max_gbps=8.0)
+    assert gov.gbps == Governor.START_GBPS and gov.wants_rest()
+    clock = {"t": 0.0, "step": 0}
+
+    def steps(n: int, per: float, busy: bool) -> None:  # n intervals of ``per`` s, busy or idle
+        for _ in range(n):
+            clock["step"] += 1
+            gov.tick(clock["t"], clock["step"], busy)
+            clock["t"] += per
+
+    steps(5, 0.1, False)  # the reference: 0.1 s per idle step (the 5th tick closes the 4th interval)
+    steps(1, 0.1, True)  # (closes the 5th idle interval)
+    assert not gov.wants_rest() and len(gov.idle) == 5
+    rates = []
+    for _ in range(6):  # windows as fast as the reference: the budget grows by 3/2, to the ceiling
+        steps(Governor.WINDOW, 0.1, True)
+        rates.append(gov.gbps)
+    assert rates == pytest.approx([1.5, 2.25, 3.375, 5.0625, 7.59375, 8.0])
+    assert gov.wants_rest()  # STALE windows without an idle step: the reference is renewed
+    steps(Governor.WINDOW, 0.2, True)  # steps twice as slow: at most halved per window
+    assert gov.gbps == pytest.approx(4.0) and gov.measured == pytest.approx(1.0)
+    steps(20 * Governor.WINDOW, 0.2, True)
+    assert gov.gbps == Governor.MIN_GBPS  # never below the floor
+    steps(3, 0.1, False)
+    assert not gov.wants_rest()  # renewed
+
+
+def test_steps_are_per_step_across_memory_every_and_restarts_are_no_interval() -> None:
+    gov = Governor(Pacer(None), 0.05)
+    gov.tick(0.0, 10, False)
+    gov.tick(1.0, 20, False)  # memory_every 10: 0.1 s per step
+    gov.tick(0.5, 5, False)  # the step count restarted (a restore): not an interval
+    gov.tick(0.6, 6, True)
+    assert gov.idle == [pytest.approx(0.1), pytest.approx(0.1)]
+
+
+def test_a_released_pacer_stays_released_whatever_the_governor_says() -> None:
+    pacer = Pacer(None)
+    gov = Governor(pacer, 0.05, start_gbps=2.0)
+    assert pacer.rate == 2e9
+    pacer.release()
+    for step in range(1, 40):
+        gov.tick(step * 0.1, step, step > 4)
+    assert pacer.rate is None and pacer.released
+
+
+@pytest.mark.parametrize("bad", [0, 1, -0.1, 1.5, float("nan"), "0.05", True])
+def test_bad_overheads_are_refused_by_name(bad: object) -> None:
+    with pytest.raises(StateError, match="max_overhead"):
+        check_overhead(bad)  # type: ignore[arg-type]
+    with pytest.raises(StateError, match="max_overhead"):
+        TierConfig("/r", busy="skip", max_overhead=bad)  # type: ignore[arg-type]
+
+
+def test_a_governor_needs_busy_skip_and_the_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(StateError, match="busy='skip'"):
+        TierConfig("/r", max_overhead=0.05)
+    assert TierConfig("/r", busy="skip", max_overhead=0.05).max_overhead == 0.05
+    monkeypatch.setenv("CKPT_TIER_MAX_OVERHEAD", "0.1")
+    assert overhead_from_env(None) == 0.1
+    monkeypatch.setenv("CKPT_TIER_MAX_OVERHEAD", "0")
+    assert overhead_from_env(0.05) is None  # 0: no governor
+    for bad in ("fast", "1", "-0.2", "nan"):
+        monkeypatch.setenv("CKPT_TIER_MAX_OVERHEAD", bad)
+        with pytest.raises(StateError, match="CKPT_TIER_MAX_OVERHEAD"):
+            overhead_from_env(None)
+    monkeypatch.setenv("CKPT_TIER_MAX_OVERHEAD", "0.05")
+    with pytest.raises(StateError, match="busy='skip'"):
+        TierConfig("/r").governed(overhead_from_env(None))
+
+
+def test_the_record_carries_the_budget_and_the_measured_slowdown() -> None:
+    from ckpt.tier.types import MemoryCheckpoint
+
+    rec = MemoryCheckpoint(3, True, budget_gbps=1.23456, overhead=0.031234).to_record()
+    assert rec["budget_gbps"] == 1.235 and rec["overhead"] == 0.0312
+    plain = MemoryCheckpoint(3, True).to_record()
+    assert "budget_gbps" not in plain and "overhead" not in plain
+    assert math.isfinite(rec["budget_gbps"])
