@@ -76,7 +76,10 @@ from ckpt.tier.store import (
 from ckpt.tier.transfer import exchange, failed, package
 from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
-REST_STEPS = 2  # steps a governed tier leaves without a memory checkpoint when one asks (see pace.Governor)
+# a governed tier (pace.Governor) leaves this many calls without a memory checkpoint when a rank asks
+# (agreed), and WARM_CALLS first (after construction or reset): steps with nothing in flight to compare with
+REST_CALLS = 2
+WARM_CALLS = 4
 BACKGROUND_NICE = 10  # the background thread's niceness with busy="skip" (see MemoryTier._background)
 
 
@@ -174,6 +177,7 @@ class MemoryTier:
         self._called = -1
         self._next_at: int | None = None
         self._busy_skips = 0
+        self._rest = WARM_CALLS if self.governor is not None else 0  # calls left without a memory checkpoint
         if config.replicas and len(set(self.nodes)) < 2:
             self._warn(f"memory tier: replicas={config.replicas} but all {self.world} ranks are on node "
                        f"{self.nodes[0]}: no peer copies, so losing the node falls back to storage (set "
@@ -254,7 +258,10 @@ class MemoryTier:
             return self._skipped(step, t0, busy=True)
         self.drain(raise_error=True)
         if self.config.busy == "skip" and self._next_at is not None and step < self._next_at:
-            return self._skipped(step, t0, busy=False)  # (a rest asked for by a governor, see _verdict)
+            return self._skipped(step, t0, busy=False)
+        if self._rest > 0:  # a governor's: agreed (the verdict), or the first calls; the same on every rank
+            self._rest -= 1
+            return self._skipped(step, t0, busy=False)
         if self.governor is not None:
             self.governor.tick(t0, step, busy=True)
         t1 = time.perf_counter()
@@ -421,6 +428,7 @@ class MemoryTier:
             handle.reported = mine["at"] = max(self._called, step)
         verdict = self.comm.exchange(mine, _verdict, timeout=self.timeout, what=f"memory tier agreement on step {step}")
         self._next_at = int(verdict["next_at"])
+        self._rest = REST_CALLS if verdict["rest"] else 0  # (read by the training thread after done is set)
         t3 = time.perf_counter()
         if verdict.get("fatal"):
             self._free(lambda s: s == step)
@@ -534,6 +542,7 @@ class MemoryTier:
         (waits for the memory checkpoint in flight, if any)."""
         self.drain()
         self._next_at = None  # the run continues from keep_step: no memory checkpoint is due later than asked
+        self._rest = WARM_CALLS if self.governor is not None else 0
         _reshard.clear_views(self)
         self._free(lambda s: s != keep_step)
         self._complete = [keep_step] if keep_step is not None else []
@@ -593,9 +602,9 @@ def _verdict(got: list[Any]) -> list[Any]:
     slow_r = max(range(len(got)), key=lambda r: got[r]["r"])
     fatal = next((g["fatal"] for g in got if g.get("fatal")), None)
     v = {"complete": not errors, "errors": errors, "fatal": fatal, "bytes": sum(g["bytes"] for g in got),
-         "next_at": max(int(g["at"]) for g in got) + 1 + (REST_STEPS if any(g.get("rest") for g in got) else 0),
+         "next_at": max(int(g["at"]) for g in got) + 1, "rest": any(g.get("rest") for g in got),
          "sent": sum(g["sent"] for g in got), "max_w": got[slow_w]["w"], "max_r": got[slow_r]["r"]}
     return [v] * len(got)
 
 
-__all__ = ["BACKGROUND_NICE", "REST_STEPS", "MemoryTier"]
+__all__ = ["BACKGROUND_NICE", "REST_CALLS", "WARM_CALLS", "MemoryTier"]

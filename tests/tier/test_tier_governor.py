@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from ckpt.errors import StateError
 from ckpt.tier import TierConfig
 from ckpt.tier.pace import Governor, Pacer, check_overhead, overhead_from_env
-from ckpt.tier.tier import REST_STEPS
+from ckpt.tier.tier import REST_CALLS, WARM_CALLS
 
 
 def _train(gov: Governor, *, base: float, cost: float, size: float, noise: float, steps: int,
@@ -29,7 +29,7 @@ def _train(gov: Governor, *, base: float, cost: float, size: float, noise: float
     """Run ``steps`` steps; returns (true slowdown of the step, busy) per step. ``cost``: the slowdown
     per GB/s of budget (the traffic's cost grows with its rate)."""
     rng = random.Random(seed)
-    now, left, rest, out = 0.0, size, 0, []  # the first memory checkpoint starts at step 1
+    now, left, rest, out = 0.0, 0.0, WARM_CALLS, []  # the first memory checkpoint after WARM_CALLS idle steps
     for step in range(1, steps + 1):
         busy = left > 0 or rest == 0
         if not busy:
@@ -45,7 +45,7 @@ def _train(gov: Governor, *, base: float, cost: float, size: float, noise: float
         if busy:
             left -= gbps * 1e9 * dt
             if left <= 0:  # it completes: the agreement grants a rest when this rank asks for one
-                rest = REST_STEPS if gov.wants_rest() else 0
+                rest = REST_CALLS if gov.wants_rest() else 0
     return out
 
 
