@@ -133,7 +133,7 @@ class Governor:
     MIN_GBPS = 0.05  # never below: a 10 GB state then still completes within ~200 s
 
     def __init__(self, pacer: Pacer, overhead: float, *, max_gbps: float | None = None,
-                 start_gbps: float | None = None, min_gbps: float | None = None):
+                 start_gbps: float | None = None, min_gbps: float | None = None, settled: bool = True):
         self.pacer = pacer
         check_overhead(overhead)
         self.overhead = float(overhead)
@@ -149,6 +149,9 @@ class Governor:
         self.per_gbps: float | None = None  # the estimated slowdown per GB/s of budget
         self.history: list[tuple[float, float]] = []  # (measured overhead, the rate it led to)
         self._prev: tuple[float, int, bool] | None = None  # (time, step, busy) of the last tick
+        # False: busy windows are not judged yet (the tier's first memory checkpoints allocate and pin
+        # their slots beside training, a one-time cost of seconds per step that no budget changes)
+        self.settled = settled
 
     def _bound(self, gbps: float) -> float:
         hi = self.max_gbps if self.max_gbps is not None else float("inf")
@@ -169,8 +172,8 @@ class Governor:
         if len(self.busy) < self.WINDOW:
             return
         window, self.busy = self.busy, []
-        if not self.idle:
-            return  # nothing to compare with yet (a rest is asked for)
+        if not self.idle or not self.settled:
+            return  # nothing to compare with yet (a rest is asked for), or one-time costs
         self.windows_since_idle += 1
         self.measured = statistics.median(window) / statistics.median(self.idle) - 1.0
         seen = self.measured / self.gbps  # the slowdown per GB/s in this window (smoothed: one is noisy)

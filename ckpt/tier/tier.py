@@ -160,7 +160,7 @@ class MemoryTier:
         budget = budget_from_env(config.max_gbps)
         self.pacer = Pacer(budget)  # the background's budget (ckpt.tier.pace)
         overhead = config.governed(overhead_from_env(config.max_overhead))
-        self.governor = None if overhead is None else Governor(self.pacer, overhead, max_gbps=budget)
+        self.governor = None if overhead is None else Governor(self.pacer, overhead, max_gbps=budget, settled=False)
         self._snapshots = HostSnapshots(stage_on_device=config.staging(), pace=self.pacer, warn=self._warn)
         self._slots = SlotPool(self.store.own_root(), config.keep + 1)
         self._replica_slots: dict[int, SlotPool] = {}  # by owner: the files its copies are received into
@@ -178,6 +178,7 @@ class MemoryTier:
         self._next_at: int | None = None
         self._busy_skips = 0
         self._rest = WARM_CALLS if self.governor is not None else 0  # calls left without a memory checkpoint
+        self._first_completes = 0
         if config.replicas and len(set(self.nodes)) < 2:
             self._warn(f"memory tier: replicas={config.replicas} but all {self.world} ranks are on node "
                        f"{self.nodes[0]}: no peer copies, so losing the node falls back to storage (set "
@@ -438,6 +439,9 @@ class MemoryTier:
                                   rank_write_s=t1 - t0, rank_replicate_s=t2 - t1, rank_agree_s=t3 - t2,
                                   max_write_s=float(verdict["max_w"]), max_replicate_s=float(verdict["max_r"]))
         if result.complete:
+            if self.governor is not None and not self.governor.settled:
+                self._first_completes += 1  # every slot (own: keep + 1, peers' copies) has been used once:
+                self.governor.settled = self._first_completes > self.config.keep  # the budget now decides
             self._complete = [s for s in self._complete if s != step] + [step]
             keep = set(self._complete[-self.config.keep:])
             self._complete = sorted(keep)

@@ -384,11 +384,14 @@ def _busy_skip(rank: int, world: int, shm: str, out: str, overhead: float | None
     seen = []
     import torch.distributed as dist
 
-    for step in range(1, 25):
+    # a governor's first calls and rests start none: until 4 started (the same on every rank: agreed)
+    for step in range(1, 25 if overhead is None else 400):
         dist.barrier()  # training's collectives keep the ranks within a step of each other
         time.sleep(0.002 * ((step * (rank + 3)) % 4))  # but they reach each step at different times
         h = tier.save_async(step, state_of(rank, step))
         seen.append([step, h.busy])
+        if overhead is not None and sum(1 for _s, busy in seen if not busy) == 4:
+            break
     last = tier.drain()
     assert last is not None and last.result().complete
     with open(out, "a") as f:
@@ -412,7 +415,7 @@ def test_busy_skip_never_waits_and_every_rank_skips_the_same_steps(shm: str, tmp
     from ckpt.tier.tier import WARM_CALLS
 
     first = 1 if overhead is None else 1 + WARM_CALLS  # a governor measures idle steps first
-    assert started[0] == first and 3 <= len(started) < 24  # some due steps were skipped: the previous one ran
+    assert started[0] == first and 3 <= len(started) < len(got[0]["seen"])  # some due steps were skipped
     assert {g["last"] for g in got} == {started[-1]}
     assert {r["step"] for r in _restored(shm, tmp_path).values()} == {started[-1]}  # bitwise (see _restore)
     if overhead is not None:  # every rank measured steps with nothing in flight (the first calls, rests)
