@@ -17,9 +17,9 @@ What budget to pick depends on the step, the host and the state. A :class:`Gover
 steps themselves (``max_overhead``: the slowdown of training the tier may cost, e.g. 0.05): it
 compares the time per step while a memory checkpoint runs with the time per step while none does,
 and moves the pacer's rate so that the first stays within ``1 + max_overhead`` of the second. Steps
-with nothing in flight come from ``memory_every`` > 1, or from a short rest the tier's agreement
-grants when a rank's governor asks for one (its reference is missing or old; see
-:meth:`Governor.wants_rest`).
+with nothing in flight come from the tier's first calls (it starts no memory checkpoint in them), and
+from a short rest the tier's agreement grants when a rank's governor asks for one (its reference is
+missing or old; see :meth:`Governor.wants_rest`).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class Governor:
         return min(max(gbps, self.min_gbps), hi)
 
     def tick(self, now: float, step: int, busy: bool) -> None:
-        """The training thread reached ``step`` at ``now`` (``time.monotonic()``); ``busy``: a memory
+        """The training thread reached ``step`` at ``now`` (a monotonic clock, s); ``busy``: a memory
         checkpoint runs from here to the next tick (one in flight, or one started by this call)."""
         prev, self._prev = self._prev, (now, step, busy)
         if prev is None or step <= prev[1] or now <= prev[0]:
