@@ -15,11 +15,10 @@ waits for the memory checkpoint in flight at full speed).
 
 What budget to pick depends on the step, the host and the state. A :class:`Governor` picks it from the
 steps themselves (``max_overhead``: the slowdown of training the tier may cost, e.g. 0.05): it
-compares the time per step while a memory checkpoint runs with the time per step while none does,
+compares the time per step while a memory checkpoint runs with the time per step without traffic,
 and moves the pacer's rate so that the first stays within ``1 + max_overhead`` of the second. Steps
-with nothing in flight come from the tier's first calls (it starts no memory checkpoint in them), and
-from a short rest the tier's agreement grants when a rank's governor asks for one (its reference is
-missing or old; see :meth:`Governor.wants_rest`).
+without traffic come from the tier's first calls (it starts no memory checkpoint in them), steps with
+no memory checkpoint in flight, and short pauses of this rank's pacer (see :class:`Governor`).
 """
 
 from __future__ import annotations
@@ -69,6 +68,7 @@ class Pacer:
     def __init__(self, gbps: float | None):
         self.rate = None if gbps is None else gbps * 1e9
         self.released = False
+        self._paused_until = float("-inf")  # (time.monotonic) no take proceeds before it: see pause
         self._lock = threading.Condition()
         self._next = float("-inf")  # when the budget spent so far is paid back (-inf: idle)
         self.waited_s = 0.0  # total sleep
@@ -81,6 +81,12 @@ class Pacer:
         if nbytes <= 0:
             return
         with self._lock:
+            while True:  # paused: nothing moves (never past the deadline)
+                now = time.monotonic()
+                until = self._paused_until if deadline is None else min(self._paused_until, deadline)
+                if now >= until:
+                    break
+                self._lock.wait(until - now)
             self.taken += nbytes
             if self.rate is None:
                 return
@@ -102,7 +108,26 @@ class Pacer:
         with self._lock:
             self.rate = None
             self.released = True
+            self._paused_until = float("-inf")
             self._lock.notify_all()
+
+    def pause(self, seconds: float) -> None:
+        """No take proceeds for ``seconds`` (or until :meth:`resume`): a :class:`Governor` times steps
+        with no traffic while a memory checkpoint is in flight. Bounded, so that a pause nobody
+        lifts (training stopped calling the tier) never holds a copy until its deadline."""
+        with self._lock:
+            if not self.released:
+                self._paused_until = time.monotonic() + seconds
+
+    def resume(self) -> None:
+        """End a :meth:`pause` now."""
+        with self._lock:
+            self._paused_until = float("-inf")
+            self._lock.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self._paused_until
 
     def set_rate(self, gbps: float) -> None:
         """A new budget from now on (a :class:`Governor`'s); ignored once released. Waits under way
@@ -114,23 +139,30 @@ class Pacer:
 
 class Governor:
     """Sets ``pacer``'s rate so that a step with a memory checkpoint in flight takes at most
-    ``1 + overhead`` times a step without one (this rank's view; the training thread calls
+    ``1 + overhead`` times a step without traffic (this rank's view; the training thread calls
     :meth:`tick` once per memory-tier call).
 
     Each :data:`WINDOW` busy steps it compares their median time per step with the median of the
-    last :data:`REFERENCE` idle ones. The traffic's cost grows with its rate, so it estimates the
-    slowdown per GB/s (smoothed over windows: one window of noisy steps is not a signal) and sets
-    the rate that costs ``overhead``, moving at most by [1/2, 3/2] per window and staying within
-    [``min_gbps``, ``max_gbps``]. A released pacer stays released.
+    last :data:`REFERENCE` steps without traffic. The traffic's cost grows with its rate, so it
+    estimates the slowdown per GB/s (smoothed over windows: one window of noisy steps is not a
+    signal) and sets the rate that costs ``overhead`` x :data:`AIM`, moving at most by [1/2, 3/2] per
+    window and staying within [``min_gbps``, ``max_gbps``]. Steps without traffic are the steps with
+    no memory checkpoint in flight, and pauses: when the reference is missing or :data:`STALE` windows
+    old (a training step's own pace drifts by 10-20% over a run) while a memory checkpoint is in flight,
+    it pauses the pacer for :data:`PAUSE` steps and times them (not the first, whose copies were
+    already queued). Only this rank's copies wait, for about a second; a pause ends by itself after
+    :data:`PAUSE_MAX_S`. A released pacer stays released.
     """
 
     WINDOW = 12  # busy steps per adjustment (launch-bound steps vary by 10-20%: one is not a signal)
-    REFERENCE = 32  # idle steps kept for the reference (median)
+    REFERENCE = 32  # steps without traffic kept for the reference (median)
     SMOOTH = 0.25  # weight of a new window in the estimated slowdown per GB/s
     AIM = 0.85  # of ``overhead``: the noise of the estimate then errs below the target more often
-    STALE = 4  # windows after which the reference is renewed (the step's own pace drifts)
+    STALE = 4  # windows after which the reference is renewed
+    PAUSE = 3  # steps a pause lasts (the first one not timed)
+    PAUSE_MAX_S = 10.0
     START_GBPS = 1.0  # the first rate (when max_gbps is not lower): measured at ~1-6% on 4 x H100
-    MIN_GBPS = 0.05  # never below: a 10 GB state then still completes within ~200 s
+    MIN_GBPS = 0.25  # never below: a 10 GB state and a peer's copy still complete within ~80 s
 
     def __init__(self, pacer: Pacer, overhead: float, *, max_gbps: float | None = None,
                  start_gbps: float | None = None, min_gbps: float | None = None, settled: bool = True):
@@ -142,13 +174,16 @@ class Governor:
         first = start_gbps if start_gbps is not None else self.START_GBPS
         self.gbps = self._bound(first)
         pacer.set_rate(self.gbps)
-        self.idle: list[float] = []  # seconds per step with nothing in flight, newest last
+        self.idle: list[float] = []  # seconds per step without traffic, newest last
         self.busy: list[float] = []  # the window being filled
         self.windows_since_idle = 0
         self.measured: float | None = None  # the last window's overhead
         self.per_gbps: float | None = None  # the estimated slowdown per GB/s of budget
         self.history: list[tuple[float, float]] = []  # (measured overhead, the rate it led to)
-        self._prev: tuple[float, int, bool] | None = None  # (time, step, busy) of the last tick
+        self.pauses = 0
+        self._prev: tuple[float, int] | None = None  # (time, step) of the last tick
+        self._kind: str | None = None  # of the interval since the last tick: idle, busy, pause0 or pause
+        self._pause_left = 0  # paused intervals still to come
         # False: busy windows are not judged yet (the tier's first memory checkpoints allocate and pin
         # their slots beside training, a one-time cost of seconds per step that no budget changes)
         self.settled = settled
@@ -157,23 +192,42 @@ class Governor:
         hi = self.max_gbps if self.max_gbps is not None else float("inf")
         return min(max(gbps, self.min_gbps), hi)
 
-    def tick(self, now: float, step: int, busy: bool) -> None:
+    def tick(self, now: float, step: int, busy: bool, *, starts: bool = False) -> None:
         """The training thread reached ``step`` at ``now`` (a monotonic clock, s); ``busy``: a memory
-        checkpoint runs from here to the next tick (one in flight, or one started by this call)."""
-        prev, self._prev = self._prev, (now, step, busy)
-        if prev is None or step <= prev[1] or now <= prev[0]:
-            return  # the first tick, or a restart of the step count: no interval
-        per = (now - prev[0]) / (step - prev[1])
-        if not prev[2]:
+        checkpoint runs from here to the next tick (one in flight, or one started by this call:
+        ``starts``, whose snapshot then runs in this interval)."""
+        prev, self._prev = self._prev, (now, step)
+        kind, self._kind = self._kind, None
+        if prev is not None and kind is not None and step > prev[1] and now > prev[0]:
+            self._record(kind, (now - prev[0]) / (step - prev[1]))  # (else a restart of the step count)
+        if busy and self._pause_left > 0:
+            self._pause_left -= 1
+            self._kind = "pause"
+        elif busy and self.settled and not starts and self.wants_reference():
+            self.pacer.pause(min(self.PAUSE_MAX_S, 3 * self.PAUSE * (statistics.median(self.idle) if self.idle
+                                                                     else 1.0)))
+            self.pauses += 1
+            self._pause_left = self.PAUSE - 1
+            self._kind = "pause0"
+        else:
+            if kind in ("pause0", "pause"):
+                self.pacer.resume()
+            self._pause_left = 0
+            self._kind = "busy" if busy else "idle"
+
+    def _record(self, kind: str, per: float) -> None:
+        if kind in ("idle", "pause"):
             self.idle = (self.idle + [per])[-self.REFERENCE:]
             self.windows_since_idle = 0
             return
+        if kind != "busy":
+            return  # the first paused step: copies queued before the pause still landed in it
         self.busy.append(per)
         if len(self.busy) < self.WINDOW:
             return
         window, self.busy = self.busy, []
         if not self.idle or not self.settled:
-            return  # nothing to compare with yet (a rest is asked for), or one-time costs
+            return  # nothing to compare with yet, or one-time costs
         self.windows_since_idle += 1
         self.measured = statistics.median(window) / statistics.median(self.idle) - 1.0
         seen = self.measured / self.gbps  # the slowdown per GB/s in this window (smoothed: one is noisy)
@@ -184,10 +238,14 @@ class Governor:
         self.pacer.set_rate(self.gbps)
         self.history.append((self.measured, self.gbps))
 
-    def wants_rest(self) -> bool:
-        """Whether the next memory checkpoint should start a few steps late, so that steps with
-        nothing in flight renew the reference (none yet, too few, or older than :data:`STALE`
-        windows)."""
+    @property
+    def pausing(self) -> bool:
+        """Whether the interval since the last tick is one of a pause (no traffic of this rank)."""
+        return self._kind in ("pause0", "pause")
+
+    def wants_reference(self) -> bool:
+        """Whether steps without traffic should be timed (none yet, too few, or older than
+        :data:`STALE` windows)."""
         return len(self.idle) < 3 or self.windows_since_idle >= self.STALE
 
 

@@ -76,9 +76,8 @@ from ckpt.tier.store import (
 from ckpt.tier.transfer import exchange, failed, package
 from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
-# a governed tier (pace.Governor) leaves this many calls without a memory checkpoint when a rank asks
-# (agreed), and WARM_CALLS first (after construction or reset): steps with nothing in flight to compare with
-REST_CALLS = 2
+# a governed tier (pace.Governor) starts no memory checkpoint in its first calls (after construction or
+# reset; the same on every rank): steps with nothing in flight to compare with
 WARM_CALLS = 4
 BACKGROUND_NICE = 10  # the background thread's niceness with busy="skip" (see MemoryTier._background)
 
@@ -177,7 +176,7 @@ class MemoryTier:
         self._called = -1
         self._next_at: int | None = None
         self._busy_skips = 0
-        self._rest = WARM_CALLS if self.governor is not None else 0  # calls left without a memory checkpoint
+        self._warm = WARM_CALLS if self.governor is not None else 0  # calls left without a memory checkpoint
         self._first_completes = 0
         if config.replicas and len(set(self.nodes)) < 2:
             self._warn(f"memory tier: replicas={config.replicas} but all {self.world} ranks are on node "
@@ -260,11 +259,11 @@ class MemoryTier:
         self.drain(raise_error=True)
         if self.config.busy == "skip" and self._next_at is not None and step < self._next_at:
             return self._skipped(step, t0, busy=False)
-        if self._rest > 0:  # a governor's: agreed (the verdict), or the first calls; the same on every rank
-            self._rest -= 1
+        if self._warm > 0:  # a governor's first calls: the same on every rank
+            self._warm -= 1
             return self._skipped(step, t0, busy=False)
         if self.governor is not None:
-            self.governor.tick(t0, step, busy=True)
+            self.governor.tick(t0, step, busy=True, starts=True)
         t1 = time.perf_counter()
         problem: BaseException | None = None
         snap: Snapshot | None = None
@@ -423,13 +422,11 @@ class MemoryTier:
         copy_errs = [r.err for r in arrived.values() if not r.ok]
         t2 = time.perf_counter()
         mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),
-                "w": t1 - t0, "r": t2 - t1, "fatal": fatal,
-                "rest": self.governor is not None and self.governor.wants_rest()}
+                "w": t1 - t0, "r": t2 - t1, "fatal": fatal}
         with self._lock:  # see _skip: what this rank reports bounds the steps it skips meanwhile
             handle.reported = mine["at"] = max(self._called, step)
         verdict = self.comm.exchange(mine, _verdict, timeout=self.timeout, what=f"memory tier agreement on step {step}")
         self._next_at = int(verdict["next_at"])
-        self._rest = REST_CALLS if verdict["rest"] else 0  # (read by the training thread after done is set)
         t3 = time.perf_counter()
         if verdict.get("fatal"):
             self._free(lambda s: s == step)
@@ -546,7 +543,7 @@ class MemoryTier:
         (waits for the memory checkpoint in flight, if any)."""
         self.drain()
         self._next_at = None  # the run continues from keep_step: no memory checkpoint is due later than asked
-        self._rest = WARM_CALLS if self.governor is not None else 0
+        self._warm = WARM_CALLS if self.governor is not None else 0
         _reshard.clear_views(self)
         self._free(lambda s: s != keep_step)
         self._complete = [keep_step] if keep_step is not None else []
@@ -606,9 +603,9 @@ def _verdict(got: list[Any]) -> list[Any]:
     slow_r = max(range(len(got)), key=lambda r: got[r]["r"])
     fatal = next((g["fatal"] for g in got if g.get("fatal")), None)
     v = {"complete": not errors, "errors": errors, "fatal": fatal, "bytes": sum(g["bytes"] for g in got),
-         "next_at": max(int(g["at"]) for g in got) + 1, "rest": any(g.get("rest") for g in got),
+         "next_at": max(int(g["at"]) for g in got) + 1,
          "sent": sum(g["sent"] for g in got), "max_w": got[slow_w]["w"], "max_r": got[slow_r]["r"]}
     return [v] * len(got)
 
 
-__all__ = ["BACKGROUND_NICE", "REST_CALLS", "WARM_CALLS", "MemoryTier"]
+__all__ = ["BACKGROUND_NICE", "WARM_CALLS", "MemoryTier"]

@@ -49,8 +49,8 @@ class TierConfig:
             keep the state's bytes per rank over the budget well below ``timeout``.
         max_overhead: the slowdown of training the tier may cost (a fraction, e.g. 0.05): a
             :class:`ckpt.tier.pace.Governor` then sets the budget from the step times (``max_gbps``
-            its ceiling); it starts no memory checkpoint in the first 4 calls, and now and then one
-            starts 2 calls late, to time steps with nothing in flight. Needs ``busy="skip"``.
+            its ceiling); it starts no memory checkpoint in the first 4 calls, and now and then
+            pauses this rank's traffic for 3 steps, to time steps without it. Needs ``busy="skip"``.
             ``$CKPT_TIER_MAX_OVERHEAD`` overrides it.
     """
 

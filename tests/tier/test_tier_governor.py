@@ -21,31 +21,30 @@ from hypothesis import strategies as st
 from ckpt.errors import StateError
 from ckpt.tier import TierConfig
 from ckpt.tier.pace import Governor, Pacer, check_overhead, overhead_from_env
-from ckpt.tier.tier import REST_CALLS, WARM_CALLS
+from ckpt.tier.tier import WARM_CALLS
 
 
 def _train(gov: Governor, *, base: float, cost: float, size: float, noise: float, steps: int,
            seed: int) -> list[tuple[float, bool]]:
     """Run ``steps`` steps; returns (true slowdown of the step, busy) per step. ``cost``: the slowdown
-    per GB/s of budget (the traffic's cost grows with its rate)."""
+    per GB/s of budget (the traffic's cost grows with its rate); a paused step moves nothing."""
     rng = random.Random(seed)
-    now, left, rest, out = 0.0, 0.0, WARM_CALLS, []  # the first memory checkpoint after WARM_CALLS idle steps
+    now, left, warm, out = 0.0, 0.0, WARM_CALLS, []  # the first memory checkpoint after WARM_CALLS idle steps
     for step in range(1, steps + 1):
-        busy = left > 0 or rest == 0
-        if not busy:
-            rest -= 1  # a step the agreement left idle
-        elif left <= 0:
+        starts = warm == 0 and left <= 0
+        if warm > 0:
+            warm -= 1
+        elif starts:
             left = size  # the next memory checkpoint starts here
-        gov.tick(now, step, busy)
-        gbps = gov.gbps
+        busy = left > 0
+        gov.tick(now, step, busy, starts=starts)
+        gbps = 0.0 if gov.pausing else gov.gbps
         slow = cost * gbps if busy else 0.0
         dt = base * (1 + slow) * (1 + rng.uniform(-noise, noise))
         now += dt
         out.append((slow, busy))
         if busy:
             left -= gbps * 1e9 * dt
-            if left <= 0:  # it completes: the agreement grants a rest when this rank asks for one
-                rest = REST_CALLS if gov.wants_rest() else 0
     return out
 
 
@@ -62,19 +61,20 @@ def test_the_governor_keeps_the_slowdown_near_its_target(base: float, cost: floa
     assert late, "the tier checkpoints on in the last third"
     mean = sum(late) / len(late)
     # within the target, with room for what the medians of noisy steps let through (steps varying
-    # by +-5% cannot resolve a 2% target exactly)
+    # by +-5% cannot resolve a 2% target: the reference itself is off by up to about the jitter)
     floor = cost * gov.min_gbps  # the slowdown at the lowest budget: a target below it is out of reach
-    assert mean <= max(target * 1.1 + 0.6 * noise, floor * (1 + 1e-9)), (mean, gov.history[-5:])
-    if floor > target * 1.1 + 0.6 * noise:
+    assert mean <= max(target, floor) * 1.1 + noise, (mean, gov.history[-5:])
+    if floor > target * 1.1 and noise == 0:
         assert gov.gbps == gov.min_gbps
     best = min(target / cost, 20.0)  # the budget whose slowdown is the target (or the ceiling)
-    if best > gov.min_gbps * 4 and noise <= target / 2:  # (noisier steps than that hide the slope)
+    if best > gov.min_gbps * 4 and noise <= target / 3:  # (noisier steps than that hide the slope)
         assert gov.gbps >= best * 0.4, (gov.gbps, best, gov.history[-5:])  # not starved
 
 
 def test_the_budget_grows_to_its_ceiling_when_steps_do_not_slow_and_halves_when_they_do() -> None:
-    gov = Governor(Pacer(None), 0.05, max_gbps=8.0)
-    assert gov.gbps == Governor.START_GBPS and gov.wants_rest()
+    pacer = Pacer(None)
+    gov = Governor(pacer, 0.05, max_gbps=8.0)
+    assert gov.gbps == Governor.START_GBPS and gov.wants_reference()
     clock = {"t": 0.0, "step": 0}
 
     def steps(n: int, per: float, busy: bool) -> None:  # n intervals of ``per`` s, busy or idle
@@ -83,21 +83,36 @@ def test_the_budget_grows_to_its_ceiling_when_steps_do_not_slow_and_halves_when_
             gov.tick(clock["t"], clock["step"], busy)
             clock["t"] += per
 
+    def window(per: float) -> None:  # busy steps of ``per`` s until the governor judged one more window
+        judged = len(gov.history)
+        for _ in range(3 * Governor.WINDOW):
+            steps(1, per, True)
+            if len(gov.history) > judged:
+                return
+        raise AssertionError("no window judged")
+
     steps(5, 0.1, False)  # the reference: 0.1 s per idle step (the 5th tick closes the 4th interval)
     steps(1, 0.1, True)  # (closes the 5th idle interval)
-    assert not gov.wants_rest() and len(gov.idle) == 5
+    assert not gov.wants_reference() and len(gov.idle) == 5
     rates = []
-    for _ in range(6):  # windows as fast as the reference: the budget grows by 3/2, to the ceiling
-        steps(Governor.WINDOW, 0.1, True)
+    for _ in range(Governor.STALE):  # windows as fast as the reference: the budget grows by 3/2
+        window(0.1)
         rates.append(gov.gbps)
-    assert rates == pytest.approx([1.5, 2.25, 3.375, 5.0625, 7.59375, 8.0])
-    assert gov.wants_rest()  # STALE windows without an idle step: the reference is renewed
-    steps(Governor.WINDOW, 0.2, True)  # steps twice as slow: at most halved per window
+    assert rates == pytest.approx([1.5, 2.25, 3.375, 5.0625])
+    # STALE windows: the reference is renewed at once by pausing the traffic
+    assert gov.wants_reference() and gov.pauses == 1 and gov.pausing and pacer.paused
+    steps(Governor.PAUSE, 0.1, True)
+    assert not gov.pausing and not pacer.paused and len(gov.idle) == 5 + Governor.PAUSE - 1
+    assert not gov.wants_reference()
+    window(0.1)
+    window(0.1)
+    assert gov.gbps == 8.0  # the ceiling
+    window(0.2)  # steps twice as slow: at most halved per window
     assert gov.gbps == pytest.approx(4.0) and gov.measured == pytest.approx(1.0)
-    steps(20 * Governor.WINDOW, 0.2, True)
+    for _ in range(12):
+        window(0.2)
     assert gov.gbps == Governor.MIN_GBPS  # never below the floor
-    steps(3, 0.1, False)
-    assert not gov.wants_rest()  # renewed
+    pacer.resume()
 
 
 def test_steps_are_per_step_across_memory_every_and_restarts_are_no_interval() -> None:
@@ -114,9 +129,37 @@ def test_a_released_pacer_stays_released_whatever_the_governor_says() -> None:
     gov = Governor(pacer, 0.05, start_gbps=2.0)
     assert pacer.rate == 2e9
     pacer.release()
-    for step in range(1, 40):
+    for step in range(1, 80):
         gov.tick(step * 0.1, step, step > 4)
-    assert pacer.rate is None and pacer.released
+    assert pacer.rate is None and pacer.released and not pacer.paused and gov.pauses > 0
+
+
+def test_a_pause_holds_takes_until_resumed_expired_released_or_their_deadline() -> None:
+    import threading
+    import time
+
+    pacer = Pacer(None)
+    pacer.pause(30.0)
+    assert pacer.paused
+    t = time.monotonic()
+    pacer.take(10, deadline=time.monotonic() + 0.2)  # the caller's deadline comes first
+    assert 0.15 < time.monotonic() - t < 5 and pacer.taken == 10
+    for lift in (pacer.resume, pacer.release):
+        pacer.pause(30.0)
+        done = threading.Event()
+        th = threading.Thread(target=lambda d=done: (pacer.take(5), d.set()))
+        th.start()
+        assert not done.wait(0.2)  # held
+        lift()
+        assert done.wait(5) and not pacer.paused
+        th.join()
+    pacer.pause(30.0)  # released: a pause no longer holds
+    assert not pacer.paused
+    short = Pacer(None)
+    short.pause(0.2)  # a pause nobody lifts ends by itself
+    t = time.monotonic()
+    short.take(1)
+    assert 0.1 < time.monotonic() - t < 5
 
 
 @pytest.mark.parametrize("bad", [0, 1, -0.1, 1.5, float("nan"), "0.05", True])
@@ -165,7 +208,7 @@ def test_an_unsettled_governor_measures_but_never_moves_the_budget() -> None:
     for step in range(6, 6 + 5 * Governor.WINDOW):
         gov.tick(t, step, True)
         t += 5.0 if step % 3 == 0 else 0.3  # slots pinned beside training
-    assert gov.gbps == Governor.START_GBPS and gov.history == []
+    assert gov.gbps == Governor.START_GBPS and gov.history == [] and gov.pauses == 0
     gov.settled = True
     first = step + 1
     for later in range(first, first + Governor.WINDOW + 1):  # (the window under way completes first)
