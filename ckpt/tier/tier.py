@@ -120,19 +120,25 @@ class MemoryTier:
         bad: dict[str, Any] | None = None
         host: list[Any] | None = None
         self._run_lock: RunLock | None = None
+        overhead: float | None = None
         try:
+            # the environment may differ between ranks: a governor changes which calls start a memory
+            # checkpoint, so every rank must have one or none (checked below)
+            overhead = config.governed(overhead_from_env(config.max_overhead))
             node = node_identity(self.rank, self.world, node=config.node, nodes=config.nodes)
             # the run directory: ours, 0700, not a link (shared memory is writable by every local user)
             self.run_dir = safefs.trust_root(tier_dir(self.base, self.run_id), create=True)
             host = host_key(self.base)
         except (CheckpointError, OSError) as e:  # every rank raises it (nobody waits for this one)
             node, bad = 0, error_payload(e, self.comm.who)
-        first = {"node": node, "epoch": uuid.uuid4().hex[:12], "bad": bad, "host": host}
+        first = {"node": node, "epoch": uuid.uuid4().hex[:12], "bad": bad, "host": host,
+                 "schedule": [config.busy, overhead is not None]}
         everyone = self.comm.exchange(first, lambda got: [got] * len(got), timeout=self.timeout,
                                       what="memory tier setup")
         for g in everyone:
             if g.get("bad"):
                 raise_payload(g["bad"])
+        _same_schedule([g["schedule"] for g in everyone])
         # one run id, one job: this rank's lock, by its index among the job's ranks on this host (see
         # ckpt.tier.runlock); agreed, so that a second job fails at once on every rank, not at a timeout
         local = [r for r, g in enumerate(everyone) if g["host"] == host].index(self.rank)
@@ -158,7 +164,6 @@ class MemoryTier:
         self.warnings: list[str] = []
         budget = budget_from_env(config.max_gbps)
         self.pacer = Pacer(budget)  # the background's budget (ckpt.tier.pace)
-        overhead = config.governed(overhead_from_env(config.max_overhead))
         self.governor = None if overhead is None else Governor(self.pacer, overhead, max_gbps=budget, settled=False)
         self._snapshots = HostSnapshots(stage_on_device=config.staging(), pace=self.pacer, warn=self._warn)
         self._slots = SlotPool(self.store.own_root(), config.keep + 1)
@@ -595,6 +600,17 @@ class MemoryTier:
     def complete_steps(self) -> list[int]:
         """Steps this rank knows complete on every rank (at most ``keep``), oldest first."""
         return list(self._complete)
+
+
+def _same_schedule(got: list[Any]) -> None:
+    """StateError (on every rank: each checks the same gathered list) when the ranks differ in what
+    decides which calls start a memory checkpoint: ``busy``, and whether a governor runs
+    (``max_overhead`` / ``$CKPT_TIER_MAX_OVERHEAD``). Otherwise their collectives would not pair."""
+    if all(g == got[0] for g in got):
+        return
+    odd = [r for r, g in enumerate(got) if g != got[0]]
+    raise StateError(f"memory tier: ranks {odd} differ from rank 0 in busy / max_overhead ({got[odd[0]]} vs "
+                     f"{got[0]}: [busy, governed]); set the same TierConfig and CKPT_TIER_MAX_OVERHEAD on every rank")
 
 
 def _verdict(got: list[Any]) -> list[Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -217,3 +218,37 @@ def test_an_unsettled_governor_measures_but_never_moves_the_budget() -> None:
         if gov.history:
             break
     assert gov.gbps == pytest.approx(Governor.START_GBPS / 2) and len(gov.history) == 1
+
+
+def _mismatched(rank: int, world: int, shm: str, out: str, env: str) -> None:
+    import json
+    import os
+
+    from ckpt.tier import MemoryTier
+
+    if rank == 1:
+        os.environ["CKPT_TIER_MAX_OVERHEAD"] = env
+    try:
+        MemoryTier(TierConfig("/r", shm_dir=shm, nodes=2, timeout=30, busy="skip"))
+        got = "built"
+    except StateError as e:
+        got = str(e)
+    with open(out, "a") as f:
+        f.write(json.dumps({"rank": rank, "got": got}) + "\n")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("env,says", [("0.05", "ranks [1] differ from rank 0"), ("lots", "CKPT_TIER_MAX_OVERHEAD")])
+def test_ranks_that_differ_in_governing_are_refused_on_every_rank(shm: str, tmp_path: Path, env: str,
+                                                                 says: str) -> None:
+    """A governor changes which calls start a memory checkpoint: a rank with one beside a rank
+    without (a per-process environment variable) would pair collectives of different steps. Every
+    rank refuses at setup instead, naming the odd one; a bad value on one rank too."""
+    import json
+
+    from tests.dist_utils import run_ranks
+
+    out = tmp_path / "out.jsonl"
+    run_ranks(2, _mismatched, shm, str(out), env)
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(got) == 2 and all(says in g["got"] for g in got), got
