@@ -200,7 +200,7 @@ class Governor:
         kind, self._kind = self._kind, None
         if prev is not None and kind is not None and step > prev[1] and now > prev[0]:
             self._record(kind, (now - prev[0]) / (step - prev[1]))  # (else a restart of the step count)
-        if busy and self._pause_left > 0:
+        if busy and not starts and self._pause_left > 0:  # (a snapshot never counts as a step without traffic)
             self._pause_left -= 1
             self._kind = "pause"
         elif busy and self.settled and not starts and self.wants_reference():

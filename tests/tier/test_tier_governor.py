@@ -116,6 +116,29 @@ def test_the_budget_grows_to_its_ceiling_when_steps_do_not_slow_and_halves_when_
     pacer.resume()
 
 
+def test_a_pause_ends_when_its_checkpoint_ends_or_a_new_one_starts() -> None:
+    """A step that starts a memory checkpoint (its snapshot) or has none in flight ends the pause:
+    the pacer resumes, and the snapshot's step is never timed as a step without traffic."""
+    for ender in ("starts", "idle"):
+        pacer = Pacer(None)
+        gov = Governor(pacer, 0.05)
+        for step in range(1, 6):
+            gov.tick(step * 0.1, step, step == 5)
+        gov.windows_since_idle = Governor.STALE  # the reference is old: the next busy step pauses
+        gov.tick(0.6, 6, True)
+        assert gov.pausing and pacer.paused
+        gov.tick(0.7, 7, True)  # (the first paused step: not timed)
+        n = len(gov.idle)
+        if ender == "starts":
+            gov.tick(0.8, 8, True, starts=True)  # the previous finished, a new one starts
+            assert not gov.pausing and not pacer.paused and len(gov.idle) == n + 1
+            gov.tick(5.0, 9, True)
+            assert len(gov.idle) == n + 1 and gov.busy[-1] == pytest.approx(4.2)  # the snapshot's step: busy
+        else:
+            gov.tick(0.8, 8, False)
+            assert not gov.pausing and not pacer.paused and len(gov.idle) == n + 1
+
+
 def test_steps_are_per_step_across_memory_every_and_restarts_are_no_interval() -> None:
     gov = Governor(Pacer(None), 0.05)
     gov.tick(0.0, 10, False)
