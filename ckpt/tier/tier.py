@@ -46,6 +46,7 @@ from ckpt.save import PlanCache
 from ckpt.tier import reshard as _reshard
 from ckpt.tier import restore as _restore
 from ckpt.tier import safefs
+from ckpt.tier.cadence import Cadence
 from ckpt.tier.inplace import save_linked
 from ckpt.tier.localcopy import threads_for
 from ckpt.tier.nodes import (
@@ -76,9 +77,6 @@ from ckpt.tier.store import (
 from ckpt.tier.transfer import exchange, failed, package
 from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
-# a governed tier (pace.Governor) starts no memory checkpoint in its first calls (after construction or
-# reset; the same on every rank): steps with nothing in flight to compare with
-WARM_CALLS = 4
 BACKGROUND_NICE = 10  # the background thread's niceness with busy="skip" (see MemoryTier._background)
 
 
@@ -175,14 +173,7 @@ class MemoryTier:
         # ckpt.tier.restore.run); the same on every rank
         self.restore_clobbered = False
         self._inflight: MemoryHandle | None = None  # the memory checkpoint on the background thread
-        # busy="skip": the newest step save_async was called with, reported in each agreement (under
-        # the lock: see save_async); the agreed first step of the next memory checkpoint; skips since
-        self._lock = threading.Lock()
-        self._called = -1
-        self._next_at: int | None = None
-        self._busy_skips = 0
-        self._warm = WARM_CALLS if self.governor is not None else 0  # calls left without a memory checkpoint
-        self._first_completes = 0
+        self._cadence = Cadence(config.busy, self.governor)  # which calls start a memory checkpoint
         if config.replicas and len(set(self.nodes)) < 2:
             self._warn(f"memory tier: replicas={config.replicas} but all {self.world} ranks are on node "
                        f"{self.nodes[0]}: no peer copies, so losing the node falls back to storage (set "
@@ -259,16 +250,15 @@ class MemoryTier:
         step stays).
         """
         t0 = time.perf_counter()
-        if self.config.busy == "skip" and self._skip(step):
-            return self._skipped(step, t0, busy=True)
+        cadence = self._cadence
+        if cadence.in_flight_skip(step, self._inflight):
+            cadence.skip(step, t0, busy=True)
+            return MemoryHandle.skipped_busy(step)
         self.drain(raise_error=True)
-        if self.config.busy == "skip" and self._next_at is not None and step < self._next_at:
-            return self._skipped(step, t0, busy=False)
-        if self._warm > 0:  # a governor's first calls: the same on every rank
-            self._warm -= 1
-            return self._skipped(step, t0, busy=False)
-        if self.governor is not None:
-            self.governor.tick(t0, step, busy=True, starts=True)
+        if cadence.later(step):
+            cadence.skip(step, t0, busy=False)
+            return MemoryHandle.skipped_busy(step)
+        busy = cadence.start(step, t0)
         t1 = time.perf_counter()
         problem: BaseException | None = None
         snap: Snapshot | None = None
@@ -283,17 +273,9 @@ class MemoryTier:
         handle = MemoryHandle(step, wait_s=t1 - t0, snapshot_s=time.perf_counter() - t1)
         handle._snapshot = snap
         self._inflight = handle
-        busy, self._busy_skips = self._busy_skips, 0
         threading.Thread(target=self._background, args=(handle, snap, problem, meta, layout, busy), daemon=True,
                          name=f"ckpt-memory-tier-step-{step}").start()
         return handle
-
-    def _skipped(self, step: int, now: float, *, busy: bool) -> MemoryHandle:
-        """A call of ``save_async`` that starts nothing; ``busy``: the previous one still runs."""
-        self._busy_skips += 1
-        if self.governor is not None:
-            self.governor.tick(now, step, busy=busy)
-        return MemoryHandle.skipped_busy(step)
 
     def _slot_for(self, flat: dict[str, Any]) -> Slot | None:
         """A slot no committed step links, shaped for ``flat`` (None: none is free, or ``flat`` has no
@@ -327,23 +309,6 @@ class MemoryTier:
         slot = pool.acquire(layout, pin=False)
         pool.shape_ahead(layout, slot, pin=False)  # the next copies land in allocated pages
         return slot
-
-    def _skip(self, step: int) -> bool:
-        """busy="skip": whether ``step`` is provably before the next agreed memory checkpoint while the
-        previous one still runs (else the caller waits for its verdict, in transit, and decides then).
-
-        The verdict says: next at ``max(step each rank reported) + 1``, each rank reporting the
-        newest step its training thread has called with when its background thread sends its part
-        of the agreement (read under the lock). So while this rank has not reported yet, its report
-        will be >= ``step``: skip; once it reported ``r``, every ``step <= r`` is before the next
-        one: skip. Otherwise the verdict decides, the same on every rank: no rank starts a memory
-        checkpoint of a step that another rank skips."""
-        h = self._inflight
-        with self._lock:
-            self._called = max(self._called, step)
-            if h is None or h.done:
-                return False
-            return h.reported is None or step <= h.reported
 
     def drain(self, *, raise_error: bool = False) -> MemoryHandle | None:
         """Wait for the memory checkpoint in flight, if any, and return its handle (None: none was
@@ -428,10 +393,9 @@ class MemoryTier:
         t2 = time.perf_counter()
         mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),
                 "w": t1 - t0, "r": t2 - t1, "fatal": fatal}
-        with self._lock:  # see _skip: what this rank reports bounds the steps it skips meanwhile
-            handle.reported = mine["at"] = max(self._called, step)
+        handle.reported = mine["at"] = self._cadence.report(step)  # (see ckpt.tier.cadence)
         verdict = self.comm.exchange(mine, _verdict, timeout=self.timeout, what=f"memory tier agreement on step {step}")
-        self._next_at = int(verdict["next_at"])
+        self._cadence.agreed(int(verdict["next_at"]))
         t3 = time.perf_counter()
         if verdict.get("fatal"):
             self._free(lambda s: s == step)
@@ -441,9 +405,7 @@ class MemoryTier:
                                   rank_write_s=t1 - t0, rank_replicate_s=t2 - t1, rank_agree_s=t3 - t2,
                                   max_write_s=float(verdict["max_w"]), max_replicate_s=float(verdict["max_r"]))
         if result.complete:
-            if self.governor is not None and not self.governor.settled:
-                self._first_completes += 1  # every slot (own: keep + 1, peers' copies) has been used once:
-                self.governor.settled = self._first_completes > self.config.keep  # the budget now decides
+            self._cadence.completed(self.config.keep)
             self._complete = [s for s in self._complete if s != step] + [step]
             keep = set(self._complete[-self.config.keep:])
             self._complete = sorted(keep)
@@ -547,8 +509,7 @@ class MemoryTier:
         directories no rank of this job uses (another world size or node mapping). Not collective
         (waits for the memory checkpoint in flight, if any)."""
         self.drain()
-        self._next_at = None  # the run continues from keep_step: no memory checkpoint is due later than asked
-        self._warm = WARM_CALLS if self.governor is not None else 0
+        self._cadence.reset()  # the run continues from keep_step: no memory checkpoint is due later than asked
         _reshard.clear_views(self)
         self._free(lambda s: s != keep_step)
         self._complete = [keep_step] if keep_step is not None else []
@@ -624,4 +585,4 @@ def _verdict(got: list[Any]) -> list[Any]:
     return [v] * len(got)
 
 
-__all__ = ["BACKGROUND_NICE", "WARM_CALLS", "MemoryTier"]
+__all__ = ["BACKGROUND_NICE", "MemoryTier"]

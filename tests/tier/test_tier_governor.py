@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from ckpt.errors import StateError
 from ckpt.tier import TierConfig
+from ckpt.tier.cadence import WARM_CALLS
 from ckpt.tier.pace import Governor, Pacer, check_overhead, overhead_from_env
-from ckpt.tier.tier import WARM_CALLS
 
 
 def _train(gov: Governor, *, base: float, cost: float, size: float, noise: float, steps: int,

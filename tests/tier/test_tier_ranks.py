@@ -408,7 +408,7 @@ def test_busy_skip_never_waits_and_every_rank_skips_the_same_steps(shm: str, tmp
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(g["seen"] == got[0]["seen"] for g in got)  # the same steps started (or skipped) on every rank
     started = [s for s, busy in got[0]["seen"] if not busy]
-    from ckpt.tier.tier import WARM_CALLS
+    from ckpt.tier.cadence import WARM_CALLS
 
     first = 1 if overhead is None else 1 + WARM_CALLS  # a governor measures idle steps first
     assert started[0] == first and 3 <= len(started) < len(got[0]["seen"])  # some due steps were skipped
