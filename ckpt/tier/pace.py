@@ -148,7 +148,7 @@ class Governor:
     signal) and sets the rate that costs ``overhead`` x :data:`AIM`, moving at most by [1/2, 3/2] per
     window and staying within [``min_gbps``, ``max_gbps``]. Steps without traffic are the steps with
     no memory checkpoint in flight, and pauses: when the reference is missing or :data:`STALE` windows
-    old (a training step's own pace drifts by 10-20% over a run) while a memory checkpoint is in flight,
+    old (a training step's own pace drifted by 19-30% over a run) while a memory checkpoint is in flight,
     it pauses the pacer for :data:`PAUSE` steps and times them (not the first, whose copies were
     already queued). Only this rank's copies wait, for about a second; a pause ends by itself after
     :data:`PAUSE_MAX_S`. A released pacer stays released.
