@@ -36,20 +36,28 @@ Pace = Callable[[int, float | None], None]  # ``take(nbytes, deadline)``: what t
 BURST_S = 0.05  # the budget a pacer may run ahead by: short bursts at full speed, never a long one
 
 
+def _from_env(name: str, value: float | None, check: Callable[[float | None], float | None],
+              ok: Callable[[float], bool], usage: str) -> float | None:
+    """``check(value)`` unless ``$name`` is set and not empty: then ``check`` of its number (0: None).
+    Raises StateError naming the variable for a value that is not a number ``ok`` accepts (NaN never)."""
+    env = os.environ.get(name)
+    if env is None or env.strip() == "":
+        return check(value)
+    try:
+        got = float(env)
+    except ValueError:
+        got = float("nan")
+    if not ok(got):  # (NaN fails every comparison)
+        raise StateError(f"{name}={env!r}: {usage}")
+    return check(got or None)
+
+
 def budget_from_env(value: float | None) -> float | None:
     """``value`` unless ``$CKPT_TIER_MAX_GBPS`` is set (GB/s per rank; 0 or empty: no budget).
 
     Raises StateError for a value that is not a number >= 0."""
-    env = os.environ.get("CKPT_TIER_MAX_GBPS")
-    if env is None or env.strip() == "":
-        return check_budget(value)
-    try:
-        got = float(env)
-    except ValueError:
-        got = -1.0
-    if not got >= 0:  # (NaN too)
-        raise StateError(f"CKPT_TIER_MAX_GBPS={env!r}: use GB/s per rank (e.g. 2 or 0.5), or 0 for no budget")
-    return check_budget(got or None)
+    return _from_env("CKPT_TIER_MAX_GBPS", value, check_budget, lambda x: x >= 0,
+                     "use GB/s per rank (e.g. 2 or 0.5), or 0 for no budget")
 
 
 def check_budget(value: float | None) -> float | None:
@@ -263,17 +271,8 @@ def overhead_from_env(value: float | None) -> float | None:
     """``value`` unless ``$CKPT_TIER_MAX_OVERHEAD`` is set (a fraction; 0 or empty: no governor).
 
     Raises StateError for a value that is not a number in [0, 1)."""
-    env = os.environ.get("CKPT_TIER_MAX_OVERHEAD")
-    if env is None or env.strip() == "":
-        return check_overhead(value)
-    try:
-        got = float(env)
-    except ValueError:
-        got = -1.0
-    if not 0 <= got < 1:
-        raise StateError(f"CKPT_TIER_MAX_OVERHEAD={env!r}: use a fraction of the step time (e.g. 0.05), or 0 for "
-                         "no governor")
-    return check_overhead(got or None)
+    return _from_env("CKPT_TIER_MAX_OVERHEAD", value, check_overhead, lambda x: 0 <= x < 1,
+                     "use a fraction of the step time (e.g. 0.05), or 0 for no governor")
 
 
 __all__ = ["BURST_S", "Governor", "Pace", "Pacer", "budget_from_env", "check_budget", "check_overhead",
