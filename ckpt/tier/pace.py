@@ -169,6 +169,7 @@ class Governor:
     STALE = 4  # windows after which the reference is renewed
     PAUSE = 3  # steps a pause lasts (the first one not timed)
     PAUSE_MAX_S = 10.0
+    HISTORY = 64  # windows kept in ``history`` (diagnostics)
     START_GBPS = 1.0  # the first rate (when max_gbps is not lower): measured at ~1-6% on 4 x H100
     MIN_GBPS = 0.25  # never below: a 10 GB state and a peer's copy still complete within ~80 s
 
@@ -187,7 +188,9 @@ class Governor:
         self.windows_since_idle = 0
         self.measured: float | None = None  # the last window's overhead
         self.per_gbps: float | None = None  # the estimated slowdown per GB/s of budget
-        self.history: list[tuple[float, float]] = []  # (measured overhead, the rate it led to)
+        # (measured overhead, the rate it led to), the newest HISTORY windows: a run of a million
+        # steps must not grow it without end
+        self.history: list[tuple[float, float]] = []
         self.pauses = 0
         self._prev: tuple[float, int] | None = None  # (time, step) of the last tick
         self._kind: str | None = None  # of the interval since the last tick: idle, busy, pause0 or pause
@@ -244,7 +247,7 @@ class Governor:
         want = self.overhead * self.AIM / est if est > 0 else float("inf")
         self.gbps = self._bound(min(max(want, self.gbps * 0.5), self.gbps * 1.5))
         self.pacer.set_rate(self.gbps)
-        self.history.append((self.measured, self.gbps))
+        self.history = (self.history + [(self.measured, self.gbps)])[-self.HISTORY:]
 
     @property
     def pausing(self) -> bool:
