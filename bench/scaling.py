@@ -294,16 +294,38 @@ def coordinator_view(op: str, lib: str, events: list[tuple[str, str, float, floa
 # --- one rank -------------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, port: int, cfg_d: dict[str, Any], root: str, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, cfg_d: dict[str, Any], root: str, out_dir: str) -> None:
     try:
-        _rank_body(rank, world, port, Config(**cfg_d), root, out_dir)
+        _rank_body(rank, world, Config(**cfg_d), root, out_dir)
     except BaseException:
         with open(os.path.join(out_dir, f"error-{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
 
 
-def _rank_body(rank: int, world: int, port: int, cfg: Config, root: str, out_dir: str) -> None:
+def _join_store(rank: int, world: int, out_dir: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's store, hosted by rank 0 on a free port it publishes in ``out_dir``; the others wait
+    for that file. Not in the parent: it forks the ranks, and a child forked while the store's server
+    thread holds a lock can hang before it joins (CI once saw a rank never publish its gloo address)."""
+    path = os.path.join(out_dir, "store-port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(path + ".tmp", path)  # whole or absent: a reader never sees half a port number
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 published no store port in {path} within "
+                               f"{timeout.total_seconds():g} s")
+        time.sleep(0.005)
+    with open(path) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+
+
+def _rank_body(rank: int, world: int, cfg: Config, root: str, out_dir: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -311,7 +333,7 @@ def _rank_body(rank: int, world: int, port: int, cfg: Config, root: str, out_dir
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=cfg.timeout)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    store = _join_store(rank, world, out_dir, timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     if cfg.fanin is not None:
         importlib.import_module("ckpt._comm").FANIN = cfg.fanin
@@ -499,10 +521,6 @@ def memory_verdict(world: int, mb_per_rank: float) -> str | None:
 def run_one(cfg: Config, root: str) -> dict[str, Any]:
     """Fork ``cfg.world`` gloo ranks, run every measurement, return the aggregated figures."""
     _raise_fd_limit(cfg.world)
-    timeout = datetime.timedelta(seconds=cfg.timeout)
-    # The store lives in the parent (its server thread keeps serving while the ranks run): no port
-    # race, and the ranks find each other on 127.0.0.1 whatever this host's name resolves to.
-    store = dist.TCPStore("127.0.0.1", 0, cfg.world, is_master=True, wait_for_workers=False, timeout=timeout)
     out_dir = tempfile.mkdtemp(prefix="ckpt-scaling-out-", dir=root)
     work = tempfile.mkdtemp(prefix=f"ckpt-scaling-{cfg.world}-", dir=root)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
@@ -511,18 +529,20 @@ def run_one(cfg: Config, root: str) -> dict[str, Any]:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     t0 = time.perf_counter()
     try:
-        # the ranks join through the parent's store themselves (group=False)
-        gloo_ranks(cfg.world, _rank_main, store.port, asdict(cfg), work, out_dir, group=False, barrier=False)
+        # the ranks join through rank 0's store themselves (group=False): no port race, and they find each
+        # other on 127.0.0.1 whatever this host's name resolves to
+        gloo_ranks(cfg.world, _rank_main, asdict(cfg), work, out_dir, group=False, barrier=False)
         per_rank = []
         for r in range(cfg.world):
             with open(os.path.join(out_dir, f"{r}.json")) as f:
                 per_rank.append(json.load(f))
     except Exception as e:
-        errs = sorted(p for p in os.listdir(out_dir) if p.startswith("error-"))
-        detail = ""
+        errs = sorted((p for p in os.listdir(out_dir) if p.startswith("error-")), key=lambda p: int(p[6:-4]))
+        # a rank that hangs raises nothing: the ranks that did raise (e.g. a store timeout waiting for it) name it
+        detail = f"\nranks that raised: {[int(p[6:-4]) for p in errs]}" if errs else ""
         if errs:
             with open(os.path.join(out_dir, errs[0])) as f:
-                detail = f"\n{errs[0]}:\n{f.read()}"
+                detail += f"\n{errs[0]}:\n{f.read()}"
         raise RuntimeError(f"{cfg.world} ranks: {type(e).__name__}: {e}{detail}") from e
     finally:
         for k, v in saved.items():
@@ -530,7 +550,6 @@ def run_one(cfg: Config, root: str) -> dict[str, Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        del store
         shutil.rmtree(out_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return aggregate(cfg, per_rank, time.perf_counter() - t0)

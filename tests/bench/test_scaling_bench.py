@@ -4,7 +4,10 @@ check of every load it makes (a rank whose loaded tensors differ from the saved 
 
 from __future__ import annotations
 
+import datetime
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -28,6 +31,24 @@ def test_config_refuses_what_cannot_run() -> None:
     scaling.Config(3, load_layout="cols")
     with pytest.raises(ValueError, match="at least 2"):
         scaling.Config(1)
+
+
+def test_store_port_is_published_by_rank_0_and_waited_for(tmp_path) -> None:
+    """The ranks' store lives in rank 0, not in the forking parent; a rank whose rank 0 never
+    publishes its port stops at the deadline with the file it waited for."""
+    wait = datetime.timedelta(seconds=0.2)
+    with pytest.raises(TimeoutError, match=r"rank 1: rank 0 published no store port in .*store-port"):
+        scaling._join_store(1, 2, str(tmp_path), wait)
+    got: list[object] = []
+    ten = datetime.timedelta(seconds=10)
+    t = threading.Thread(target=lambda: got.append(scaling._join_store(1, 2, str(tmp_path), ten)))
+    t.start()
+    time.sleep(0.05)  # the client is waiting for the file when rank 0 writes it
+    master = scaling._join_store(0, 2, str(tmp_path), ten)
+    t.join(10)
+    assert got and not t.is_alive()
+    got[0].set("k", b"v")  # type: ignore[attr-defined]
+    assert master.get("k") == b"v"
 
 
 def test_growth_per_doubling() -> None:
