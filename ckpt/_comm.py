@@ -180,10 +180,12 @@ class Comm:
             if group is not None:
                 raise errors.StateError("a process group was passed but torch.distributed is not initialized")
             self.rank, self.world, self.group = 0, 1, None
+            self.side = False
             self.cpu_group: Any = None
             return
         self.group = group if group is not None else dist.group.WORLD
-        if isinstance(self.group, dist.ProcessGroupGloo):  # one of ckpt's own (side_group): not registered
+        self.side = isinstance(self.group, dist.ProcessGroupGloo)  # one of ckpt's own (side_group): not registered
+        if self.side:
             self.rank, self.world = self.group.rank(), self.group.size()
         else:
             self.rank = dist.get_rank(self.group)

@@ -511,13 +511,13 @@ class CheckpointManager:
                                     digest=pieces_digest(state), min_step=newest, on_failure=on_failure)
             if got is None:  # another layout or world size: the resharding load, when every piece is here
                 got = tier.restore_resharded_with(lambda url: tier.load_view(state, url, strict=strict, verify=True),
-                                                  min_step=newest, on_failure=on_failure)
+                                                  min_step=newest, on_failure=on_failure, want=state)
         else:
             got = tier.restore_with(lambda url: loader(url, tier.load_local), digest=pieces_digest(state),
                                     min_step=newest, on_failure=on_failure)
             if got is None:
                 got = tier.restore_resharded_with(lambda url: loader(url, tier.load_view), min_step=newest,
-                                                  on_failure=on_failure)
+                                                  on_failure=on_failure, want=state)
         # a resharded step is not this layout's memory checkpoint: nothing of the old one is kept
         tier.reset(got.step if got is not None and got.tier != "memory-reshard" else None)
         if got is None:

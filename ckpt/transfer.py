@@ -77,6 +77,7 @@ class TransferResult:
     # this rank's seconds per phase: "plan" (declaring and the plan exchange), "move" (local copies and
     # the data), "agree" (the commit exchange), "commit" (writing into dst)
     phases: dict[str, float] = field(default_factory=dict)
+    rank_senders: list[int] = field(default_factory=list)  # the ranks this rank received bytes from
 
 
 _STALE: dict[Any, bool] = {}  # per group: the data group must be made anew (a data-phase failure closed it)
@@ -276,7 +277,7 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     phases = {"plan": t1 - t0, "move": t2 - t1, "agree": t3 - t2, "commit": t4 - t3}
     return TransferResult(ver, mine["sent"], mine["skipped"], mine["local"], mine["buckets"], mine["rounds"],
                           time.perf_counter() - t0, sent, received, state, hit, fail.packed, fail.direct,
-                          fail.program is not None, phases)
+                          fail.program is not None, phases, sorted({b.sender for b in sched.recvs}))
 
 
 def structure_fingerprint(wire: dict[str, Any], rank: int, world: int, opts: Options) -> str:
@@ -396,7 +397,9 @@ def release_buffers(group: Any = None) -> None:
     allocates them again. Not collective."""
     import torch.distributed as dist
 
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    # (a group is keyed by itself: the world size only names the default group, and an unregistered
+    # group of ckpt's own has none torch.distributed would tell)
+    world = dist.get_world_size() if group is None and dist.is_available() and dist.is_initialized() else 1
     _BUFFERS.pop(_group_key(group, world), None)
     _front.forget(_group_key(group, world))
 
@@ -491,10 +494,15 @@ def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | No
     import torch.distributed as dist
 
     g = comm.group
+    key = _key(comm, group)
+    if isinstance(g, dist.ProcessGroupGloo) and comm.side:
+        # one of ckpt's own groups (the memory tier's): not registered, so its ranks are unknown here;
+        # the data goes over it (its owner makes a new one after a failure that closed it)
+        _STALE.pop(key, None)
+        return net.GlooTransport(g)
     if mine["nccl"] and dist.get_backend(g) == "nccl":
         return net.NcclTransport(g)
     ranks = dist.get_process_group_ranks(g)
-    key = _key(comm, group)
     pg = side_group(ranks, "transfer-data", timeout=timeout, fresh=_STALE.pop(key, False))
     return net.GlooTransport(pg)
 

@@ -18,9 +18,10 @@ packages as the peer copies; :func:`ckpt.tier.transfer.exchange`), once per host
 of the host lacking a copy fetches it into a directory of its own below the run directory
 (``view-<rank>-<token>-fetched``), the host's other ranks link their views to the same files, and
 the fetcher removes it once every rank agreed. So a job restarted on another world size after
-losing a node restores from its peers' memory without storage, on any number of hosts. What is
-fetched is whole copies (each host gets every copy it lacks), not only the byte ranges its ranks
-need.
+losing a node restores from its peers' memory without storage, on any number of hosts. When the
+ranks name the pieces they want (``want``: the manager always does), only the stored shards those
+pieces overlap are fetched, through ``ckpt.transfer`` (:mod:`ckpt.tier.reshard_fetch`); without it,
+whole copies.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from ckpt._comm import describe
@@ -36,10 +37,11 @@ from ckpt._transaction import commit_manifest
 from ckpt.errors import CheckpointError, CollectiveError, ManifestError
 from ckpt.formats.msgpack_codec import decode_manifest, encode_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
-from ckpt.shards import Box, Flat, Region
+from ckpt.shards import Region
 from ckpt.storage.local import LocalStorage
-from ckpt.tier import safefs
+from ckpt.tier import reshard_fetch, safefs
 from ckpt.tier.nodes import NODE_DIR, RANK_DIR, STEP_DIR, tier_dir
+from ckpt.tier.reshard_fetch import global_region
 from ckpt.tier.restore import TierRestore
 from ckpt.tier.store import META_KEY, REPLICAS, _listdir
 from ckpt.tier.transfer import exchange, failed, package
@@ -87,27 +89,12 @@ def _meta(path: str) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) and m.step is not None else None
 
 
-def _region(where: list[Any], local: Region) -> Region:
-    """The global region of a stored shard: ``local`` is its region within the rank's local piece,
-    ``where`` the piece's place in the global tensor (as recorded in ``pieces``)."""
-    if where[0] == "box":
-        offsets = tuple(int(x) for x in where[1])
-        if not isinstance(local, Box) or len(local.offsets) != len(offsets):
-            raise ManifestError(f"a box piece stored as {local}: cannot place it in its global tensor")
-        return Box(tuple(o + lo for o, lo in zip(offsets, local.offsets, strict=True)), local.lengths)
-    start, box = int(where[1]), where[3]
-    gbox = Box(tuple(int(x) for x in box[0]), tuple(int(x) for x in box[1])) if box else None
-    if isinstance(local, Box) and len(local.offsets) == 1:
-        return Flat(start + local.offsets[0], start + local.offsets[0] + local.lengths[0], gbox)
-    if isinstance(local, Flat) and local.box is None:
-        return Flat(start + local.start, start + local.stop, gbox)
-    raise ManifestError(f"a flat piece stored as {local}: cannot place it in its global tensor")
-
-
-def build_view(copies: dict[int, str], dest: str) -> Manifest:
+def build_view(copies: dict[int, str], dest: str, prefer: Collection[int] = ()) -> Manifest:
     """Write at ``dest`` an ordinary checkpoint made of the copies (``owner -> step directory``):
     hard links to their data files and a manifest of every piece as a shard of its global tensor.
-    Per-rank objects keep their owner's rank; global objects come from the lowest owner.
+    Per-rank objects keep their owner's rank; global objects come from the lowest owner. A piece
+    several copies hold (a replica) is read from the lowest owner in ``prefer`` (the copies this
+    host reaches), else the lowest owner (:func:`ckpt.tier.reshard_fetch.needed` makes the same choice).
 
     Raises ManifestError (a copy without piece descriptions, disagreeing global shapes) and
     OSError (no hard links here: another file system)."""
@@ -116,7 +103,8 @@ def build_view(copies: dict[int, str], dest: str) -> Manifest:
     merged = Manifest()
     seen: set[tuple[str, Region]] = set()
     shards: dict[str, list[ShardEntry]] = {}
-    for owner in sorted(copies):
+    first: dict[str, int] = {}  # global object -> the owner whose value the view holds
+    for owner in sorted(copies, key=lambda o: (o not in prefer, o)):
         path = copies[owner]
         m = decode_manifest(safefs.read_bytes(os.path.join(path, MANIFEST_NAME)), url=path)
         pieces = m.user_metadata[META_KEY]["pieces"]
@@ -136,7 +124,7 @@ def build_view(copies: dict[int, str], dest: str) -> Manifest:
                 raise ManifestError(f"{path}: tensor {gkey!r} is {dtype} {gshape} here but {t.dtype} "
                                     f"{list(t.shape)} in another rank's copy")
             for s in entry.shards:
-                region = _region(where, s.region)
+                region = global_region(where, s.region)
                 if (gkey, region) in seen:
                     continue  # a replica (DP, EP over dense weights): the lowest owner's copy serves
                 seen.add((gkey, region))
@@ -148,8 +136,9 @@ def build_view(copies: dict[int, str], dest: str) -> Manifest:
                 if len(values) != 1 or mine.per_rank is None:
                     raise ManifestError(f"{path}: object {key!r} is per-rank here but not in another copy")
                 mine.per_rank[owner] = values[0]
-            else:
-                merged.objects.setdefault(key, obj)
+            elif key not in merged.objects or owner < first.get(key, owner):
+                merged.objects[key] = obj
+                first[key] = owner
         if owner == min(copies):
             meta = dict(m.user_metadata)
             meta.pop(META_KEY, None)
@@ -262,12 +251,15 @@ def _fetch(tier: TierView, plan: dict[str, Any], local: dict[int, str]) -> tuple
 
 
 def run(tier: TierView, fn: Callable[[str], Any], *, min_step: int | None = None,
-        on_failure: Callable[[dict[str, Any]], None] | None = None) -> TierRestore | None:
+        on_failure: Callable[[dict[str, Any]], None] | None = None,
+        want: dict[str, Any] | None = None) -> TierRestore | None:
     """Restore the newest memory step whose every old rank's copy some rank reaches, under this job's
     layout, through ``fn(view_url)`` (collective over the tier's group; ``fn`` a resharding load of
-    this rank's state, not collective), fetching the copies this rank's host lacks first; None when
+    this rank's state, not collective), fetching what this rank's host lacks first; None when
     there is none or it failed on any rank (``restore_failed`` records, tier ``memory-reshard``).
-    Raises CollectiveError when a rank is lost."""
+    ``want``: this rank's target state (the pieces ``fn`` loads): only the stored shards they
+    overlap are fetched, through ``ckpt.transfer`` (:mod:`ckpt.tier.reshard_fetch`); None: whole
+    copies (every rank must pass one, or none). Raises CollectiveError when a rank is lost."""
     tier.drain()
     found = _copies(tier)
     reach = {f"{s}|{e}|{w}": sorted(owners) for (s, e, w), owners in found.items()
@@ -290,7 +282,11 @@ def run(tier: TierView, fn: Callable[[str], Any], *, min_step: int | None = None
     where = local
     if plan["fetch"]:
         try:
-            where, fetched, senders = _fetch(tier, plan, local)
+            if want is not None:
+                where, fetched, senders = reshard_fetch.fetch(tier, plan, local, want,
+                                                              lambda f: _fetch_dir(tier, f, str(plan["token"])))
+            else:
+                where, fetched, senders = _fetch(tier, plan, local)
         except CollectiveError:
             raise
         except Exception as e:  # noqa: BLE001 - reported in the agreement: every rank falls back to storage
@@ -302,7 +298,7 @@ def run(tier: TierView, fn: Callable[[str], Any], *, min_step: int | None = None
     t_fetch = time.perf_counter() - t0
     if err is None:
         try:
-            manifest = build_view(where, view)
+            manifest = build_view(where, view, prefer=local)
             nbytes = sum(manifest.files.values())
             value = fn(view)
         except CollectiveError:

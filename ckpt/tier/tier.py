@@ -481,13 +481,14 @@ class MemoryTier:
                                  min_step=min_step, on_failure=on_failure)
 
     def restore_resharded_with(self, fn: Callable[[str], Any], *, min_step: int | None = None,
-                               on_failure: Callable[[dict[str, Any]], None] | None = None
-                               ) -> _restore.TierRestore | None:
+                               on_failure: Callable[[dict[str, Any]], None] | None = None,
+                               want: dict[str, Any] | None = None) -> _restore.TierRestore | None:
         """Restore under another layout (collective): the newest step at or above ``min_step`` whose
-        every old rank's copy this rank can reach, read through ``fn(url)`` (a resharding load of
+        every old rank's copy some rank can reach, read through ``fn(url)`` (a resharding load of
         this rank's state from an ordinary checkpoint at ``url``, not collective); None when there
-        is none or any rank failed. See :mod:`ckpt.tier.reshard`."""
-        return _reshard.run(self, fn, min_step=min_step, on_failure=on_failure)
+        is none or any rank failed. ``want``: the state ``fn`` fills (only the stored shards it
+        overlaps cross hosts; None: whole copies). See :mod:`ckpt.tier.reshard`."""
+        return _reshard.run(self, fn, min_step=min_step, on_failure=on_failure, want=want)
 
     def load_view(self, state: dict[str, Any], url: str, **kw: Any) -> dict[str, Any]:
         """``ckpt.load`` of this rank's ``state`` from a view (see :meth:`restore_resharded_with`),
@@ -501,7 +502,7 @@ class MemoryTier:
         """:meth:`restore_resharded_with` through ``ckpt.load`` of ``state`` (every checksum checked):
         a memory tier written under another layout or world size, read as this job's pieces."""
         return self.restore_resharded_with(lambda url: self.load_view(state, url, strict=strict, verify=True),
-                                           min_step=min_step, on_failure=on_failure)
+                                           min_step=min_step, on_failure=on_failure, want=state)
 
     def reset(self, keep_step: int | None = None) -> None:
         """After a restore decision (every rank): keep only ``keep_step``'s memory checkpoint (the step

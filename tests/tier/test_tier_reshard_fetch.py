@@ -19,8 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckpt
+from ckpt._state import TensorItem
+from ckpt.shards import Box, Flat
 from ckpt.tier.nodes import run_id_for
 from ckpt.tier.reshard import _rounds, plan_fetches
+from ckpt.tier.reshard_fetch import StoredShard, needed
 from tests.dist_utils import run_ranks
 from tests.tier.kill_harness import state_of
 from tests.tier.test_tier_reshard import _global, _target
@@ -111,18 +114,36 @@ def _two_hosts(shm: str, root: str, save_memory: Callable[..., None]) -> list[st
     return hosts
 
 
-def _restore(rank: int, world: int, hosts: list[str], root: str, out: str) -> None:
+def _cross_target(rank: int, world: int) -> dict[str, Any]:
+    """``w`` split by columns (every rank wants half of every old rank's rows: half of it lies on the
+    other host), ``m`` as :func:`_target` splits it (all on this rank's host)."""
+    t = _target(rank, world)
+    rows, c0 = t["model"]["w"].global_shape[0], rank * 256 // world
+    t["model"]["w"] = ckpt.Shard(torch.zeros(rows, 256 // world), (rows, 256), (0, c0))
+    return t
+
+
+def _restore(rank: int, world: int, hosts: list[str], root: str, out: str, how: str) -> None:
     mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=hosts[rank], nodes=2,
                                  memory_timeout=30)
-    target = _target(rank, world)
-    step = mgr.restore(target)
+    target = _target(rank, world) if how == "rows" else _cross_target(rank, world)
+    if how == "whole":  # no wanted pieces named: whole copies cross
+        assert mgr.memory is not None
+        got = mgr.memory.restore_resharded_with(lambda url: mgr.memory.load_view(target, url, verify=True))
+        assert got is not None
+        step = got.step
+        mgr.memory.reset(None)  # as the manager does after a resharded restore (removes dead fetchers' copies)
+    else:
+        step = mgr.restore(target)
+        got = mgr.last_restore
     assert step is not None
-    got = mgr.last_restore
     g = _global(step)
     w, m = target["model"]["w"], target["optim"]["m"]
-    assert torch.equal(w.local, g["w"][w.offsets[0]:w.offsets[0] + w.local.shape[0]])  # bitwise
+    (r0, c0), (nr, nc) = w.offsets, w.local.shape
+    assert torch.equal(w.local, g["w"][r0:r0 + nr, c0:c0 + nc])  # bitwise
     assert torch.equal(m.local, g["m"][m.start:m.start + m.local.numel()])
-    assert target["train"] == state_of(0, step)["train"]
+    if how != "whole":
+        assert target["train"] == state_of(0, step)["train"]
     rec = {"rank": rank, "step": step, "tier": got.tier if got is not None else "storage",
            "fetched": got.fetched_bytes if got is not None else 0,
            "peers": got.peer_ranks if got is not None else [],
@@ -131,25 +152,37 @@ def _restore(rank: int, world: int, hosts: list[str], root: str, out: str) -> No
         f.write(json.dumps(rec) + "\n")
 
 
-def _run(hosts: list[str], root: str, tmp: Path) -> list[dict[str, Any]]:
+def _run(hosts: list[str], root: str, tmp: Path, how: str = "cross") -> list[dict[str, Any]]:
     out = tmp / f"out-{len(list(tmp.glob('out-*')))}.jsonl"
-    run_ranks(2, _restore, hosts, root, str(out))
+    run_ranks(2, _restore, hosts, root, str(out), how)
     return sorted(map(json.loads, out.read_text().splitlines()), key=lambda r: r["rank"])
 
 
+WHOLE_SHARD = 256 * 256 * 4  # bytes of one old rank's piece of w
+
+
 @pytest.mark.multiproc
-def test_a_layout_change_across_hosts_fetches_what_each_host_lacks(shm: str, tmp_path: Path,
-                                                                   save_memory: Callable[..., None]) -> None:
+@pytest.mark.parametrize("how,fetched", [
+    ("cross", 2 * WHOLE_SHARD),  # w by columns: the other host's two shards of w, whole; nothing of m
+    ("rows", 0),  # split as saved: each host holds everything its rank wants, nothing crosses
+    ("whole", None),  # no wanted pieces named (restore_resharded_with without ``want``): whole copies
+])
+def test_a_layout_change_across_hosts_fetches_what_each_host_lacks(
+        shm: str, tmp_path: Path, save_memory: Callable[..., None], how: str, fetched: int | None) -> None:
     root = str(tmp_path / "ckpts")
     hosts = _two_hosts(shm, root, save_memory)
     # what a fetcher killed mid-fetch would leave behind: removed at the next restore of that rank
     left = Path(hosts[0]) / f"ckpt-{run_id_for(root)}" / "view-0-dead0000-fetched" / "rank-3"
     left.mkdir(parents=True, mode=0o700)
     (left / "part").write_bytes(b"x" * 100)
-    got = _run(hosts, root, tmp_path)
-    # step 3 from memory (storage has step 1): each rank fetched the other host's two copies
+    got = _run(hosts, root, tmp_path, how)
+    # step 3 from memory (storage has step 1), bitwise (checked in every rank)
     assert [(r["step"], r["tier"]) for r in got] == [(3, "memory-reshard")] * 2
-    assert [r["peers"] for r in got] == [[1], [0]] and all(r["fetched"] > 0 for r in got)
+    assert [r["peers"] for r in got] == ([[], []] if fetched == 0 else [[1], [0]])
+    if fetched is not None:
+        assert [r["fetched"] for r in got] == [fetched] * 2  # exactly the shards wanted, whole
+    else:  # every file of the other host's two copies: both pieces of w and m and the manifests' objects
+        assert got[0]["fetched"] == got[1]["fetched"] > 2 * (WHOLE_SHARD + 8192 * 4)
     assert all(r["left"] == [] for r in got)  # views and fetched copies removed
 
 
@@ -169,3 +202,75 @@ def test_a_damaged_copy_on_the_sending_host_falls_back_to_storage_everywhere(
     got = _run(hosts, root, tmp_path)
     assert [(r["step"], r["tier"]) for r in got] == [(1, "storage")] * 2
     assert all(r["left"] == [] for r in got)
+
+
+@pytest.mark.multiproc
+def test_a_copy_its_sender_cannot_send_falls_back_to_storage_everywhere(
+        shm: str, tmp_path: Path, save_memory: Callable[..., None]) -> None:
+    root = str(tmp_path / "ckpts")
+    hosts = _two_hosts(shm, root, save_memory)
+    copy = Path(hosts[1]) / f"ckpt-{run_id_for(root)}" / "node-1" / "rank-2" / "step-0000000003"
+    m = ckpt.inspect(str(copy))
+    (copy / m.tensors["model.w"].shards[0].file).unlink()  # its manifest lists a file that is gone
+    got = _run(hosts, root, tmp_path)
+    assert [(r["step"], r["tier"]) for r in got] == [(1, "storage")] * 2
+    assert all(r["left"] == [] for r in got)
+
+
+def _tiles(draw: Any, length: int) -> list[tuple[int, int]]:
+    cuts = sorted(draw(st.sets(st.integers(1, length - 1), max_size=4)))
+    bounds = [0, *cuts, length]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@st.composite
+def _layouts(draw: Any) -> tuple[list[StoredShard], set[int], list[TensorItem]]:
+    """Old owners' shards of two tensors (a 2-D one cut in row blocks, some owners replicas of others;
+    a 1-D one cut flat), the owners this host reaches, and a rank's wanted pieces (column blocks of
+    the first, flat ranges of the second)."""
+    rows, cols, n = draw(st.integers(2, 9)), draw(st.integers(1, 5)), draw(st.integers(2, 24))
+    shards: list[StoredShard] = []
+    owner = 0
+    for r0, r1 in _tiles(draw, rows):
+        for _ in range(draw(st.integers(1, 2))):  # a replica: the same region in another owner's copy
+            shards.append(StoredShard(owner, "data/0", 0, 4 * (r1 - r0) * cols, "w", "float32", (rows, cols),
+                                      Box((r0, 0), (r1 - r0, cols))))
+            owner += 1
+    for f0, f1 in _tiles(draw, n):
+        shards.append(StoredShard(owner, "data/0", 0, 4 * (f1 - f0), "m", "float32", (n,), Flat(f0, f1)))
+        owner += 1
+    local = set(draw(st.sets(st.integers(0, owner - 1))))
+    want = [TensorItem("w", torch.empty(0), "float32", (rows, cols), Box((0, c0), (rows, c1 - c0)))
+            for c0, c1 in draw(st.lists(st.sampled_from(_tiles(draw, cols) if cols > 1 else [(0, 1)]), max_size=2,
+                                        unique=True))]
+    want += [TensorItem("m", torch.empty(0), "float32", (n,), Flat(f0, f1))
+             for f0, f1 in draw(st.lists(st.sampled_from(_tiles(draw, n)), max_size=3, unique=True))]
+    return shards, local, want
+
+
+def _cells(region: Box | Flat, shape: tuple[int, ...]) -> set[tuple[int, ...]]:
+    if isinstance(region, Flat):
+        return {(i,) for i in range(region.start, region.stop)}
+    (r0, c0), (nr, nc) = region.offsets, region.lengths
+    return {(r, c) for r in range(r0, r0 + nr) for c in range(c0, c0 + nc)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(_layouts())
+def test_the_shards_fetched_with_the_local_ones_cover_every_wanted_element_once(
+        case: tuple[list[StoredShard], set[int], list[TensorItem]]) -> None:
+    shards, local_owners, want = case
+    local = [s for s in shards if s.owner in local_owners]
+    remote = [s for s in shards if s.owner not in local_owners]
+    got = needed(local, remote, want)
+    held = {(s.key, s.region) for s in local}
+    assert len({(s.key, s.region) for s in got}) == len(got)  # one owner's shard per region
+    assert all((s.key, s.region) not in held for s in got)  # never what this host reaches
+    for s in got:  # only shards a wanted piece overlaps
+        assert any(w.key == s.key and _cells(w.region, s.shape) & _cells(s.region, s.shape) for w in want)
+    for w in want:  # every wanted element is in a local shard or a fetched one
+        have = set().union(*(_cells(s.region, s.shape) for s in local + got if s.key == w.key))
+        assert _cells(w.region, w.global_shape) <= have
+    # of replicas none of which is here, the lowest owner's (the one the view takes)
+    for s in got:
+        assert s.owner == min(r.owner for r in remote if (r.key, r.region) == (s.key, s.region))
