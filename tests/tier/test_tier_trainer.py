@@ -8,6 +8,7 @@ with a warning while training goes on."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import shutil
@@ -23,12 +24,12 @@ from torch.multiprocessing import ProcessExitedException
 import ckpt
 from ckpt.layout import Layout
 from ckpt.manager import list_checkpoints, step_dir
-from ckpt.tier.nodes import run_id_for, step_name
+from ckpt.tier.nodes import SHM_ENV, run_id_for, step_name
 from ckpt.trainer.config import TrainConfig
 from ckpt.trainer.metrics import read_metrics
 from ckpt.trainer.train import train
 from tests.dist_utils import run_ranks
-from tests.trainer.trainer_utils import checkpoint_tensors, run_training
+from tests.trainer.trainer_utils import _worker, checkpoint_tensors, run_training
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -187,6 +188,52 @@ def test_a_layout_change_resumes_from_the_memory_tier(base: str, full: dict[str,
     assert resume["resharded"] and resume["bytes_verified"] > 0  # every piece's checksum checked
     # the same trajectory up to float reassociation across layouts
     for k, v in resumed["losses"].items():
+        assert abs(v - full["losses"][k]) < 1e-3 * abs(full["losses"][k]), (k, v, full["losses"][k])
+
+
+def _on_host(rank: int, world: int, cfg: TrainConfig, layout: Layout, hosts: list[str], out: str) -> None:
+    os.environ[SHM_ENV] = hosts[rank]  # this rank's host: its own shared memory
+    _worker(rank, world, cfg, layout, out)
+
+
+def test_a_layout_change_across_hosts_resumes_from_the_peers_memory(base: str, full: dict[str, Any]) -> None:
+    """Node 1 lost; the job comes back on 2 ranks under pp=2, one per host, each host's shared memory
+    holding half of the surviving copies (node 0's own on one host, the replicas of node 1's ranks it
+    kept on the other): each rank receives from the other host only the stored shards its pipeline
+    stage wants, no storage read."""
+    cfg = _cfg(base, "lose-node-then-reshard-hosts")
+    _lose_node(cfg, 7)
+    run = f"ckpt-{run_id_for(cfg.ckpt_dir or '')}"
+    src = Path(cfg.shm_dir or "") / run
+    hosts = [os.path.join(base, "host-a"), os.path.join(base, "host-b")]
+    for h, keep in zip(hosts, ("own", "replicas"), strict=True):
+        dst = Path(h) / run / "node-0"
+        dst.mkdir(parents=True, mode=0o700)
+        os.chmod(Path(h), 0o700)
+        os.chmod(Path(h) / run, 0o700)
+        for p in src.iterdir():
+            if p.is_file():
+                shutil.copy2(p, Path(h) / run / p.name)
+        if keep == "own":
+            shutil.copytree(src / "node-0", dst, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("replicas", ".slots"))
+        else:
+            shutil.copytree(src / "node-0" / "replicas", dst / "replicas")
+    other = sum(f.stat().st_size for f in (Path(hosts[1]) / run).rglob("*") if f.is_file())
+    shutil.rmtree(src)  # nothing of the tier left where both ranks would reach it
+    fd, out = tempfile.mkstemp(prefix="ckpt-train-", suffix=".json")
+    os.close(fd)
+    run_ranks(2, _on_host, dataclasses.replace(cfg, shm_dir=None), Layout(pp=2, zero=1), hosts, out)
+    with open(out) as f:
+        resumed = json.load(f)
+    os.unlink(out)
+    assert resumed["start"] == 7  # the memory step: no step lost, nothing read from storage
+    (rec,) = _events(cfg, "recovery")
+    assert rec["tier"] == "memory-reshard" and rec["steps_lost"] == 0 and rec["peer_ranks"] == [1]
+    # rank 0 (pipeline stage 0) received part of the other host's copies: its stage's shards only
+    assert 0 < rec["fetched_bytes"] < other / 2, (rec["fetched_bytes"], other)
+    for k, v in resumed["losses"].items():
+        k = int(k)
         assert abs(v - full["losses"][k]) < 1e-3 * abs(full["losses"][k]), (k, v, full["losses"][k])
 
 
