@@ -167,6 +167,17 @@ def _close(maps: list[mmap.mmap]) -> None:
             pass  # a tensor still views it: unmapped when that goes
 
 
+def _to_all(reply: Callable[[list[Any]], list[Any]]) -> Callable[[list[Any]], list[Any]]:
+    """``reply`` run on the coordinator, a failure of its own sent to every rank as their answer
+    (raised there, it would leave the others waiting for one until the timeout)."""
+    def run(got: list[Any]) -> list[Any]:
+        try:
+            return reply(got)
+        except Exception as e:  # noqa: BLE001
+            return [{"err": f"rank 0 (coordinating the fetch): {describe(e)}"}] * len(got)
+    return run
+
+
 def _decode(data: bytes, where: str) -> Manifest:
     return decode_manifest(data, url=os.path.join(where, MANIFEST_NAME))
 
@@ -206,7 +217,7 @@ def fetch(tier: TierView, plan: dict[str, Any], local: dict[int, str], want: dic
         known = {int(o): m for g in got for o, m in g["m"]}
         return [{"m": [[o, known[int(o)]] for o, _f in plan["at"].get(str(r), [])]} for r in range(len(got))]
 
-    got = tier.comm.exchange({"m": sent, "err": err}, give, timeout=tier.timeout, what=f"{what} (manifests)")
+    got = tier.comm.exchange({"m": sent, "err": err}, _to_all(give), timeout=tier.timeout, what=f"{what} (manifests)")
     if got.get("err"):
         raise ManifestError(f"a copy's manifest could not be sent: {got['err']}")
 
@@ -237,7 +248,8 @@ def fetch(tier: TierView, plan: dict[str, Any], local: dict[int, str], want: dic
         return [{"recv": sorted(host.get(r, ())), "all": every} for r in range(len(got))]
 
     ids = [list(s.id) for s in need]
-    got = tier.comm.exchange({"need": ids, "err": err}, share, timeout=tier.timeout, what=f"{what} (shards wanted)")
+    got = tier.comm.exchange({"need": ids, "err": err}, _to_all(share), timeout=tier.timeout,
+                             what=f"{what} (shards wanted)")
     if got.get("err"):
         raise ManifestError(f"the shards to fetch could not be listed: {got['err']}")
 

@@ -23,7 +23,7 @@ from ckpt._state import TensorItem
 from ckpt.shards import Box, Flat
 from ckpt.tier.nodes import run_id_for
 from ckpt.tier.reshard import _rounds, plan_fetches
-from ckpt.tier.reshard_fetch import StoredShard, needed
+from ckpt.tier.reshard_fetch import StoredShard, _to_all, needed
 from tests.dist_utils import run_ranks
 from tests.tier.kill_harness import state_of
 from tests.tier.test_tier_reshard import _global, _target
@@ -274,3 +274,14 @@ def test_the_shards_fetched_with_the_local_ones_cover_every_wanted_element_once(
     # of replicas none of which is here, the lowest owner's (the one the view takes)
     for s in got:
         assert s.owner == min(r.owner for r in remote if (r.key, r.region) == (s.key, s.region))
+
+
+def test_a_coordinator_failure_in_the_fetch_reaches_every_rank_as_an_error() -> None:
+    """Raised on the coordinator alone, it would leave the other ranks waiting until the timeout."""
+    def broken(got: list[Any]) -> list[Any]:
+        return [min(set())]  # e.g. a rank listed shards but has no fetcher
+
+    got = _to_all(broken)([{}, {}, {}])
+    assert len(got) == 3 and all(g == got[0] for g in got)
+    assert got[0]["err"].startswith("rank 0 (coordinating the fetch): ValueError: min()")
+    assert _to_all(lambda got: [len(got)] * len(got))([{}, {}]) == [2, 2]
