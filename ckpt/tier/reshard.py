@@ -258,16 +258,23 @@ def run(tier: TierView, fn: Callable[[str], Any], *, min_step: int | None = None
     this rank's state, not collective), fetching what this rank's host lacks first; None when
     there is none or it failed on any rank (``restore_failed`` records, tier ``memory-reshard``).
     ``want``: this rank's target state (the pieces ``fn`` loads): only the stored shards they
-    overlap are fetched, through ``ckpt.transfer`` (:mod:`ckpt.tier.reshard_fetch`); None: whole
-    copies (every rank must pass one, or none). Raises CollectiveError when a rank is lost."""
+    overlap are fetched, through ``ckpt.transfer`` (:mod:`ckpt.tier.reshard_fetch`), when every rank
+    passed one; else whole copies. Raises CollectiveError when a rank is lost."""
     tier.drain()
     found = _copies(tier)
     reach = {f"{s}|{e}|{w}": sorted(owners) for (s, e, w), owners in found.items()
              if min_step is None or s >= min_step}
     token = uuid.uuid4().hex[:8]
     hosts = getattr(tier, "hosts", None) or list(range(tier.world))  # (unknown: every rank fetches for itself)
-    plan = tier.comm.exchange(reach, lambda got: [plan_fetches(got, hosts, token)] * len(got),
-                              timeout=tier.timeout, what="memory tier resharding restore planning")
+
+    def planned(got: list[Any]) -> list[Any]:
+        plan = plan_fetches([g[0] for g in got], hosts, token)
+        if plan is not None:  # shards only when every rank named its pieces (the same path on every rank)
+            plan["ranged"] = all(g[1] for g in got)
+        return [plan] * len(got)
+
+    plan = tier.comm.exchange([reach, want is not None], planned, timeout=tier.timeout,
+                              what="memory tier resharding restore planning")
     if plan is None:
         return None
     step, epoch, world = plan["key"].split("|")
@@ -282,7 +289,7 @@ def run(tier: TierView, fn: Callable[[str], Any], *, min_step: int | None = None
     where = local
     if plan["fetch"]:
         try:
-            if want is not None:
+            if plan["ranged"] and want is not None:
                 where, fetched, senders = reshard_fetch.fetch(tier, plan, local, want,
                                                               lambda f: _fetch_dir(tier, f, str(plan["token"])))
             else:

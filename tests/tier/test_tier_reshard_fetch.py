@@ -127,9 +127,11 @@ def _restore(rank: int, world: int, hosts: list[str], root: str, out: str, how: 
     mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=hosts[rank], nodes=2,
                                  memory_timeout=30)
     target = _target(rank, world) if how == "rows" else _cross_target(rank, world)
-    if how == "whole":  # no wanted pieces named: whole copies cross
+    if how in ("whole", "mixed"):  # no wanted pieces named (by one rank, with mixed): whole copies cross
         assert mgr.memory is not None
-        got = mgr.memory.restore_resharded_with(lambda url: mgr.memory.load_view(target, url, verify=True))
+        want = target if how == "mixed" and rank == 0 else None
+        got = mgr.memory.restore_resharded_with(lambda url: mgr.memory.load_view(target, url, verify=True),
+                                                want=want)
         assert got is not None
         step = got.step
         mgr.memory.reset(None)  # as the manager does after a resharded restore (removes dead fetchers' copies)
@@ -142,7 +144,7 @@ def _restore(rank: int, world: int, hosts: list[str], root: str, out: str, how: 
     (r0, c0), (nr, nc) = w.offsets, w.local.shape
     assert torch.equal(w.local, g["w"][r0:r0 + nr, c0:c0 + nc])  # bitwise
     assert torch.equal(m.local, g["m"][m.start:m.start + m.local.numel()])
-    if how != "whole":
+    if how not in ("whole", "mixed"):
         assert target["train"] == state_of(0, step)["train"]
     rec = {"rank": rank, "step": step, "tier": got.tier if got is not None else "storage",
            "fetched": got.fetched_bytes if got is not None else 0,
@@ -166,6 +168,7 @@ WHOLE_SHARD = 256 * 256 * 4  # bytes of one old rank's piece of w
     ("cross", 2 * WHOLE_SHARD),  # w by columns: the other host's two shards of w, whole; nothing of m
     ("rows", 0),  # split as saved: each host holds everything its rank wants, nothing crosses
     ("whole", None),  # no wanted pieces named (restore_resharded_with without ``want``): whole copies
+    ("mixed", None),  # named by one rank only: whole copies on both (one path on every rank)
 ])
 def test_a_layout_change_across_hosts_fetches_what_each_host_lacks(
         shm: str, tmp_path: Path, save_memory: Callable[..., None], how: str, fetched: int | None) -> None:
