@@ -24,6 +24,7 @@ from ckpt.shards import Box, Flat
 from ckpt.tier.nodes import run_id_for
 from ckpt.tier.reshard import _rounds, plan_fetches
 from ckpt.tier.reshard_fetch import StoredShard, _to_all, needed
+from tests.dist.forked import SLACK, assert_typed, outcome, run_forked
 from tests.dist_utils import run_ranks
 from tests.tier.kill_harness import state_of
 from tests.tier.test_tier_reshard import _global, _target
@@ -288,3 +289,32 @@ def test_a_coordinator_failure_in_the_fetch_reaches_every_rank_as_an_error() -> 
     assert len(got) == 3 and all(g == got[0] for g in got)
     assert got[0]["err"].startswith("rank 0 (coordinating the fetch): ValueError: min()")
     assert _to_all(lambda got: [len(got)] * len(got))([{}, {}]) == [2, 2]
+
+
+def _killed_mid_fetch(rank: int, world: int, hosts: list[str], root: str) -> dict[str, Any]:
+    from ckpt.tier import reshard_fetch
+
+    mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=hosts[rank], nodes=2,
+                                 memory_timeout=3)
+    if rank == 0:  # the fetcher dies once its sparse copies exist, as the shards are about to move
+        def die(*a: Any, **k: Any) -> Any:
+            os._exit(9)
+
+        reshard_fetch.run_items = die  # type: ignore[assignment]
+    return outcome(lambda: mgr.restore(_cross_target(rank, world)))
+
+
+@pytest.mark.multiproc
+def test_a_fetcher_killed_mid_transfer_is_named_in_time_and_the_next_restore_is_clean(
+        shm: str, tmp_path: Path, save_memory: Callable[..., None]) -> None:
+    root = str(tmp_path / "ckpts")
+    hosts = _two_hosts(shm, root, save_memory)
+    res = run_forked(2, _killed_mid_fetch, hosts, root)
+    assert res[0].get("crashed")
+    assert_typed(res[1], 2 * 3 + SLACK, cls="CollectiveError", has=("rank 0",))
+    dead = list(Path(hosts[0]).rglob("view-0-*-fetched"))
+    assert dead  # what it left: its sparse copies, no manifest (never read as a copy)
+    assert not list(Path(hosts[0]).rglob("view-0-*-fetched/rank-*/manifest.msgpack"))
+    got = _run(hosts, root, tmp_path)  # the job restarts: restored from memory, the dead fetcher's files gone
+    assert [(r["step"], r["tier"], r["fetched"]) for r in got] == [(3, "memory-reshard", 2 * WHOLE_SHARD)] * 2
+    assert all(r["left"] == [] for r in got)
