@@ -157,7 +157,7 @@ def _restore(rank: int, world: int, hosts: list[str], root: str, out: str, how: 
 
 def _run(hosts: list[str], root: str, tmp: Path, how: str = "cross") -> list[dict[str, Any]]:
     out = tmp / f"out-{len(list(tmp.glob('out-*')))}.jsonl"
-    run_ranks(2, _restore, hosts, root, str(out), how)
+    run_ranks(len(hosts), _restore, hosts, root, str(out), how)
     return sorted(map(json.loads, out.read_text().splitlines()), key=lambda r: r["rank"])
 
 
@@ -317,4 +317,20 @@ def test_a_fetcher_killed_mid_transfer_is_named_in_time_and_the_next_restore_is_
     assert not list(Path(hosts[0]).rglob("view-0-*-fetched/rank-*/manifest.msgpack"))
     got = _run(hosts, root, tmp_path)  # the job restarts: restored from memory, the dead fetcher's files gone
     assert [(r["step"], r["tier"], r["fetched"]) for r in got] == [(3, "memory-reshard", 2 * WHOLE_SHARD)] * 2
+    assert all(r["left"] == [] for r in got)
+
+
+@pytest.mark.multiproc
+def test_two_ranks_per_host_fetch_their_union_once_through_the_hosts_fetcher(
+        shm: str, tmp_path: Path, save_memory: Callable[..., None]) -> None:
+    """4 ranks, two per host, each wanting a quarter of w's columns: the host's lowest rank receives
+    the other host's two shards of w once for both; its neighbour receives nothing and reads the
+    same files."""
+    root = str(tmp_path / "ckpts")
+    a, b = _two_hosts(shm, root, save_memory)
+    got = _run([a, a, b, b], root, tmp_path)
+    assert [(r["step"], r["tier"]) for r in got] == [(3, "memory-reshard")] * 4
+    assert [r["fetched"] for r in got] == [2 * WHOLE_SHARD, 0, 2 * WHOLE_SHARD, 0]
+    assert got[1]["peers"] == got[3]["peers"] == []
+    assert got[0]["peers"] and set(got[0]["peers"]) <= {2, 3} and got[2]["peers"] and set(got[2]["peers"]) <= {0, 1}
     assert all(r["left"] == [] for r in got)
