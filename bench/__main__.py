@@ -30,6 +30,8 @@ Subcommands::
     transfer-moe  ckpt.transfer of a MoE model, tp=2,ep=2 -> tp=4 and to a disjoint group, vs save+load and send/recv
     memtier-gpu the memory tier on N GPUs as 2 simulated nodes: --memory-every 1 slowdown at >= 8 GB per GPU,
                 node loss recovered from peer copies vs from storage, against H2D bandwidth (issue 20.2)
+    tier-reshard  the memory tier restored under another layout across 2 simulated hosts: only the wanted
+                shards crossing (ckpt.transfer) vs whole copies vs storage, vs raw gloo
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from bench import (
     scale,
     scaling,
     seqpar,
+    tier_reshard,
     trainer_gpu,
     transfer,
     transfer_moe,
@@ -89,6 +92,8 @@ COMMANDS = {
     "sp": (seqpar, "sequence parallelism: per-rank activations and step time vs seq len for sp=1,2,4; LASP-2H bytes"),
     "xmoe": (xmoe, "trainer MoE all-to-all bytes per step, dedup vs per-expert dispatch, ep 2/4, top-k 2/4/8"),
     "trainer-gpu": (trainer_gpu, "trainer on N GPUs/CPU ranks: sp, ep=4 dispatch, longest sequence, kill + resume"),
+    "tier-reshard": (tier_reshard, "memory tier restored under another layout across 2 hosts: wanted shards vs "
+                                   "whole copies vs storage, vs raw gloo"),
     "memtier-gpu": (memtier_gpu, "memory tier on N GPUs as 2 nodes: --memory-every 1 cost, node loss vs storage"),
     "compression": (compression, "zstd data files (planes or not): bytes on disk, save/load GB/s vs DCP ZStandard"),
     "transfer": (transfer, "live resharding between CPU ranks: ckpt.transfer vs save+load vs gather+broadcast"),
