@@ -13,10 +13,12 @@ tensor compared bitwise with what was saved:
 - ``shards``: ``CheckpointManager.restore`` (it names the pieces it wants): the stored shards they
   overlap cross hosts through ``ckpt.transfer`` (``ckpt/tier/reshard_fetch.py``), whole shards;
 - ``whole copies``: ``MemoryTier.restore_resharded_with`` without ``want=``: every copy a host lacks;
-- ``storage``: ``ckpt.load`` of the same target from ``--dir`` (page cache warm: it was just written);
+- ``storage``: ``ckpt.load(..., verify=True)`` of the same target from ``--dir`` (every checksum checked,
+  as the tier checks them; page cache warm: it was just written, a best case for storage);
 - limit: a raw gloo send/recv between the two ranks of the bytes ``shards`` received, both ways at once.
 
-Times are the slowest rank's wall time of the restore call (the managers are built before it).
+Times are the slowest rank's wall time of the restore call (the managers are built before it); the
+JSON also has the tier's split of it (``fetch_s``: the fetch; ``load_s``: the view and the load).
 
     python -m bench tier-reshard [--size-mb 64] [--repeats 3] [--dir DIR] [--json FILE]
 """
@@ -121,7 +123,7 @@ def _restore_rank(rank: int, world: int, hosts: list[str], root: str, disk: str,
     if method == "storage":
         dist.barrier()
         t0 = time.perf_counter()
-        ckpt.load(target, disk)
+        ckpt.load(target, disk, verify=True)  # every CRC checked, as the tier's restore checks them
         rec["seconds"] = time.perf_counter() - t0
         rec["received"] = 0
     else:
@@ -143,6 +145,7 @@ def _restore_rank(rank: int, world: int, hosts: list[str], root: str, disk: str,
             raise RuntimeError(f"rank {rank}: {method}: not restored from the memory tier ({got})")
         rec["received"] = got.fetched_bytes
         rec["peers"] = got.peer_ranks
+        rec["fetch_s"], rec["load_s"] = got.rank_fetch_s, got.rank_load_s
     _check(rank, target, *geo, method)
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(rec, f)
@@ -214,6 +217,9 @@ def run(size_mb: float, repeats: int, disk_dir: str | None = None, timeout: floa
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
     rows = {m: {"seconds": median([max(r["seconds"] for r in rep) for rep in per[m]]),
+                # the tier's own split of its restore (slowest rank): fetching, then building the view and loading
+                "fetch_s": median([max(r.get("fetch_s", 0.0) for r in rep) for rep in per[m]]),
+                "load_s": median([max(r.get("load_s", 0.0) for r in rep) for rep in per[m]]),
                 "received_per_rank": [per[m][0][r]["received"] for r in range(NEW)],
                 "peers": [per[m][0][r].get("peers", []) for r in range(NEW)]} for m in METHODS}
     nbytes = OLD * (LAYERS * geo[0] * geo[1] + geo[2]) * 4
