@@ -9,10 +9,11 @@ reaches is fetched for the host by its lowest rank (the *fetcher*). Knowing each
 2. every rank lists the stored shards its wanted pieces overlap that the view will not take from a
    copy its host reaches (a replica held here is read here), and each fetcher gets the union of its
    host's lists (one exchange);
-3. the fetcher makes the copy's data files at their recorded sizes, sparse (a hole costs no memory),
-   and the listed shards arrive at their offsets through :func:`ckpt.transfer.run_items` (gloo; each
-   shard from one of the ranks that reach it, replicas sharing the sending); the manifest is
-   committed last, as every ckpt writer does.
+3. the fetcher makes the copy's data files at their recorded sizes, sparse (a hole costs no memory)
+   but for the listed shards' ranges, allocated first (a full shared memory is an ENOSPC error, not
+   a SIGBUS in the middle of the transfer), and the listed shards arrive at their offsets through
+   :func:`ckpt.transfer.run_items` (gloo; each shard from one of the ranks that reach it, replicas
+   sharing the sending); the manifest is committed last, as every ckpt writer does.
 
 The view then links these files like any copy. The load reads only the shards the rank's pieces
 overlap, which are the ones that arrived, every checksum checked against the manifest of the rank
@@ -148,12 +149,16 @@ def _item(buf: torch.Tensor, s: StoredShard) -> TensorItem:
     return TensorItem(s.key, _typed(buf, s), s.dtype, s.shape, s.region)
 
 
-def _create(path: str, size: int) -> mmap.mmap | None:
-    """A new file of ``size`` bytes, all a hole, mapped shared (None when empty)."""
+def _create(path: str, size: int, ranges: list[tuple[int, int]]) -> mmap.mmap | None:
+    """A new file of ``size`` bytes, mapped shared (None when empty): a hole but for ``ranges``
+    (``(offset, length)``: what will be received), which are allocated now. A full shared memory is
+    then an OSError (ENOSPC) here, never a SIGBUS when the bytes are written through the mapping."""
     safefs.makedirs(os.path.dirname(path))
     fd = safefs.open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
         os.ftruncate(fd, size)
+        for offset, length in ranges:
+            os.posix_fallocate(fd, offset, length)
         return mmap.mmap(fd, size) if size else None
     finally:
         os.close(fd)
@@ -260,17 +265,19 @@ def fetch(tier: TierView, plan: dict[str, Any], local: dict[int, str], want: dic
     payload = None
     try:
         index = {s.id: s for t in tables.values() for s in t}
+        recv = [index[i] for i in map(_shard_id, got["recv"])]
         for o in mine:  # this rank's copies for its host: every file at its size, the needed shards filled
             m = _decode(manifests[o], where[o])
             bufs = {}
             for rel, size in m.files.items():
                 if os.path.normpath(rel).startswith(("..", os.sep)) or os.path.isabs(rel):
                     raise ManifestError(f"{where[o]}: data file {rel!r} lies outside the copy; not fetched")
-                mm = _create(os.path.join(where[o], rel), int(size))
+                ranges = [(s.offset, s.length) for s in recv if s.owner == o and s.file == rel]
+                mm = _create(os.path.join(where[o], rel), int(size), ranges)
                 if mm is not None:
                     maps.append(mm)
                     bufs[rel] = torch.frombuffer(mm, dtype=torch.uint8)
-            dsts += [_item(bufs[index[i].file], index[i]) for i in map(_shard_id, got["recv"]) if i[0] == o]
+            dsts += [_item(bufs[s.file], s) for s in recv if s.owner == o]
         held = {}
         for i in map(_shard_id, got["all"]):
             if i[0] in local:

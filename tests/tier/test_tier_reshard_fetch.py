@@ -334,3 +334,33 @@ def test_two_ranks_per_host_fetch_their_union_once_through_the_hosts_fetcher(
     assert got[1]["peers"] == got[3]["peers"] == []
     assert got[0]["peers"] and set(got[0]["peers"]) <= {2, 3} and got[2]["peers"] and set(got[2]["peers"]) <= {0, 1}
     assert all(r["left"] == [] for r in got)
+
+
+def _full_shm(rank: int, world: int, hosts: list[str], root: str, out: str) -> None:
+    import errno
+
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if rank == 0:  # the fetcher's shared memory is full
+        os.posix_fallocate = full  # type: ignore[assignment]
+    try:
+        _restore(rank, world, hosts, root, out, "cross")
+    finally:
+        os.posix_fallocate = real
+
+
+@pytest.mark.multiproc
+def test_a_fetcher_whose_shared_memory_is_full_falls_back_to_storage_everywhere(
+        shm: str, tmp_path: Path, save_memory: Callable[..., None]) -> None:
+    """The received ranges are allocated before any byte is written through the mapping: a full
+    shared memory is an error every rank hears of (storage restores), never a SIGBUS mid-transfer."""
+    root = str(tmp_path / "ckpts")
+    hosts = _two_hosts(shm, root, save_memory)
+    out = tmp_path / "full.jsonl"
+    run_ranks(2, _full_shm, hosts, root, str(out))
+    got = sorted(map(json.loads, out.read_text().splitlines()), key=lambda r: r["rank"])
+    assert [(r["step"], r["tier"]) for r in got] == [(1, "storage")] * 2
+    assert all(r["left"] == [] for r in got)
