@@ -291,29 +291,43 @@ def test_a_coordinator_failure_in_the_fetch_reaches_every_rank_as_an_error() -> 
     assert _to_all(lambda got: [len(got)] * len(got))([{}, {}]) == [2, 2]
 
 
-def _killed_mid_fetch(rank: int, world: int, hosts: list[str], root: str) -> dict[str, Any]:
+def _killed_mid_fetch(rank: int, world: int, hosts: list[str], root: str, point: str) -> dict[str, Any]:
+    """Rank 0 (its host's fetcher, and the other host's sender) dies at ``point`` of the fetch."""
+    from ckpt._comm import Comm
     from ckpt.tier import reshard_fetch
 
     mgr = ckpt.CheckpointManager(root, async_save=False, memory_every=1, shm_dir=hosts[rank], nodes=2,
                                  memory_timeout=3)
-    if rank == 0:  # the fetcher dies once its sparse copies exist, as the shards are about to move
-        def die(*a: Any, **k: Any) -> Any:
-            os._exit(9)
 
+    def die(*a: Any, **k: Any) -> Any:
+        os._exit(9)
+
+    if rank == 0 and point == "transfer":  # its sparse copies exist, the shards are about to move
         reshard_fetch.run_items = die  # type: ignore[assignment]
+    elif rank == 0 and point == "commit":  # every shard arrived, no manifest committed yet
+        reshard_fetch.commit_manifest = die  # type: ignore[assignment]
+    elif rank == 0:  # entering one of the fetch's two exchanges
+        exchange = Comm.exchange
+
+        def maybe_die(self: Comm, obj: Any, reply: Any, **kw: Any) -> Any:
+            if point in str(kw.get("what", "")):
+                os._exit(9)
+            return exchange(self, obj, reply, **kw)
+
+        Comm.exchange = maybe_die  # type: ignore[method-assign]
     return outcome(lambda: mgr.restore(_cross_target(rank, world)))
 
 
 @pytest.mark.multiproc
-def test_a_fetcher_killed_mid_transfer_is_named_in_time_and_the_next_restore_is_clean(
-        shm: str, tmp_path: Path, save_memory: Callable[..., None]) -> None:
+@pytest.mark.parametrize("point", ["(manifests)", "(shards wanted)", "transfer", "commit"])
+def test_a_rank_killed_anywhere_in_the_fetch_is_named_in_time_and_the_next_restore_is_clean(
+        shm: str, tmp_path: Path, save_memory: Callable[..., None], point: str) -> None:
     root = str(tmp_path / "ckpts")
     hosts = _two_hosts(shm, root, save_memory)
-    res = run_forked(2, _killed_mid_fetch, hosts, root)
+    res = run_forked(2, _killed_mid_fetch, hosts, root, point)
     assert res[0].get("crashed")
     assert_typed(res[1], 2 * 3 + SLACK, cls="CollectiveError", has=("rank 0",))
-    dead = list(Path(hosts[0]).rglob("view-0-*-fetched"))
-    assert dead  # what it left: its sparse copies, no manifest (never read as a copy)
+    # what it left holds no manifest: never read as a copy
     assert not list(Path(hosts[0]).rglob("view-0-*-fetched/rank-*/manifest.msgpack"))
     got = _run(hosts, root, tmp_path)  # the job restarts: restored from memory, the dead fetcher's files gone
     assert [(r["step"], r["tier"], r["fetched"]) for r in got] == [(3, "memory-reshard", 2 * WHOLE_SHARD)] * 2
