@@ -49,6 +49,8 @@ from ckpt.tier.transfer import exchange, failed, package
 if TYPE_CHECKING:
     from ckpt.tier.types import TierView
 
+_region = global_region  # (its old name here)
+
 VIEW_PREFIX = "view-"  # <tier>/view-<rank>-<random>/: a rank's resharding view (hard links), removed after use
 
 
