@@ -173,9 +173,13 @@ def _close(maps: list[mmap.mmap]) -> None:
 
 
 def _to_all(reply: Callable[[list[Any]], list[Any]]) -> Callable[[list[Any]], list[Any]]:
-    """``reply`` run on the coordinator, a failure of its own sent to every rank as their answer
-    (raised there, it would leave the others waiting for one until the timeout)."""
+    """``reply`` run on the coordinator over the ranks' ``{"err": ..., ...}`` messages: the first
+    rank's error, or a failure of ``reply`` itself (raised there, it would leave the others waiting
+    for an answer until the timeout), is every rank's answer instead."""
     def run(got: list[Any]) -> list[Any]:
+        bad = [g["err"] for g in got if g.get("err")]
+        if bad:
+            return [{"err": bad[0]}] * len(got)
         try:
             return reply(got)
         except Exception as e:  # noqa: BLE001
@@ -216,9 +220,6 @@ def fetch(tier: TierView, plan: dict[str, Any], local: dict[int, str], want: dic
         err = f"rank {rank}: {describe(e)}"
 
     def give(got: list[Any]) -> list[Any]:
-        bad = [g["err"] for g in got if g["err"]]
-        if bad:
-            return [{"err": bad[0]}] * len(got)
         known = {int(o): m for g in got for o, m in g["m"]}
         return [{"m": [[o, known[int(o)]] for o, _f in plan["at"].get(str(r), [])]} for r in range(len(got))]
 
@@ -241,9 +242,6 @@ def fetch(tier: TierView, plan: dict[str, Any], local: dict[int, str], want: dic
         err = f"rank {rank}: {describe(e)}"
 
     def share(got: list[Any]) -> list[Any]:
-        bad = [g["err"] for g in got if g["err"]]
-        if bad:
-            return [{"err": bad[0]}] * len(got)
         host: dict[int, set[tuple[Any, ...]]] = {}
         for r, g in enumerate(got):
             fetchers = {int(f) for _o, f in plan["at"].get(str(r), [])}

@@ -190,14 +190,18 @@ def test_a_layout_change_across_hosts_fetches_what_each_host_lacks(
     assert all(r["left"] == [] for r in got)  # views and fetched copies removed
 
 
+def _rank2_w(hosts: list[str], root: str) -> tuple[Path, Any]:
+    """Old rank 2's copy of step 3 on the second host (its only copy there), and its shard of ``w``."""
+    copy = Path(hosts[1]) / f"ckpt-{run_id_for(root)}" / "node-1" / "rank-2" / "step-0000000003"
+    return copy, ckpt.inspect(str(copy)).tensors["model.w"].shards[0]
+
+
 @pytest.mark.multiproc
 def test_a_damaged_copy_on_the_sending_host_falls_back_to_storage_everywhere(
         shm: str, tmp_path: Path, save_memory: Callable[..., None]) -> None:
     root = str(tmp_path / "ckpts")
     hosts = _two_hosts(shm, root, save_memory)
-    copy = Path(hosts[1]) / f"ckpt-{run_id_for(root)}" / "node-1" / "rank-2" / "step-0000000003"
-    m = ckpt.inspect(str(copy))
-    s = m.tensors["model.w"].shards[0]
+    copy, s = _rank2_w(hosts, root)
     with open(copy / s.file, "r+b") as f:  # one flipped byte in rank 2's piece, the only copy of it
         f.seek(s.offset + 7)
         b = f.read(1)
@@ -213,9 +217,8 @@ def test_a_copy_its_sender_cannot_send_falls_back_to_storage_everywhere(
         shm: str, tmp_path: Path, save_memory: Callable[..., None]) -> None:
     root = str(tmp_path / "ckpts")
     hosts = _two_hosts(shm, root, save_memory)
-    copy = Path(hosts[1]) / f"ckpt-{run_id_for(root)}" / "node-1" / "rank-2" / "step-0000000003"
-    m = ckpt.inspect(str(copy))
-    (copy / m.tensors["model.w"].shards[0].file).unlink()  # its manifest lists a file that is gone
+    copy, s = _rank2_w(hosts, root)
+    (copy / s.file).unlink()  # its manifest lists a file that is gone
     got = _run(hosts, root, tmp_path)
     assert [(r["step"], r["tier"]) for r in got] == [(1, "storage")] * 2
     assert all(r["left"] == [] for r in got)
