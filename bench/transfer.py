@@ -117,7 +117,7 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
         if r == 0:
             check("transfer")
         time_baselines(times, timed, check if r == 0 else None, rank, src, dst, os.path.join(root, f"{mode}-{r}"),
-                       gather_broadcast, raw)
+                       gather_broadcast, raw, slow=not (knobs or {}).get("raw_only"))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times": times, "transfer": stats}, f)
@@ -177,17 +177,18 @@ def timed_save_load(timed: Callable[[Callable[[], Any]], float], rank: int, src:
 def time_baselines(times: dict[str, list[float]], timed: Callable[[Callable[[], Any]], float],
                    check: Callable[[str], None] | None, rank: int, src: dict[str, Any] | None,
                    dst: dict[str, Any] | None, d: str, gather_broadcast: Callable[[], None],
-                   raw: dict[str, Callable[[], None]]) -> None:
+                   raw: dict[str, Callable[[], None]], slow: bool = True) -> None:
     """One repeat of the methods transfer is compared with, each appended to ``times``: save + load
-    through ``d``, gather + broadcast, and the backend's ``raw`` baselines (the same bytes between the
-    same pairs, contiguous, no planning); ``check`` (the first repeat) checks and resets ``dst`` after
-    the first two."""
-    times["save+load"].append(timed_save_load(timed, rank, src, dst, d))
-    if check is not None:
-        check("save+load")
-    times["gather+broadcast"].append(timed(gather_broadcast))
-    if check is not None:
-        check("gather+broadcast")
+    through ``d``, gather + broadcast (both left out unless ``slow``: ``--raw-only``), and the
+    backend's ``raw`` baselines (the same bytes between the same pairs, contiguous, no planning);
+    ``check`` (the first repeat) checks and resets ``dst`` after the first two."""
+    if slow:
+        times["save+load"].append(timed_save_load(timed, rank, src, dst, d))
+        if check is not None:
+            check("save+load")
+        times["gather+broadcast"].append(timed(gather_broadcast))
+        if check is not None:
+            check("gather+broadcast")
     for name, fn in raw.items():
         times[name].append(timed(fn))
 
@@ -219,6 +220,8 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
         t = res[mode]["times"]
         base = median(t["transfer"])
         for method in ("transfer", "save+load", "gather+broadcast", "send/recv", "all_to_all"):
+            if not t[method]:  # (--raw-only)
+                continue
             m = median(t[method])
             rows.append([mode, method, fmt(m, 3), fmt(gbps(res["bytes"], m)), fmt(m / base, 2) + "x"])
     return rows
@@ -232,6 +235,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--bucket-mb", type=float, default=None, help="transfer's bucket_bytes (default: its own)")
     p.add_argument("--window", type=int, default=None, help="transfer's buckets in flight (default: its own)")
+    p.add_argument("--raw-only", action="store_true",
+                   help="compare with the backend's own send/recv only (no save + load, no gather + broadcast)")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
 
@@ -242,6 +247,8 @@ def main(args: argparse.Namespace) -> int:
     knobs = {} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * (1 << 20))}
     if args.window is not None:
         knobs["window"] = args.window
+    if args.raw_only:
+        knobs["raw_only"] = 1
     res = run(args.ranks, args.size_mb, args.tensors, args.repeats, root, args.device, knobs)
     title = f"{args.ranks} {args.device} ranks, {res['bytes'] / 1e6:.0f} MB rows -> columns"
     print_table(title, COLUMNS, rows_for(res))

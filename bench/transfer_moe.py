@@ -179,7 +179,7 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: i
         if r == 0:
             check("transfer")
         time_baselines(times, timed, check if r == 0 else None, rank, src, dst, os.path.join(root, f"{mode}-{r}"),
-                       gather_broadcast, {"send/recv": p2p})
+                       gather_broadcast, {"send/recv": p2p}, slow=not knobs.get("raw_only"))
     if rank == 0:
         info: dict[str, Any] = {"times": times, "bytes_sent": res[0].bytes_sent, "buckets": res[0].buckets,
                                 "rounds": res[0].rounds, "cached_plan": res[0].cached_plan,
@@ -228,6 +228,8 @@ def rows_for(res: dict[str, Any]) -> list[list[str]]:
         t = res[mode]["times"]
         base = median(t["transfer"])
         for method in ("transfer", "save+load", "gather+broadcast", "send/recv"):
+            if not t[method]:  # (--raw-only)
+                continue
             m = median(t[method])
             rows.append([mode, method, fmt(m, 4), fmt(gbps(res["bytes"], m)), fmt(m / base, 2) + "x"])
     return rows
@@ -243,6 +245,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="rank 0's Python profile of the timed transfers")
     p.add_argument("--bucket-mb", type=float, default=None, help="transfer's bucket_bytes (default: its own)")
     p.add_argument("--window", type=int, default=None, help="transfer's buckets in flight (default: its own)")
+    p.add_argument("--raw-only", action="store_true",
+                   help="compare with the backend's own send/recv only (no save + load, no gather + broadcast)")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
 
@@ -255,6 +259,8 @@ def main(args: argparse.Namespace) -> int:
     knobs = {} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * (1 << 20))}
     if args.window is not None:
         knobs["window"] = args.window
+    if args.raw_only:
+        knobs["raw_only"] = 1
     res = run(args.ranks, args.size_gb, args.dtype, args.repeats, root, args.device, args.in_place, args.profile,
               knobs)
     title = (f"{args.ranks} {args.device} ranks, {res['bytes'] / 1e9:.2f} GB {args.dtype} MoE ({res['layers']} layers)"

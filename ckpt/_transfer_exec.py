@@ -22,7 +22,7 @@ import torch
 
 from ckpt._checksum import crc32
 from ckpt._dtypes import dtype_from_name
-from ckpt._transfer_net import Arena, Buffers, Pool, Post, Program, Round, Transport, Views
+from ckpt._transfer_net import Arena, Buffers, Pool, Post, Program, Round, Transport, Views, round_bytes, wide
 from ckpt._transfer_plan import Bucket, Copy, Schedule, run_start
 from ckpt.errors import CollectiveError, IntegrityError
 from ckpt.shards import Box, Region
@@ -136,7 +136,7 @@ def _write(c: Copy, target: torch.Tensor, region: Region, data: torch.Tensor, re
             rec.ok = False
         write_copy(c, target, region, data)
         return
-    out, src = box_view(target, region, box), data.view(box.lengths)
+    out, src = wide(box_view(target, region, box), data.view(box.lengths))
     out.copy_(src)
     into[0].append(out)
     into[1].append(src)
@@ -172,7 +172,8 @@ def pack(b: Bucket, payload: torch.Tensor, head: torch.Tensor | None, sources: l
         outs, datas = [], []
         for c in b.copies:
             data = _read(c, sources[c.src], src_regions[c.src], views)
-            outs.append(_payload_view(c, payload, data.shape, views))
+            out, data = wide(_payload_view(c, payload, data.shape, views), data)
+            outs.append(out)
             datas.append(data)
         torch._foreach_copy_(outs, datas)  # one call for the bucket's copies
         if rec is not None:
@@ -253,6 +254,7 @@ def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.T
             t = bounce[c.dst]
         write_copy(c, t, dst_regions[c.dst], data)
     if outs:
+        outs, datas = map(list, zip(*(wide(o, d) for o, d in zip(outs, datas, strict=True)), strict=True))
         torch._foreach_copy_(outs, datas)  # (casts where a target's dtype differs, as copy_ does)
     for j, t in bounce.items():
         targets[j].copy_(t)
@@ -337,7 +339,7 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
         by_round.setdefault(b.round, ([], []))[0].append(b)
     for b in sched.recvs:
         by_round.setdefault(b.round, ([], []))[1].append(b)
-    cap = max(b.nbytes for b in sched.sends + sched.recvs)
+    cap = round_bytes(list(by_round.values()), recvs_pooled=not defer)
     pools, arena = (keep or Buffers()).get(sched, cap, dev, defer)
     rounds = sorted(by_round)
     ahead: dict[int, list[Post]] = {}

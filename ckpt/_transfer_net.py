@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ckpt._transfer_plan import ALIGN, Bucket, Copy, Schedule
+from ckpt._transfer_plan import Bucket, Copy, Schedule, aligned
 
 Post = tuple[torch.Tensor, int, int]  # (buffer, peer, tag)
 
@@ -95,18 +95,29 @@ class NcclTransport(Transport):
 
 
 class Pool:
-    """Payload buffers reused across rounds: at most ``window`` of them per round's worth."""
+    """The buffers of one round (its packed sends and, unless they go to an :class:`Arena`, the
+    receives not taken straight into a target), carved at 16-byte offsets out of one allocation of
+    ``cap`` bytes (the largest round's, at most ``2 * window * bucket_bytes``), reused by every
+    other round (two pools: the next round is packed while one travels)."""
 
     def __init__(self, cap: int, device: torch.device):
         self.cap, self.device = cap, device
-        self.bufs: list[torch.Tensor] = []
-        self.used = 0
+        self.buf: torch.Tensor | None = None
+        self.used = 0  # bytes carved in the current round
 
     def next(self, nbytes: int) -> torch.Tensor:
-        while len(self.bufs) <= self.used:
-            self.bufs.append(torch.empty(self.cap, dtype=torch.uint8, device=self.device))
-        self.used += 1
-        return self.bufs[self.used - 1][:nbytes]
+        if self.buf is None:
+            self.buf = torch.empty(self.cap, dtype=torch.uint8, device=self.device)
+        at = self.used
+        self.used += aligned(nbytes)
+        assert self.used <= self.cap, (self.used, self.cap)  # (the cap is the largest round's need)
+        return self.buf[at: at + nbytes]
+
+
+def round_bytes(rounds: list[tuple[list[Bucket], list[Bucket]]], recvs_pooled: bool) -> int:
+    """What a :class:`Pool` must hold: the largest round's sends (and receives when they use the
+    pool), each from a 16-byte boundary."""
+    return max((sum(aligned(b.nbytes) for b in s + (r if recvs_pooled else [])) for s, r in rounds), default=0)
 
 
 class Arena:
@@ -119,12 +130,37 @@ class Arena:
 
     @staticmethod
     def size(recvs: list[Bucket]) -> int:
-        return sum(-(-b.nbytes // ALIGN) * ALIGN for b in recvs)
+        return sum(aligned(b.nbytes) for b in recvs)
 
     def next(self, nbytes: int) -> torch.Tensor:
         out = self.buf[self.at: self.at + nbytes]
-        self.at += -(-nbytes // ALIGN) * ALIGN
+        self.at += aligned(nbytes)
         return out
+
+
+_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def _widens(t: torch.Tensor, isz: int, w: int) -> bool:
+    """Whether ``t`` (elements of ``isz`` bytes) can be seen as ``w``-byte elements: its rows are
+    contiguous, and its row length, every other stride, its offset and its address fit ``w``."""
+    return (t.stride(-1) == 1 and t.shape[-1] * isz % w == 0 and t.data_ptr() % w == 0
+            and all(st * isz % w == 0 for st in t.stride()[:-1]))
+
+
+def wide(out: torch.Tensor, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` and ``data``, the two sides of a bitwise copy (same dtype and shape), seen as the widest
+    integer type both layouts allow (int64 where rows are multiples of 8 bytes at 8-byte offsets).
+    Why: copying a strided sub-box of a 2-byte dtype moves 2 bytes per element; as int64 the same
+    copy is a quarter of the elements and of the per-element work, which on GPUs is what a strided
+    copy kernel is bound by. Pairs that differ in dtype (a cast) or shape are returned as they are."""
+    isz = out.element_size()
+    if out.dtype != data.dtype or out.shape != data.shape or out.dim() == 0 or isz >= 8 or out.numel() == 0:
+        return out, data
+    for w in (8, 4, 2):
+        if w > isz and _widens(out, isz, w) and _widens(data, isz, w):
+            return out.view(_INTS[w]), data.view(_INTS[w])
+    return out, data
 
 
 class Views:
@@ -243,5 +279,5 @@ class Buffers:
         return self.pools, self.arena
 
 
-__all__ = ["Post", "Transport", "GlooTransport", "NcclTransport", "Pool", "Arena", "Views", "Round", "signature",
-           "Program", "Buffers"]
+__all__ = ["Post", "Transport", "GlooTransport", "NcclTransport", "Pool", "round_bytes", "wide", "Arena", "Views",
+           "Round", "signature", "Program", "Buffers"]

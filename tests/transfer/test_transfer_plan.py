@@ -20,7 +20,7 @@ import ckpt
 from ckpt import _transfer_exec as ex
 from ckpt._regions import global_runs
 from ckpt._save_plan import PieceDecl
-from ckpt._transfer_plan import ALIGN, Schedule, TransferPlan, plan_transfer
+from ckpt._transfer_plan import ALIGN, Schedule, TransferPlan, aligned, plan_transfer
 from ckpt.errors import LayoutError, MismatchError, StateError
 from ckpt.shards import Box, Flat, Region
 
@@ -165,10 +165,11 @@ def test_every_wanted_element_arrives_once_from_a_holder(c: tuple) -> None:
                 end = cp.offset + cp.nbytes
                 assert srcs[s][cp.src].key == cp.key  # the sender holds the piece it reads
             assert end == b.nbytes
-            per_round_s[(s, b.round)] = per_round_s.get((s, b.round), 0) + 1
-            per_round_r[(b.receiver, b.round)] = per_round_r.get((b.receiver, b.round), 0) + 1
-    assert max(per_round_s.values(), default=0) <= window
-    assert max(per_round_r.values(), default=0) <= window
+            per_round_s[(s, b.round)] = per_round_s.get((s, b.round), 0) + aligned(b.nbytes)
+            per_round_r[(b.receiver, b.round)] = per_round_r.get((b.receiver, b.round), 0) + aligned(b.nbytes)
+    # a round holds at most `window` buckets' worth of bytes per rank, each way
+    assert max(per_round_s.values(), default=0) <= window * aligned(bucket)
+    assert max(per_round_r.values(), default=0) <= window * aligned(bucket)
     assert plan.buckets == sum(len(s.sends) for s in plan.schedules) == sum(len(s.recvs) for s in plan.schedules)
     wanted = sum(p.region.numel * DTYPES[p.dtype].itemsize for ps in dsts for p in ps)
     assert plan.bytes_sent + plan.bytes_local == wanted
@@ -191,6 +192,19 @@ def test_replicas_share_the_sending(holders: int, rows: int, receivers: int) -> 
     assert min(sent) > 0
     # no holder sends more than its share plus one row per receiver's piece (parts are whole rows)
     assert max(sent) - min(sent) <= receivers * 2 * 16, sent
+
+
+@pytest.mark.parametrize(("window", "pieces", "rounds"), [(1, 8, 2), (1, 9, 3), (2, 8, 1), (1, 3, 1)])
+def test_rounds_are_counted_in_bytes_not_buckets(window: int, pieces: int, rounds: int) -> None:
+    """Whole pieces of a quarter bucket travel alone (one bucket each, unpacked); a round takes
+    ``window`` buckets' worth of them (4 per bucket), not ``window`` buckets: fewer rounds, each a
+    batch every peer enters and leaves together, at the same memory bound."""
+    bucket = 1024  # 256 float32 per bucket; each piece 64 of them: a quarter bucket
+    srcs = [[PieceDecl(f"w{i}", "float32", (64,), Box((0,), (64,))) for i in range(pieces)], []]
+    dsts: list[list[PieceDecl]] = [[], [PieceDecl(f"w{i}", "float32", (64,), Box((0,), (64,))) for i in range(pieces)]]
+    plan = plan_transfer(srcs, dsts, bucket_bytes=bucket, window=window)
+    assert plan.buckets == pieces and all(b.solo for b in plan.schedules[0].sends)
+    assert plan.rounds == rounds
 
 
 def test_a_receiver_that_holds_its_piece_copies_locally() -> None:
