@@ -268,7 +268,7 @@ def commit(fail: Failure, targets: list[torch.Tensor], dst_regions: list[Region]
     for the next run of its plan."""
     if fail.program is not None:
         if fail.program.commit_outs:
-            torch._foreach_copy_(fail.program.commit_outs, fail.program.commit_datas)
+            fail.program.copy("commit", fail.program.commit_outs, fail.program.commit_datas)
         return
     commit_writes(fail.writes, targets, dst_regions, fail.views, fail.rec)
     rec = fail.rec

@@ -47,7 +47,7 @@ def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: f
     fail.program = prog
     fail.packed, fail.direct = prog.packed, prog.direct
     if prog.local[0]:  # (in place: the local copies; deferred, they are part of the commit)
-        torch._foreach_copy_(prog.local[0], prog.local[1])
+        prog.copy("local", prog.local[0], prog.local[1])
     if not prog.rounds:
         return fail
     assert transport is not None
@@ -64,14 +64,14 @@ def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: f
         waited.add(n)
         out = prog.rounds[order[n]].unpack
         if out[0]:
-            torch._foreach_copy_(out[0], out[1])
+            prog.copy(("unpack", order[n]), out[0], out[1])
         return True
 
     for n, k in enumerate(order):
         r = prog.rounds[k]
         try:
             if r.outs:  # (into the buffers of round n - 2: settled below, in round n - 1)
-                torch._foreach_copy_(r.outs, r.datas)
+                prog.copy(("pack", k), r.outs, r.datas)
             posted.append(transport.post(r.sends, r.recvs))
         except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
             fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "

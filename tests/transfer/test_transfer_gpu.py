@@ -1,0 +1,85 @@
+"""Replays on GPUs (NCCL), where the recorded batches of copies run as CUDA graphs
+(``ckpt._transfer_net.Batch``): bitwise over calls whose values change, in place or committed, every
+batch captured; and the same run on gloo ranks, where batches are plain launches (CI). The NCCL
+variant needs two GPUs and is skipped elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import _transfer_net as net
+from ckpt.testing.ranks import launch
+
+
+def test_a_batch_without_gpus_runs_its_copies_as_launches() -> None:
+    src = torch.arange(48, dtype=torch.bfloat16).view(6, 8)
+    out = torch.zeros(6, 4, dtype=torch.bfloat16)
+    b = net.Batch(*map(list, zip(net.wide(out, src[:, 2:6]), strict=True)))
+    for step in range(3):
+        src.add_(1)
+        b.run()
+        assert torch.equal(out, src[:, 2:6]), step
+    assert b.graph is None and b.tried  # (no capture on CPU tensors; tried once)
+
+
+def _moe_like(rank: int, world: int, device: str, in_place: bool) -> None:
+    dev = torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    captured: list[bool] = []
+    capture = net._capture
+
+    def counting(outs: list[torch.Tensor], datas: list[torch.Tensor]) -> object:
+        g = capture(outs, datas)
+        captured.append(g is not None)
+        return g
+
+    net._capture = counting
+    g = torch.Generator(device=dev).manual_seed(0)
+    shapes = {"w13": (8, 256, 128), "w2": (8, 128, 96), "wo": (128, 128), "norm": (128,)}
+    full = {k: torch.randn(s, generator=g, device=dev, dtype=torch.bfloat16) for k, s in shapes.items()}
+
+    def piece(k: str, dim: int, zero: bool) -> ckpt.Shard:
+        t = full[k]
+        if t.dim() <= dim:
+            return ckpt.Shard(torch.zeros_like(t) if zero else t.clone(), tuple(t.shape), (0,) * t.dim())
+        n = t.shape[dim]
+        a, b = n * rank // world, n * (rank + 1) // world
+        local = t.narrow(dim, a, b - a)
+        off = [0] * t.dim()
+        off[dim] = a
+        return ckpt.Shard(torch.zeros_like(local) if zero else local.contiguous(), tuple(t.shape), tuple(off))
+
+    # experts split by expert -> by hidden rows / columns (strided both ways), wo by rows -> columns
+    src_dims = {"w13": 0, "w2": 0, "wo": 0, "norm": 0}
+    dst_dims = {"w13": 1, "w2": 2, "wo": 1, "norm": 9}  # (9: whole, on every rank)
+    src = {k: piece(k, d, zero=False) for k, d in src_dims.items()}
+    dst = {k: piece(k, d, zero=True) for k, d in dst_dims.items()}
+    for step in range(5):
+        if step:  # new values in the same tensors (a replay needs the same addresses)
+            for t in full.values():
+                t.normal_(generator=g)
+            for k, d in src_dims.items():
+                src[k].local.copy_(piece(k, d, zero=False).local)
+        r = ckpt.transfer(src, dst, in_place=in_place, bucket_bytes=64 << 10, window=1, timeout=60)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for k, d in dst.items():
+            want = full[k][tuple(slice(o, o + n) for o, n in zip(d.offsets, d.local.shape, strict=True))]
+            assert torch.equal(d.local, want), (step, k)
+            d.local.fill_(-1)
+        assert r.replayed == (step > 0), step
+    # on GPUs every recorded batch became a graph; on CPU none is tried (gloo: no replayed batch is on a GPU)
+    assert (captured and all(captured)) if device == "cuda" else not any(captured), captured
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_replays_stay_bitwise_and_on_nccl_run_their_copies_as_graphs(device: str, in_place: bool) -> None:
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (NCCL)")
+    launch(2, _moe_like, in_place, device=device, pass_device=True)
