@@ -108,6 +108,9 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
     res: list[ckpt.TransferResult] = []
     bb = (knobs or {}).get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     win = (knobs or {}).get("window", DEFAULT_WINDOW)
+    for _ in range(2):  # warm: the plan and NCCL's connections, then the recording's first replay
+        ckpt.transfer(src, dst, bucket_bytes=bb, window=win)
+    check("transfer (warm)")
     for r in range(repeats):
         res.clear()
         times["transfer"].append(timed(lambda: res.append(ckpt.transfer(src, dst, bucket_bytes=bb, window=win))))

@@ -254,23 +254,23 @@ class Batch:
 def _capture(outs: list[torch.Tensor], datas: list[torch.Tensor]) -> Any:
     """``_foreach_copy_(outs, datas)`` captured as a CUDA graph (not run), or None: off, not every
     tensor on the current GPU, or the capture failed (the batch is then launched as before)."""
-    if not GRAPHS or not torch.cuda.is_available():
-        return None
-    dev = torch.cuda.current_device()
-    if not all(t.is_cuda and t.device.index == dev for t in (*outs, *datas)):
+    # (the tensors are looked at before any CUDA call: a CPU transfer must not initialise CUDA, which
+    # would break the ranks a process forks afterwards)
+    dev = outs[0].device
+    if not GRAPHS or dev.type != "cuda" or not all(t.device == dev for t in (*outs, *datas)):
         return None
     try:
         g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.device(dev), torch.cuda.stream(side):
             # thread_local: another thread's CUDA work (an async checkpoint's copies) is not an error
             g.capture_begin(capture_error_mode="thread_local")
             try:
                 torch._foreach_copy_(outs, datas)
             finally:
                 g.capture_end()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream(dev).wait_stream(side)
         return g
     except Exception:  # noqa: BLE001 - capture is an optimisation: launch the copies instead
         return None

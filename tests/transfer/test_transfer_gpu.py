@@ -22,6 +22,8 @@ def test_a_batch_without_gpus_runs_its_copies_as_launches() -> None:
         b.run()
         assert torch.equal(out, src[:, 2:6]), step
     assert b.graph is None and b.tried  # (no capture on CPU tensors; tried once)
+    # nor any CUDA call: on a GPU machine a CPU transfer must leave CUDA alone (ranks forked later)
+    assert not torch.cuda.is_initialized()
 
 
 def _moe_like(rank: int, world: int, device: str, in_place: bool) -> None:
