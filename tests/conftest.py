@@ -10,12 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckpt.testing.ranks import gpu_count
+
 torch.manual_seed(0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip every ``gpu`` test without CUDA (one place, instead of a skipif on each)."""
-    if torch.cuda.is_available():
+    """Skip every ``gpu`` test without CUDA (one place, instead of a skipif on each). GPUs are counted
+    without CUDA (``torch.cuda.is_available()`` here would break every CUDA rank a test forks)."""
+    if gpu_count() > 0:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
     for item in items:

@@ -97,6 +97,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def gpu_count() -> int:
+    """NVIDIA GPUs on this machine, counted by ``nvidia-smi`` without touching CUDA: in this process
+    ``torch.cuda.is_available()`` or ``device_count()`` would make every CUDA rank forked from it
+    fail ("Cannot re-initialize CUDA in forked subprocess")."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 def _report(shared: _Shared, rank: int, record: dict[str, Any]) -> None:
     with shared.counter.get_lock():
         shared.counter.value += 1
@@ -245,4 +258,5 @@ def launch(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu", 
         shutil.rmtree(work, ignore_errors=True)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RankError", "RankDied", "RanksTimedOut", "free_port", "exit_rank", "launch"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RankError", "RankDied", "RanksTimedOut", "free_port", "gpu_count", "exit_rank",
+           "launch"]

@@ -5,14 +5,12 @@ variant needs two GPUs and is skipped elsewhere."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
 import ckpt
 from ckpt import _transfer_net as net
-from ckpt.testing.ranks import launch
+from ckpt.testing.ranks import gpu_count, launch
 
 
 def test_a_batch_without_gpus_runs_its_copies_as_launches() -> None:
@@ -80,20 +78,10 @@ def _moe_like(rank: int, world: int, device: str, in_place: bool) -> None:
     assert (captured and all(captured)) if device == "cuda" else not any(captured), captured
 
 
-def _gpus() -> int:
-    """GPUs on this machine, counted without CUDA: ``torch.cuda.device_count()`` would make every
-    rank forked afterwards unable to use CUDA."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.splitlines())
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_replays_stay_bitwise_and_on_nccl_run_their_copies_as_graphs(device: str, in_place: bool) -> None:
-    if device == "cuda" and _gpus() < 2:
+    if device == "cuda" and gpu_count() < 2:
         pytest.skip("needs 2 GPUs (NCCL)")
     launch(2, _moe_like, in_place, device=device, pass_device=True)
