@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from ckpt.errors import LayoutError, MismatchError
 from ckpt.layout import Layout
+from ckpt.testing.ranks import gpu_count
 from ckpt.trainer.model import causal_attention
 from ckpt.trainer.parallel import Group, ParallelContext
 from ckpt.trainer.sp import (
@@ -44,7 +45,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL, msg:
     torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()),
                                msg=lambda m: f"{msg}: {m}" if msg else m)
 CPU_BACKENDS = ["math", "cpu_flash"]
-GPU_BACKENDS = ["flash", "efficient"] if torch.cuda.is_available() else []
+GPU_BACKENDS = ["flash", "efficient"] if gpu_count() > 0 else []  # (no CUDA call at collection: forked ranks)
 
 
 def _coverage(positions: torch.Tensor, index: int, tiles: bool) -> tuple[torch.Tensor, int]:
