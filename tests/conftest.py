@@ -2,7 +2,9 @@
 
 Markers (registered in pyproject.toml): ``slow`` (over ~5 s on a 2-core machine), ``multiproc``
 (forks ranks or runs subprocesses), ``gpu`` (needs CUDA). The fast tier is
-``scripts/test.sh -m "not slow and not multiproc"``; CI runs everything.
+``scripts/test.sh -m "not slow and not multiproc"``; CI runs everything. Nothing here calls CUDA
+(GPUs are counted by ``nvidia-smi``): once pytest's process has used CUDA, no CUDA rank forked from
+it can start, so on GPU machines ``-m gpu`` runs in a process of its own.
 """
 
 from __future__ import annotations
