@@ -38,12 +38,12 @@ from ckpt.errors import LayoutError, MismatchError, StateError
 from ckpt.shards import Box, Flat, Region
 
 ALIGN = 16  # byte alignment of each copy inside a bucket (complex128 is 16 bytes)
+MIN_PART = 1 << 20  # a replicated piece is split over several holders only in parts of at least this
 
 
 def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to :data:`ALIGN` (where the next copy or buffer may start)."""
     return -(-nbytes // ALIGN) * ALIGN
-MIN_PART = 1 << 20  # a replicated piece is split over several holders only in parts of at least this
 
 
 @functools.cache

@@ -160,10 +160,11 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
     sends. Senders and receivers may be the same ranks or disjoint. Objects (non-tensors) are ignored.
 
     Each wanted element comes from exactly one holder; a rank that holds what it wants copies it
-    locally; replicas share the sending. Bytes travel in buckets of at most ``bucket_bytes``, at most
-    ``window`` sent and ``window`` received per rank at a time (memory: up to ``2 * window *
-    bucket_bytes`` of send buffers, plus the bytes this rank receives, kept until the commit, unless
-    ``in_place``). A repeated call with the same structure on every rank reuses its plan.
+    locally; replicas share the sending. Bytes travel in buckets of at most ``bucket_bytes``, in
+    rounds of at most ``window * bucket_bytes`` sent and as much received per rank (memory: up to
+    ``2 * window * bucket_bytes`` of send buffers, plus the bytes this rank receives, kept until the
+    commit, unless ``in_place``). A repeated call with the same structure on every rank reuses its
+    plan, and over the same tensors replays its recorded run (on GPUs its copies as CUDA graphs).
 
     Args:
         rename: source name -> destination name (a dict: unlisted names stay; a callable: None drops it).
