@@ -237,7 +237,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--bucket-mb", type=float, default=None, help="transfer's bucket_bytes (default: its own)")
-    p.add_argument("--window", type=int, default=None, help="transfer's buckets in flight (default: its own)")
+    p.add_argument("--window", type=int, default=None,
+                   help="transfer's window: a round moves window x bucket bytes (default: its own)")
     p.add_argument("--raw-only", action="store_true",
                    help="compare with the backend's own send/recv only (no save + load, no gather + broadcast)")
     p.add_argument("--dir", default=None)

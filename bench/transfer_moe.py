@@ -245,7 +245,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-place", action="store_true", help="transfer(in_place=True): no staging copy at commit")
     p.add_argument("--profile", action="store_true", help="rank 0's Python profile of the timed transfers")
     p.add_argument("--bucket-mb", type=float, default=None, help="transfer's bucket_bytes (default: its own)")
-    p.add_argument("--window", type=int, default=None, help="transfer's buckets in flight (default: its own)")
+    p.add_argument("--window", type=int, default=None,
+                   help="transfer's window: a round moves window x bucket bytes (default: its own)")
     p.add_argument("--raw-only", action="store_true",
                    help="compare with the backend's own send/recv only (no save + load, no gather + broadcast)")
     p.add_argument("--dir", default=None)
