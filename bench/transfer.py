@@ -27,7 +27,6 @@ import torch.distributed as dist
 import ckpt
 from bench.common import fmt, gbps, markdown_table, median, print_table, timed_collective
 from bench.ranks import cuda_sync, fork_ranks, gloo_ranks
-from ckpt.transfer import DEFAULT_BUCKET_BYTES, DEFAULT_WINDOW
 
 
 def cut(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -106,8 +105,8 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, shapes: l
                                      **{k: [] for k in raw}}
     stats: dict[str, Any] = {}
     res: list[ckpt.TransferResult] = []
-    bb = (knobs or {}).get("bucket_bytes", DEFAULT_BUCKET_BYTES)
-    win = (knobs or {}).get("window", DEFAULT_WINDOW)
+    bb = (knobs or {}).get("bucket_bytes")  # (None: transfer's default for the data path)
+    win = (knobs or {}).get("window")
     for _ in range(2):  # warm: the plan and NCCL's connections, then the recording's first replay
         ckpt.transfer(src, dst, bucket_bytes=bb, window=win)
     check("transfer (warm)")

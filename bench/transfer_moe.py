@@ -160,9 +160,7 @@ def _rank_main(rank: int, world: int, device: torch.device, mode: str, layers: i
     times: dict[str, list[float]] = {"transfer": [], "save+load": [], "gather+broadcast": [], "send/recv": []}
     res: list[ckpt.TransferResult] = []
     prof = cProfile.Profile() if profile and rank == 0 else None
-    from ckpt.transfer import DEFAULT_BUCKET_BYTES, DEFAULT_WINDOW
-
-    bb, win = knobs.get("bucket_bytes", DEFAULT_BUCKET_BYTES), knobs.get("window", DEFAULT_WINDOW)
+    bb, win = knobs.get("bucket_bytes"), knobs.get("window")  # (None: transfer's default for the data path)
     for _ in range(2):  # warm: the plan and NCCL's connections, then the recording's first replay (graph capture)
         ckpt.transfer(src, dst, in_place=in_place, bucket_bytes=bb, window=win)
         check("transfer (warm)")

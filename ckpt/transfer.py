@@ -36,8 +36,13 @@ from ckpt._state import TensorItem, flatten_state
 from ckpt._transfer_plan import MIN_PART, Schedule, plan_transfer
 from ckpt.errors import CheckpointError, CollectiveError, StateError
 
-DEFAULT_BUCKET_BYTES = 64 << 20
+# Bucket size and window when the caller names none, by data path. Over NCCL, larger: on 4 x H100 a
+# MoE's layout change in place took 10.5-11.3 ms with 256 MiB x 2-4 against 12.4-12.8 ms with 64 MiB x 4
+# (fewer messages to post, fewer rounds; docs/BENCHMARKS.md), for 512 MiB per round of GPU memory.
+DEFAULT_BUCKET_BYTES = 64 << 20  # gloo
 DEFAULT_WINDOW = 4
+NCCL_BUCKET_BYTES = 256 << 20
+NCCL_WINDOW = 2
 DEFAULT_TIMEOUT_S = 600.0
 
 Rename = Callable[[str], "str | None"] | dict[str, str] | None
@@ -147,7 +152,7 @@ def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: Any = None,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = DEFAULT_WINDOW,
+             bucket_bytes: int | None = None, window: int | None = None,
              timeout: float | None = DEFAULT_TIMEOUT_S, version: int | None = None, checksum: bool = False,
              delta: bool = False, state: TransferState | None = None, rename: Rename = None, cast: bool = False,
              strict: bool = True, in_place: bool = False, min_part: int = MIN_PART) -> TransferResult:
@@ -163,8 +168,9 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
     locally; replicas share the sending. Bytes travel in buckets of at most ``bucket_bytes``, in
     rounds of at most ``window * bucket_bytes`` sent and as much received per rank (memory: up to
     ``2 * window * bucket_bytes`` of send buffers, plus the bytes this rank receives, kept until the
-    commit, unless ``in_place``). A repeated call with the same structure on every rank reuses its
-    plan, and over the same tensors replays its recorded run (on GPUs its copies as CUDA graphs).
+    commit, unless ``in_place``); by default 64 MiB x 4 over gloo, 256 MiB x 2 over NCCL. A repeated
+    call with the same structure on every rank reuses its plan, and over the same tensors replays its
+    recorded run (on GPUs its copies as CUDA graphs).
 
     Args:
         rename: source name -> destination name (a dict: unlisted names stay; a callable: None drops it).
@@ -209,8 +215,8 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
 class Options:
     """The knobs of one transfer (see :func:`transfer`), the same on every rank."""
 
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    window: int = DEFAULT_WINDOW
+    bucket_bytes: int | None = None  # None: by data path (see sizes)
+    window: int | None = None
     timeout: float | None = DEFAULT_TIMEOUT_S
     version: int | None = None
     checksum: bool = False
@@ -246,7 +252,7 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     fp: str | None = None
     if err is None:
         try:
-            if opts.bucket_bytes < 64:
+            if opts.bucket_bytes is not None and opts.bucket_bytes < 64:
                 raise StateError(f"bucket_bytes must be at least 64, got {opts.bucket_bytes}")
             if opts.delta:
                 src_h = [_hash(i.local) for i in srcs]
@@ -456,8 +462,14 @@ def _group_key(group: Any, world: int) -> Any:
     return id(group) if group is not None else ("world", world)
 
 
-def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int, window: int, strict: bool,
-                cast: bool, delta: bool, min_part: int, group: Any) -> list[dict[str, Any]]:
+def sizes(bucket_bytes: int | None, window: int | None, nccl: bool) -> tuple[int, int]:
+    """The bucket size and window a plan uses: the caller's, else the data path's defaults."""
+    return (bucket_bytes if bucket_bytes is not None else NCCL_BUCKET_BYTES if nccl else DEFAULT_BUCKET_BYTES,
+            window if window is not None else NCCL_WINDOW if nccl else DEFAULT_WINDOW)
+
+
+def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int | None, window: int | None,
+                strict: bool, cast: bool, delta: bool, min_part: int, group: Any) -> list[dict[str, Any]]:
     """The coordinator's part: agree on the version, plan, and hand each rank its schedule."""
     versions = {(r, g["v"]) for r, g in enumerate(got) if g["v"] is not None}
     if len({v for _, v in versions}) > 1:
@@ -478,10 +490,11 @@ def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int, win
     fp = hashlib.blake2b(msgpack.packb([[g["s"], g["d"]] for g in got] + [min_part, cast],
                                        use_bin_type=True), digest_size=16).hexdigest()
     same = delta and all(g["fp"] == fp for g in got)
+    nccl = any(g["nccl"] for g in got)
+    bucket_bytes, window = sizes(bucket_bytes, window, _nccl_data(comm, nccl))
     plan = plan_transfer(srcs, dsts, bucket_bytes=bucket_bytes, window=window, strict=strict, cast=cast,
                          min_part=min_part, unchanged=[g["u"] for g in got] if same else None,
                          clean=[g["c"] for g in got] if same else None)
-    nccl = any(g["nccl"] for g in got)
     pc = hashlib.blake2b(msgpack.packb([fp, nccl, bucket_bytes, window, strict, checks == {True}], use_bin_type=True),
                          digest_size=16).hexdigest()
     common = {"version": ver, "fp": fp, "pc": pc, "net": plan.buckets > 0, "nccl": nccl, "sent": plan.bytes_sent,
@@ -501,13 +514,24 @@ def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | No
         # the data goes over it (its owner makes a new one after a failure that closed it)
         _STALE.pop(key, None)
         return net.GlooTransport(g)
-    if mine["nccl"] and dist.get_backend(g) == "nccl":
+    if _nccl_data(comm, mine["nccl"]):
         return net.NcclTransport(g)
     ranks = dist.get_process_group_ranks(g)
     pg = side_group(ranks, "transfer-data", timeout=timeout, fresh=_STALE.pop(key, False))
     return net.GlooTransport(pg)
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "DEFAULT_TIMEOUT_S", "Rename", "TransferState", "TransferResult",
-           "rank_payload", "pick_error", "transfer", "release_buffers", "Options", "declared", "run_items",
-           "structure_fingerprint"]
+def _nccl_data(comm: Comm, gpu: bool) -> bool:
+    """Whether the data goes over NCCL: some tensor is on a GPU (``gpu``, any rank's) and the group is
+    an NCCL group (not one of ckpt's own gloo groups). The coordinator's plan and every rank's
+    transport ask the same question."""
+    import torch.distributed as dist
+
+    if not gpu or comm.side or not (dist.is_available() and dist.is_initialized()):
+        return False
+    return bool(dist.get_backend(comm.group) == "nccl")
+
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "NCCL_BUCKET_BYTES", "NCCL_WINDOW", "DEFAULT_TIMEOUT_S", "Rename",
+           "TransferState", "TransferResult", "rank_payload", "pick_error", "transfer", "release_buffers", "Options",
+           "declared", "run_items", "structure_fingerprint", "sizes"]

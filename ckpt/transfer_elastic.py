@@ -25,9 +25,7 @@ from ckpt._comm import Comm, raise_payload
 from ckpt._state import ObjectItem, flatten_state, rebuild_state
 from ckpt.errors import LayoutError, MismatchError, StateError
 from ckpt.transfer import (
-    DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
-    DEFAULT_WINDOW,
     Options,
     TransferResult,
     declared,
@@ -49,8 +47,8 @@ class Handoff:
 
 
 def handoff(old: dict[str, Any] | None, new: dict[str, Any], *, group: Any = None,
-            timeout: float | None = DEFAULT_TIMEOUT_S, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            window: int = DEFAULT_WINDOW, checksum: bool = False, strict: bool = True) -> Handoff:
+            timeout: float | None = DEFAULT_TIMEOUT_S, bucket_bytes: int | None = None,
+            window: int | None = None, checksum: bool = False, strict: bool = True) -> Handoff:
     """Fill ``new`` (this rank's state under the new layout, any form ``ckpt.load`` takes) from the
     surviving ranks' ``old`` states (any form ``ckpt.save`` takes; None on a rank that has nothing).
 

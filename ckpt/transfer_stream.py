@@ -37,9 +37,7 @@ from ckpt.errors import MismatchError, StateError
 from ckpt.hf.mapping import Map, Run
 from ckpt.shards import Box, Flat
 from ckpt.transfer import (
-    DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
-    DEFAULT_WINDOW,
     MIN_PART,
     Options,
     Rename,
@@ -148,7 +146,7 @@ class TransferStream:
 def transfer_iter(src: dict[str, Any] | None, want: Iterable[str] | str | None = None, *, group: Any = None,
                   names: Map | None = None, rename: Rename = None, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None, stream_bytes: int = DEFAULT_STREAM_BYTES,
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, window: int = DEFAULT_WINDOW,
+                  bucket_bytes: int | None = None, window: int | None = None,
                   timeout: float | None = DEFAULT_TIMEOUT_S, version: int | None = None, checksum: bool = False,
                   state: TransferState | None = None, min_part: int = MIN_PART) -> TransferStream:
     """Stream the tensors this rank wants as ``(name, tensor)`` pairs, moved live from the senders.
