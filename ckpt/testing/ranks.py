@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -101,8 +102,6 @@ def gpu_count() -> int:
     """NVIDIA GPUs on this machine, counted by ``nvidia-smi`` without touching CUDA: in this process
     ``torch.cuda.is_available()`` or ``device_count()`` would make every CUDA rank forked from it
     fail ("Cannot re-initialize CUDA in forked subprocess")."""
-    import subprocess
-
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
