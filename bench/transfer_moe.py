@@ -4,7 +4,7 @@ second half (a disjoint group), against ``ckpt.save`` + ``ckpt.load``, against g
 whole on rank 0 and broadcasting it (the common baseline), and against the backend's own send/recv of
 the same bytes between the same rank pairs. Medians of repeats; checked bitwise once.
 
-    python -m bench transfer-moe [--ranks 4] [--size-gb 8] [--dtype bf16] [--repeats 3]
+    python -m bench transfer-moe [--ranks 4 (or 2)] [--size-gb 8] [--dtype bf16] [--repeats 3]
                                  [--device cpu|cuda] [--in-place] [--profile] [--bucket-mb M] [--window N]
                                  [--json F]
 
@@ -64,11 +64,13 @@ def box(key: str, shape: tuple[int, ...], tp: tuple[int, int], ep: tuple[int, in
 
 
 def layouts(world: int) -> dict[str, dict[int, tuple[tuple[int, int], tuple[int, int]]]]:
-    """Per mode and role, rank -> ((tp index, tp size), (ep index, ep size))."""
+    """Per mode and role, rank -> ((tp index, tp size), (ep index, ep size)). On 2 ranks ``same`` is
+    ``tp=2`` -> ``ep=2`` (``tp=2,ep=1`` -> ``tp=2`` would move nothing) and ``disjoint`` the whole
+    model from rank 0 to rank 1 (contiguous pieces: the data path alone)."""
     h = world // 2
     return {
         "same-src": {r: ((r % 2, 2), (r // 2, world // 2)) for r in range(world)},  # tp=2, ep=world/2
-        "same-dst": {r: ((r, world), (0, 1)) for r in range(world)},  # tp=world
+        "same-dst": {r: ((r, world), (0, 1)) if world > 2 else ((0, 1), (r, 2)) for r in range(world)},  # tp=world
         "disjoint-src": {r: ((r, h), (0, 1)) for r in range(h)},  # tp=h on the first half
         "disjoint-dst": {r: ((0, 1), (r - h, h)) for r in range(h, world)},  # ep=h on the second half
     }
@@ -252,8 +254,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.ranks < 4 or args.ranks % 2:
-        raise SystemExit("transfer-moe needs an even number of ranks, at least 4 (tp=2 x ep=ranks/2)")
+    if args.ranks < 2 or args.ranks % 2:
+        raise SystemExit("transfer-moe needs an even number of ranks (tp=2 x ep=ranks/2)")
     root = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-transfer-moe-")
     os.makedirs(root, exist_ok=True)
     knobs = {} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * (1 << 20))}

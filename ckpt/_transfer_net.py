@@ -84,15 +84,23 @@ class NcclTransport(Transport):
         return list(zip(works, peers, strict=True)) if len(works) == len(peers) else [(w, peers[0]) for w in works]
 
     def wait(self, work: Any, deadline: float | None) -> None:
-        # poll (a blocking NCCL wait has no deadline); the sleep is short: a round may take well under 1 ms
-        while deadline is not None and not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError("NCCL point-to-point operation timed out")
-            time.sleep(0.00005)
-        work.wait()  # orders the current stream after the transfer: what follows reads the buffers
+        if not poll(work, deadline):
+            raise TimeoutError("NCCL point-to-point operation timed out")
 
     def fence(self, work: Any, deadline: float | None) -> None:
         work.wait()  # (a stream wait: the host goes on)
+
+
+def poll(work: Any, deadline: float | None) -> bool:
+    """Wait for an NCCL ``work`` until ``deadline`` (a blocking NCCL wait has none), then order the
+    current stream after it; False when the deadline passed first. The sleep is short: a round may take
+    well under 1 ms."""
+    while deadline is not None and not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.00005)
+    work.wait()  # orders the current stream after the work: what follows reads its buffers
+    return True
 
 
 class Pool:
@@ -296,6 +304,7 @@ class Program:
         self.commit_datas: list[torch.Tensor] = []
         self.packed = self.direct = 0
         self.ok = True  # False: a copy that is not a view was made (a gather, a snapshot): not replayable
+        self.shared = False  # a target shares storage with a source: the local copies keep their place (first)
         self.batches: dict[Any, Batch] = {}
 
     def copy(self, key: Any, outs: list[torch.Tensor], datas: list[torch.Tensor]) -> None:
@@ -347,5 +356,5 @@ class Buffers:
         return self.pools, self.arena
 
 
-__all__ = ["Post", "Transport", "GlooTransport", "NcclTransport", "Pool", "round_bytes", "wide", "Arena", "Views",
-           "Round", "signature", "GRAPHS", "Batch", "Program", "Buffers"]
+__all__ = ["Post", "poll", "Transport", "GlooTransport", "NcclTransport", "Pool", "round_bytes", "wide", "Arena",
+           "Views", "Round", "signature", "GRAPHS", "Batch", "Program", "Buffers"]

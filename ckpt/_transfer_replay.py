@@ -32,6 +32,8 @@ def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
             return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
         keep.program = None
         rec = Program(sig, sources + targets)
+        held = {t.untyped_storage().data_ptr() for t in sources}
+        rec.shared = any(t.untyped_storage().data_ptr() in held for t in targets)
     return ex.run_schedule(sched, sources, src_regions, targets, dst_regions, transport, rank=rank,
                            checksum=checksum, deadline=deadline, timeout=timeout, defer=defer, snapshot=snapshot,
                            keep=keep, rec=rec)
@@ -46,11 +48,61 @@ def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: f
     fail = Failure()
     fail.program = prog
     fail.packed, fail.direct = prog.packed, prog.direct
-    if prog.local[0]:  # (in place: the local copies; deferred, they are part of the commit)
-        prog.copy("local", prog.local[0], prog.local[1])
-    if not prog.rounds:
-        return fail
-    assert transport is not None
+    local = _Local(prog)
+    if prog.shared or not prog.rounds:
+        local.run()  # (as recorded: before any packing reads a source the copies may write)
+    try:
+        if prog.rounds:
+            assert transport is not None
+            _rounds(prog, transport, fail, local, rank=rank, deadline=deadline, timeout=timeout)
+    finally:
+        local.join()
+    return fail
+
+
+class _Local:
+    """The local copies of an in-place replay (deferred, they are part of the commit), run once the
+    first round is posted so that they overlap the transfer: on a GPU on a stream of their own,
+    joined to the caller's at the end. Why: on 2 x H200 a MoE's layout change copies 1.1 GB per rank
+    locally, 0.76 ms that ran before the first round was packed."""
+
+    def __init__(self, prog: Program):
+        self.prog, self.done = prog, not prog.local[0]
+        self.side: Any = None
+
+    def run(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        outs, datas = self.prog.local
+        dev = outs[0].device
+        if dev.type != "cuda":
+            self.prog.copy("local", outs, datas)
+            return
+        cur = torch.cuda.current_stream(dev)
+        self.side = _stream(dev)
+        self.side.wait_stream(cur)  # (the sources as the caller left them)
+        with torch.cuda.stream(self.side):
+            self.prog.copy("local", outs, datas)
+
+    def join(self) -> None:
+        self.run()
+        if self.side is not None:
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+
+
+_STREAMS: dict[Any, Any] = {}
+
+
+def _stream(dev: torch.device) -> Any:
+    if dev not in _STREAMS:
+        _STREAMS[dev] = torch.cuda.Stream(dev)
+    return _STREAMS[dev]
+
+
+def _rounds(prog: Program, transport: Transport, fail: Failure, local: _Local, *, rank: int,
+            deadline: float | None, timeout: float | None) -> None:
+    """The rounds of :func:`replay`; the failure, if any, is recorded in ``fail``."""
     order = sorted(prog.rounds)
     posted: list[list[tuple[Any, int]]] = []
     waited: set[int] = set()
@@ -74,19 +126,20 @@ def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: f
                 prog.copy(("pack", k), r.outs, r.datas)
             posted.append(transport.post(r.sends, r.recvs))
         except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
+            fail.broken = True
             fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
                                      f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
-            return fail
+            return
+        local.run()  # (after the first round is posted)
         # eager (gloo): each round is waited for in turn; else the last round is settled (NCCL: ordered on the
         # stream) while this one travels
         if not (settle(n, fence=False) if transport.eager else n < 1 or settle(n - 1, fence=True)):
-            return fail
+            return
     for n in range(len(order)):
         if not transport.fence_waits and not wait_all(transport, posted[n], deadline, timeout, rank, fail):
-            return fail  # (NCCL: the host waits for every round; settled ones too, a second wait is harmless)
+            return  # (NCCL: the host waits for every round; settled ones too, a second wait is harmless)
         if not settle(n, fence=False):
-            return fail
-    return fail
+            return
 
 
 __all__ = ["run", "replay"]
