@@ -44,7 +44,6 @@ class Failure:
         self.primary: BaseException | None = None
         self.secondary: BaseException | None = None
         self.timed_out = False  # this rank's own wait ran out of time (it names the rank it waited for)
-        self.broken = False  # a data message could not be posted or waited for: the data group is unusable
         # deferred writes (not in place): (copy, its elements), applied by :func:`commit_writes` only
         # after every rank agreed; the elements are views of received buckets or of sources
         self.writes: list[tuple[Copy, torch.Tensor]] = []
@@ -367,7 +366,6 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
                     nxt.used = 0
                     ahead[rounds[n + 1]] = _pack_sends(by_round[rounds[n + 1]][0], nxt, ctx, None, rounds[n + 1])
         except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
-            fail.broken = True
             fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
                                      f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
             return fail
@@ -504,7 +502,6 @@ def wait_all(transport: Transport, works: list[tuple[Any, int]], deadline: float
                 transport.wait(w, deadline)
         except Exception as e:  # noqa: BLE001 - gloo: timed out or the peer is gone
             fail.timed_out = "timed out" in str(e).lower()
-            fail.broken = True
             how = (f"within {timeout:g} s" if timeout is not None and fail.timed_out
                    else f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
             fail.add(CollectiveError(f"rank {rank}: transfer data: no message to or from rank {peer} {how}; "

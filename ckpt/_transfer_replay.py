@@ -126,7 +126,6 @@ def _rounds(prog: Program, transport: Transport, fail: Failure, local: _Local, *
                 prog.copy(("pack", k), r.outs, r.datas)
             posted.append(transport.post(r.sends, r.recvs))
         except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
-            fail.broken = True
             fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
                                      f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
             return

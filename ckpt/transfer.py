@@ -25,7 +25,6 @@ from typing import Any
 import msgpack
 import torch
 
-from ckpt import _transfer_agree as _short
 from ckpt import _transfer_exec as ex
 from ckpt import _transfer_front as _front
 from ckpt import _transfer_net as net
@@ -265,8 +264,7 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
                 lambda: structure_fingerprint(wire, comm.rank, comm.world, opts))
         except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
             err = rank_payload(e, comm.who)
-    short = _short.take(_key(comm, group))  # (every rank alike: see ckpt._transfer_agree)
-    mine, sched, hit = _plan_or_reuse(comm, group, err, wire, fp, opts, short)
+    mine, sched, hit = _plan_or_reuse(comm, group, err, wire, fp, opts)
     ver = int(mine["version"])
     t1 = time.perf_counter()
     staged, wanted, fail = _move(comm, group, mine, sched, srcs, dsts, opts)
@@ -304,21 +302,14 @@ def _shaping(rank: int, world: int, opts: Options) -> tuple[Any, ...]:
 
 
 def _plan_or_reuse(comm: Comm, group: Any, err: dict[str, Any] | None, wire: dict[str, Any], fp: str | None,
-                   opts: Options, short: str | None = None) -> tuple[dict[str, Any], Schedule, bool]:
+                   opts: Options) -> tuple[dict[str, Any], Schedule, bool]:
     """This rank's part of the plan: the cached one when every rank still has the same structure as
     at a transfer they planned together (one small exchange of fingerprints), else planned anew.
 
     A rank with a cached plan sends only the plan's fingerprint; if some other rank's differs, the
-    coordinator asks everyone for their declarations (a second exchange) and plans. ``short``: the
-    fingerprints are first compared in one all-reduce over that channel (:mod:`ckpt._transfer_agree`)."""
+    coordinator asks everyone for their declarations (a second exchange) and plans."""
     key = (_key(comm, group), fp or "")
     hit = _PLANS.get(key) if fp is not None else None
-    if short is not None:
-        ver = _short.plan(short, comm, hit.fp if hit is not None else None, err is not None, opts.version,
-                          int(wire.get("last", 0)), opts.timeout)
-        if ver is not None and hit is not None:
-            _PLANS.move_to_end(key)
-            return dict(hit.mine, version=ver), hit.sched, True
     msg = err or ({"v": opts.version, "last": wire["last"], "pc": hit.fp} if hit is not None else wire)
     out = _planned(comm, group, msg, opts)
     if out.get("declare"):
@@ -442,12 +433,6 @@ def _commit(comm: Comm, fail: ex.Failure, staged: dict[int, torch.Tensor], dsts:
 def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, Any], opts: Options) -> None:
     """The commit verdict: every rank reports, every rank gets the same answer; raises the chosen
     error on every rank unless all went well."""
-    channel = _short.channel_for(comm, _nccl_data(comm, bool(mine.get("nccl"))))
-    # (every rank takes the same channel: the data path is the plan's; a rank whose data wait failed
-    # cannot use NCCL any more, the others' reduce then times out into the exchange below)
-    if channel is not None and not fail.broken and _short.verdict(channel, comm, fail.first is None, opts.timeout):
-        _short.settle(_key(comm, group), channel)
-        return
     report: dict[str, Any] = {"ok": True} if fail.first is None else rank_payload(
         fail.first, comm.who, primary=fail.primary is not None, timed_out=fail.timed_out)
     if comm.single:
