@@ -522,16 +522,24 @@ def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | No
 
 
 def _nccl_data(comm: Comm, gpu: bool) -> bool:
-    """Whether the data goes over NCCL: some tensor is on a GPU (``gpu``, any rank's) and the group is
-    an NCCL group (not one of ckpt's own gloo groups). The coordinator's plan and every rank's
-    transport ask the same question."""
+    """Whether the data goes over NCCL: some tensor is on a GPU (``gpu``, any rank's) and the group
+    carries CUDA tensors over NCCL (not one of ckpt's own gloo groups). The coordinator's plan and
+    every rank's transport ask the same question."""
     import torch.distributed as dist
 
     if not gpu or comm.side or not (dist.is_available() and dist.is_initialized()):
         return False
-    return bool(dist.get_backend(comm.group) == "nccl")
+    return nccl_backend(str(dist.get_backend(comm.group)))
+
+
+def nccl_backend(name: str) -> bool:
+    """Whether a group of backend ``name`` sends CUDA tensors over NCCL: ``"nccl"``, or a backend per
+    device such as ``"cpu:gloo,cuda:nccl"`` (what ``init_process_group()`` makes on a GPU machine when
+    no backend is named, and what torchtitan asks for)."""
+    parts = [p.strip().lower() for p in name.split(",")]
+    return parts == ["nccl"] or "cuda:nccl" in parts
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "NCCL_BUCKET_BYTES", "NCCL_WINDOW", "DEFAULT_TIMEOUT_S", "Rename",
            "TransferState", "TransferResult", "rank_payload", "pick_error", "transfer", "release_buffers", "Options",
-           "declared", "run_items", "structure_fingerprint", "sizes"]
+           "declared", "run_items", "structure_fingerprint", "sizes", "nccl_backend"]

@@ -70,3 +70,10 @@ def _gloo(rank: int, world: int) -> None:
 @pytest.mark.multiproc
 def test_on_gloo_the_data_path_is_gloo_and_the_defaults_move_bitwise() -> None:
     run_ranks(2, _gloo)
+
+
+@pytest.mark.parametrize(("name", "nccl"), [("nccl", True), ("gloo", False), ("cpu:gloo,cuda:nccl", True),
+                                            ("cuda:nccl,cpu:gloo", True), ("cpu:gloo,cuda:gloo", False),
+                                            ("cpu:gloo", False), ("NCCL", True), ("ucc", False)])
+def test_the_nccl_data_path_is_taken_on_any_group_that_sends_cuda_tensors_over_nccl(name: str, nccl: bool) -> None:
+    assert tr.nccl_backend(name) is nccl

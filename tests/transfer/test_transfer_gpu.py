@@ -5,6 +5,9 @@ variant needs two GPUs and is skipped elsewhere."""
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import pytest
 import torch
 
@@ -104,3 +107,43 @@ def test_replays_stay_bitwise_and_on_nccl_run_their_copies_as_graphs(device: str
     if device == "cuda" and gpu_count() < 2:
         pytest.skip("needs 2 GPUs (NCCL)")
     launch(2, _moe_like, in_place, device=device, pass_device=True)
+
+
+def _mixed_init(device: str) -> torch.device:
+    """Join a group of one backend per device, as ``init_process_group()`` without a backend makes on
+    a GPU machine."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method="env://", rank=rank, world_size=world)
+    return torch.device("cuda", rank)
+
+
+def _mixed(rank: int, world: int, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    from ckpt._comm import Comm
+
+    tr = importlib.import_module("ckpt.transfer")
+    assert str(dist.get_backend()) == "cpu:gloo,cuda:nccl"
+    assert tr._nccl_data(Comm(None), True)  # the CUDA tensors go over NCCL, not ckpt's gloo side group
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(64, 48, generator=g, device=device)  # the same on both ranks
+    src = {"w": ckpt.Shard(w[rank * 32: rank * 32 + 32].clone(), (64, 48), (rank * 32, 0))}
+    dst = {"w": ckpt.Shard(torch.zeros(64, 24, device=device), (64, 48), (0, rank * 24))}
+    for step in range(3):
+        src["w"].local.add_(1)
+        w.add_(1)
+        ckpt.transfer(src, dst, timeout=60)
+        torch.cuda.synchronize()
+        assert torch.equal(dst["w"].local, w[:, rank * 24: rank * 24 + 24]), step
+    _, keep = tr._BUFFERS[("world", world)]
+    assert keep.pools and keep.pools[0].device.type == "cuda"  # NCCL's buffers, on the GPU
+
+
+@pytest.mark.multiproc
+def test_a_group_with_a_backend_per_device_sends_cuda_tensors_over_nccl() -> None:
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs (NCCL)")
+    launch(2, _mixed, device="cuda", pass_device=True, init=_mixed_init)
