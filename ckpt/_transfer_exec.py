@@ -398,8 +398,10 @@ class _Ctx:
 def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
                 emit: Callable[[list[Post]], None] | None, k: int) -> list[Post]:
     """Pack round ``k``'s outgoing buckets (a one-copy bucket that is a contiguous run of its source
-    goes from the source itself); a bucket that cannot be packed still goes (marked FAILED when it
-    has a header). ``emit`` posts each bucket's messages as soon as it is packed. Returns the posts."""
+    goes from the source itself, unless it travels joined with others); a bucket that cannot be
+    packed still goes (marked FAILED when it has a header). Buckets joined to the one before
+    (``Bucket.join``) go in its message. ``emit`` posts each message as soon as it is packed.
+    Returns the posts."""
     posts: list[Post] = []
     fail = ctx.fail
     rec = fail.rec.at(k) if fail.rec is not None else None
@@ -411,8 +413,10 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
         batched = emit is None and ctx.dev.type != "cpu"
         rows = torch.zeros(len(sends), 2, dtype=torch.int64) if batched else heads
     for i, b in enumerate(sends):
+        joined = b.join or (i + 1 < len(sends) and sends[i + 1].join)
+        assert not (joined and heads is not None), "joined buckets travel without headers"
         view = None
-        if len(b.copies) == 1:
+        if len(b.copies) == 1 and not joined:
             c = b.copies[0]
             view = direct_view(ctx.sources[c.src], ctx.src_regions[c.src], c, True, ctx.dev)
         direct = view is not None
@@ -435,12 +439,15 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
                 fail.add(e)
             if rows is not None:
                 mark_failed(rows[i])
-        mine = [(view, b.receiver, 2 * b.tag + 1)]
-        if heads is not None:
-            mine.insert(0, (heads[i], b.receiver, 2 * b.tag))
-        if emit is not None:
-            emit(mine)
-        posts += mine
+        if b.join:  # (the previous post is this pair's message: it grows over this bucket)
+            first, peer, tag = posts[-1]
+            posts[-1] = (span(pool.buf, first, view), peer, tag)
+        else:
+            posts.append((view, b.receiver, 2 * b.tag + 1))
+            if heads is not None:
+                posts.insert(len(posts) - 1, (heads[i], b.receiver, 2 * b.tag))
+        if emit is not None and not (i + 1 < len(sends) and sends[i + 1].join):
+            emit(posts[-2:] if heads is not None else posts[-1:])
     if heads is not None and rows is not None and rows is not heads and sends:
         heads.copy_(rows)  # (the stream orders it before the sends posted after it)
     if rec is not None:
@@ -448,21 +455,34 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
     return posts
 
 
+def span(base: torch.Tensor | None, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``base`` (uint8) from view ``first`` to the end of view ``last`` (both carved out of it)."""
+    assert base is not None
+    at = first.data_ptr() - base.data_ptr()
+    return base[at: last.data_ptr() - base.data_ptr() + last.numel()]
+
+
 def _post_recvs(recvs: list[Bucket], bufs: Pool | Arena, ctx: _Ctx
                 ) -> tuple[list[Post], list[tuple[torch.Tensor, torch.Tensor | None, bool]]]:
     """Where a round's incoming buckets land: the target itself for a one-copy bucket that is a
-    contiguous run of it (unless writes are deferred: then ``bufs`` is an arena), else a buffer;
-    the posts and ``(payload, header or None, direct)`` per bucket."""
+    contiguous run of it (unless writes are deferred: then ``bufs`` is an arena; or it travels joined
+    with others), else a buffer; the posts (one per message: joined buckets in one) and
+    ``(payload, header or None, direct)`` per bucket."""
     posts: list[Post] = []
     rviews: list[tuple[torch.Tensor, torch.Tensor | None, bool]] = []
     heads = torch.zeros(len(recvs), 2, dtype=torch.int64, device=ctx.dev) if ctx.checksum else None
     for i, b in enumerate(recvs):
+        joined = b.join or (i + 1 < len(recvs) and recvs[i + 1].join)
         view = None
-        if len(b.copies) == 1 and isinstance(bufs, Pool):
+        if len(b.copies) == 1 and isinstance(bufs, Pool) and not joined:
             c = b.copies[0]
             view = direct_view(ctx.targets[c.dst], ctx.dst_regions[c.dst], c, False, ctx.dev)
         payload = view if view is not None else bufs.next(b.nbytes)
         rviews.append((payload, heads[i] if heads is not None else None, view is not None))
+        if b.join:
+            first, peer, tag = posts[-1]
+            posts[-1] = (span(bufs.buf, first, payload), peer, tag)
+            continue
         if heads is not None:
             posts.append((heads[i], b.sender, 2 * b.tag))
         posts.append((payload, b.sender, 2 * b.tag + 1))

@@ -117,13 +117,18 @@ class Bucket:
     nbytes: int = 0
     copies: list[Copy] = field(default_factory=list)
     solo: bool = False  # planning only: a contiguous run of its source, sent as it is (never on the wire)
+    # travels in one message with the pair's previous bucket (same round, both packed; see plan_transfer's
+    # ``join``): on both sides it is carved right after it, 16-byte aligned, and never sent from or received
+    # into a tensor itself
+    join: bool = False
 
     def to_wire(self) -> list[Any]:
-        return [self.sender, self.receiver, self.tag, self.round, self.nbytes, [c.to_wire() for c in self.copies]]
+        return [self.sender, self.receiver, self.tag, self.round, self.nbytes, [c.to_wire() for c in self.copies],
+                int(self.join)]
 
     @classmethod
     def from_wire(cls, w: list[Any]) -> Bucket:
-        return cls(w[0], w[1], w[2], w[3], w[4], [Copy.from_wire(c) for c in w[5]])
+        return cls(w[0], w[1], w[2], w[3], w[4], [Copy.from_wire(c) for c in w[5]], join=bool(w[6]))
 
 
 @dataclass(slots=True)
@@ -159,12 +164,15 @@ class TransferPlan:
 
 def plan_transfer(srcs: list[list[PieceDecl]], dsts: list[list[PieceDecl]], *, bucket_bytes: int = 64 << 20,
                   window: int = 4, strict: bool = True, cast: bool = False, min_part: int = MIN_PART,
-                  unchanged: list[list[bool]] | None = None, clean: list[list[bool]] | None = None) -> TransferPlan:
+                  unchanged: list[list[bool]] | None = None, clean: list[list[bool]] | None = None,
+                  join: bool = False) -> TransferPlan:
     """Plan the transfer of ``srcs[r]`` (what rank r holds) into ``dsts[r]`` (what rank r wants).
 
     ``unchanged[r][i]`` (delta): rank r's source piece i holds the bytes it held at the previous
     transfer of the same plan; ``clean[r][j]``: rank r's destination piece j still holds what that
-    transfer put there. A copy from an unchanged piece into a clean one is skipped.
+    transfer put there. A copy from an unchanged piece into a clean one is skipped. ``join``: a pair's
+    packed buckets of one round travel as one message (``Bucket.join``; NCCL: on 2 x H200 one message
+    of 1 GiB each way took 3.2 ms, four of 256 MiB 3.8 ms).
 
     Raises StateError (ranks disagree on a tensor's dtype or shape, ``bucket_bytes`` too small),
     LayoutError (held pieces overlap without being replicas; a requested element nobody holds),
@@ -200,7 +208,21 @@ def plan_transfer(srcs: list[list[PieceDecl]], dsts: list[list[PieceDecl]], *, b
                 local.append(c)
         sched[rank].local = local
     _bucket(plan, bucket_bytes, window, srcs)
+    if join:
+        _join(plan)
     return plan
+
+
+def _join(plan: TransferPlan) -> None:
+    """Mark the buckets that travel with the pair's previous one: same round, neither sent unpacked.
+    The sender's sends and the receiver's receives list a pair's buckets of a round consecutively in
+    the same order (by tag), so both sides see the same runs."""
+    for sch in plan.schedules:
+        prev: Bucket | None = None
+        for b in sch.sends:
+            b.join = (prev is not None and prev.receiver == b.receiver and prev.round == b.round and not prev.solo
+                      and not b.solo)
+            prev = b
 
 
 Assigned = tuple[int, int, Copy]  # (sender, receiver, copy)

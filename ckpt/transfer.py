@@ -44,6 +44,7 @@ DEFAULT_WINDOW = 4
 NCCL_BUCKET_BYTES = 256 << 20
 NCCL_WINDOW = 2
 DEFAULT_TIMEOUT_S = 600.0
+JOIN_ON_GLOO = False  # test hook: join buckets into messages over gloo too (as over NCCL; see plan_transfer)
 
 Rename = Callable[[str], "str | None"] | dict[str, str] | None
 
@@ -491,8 +492,11 @@ def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int | No
                                        use_bin_type=True), digest_size=16).hexdigest()
     same = delta and all(g["fp"] == fp for g in got)
     nccl = any(g["nccl"] for g in got)
-    bucket_bytes, window = sizes(bucket_bytes, window, _nccl_data(comm, nccl))
-    plan = plan_transfer(srcs, dsts, bucket_bytes=bucket_bytes, window=window, strict=strict, cast=cast,
+    on_nccl = _nccl_data(comm, nccl)
+    bucket_bytes, window = sizes(bucket_bytes, window, on_nccl)
+    # NCCL: a pair's packed buckets of a round in one message (gloo posts each as soon as it is packed)
+    join = (on_nccl or JOIN_ON_GLOO) and checks != {True}
+    plan = plan_transfer(srcs, dsts, bucket_bytes=bucket_bytes, window=window, strict=strict, cast=cast, join=join,
                          min_part=min_part, unchanged=[g["u"] for g in got] if same else None,
                          clean=[g["c"] for g in got] if same else None)
     pc = hashlib.blake2b(msgpack.packb([fp, nccl, bucket_bytes, window, strict, checks == {True}], use_bin_type=True),

@@ -136,10 +136,17 @@ def _coverage(plan: TransferPlan, dsts: list[list[PieceDecl]]) -> list[list[np.n
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case())
-def test_every_wanted_element_arrives_once_from_a_holder(c: tuple) -> None:
+@given(case(), st.booleans())
+def test_every_wanted_element_arrives_once_from_a_holder(c: tuple, join: bool) -> None:
     tensors, srcs, dsts, bucket, window = c
-    plan = plan_transfer(srcs, dsts, bucket_bytes=bucket, window=window, min_part=4)
+    plan = plan_transfer(srcs, dsts, bucket_bytes=bucket, window=window, min_part=4, join=join)
+    # joined buckets: the pair's bucket just before it, in the same round, on both sides; none sent unpacked
+    for r, sch in enumerate(plan.schedules):
+        for mine, other in ((sch.sends, "receiver"), (sch.recvs, "sender")):
+            for prev, b in zip(mine, mine[1:], strict=False):
+                pair = getattr(prev, other) == getattr(b, other) and prev.round == b.round
+                assert b.join == (join and pair and not prev.solo and not b.solo), (r, b)
+            assert not (mine and mine[0].join)
     globs = {k: _values(k, shape, dtype) for k, (shape, dtype) in tensors.items()}
     # exactly once: every element of every wanted piece is written by one copy
     for ps, cs in zip(dsts, _coverage(plan, dsts), strict=True):
