@@ -21,6 +21,7 @@ pytestmark = pytest.mark.multiproc
 def _joined(rank: int, world: int, join: bool) -> None:
     tr = importlib.import_module("ckpt.transfer")
     tr.JOIN_ON_GLOO = join
+    tr._PLANS.clear()  # (plans of earlier tests in the parent process: this one's is the only one then)
     sent = [0]
     post = net.GlooTransport.post
 
