@@ -19,7 +19,9 @@ Rules the plan keeps (tests/transfer/test_transfer_plan.py checks them over rand
 - buckets carry a round: in one round a rank sends at most ``window`` buckets' worth of bytes
   (``window * bucket_bytes``, each bucket counted from a 16-byte boundary) and receives at most as
   much; each rank posts all its sends and receives of a round before waiting for any of them
-  and rounds run in order, so the schedule cannot deadlock and memory stays bounded.
+  and rounds run in order, so the schedule cannot deadlock and memory stays bounded;
+- with ``join`` (the NCCL data path), a pair's packed buckets of one round are marked to travel as one
+  message (``Bucket.join``: the same runs on the sender's and the receiver's side).
 """
 
 from __future__ import annotations

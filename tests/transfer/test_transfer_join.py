@@ -67,3 +67,39 @@ def _joined(rank: int, world: int, join: bool) -> None:
 @pytest.mark.parametrize("join", [True, False])
 def test_joined_buckets_travel_as_one_message_and_arrive_bitwise(join: bool) -> None:
     run_ranks(3, _joined, join)
+
+
+def _joined_failure(rank: int, world: int) -> None:
+    from ckpt import _transfer_exec as ex
+
+    tr = importlib.import_module("ckpt.transfer")
+    tr.JOIN_ON_GLOO = True
+    tr._PLANS.clear()
+    w = torch.randn(30, 20, generator=torch.Generator().manual_seed(1))
+    rows = [30 * k // world for k in range(world + 1)]
+    cols = [20 * k // world for k in range(world + 1)]
+    src = {"w": ckpt.Shard(w[rows[rank]: rows[rank + 1]].clone(), (30, 20), (rows[rank], 0))}
+    dst = {"w": ckpt.Shard(torch.full((30, cols[rank + 1] - cols[rank]), 5.0), (30, 20), (0, cols[rank]))}
+    packed = [0]
+
+    def fault(event: str, info: dict) -> None:
+        if event == "pack" and rank == 1:
+            packed[0] += 1
+            if packed[0] == 2:  # the second bucket of a joined run: its message still goes whole
+                raise RuntimeError("simulated sender failure")
+
+    ex.FAULT = fault
+    try:
+        with pytest.raises(ckpt.CollectiveError, match=r"rank 1: RuntimeError: simulated sender failure"):
+            ckpt.transfer(src, dst, bucket_bytes=256, window=8, timeout=60)
+        assert torch.equal(dst["w"].local, torch.full_like(dst["w"].local, 5.0))  # nothing committed
+    finally:
+        ex.FAULT = None
+    if rank == 1:  # (the failing bucket was inside a joined run)
+        assert next(iter(tr._PLANS.values())).sched.sends[1].join
+    ckpt.transfer(src, dst, bucket_bytes=256, window=8, timeout=60)  # the group still works
+    assert torch.equal(dst["w"].local, w[:, cols[rank]: cols[rank + 1]])
+
+
+def test_a_sender_failing_inside_a_joined_run_fails_every_rank_and_commits_nothing() -> None:
+    run_ranks(3, _joined_failure)
