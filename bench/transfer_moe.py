@@ -70,7 +70,8 @@ def layouts(world: int) -> dict[str, dict[int, tuple[tuple[int, int], tuple[int,
     h = world // 2
     return {
         "same-src": {r: ((r % 2, 2), (r // 2, world // 2)) for r in range(world)},  # tp=2, ep=world/2
-        "same-dst": {r: ((r, world), (0, 1)) if world > 2 else ((0, 1), (r, 2)) for r in range(world)},  # tp=world
+        # tp=world (2 ranks: ep=2)
+        "same-dst": {r: ((r, world), (0, 1)) if world > 2 else ((0, 1), (r, 2)) for r in range(world)},
         "disjoint-src": {r: ((r, h), (0, 1)) for r in range(h)},  # tp=h on the first half
         "disjoint-dst": {r: ((0, 1), (r - h, h)) for r in range(h, world)},  # ep=h on the second half
     }
