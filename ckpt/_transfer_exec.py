@@ -413,7 +413,7 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
         batched = emit is None and ctx.dev.type != "cpu"
         rows = torch.zeros(len(sends), 2, dtype=torch.int64) if batched else heads
     for i, b in enumerate(sends):
-        joined = b.join or (i + 1 < len(sends) and sends[i + 1].join)
+        joined = b.join or _joins_next(sends, i)
         assert not (joined and heads is not None), "joined buckets travel without headers"
         view = None
         if len(b.copies) == 1 and not joined:
@@ -446,13 +446,18 @@ def _pack_sends(sends: list[Bucket], pool: Pool, ctx: _Ctx,
             posts.append((view, b.receiver, 2 * b.tag + 1))
             if heads is not None:
                 posts.insert(len(posts) - 1, (heads[i], b.receiver, 2 * b.tag))
-        if emit is not None and not (i + 1 < len(sends) and sends[i + 1].join):
+        if emit is not None and not _joins_next(sends, i):
             emit(posts[-2:] if heads is not None else posts[-1:])
     if heads is not None and rows is not None and rows is not heads and sends:
         heads.copy_(rows)  # (the stream orders it before the sends posted after it)
     if rec is not None:
         rec.sends = posts
     return posts
+
+
+def _joins_next(buckets: list[Bucket], i: int) -> bool:
+    """Whether the bucket after ``buckets[i]`` travels in its message (``Bucket.join``)."""
+    return i + 1 < len(buckets) and buckets[i + 1].join
 
 
 def span(base: torch.Tensor | None, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -472,7 +477,7 @@ def _post_recvs(recvs: list[Bucket], bufs: Pool | Arena, ctx: _Ctx
     rviews: list[tuple[torch.Tensor, torch.Tensor | None, bool]] = []
     heads = torch.zeros(len(recvs), 2, dtype=torch.int64, device=ctx.dev) if ctx.checksum else None
     for i, b in enumerate(recvs):
-        joined = b.join or (i + 1 < len(recvs) and recvs[i + 1].join)
+        joined = b.join or _joins_next(recvs, i)
         view = None
         if len(b.copies) == 1 and isinstance(bufs, Pool) and not joined:
             c = b.copies[0]

@@ -221,6 +221,13 @@ class Round:
         self.unpack: list[list[torch.Tensor]] = [[], []]  # in place: [outs, datas] of the received copies
 
 
+def shares_storage(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> bool:
+    """Whether some target lives in the same storage as some source (then a copy into the target may
+    overwrite a source that is still to be read)."""
+    held = {t.untyped_storage().data_ptr() for t in sources}
+    return any(t.untyped_storage().data_ptr() in held for t in targets)
+
+
 def signature(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
     """Where each tensor's bytes are: a recorded run holds only for tensors at the same addresses."""
     return tuple((t.data_ptr(), t.stride(), t.device) for t in tensors)
@@ -357,4 +364,4 @@ class Buffers:
 
 
 __all__ = ["Post", "poll", "Transport", "GlooTransport", "NcclTransport", "Pool", "round_bytes", "wide", "Arena",
-           "Views", "Round", "signature", "GRAPHS", "Batch", "Program", "Buffers"]
+           "Views", "Round", "shares_storage", "signature", "GRAPHS", "Batch", "Program", "Buffers"]

@@ -13,7 +13,7 @@ import torch
 
 from ckpt import _transfer_exec as ex
 from ckpt._transfer_exec import Failure, wait_all
-from ckpt._transfer_net import Buffers, Program, Transport, signature
+from ckpt._transfer_net import Buffers, Program, Transport, shares_storage, signature
 from ckpt._transfer_plan import Schedule
 from ckpt.errors import CollectiveError
 from ckpt.shards import Region
@@ -32,8 +32,7 @@ def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
             return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
         keep.program = None
         rec = Program(sig, sources + targets)
-        held = {t.untyped_storage().data_ptr() for t in sources}
-        rec.shared = any(t.untyped_storage().data_ptr() in held for t in targets)
+        rec.shared = shares_storage(sources, targets)
     return ex.run_schedule(sched, sources, src_regions, targets, dst_regions, transport, rank=rank,
                            checksum=checksum, deadline=deadline, timeout=timeout, defer=defer, snapshot=snapshot,
                            keep=keep, rec=rec)

@@ -388,11 +388,12 @@ def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: l
             if pc != mine["pc"] or keep is None:
                 keep = net.Buffers()
                 _BUFFERS[_key(comm, group)] = (mine["pc"], keep)
-        fail = _replay.run(sched, [i.local for i in srcs], [i.region for i in srcs], targets,
-                           [i.region for i in dsts], transport, rank=comm.rank, checksum=opts.checksum,
-                           deadline=deadline, timeout=opts.timeout, defer=not opts.in_place,
-                           snapshot=not opts.in_place and bool(sched.local) and _share_memory(srcs, dsts),
-                           keep=keep)
+        sources = [i.local for i in srcs]
+        # deferred, a local copy cannot wait for the commit when its source may be overwritten first
+        snapshot = not opts.in_place and bool(sched.local) and net.shares_storage(sources, targets)
+        fail = _replay.run(sched, sources, [i.region for i in srcs], targets, [i.region for i in dsts], transport,
+                           rank=comm.rank, checksum=opts.checksum, deadline=deadline, timeout=opts.timeout,
+                           defer=not opts.in_place, snapshot=snapshot, keep=keep)
     except Exception as e:  # noqa: BLE001
         fail.add(e)
     return staged, wanted, fail
@@ -410,13 +411,6 @@ def release_buffers(group: Any = None) -> None:
     world = dist.get_world_size() if group is None and dist.is_available() and dist.is_initialized() else 1
     _BUFFERS.pop(_group_key(group, world), None)
     _front.forget(_group_key(group, world))
-
-
-def _share_memory(srcs: list[TensorItem], dsts: list[TensorItem]) -> bool:
-    """Whether some destination piece lives in the same storage as some source piece (then a local
-    copy cannot wait for the commit: its source may be overwritten first)."""
-    held = {i.local.untyped_storage().data_ptr() for i in srcs}
-    return any(i.local.untyped_storage().data_ptr() in held for i in dsts)
 
 
 def _commit(comm: Comm, fail: ex.Failure, staged: dict[int, torch.Tensor], dsts: list[TensorItem]) -> None:
