@@ -300,11 +300,13 @@ class Program:
 
     Replayed only when every source and target is where it was when recorded (:func:`signature`:
     address, strides, device) and so are the recorded tensors: the recorded views hold what they
-    view, so no other tensor can come to live at those addresses in between. Recorded only when
-    every copy is a view (boxes, single runs), without checksum, and the run met no failure."""
+    view, so no other tensor can come to live at those addresses in between; and only by a run of
+    the same mode (``defer``: writes kept for the commit, or in place: a recording in place writes
+    the targets as it goes, which a deferred run must never do before the verdict). Recorded only
+    when every copy is a view (boxes, single runs), without checksum, and the run met no failure."""
 
-    def __init__(self, sig: tuple[Any, ...], held: list[torch.Tensor]):
-        self.sig, self.held = sig, held
+    def __init__(self, sig: tuple[Any, ...], held: list[torch.Tensor], defer: bool):
+        self.sig, self.held, self.defer = sig, held, defer
         self.rounds: dict[int, Round] = {}
         self.local: list[list[torch.Tensor]] = [[], []]  # in place: [outs, datas] of the local copies
         self.commit_outs: list[torch.Tensor] = []
@@ -321,11 +323,12 @@ class Program:
             b = self.batches[key] = Batch(outs, datas)
         b.run()
 
-    def holds(self, tensors: list[torch.Tensor], sig: tuple[Any, ...]) -> bool:
-        """Whether a run over ``tensors`` (of signature ``sig``) may replay this one: the same places,
-        and the recorded tensors still there (a storage freed, as FSDP frees unsharded parameters,
-        with a new tensor at its address would leave the recorded views on freed memory)."""
-        if sig != self.sig:
+    def holds(self, tensors: list[torch.Tensor], sig: tuple[Any, ...], defer: bool) -> bool:
+        """Whether a run over ``tensors`` (of signature ``sig``) in mode ``defer`` may replay this one:
+        the same mode, the same places, and the recorded tensors still there (a storage freed, as
+        FSDP frees unsharded parameters, with a new tensor at its address would leave the recorded
+        views on freed memory)."""
+        if sig != self.sig or defer != self.defer:
             return False
         same = len(tensors) == len(self.held) and all(a is b for a, b in zip(tensors, self.held, strict=True))
         return same or signature(self.held) == self.sig

@@ -28,10 +28,10 @@ def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
     rec = None
     if keep is not None and not snapshot and not checksum and ex.FAULT is None:
         sig = signature(sources + targets)
-        if keep.program is not None and keep.program.holds(sources + targets, sig):
+        if keep.program is not None and keep.program.holds(sources + targets, sig, defer):
             return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
         keep.program = None
-        rec = Program(sig, sources + targets)
+        rec = Program(sig, sources + targets, defer)
         rec.shared = shares_storage(sources, targets)
     return ex.run_schedule(sched, sources, src_regions, targets, dst_regions, transport, rank=rank,
                            checksum=checksum, deadline=deadline, timeout=timeout, defer=defer, snapshot=snapshot,

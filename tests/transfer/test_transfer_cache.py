@@ -231,8 +231,8 @@ def test_a_cached_plan_reuses_its_views_only_for_the_same_tensors_at_the_same_ad
 def _random_calls(rank: int, world: int, seed: int) -> None:
     """A generated sequence of repeated transfers (both ranks draw the same events): new values in the
     same tensors, a source or destination storage swapped under the same tensor object, new tensor
-    objects, another column split (a new plan), other buckets; every result bitwise, and the recorded
-    run replayed exactly when nothing but values changed."""
+    objects, another column split (a new plan), other buckets, the other mode (in place or committed);
+    every result bitwise, and the recorded run replayed exactly when nothing but values changed."""
     import random
 
     rng = random.Random(seed)
@@ -260,8 +260,9 @@ def _random_calls(rank: int, world: int, seed: int) -> None:
     src = {k: src_of(t) for k, t in value.items()}
     dst = {k: dst_of() for k in value}
     bucket = 64
+    in_place = False
     for step in range(18):
-        what = rng.choice(["values", "swap_src", "swap_dst", "objects", "relayout", "bucket", "same"])
+        what = rng.choice(["values", "swap_src", "swap_dst", "objects", "relayout", "bucket", "same", "mode"])
         was = bucket
         if what == "values":
             value["w"] = full()
@@ -281,7 +282,9 @@ def _random_calls(rank: int, world: int, seed: int) -> None:
             dst = {k: dst_of() for k in value}
         elif what == "bucket":
             bucket = rng.choice([64, 96, 4096])
-        r = ckpt.transfer(src, dst, bucket_bytes=bucket, timeout=60)
+        elif what == "mode":
+            in_place = not in_place
+        r = ckpt.transfer(src, dst, bucket_bytes=bucket, timeout=60, in_place=in_place)
         # the recorded run is replayed exactly when the plan and every tensor's address are as before
         assert r.replayed == (step > 0 and (what in ("values", "same") or (what == "bucket" and bucket == was))), (
             seed, step, what)

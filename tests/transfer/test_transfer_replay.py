@@ -81,14 +81,16 @@ def test_a_replayed_transfer_of_many_rounds_stays_bitwise(eager: bool, in_place:
     run_ranks(3, _pipelined, eager, in_place)
 
 
-def _stall(rank: int, world: int) -> None:
+def _stall(rank: int, world: int, recorded_in_place: bool) -> None:
     """A sender stalls inside a replayed transfer: its receiver names it within the timeout, no dst
-    changed, and the next transfer records anew and replays again."""
+    changed, and the next transfer records anew and replays again. ``recorded_in_place``: the run
+    was recorded in place (its copies write dst as they go); the failing call is not in place, so it
+    must not replay that recording (it would write dst before the verdict)."""
     w = _ref((8, 6))
     src = {"w": _rows(w, rank, world)}
     dst = {"w": _cols(w, rank, world)}
     for _ in range(2):
-        r = ckpt.transfer(src, dst, bucket_bytes=64, timeout=30)
+        r = ckpt.transfer(src, dst, bucket_bytes=64, timeout=30, in_place=recorded_in_place)
     assert r.replayed
     dst["w"].local.fill_(7.0)
     post = net.GlooTransport.post
@@ -110,8 +112,9 @@ def _stall(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiproc
-def test_a_sender_stalled_in_a_replay_is_named_and_nothing_is_committed() -> None:
-    run_ranks(2, _stall)
+@pytest.mark.parametrize("recorded_in_place", [False, True])
+def test_a_sender_stalled_in_a_replay_is_named_and_nothing_is_committed(recorded_in_place: bool) -> None:
+    run_ranks(2, _stall, recorded_in_place)
 
 
 def _not_replayed(rank: int, world: int) -> None:
@@ -182,10 +185,11 @@ def test_a_recording_does_not_hold_for_a_tensor_whose_storage_was_freed() -> Non
     """The same signature (a new tensor landing where a freed one was) does not make a recording
     replayable: its views would read freed memory."""
     t = torch.randn(4, 6)
-    prog = net.Program(net.signature([t]), [t])
-    assert prog.holds([t], net.signature([t]))
+    prog = net.Program(net.signature([t]), [t], defer=True)
+    assert prog.holds([t], net.signature([t]), defer=True)
+    assert not prog.holds([t], net.signature([t]), defer=False)  # (a run in place never replays a deferred one)
     other = torch.randn(4, 6)
-    assert not prog.holds([other], net.signature([other]))  # elsewhere
+    assert not prog.holds([other], net.signature([other]), defer=True)  # elsewhere
     sig = prog.sig
     t.untyped_storage().resize_(0)
-    assert not prog.holds([other], sig)  # (what a new tensor at the old address would show)
+    assert not prog.holds([other], sig, defer=True)  # (what a new tensor at the old address would show)
