@@ -7,7 +7,7 @@ tensors on GPUs (docs/TRANSFER.md, "Replay").
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,13 +22,17 @@ from ckpt.shards import Region
 def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region], targets: list[torch.Tensor],
         dst_regions: list[Region], transport: Transport | None, *, rank: int, checksum: bool,
         deadline: float | None, timeout: float | None, defer: bool = False, snapshot: bool = False,
-        keep: Buffers | None = None) -> Failure:
+        keep: Buffers | None = None, early: Early | None = None) -> Failure:
     """:func:`ckpt._transfer_exec.run_schedule`, or the replay of its recorded run in ``keep`` when
-    every tensor is where it was; a run that may be replayed later is recorded. Never raises."""
+    every tensor is where it was; a run that may be replayed later is recorded. ``early``: what
+    :func:`prepack` packed earlier in this call. Never raises."""
     rec = None
     if keep is not None and not snapshot and not checksum and ex.FAULT is None:
-        sig = signature(sources + targets)
-        if keep.program is not None and keep.program.holds(sources + targets, sig, defer):
+        tensors = sources + targets
+        if early is not None and early.prog is keep.program and _same(tensors, early.tensors):
+            return replay(early.prog, transport, rank=rank, deadline=deadline, timeout=timeout, packed=True)
+        sig = signature(tensors)
+        if keep.program is not None and keep.program.holds(tensors, sig, defer):
             return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
         keep.program = None
         rec = Program(sig, sources + targets, defer)
@@ -38,12 +42,45 @@ def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
                            keep=keep, rec=rec)
 
 
+class Early(NamedTuple):
+    """A recording whose first round :func:`prepack` packed, and the tensors it was found to hold for."""
+
+    prog: Program
+    tensors: list[torch.Tensor]
+
+
+def _same(tensors: list[torch.Tensor], held: list[torch.Tensor]) -> bool:
+    return len(tensors) == len(held) and all(a is b for a, b in zip(tensors, held, strict=True))
+
+
+def prepack(keep: Buffers | None, sources: list[torch.Tensor], targets: list[torch.Tensor], defer: bool
+            ) -> Early | None:
+    """Pack the first round of the recorded run in ``keep`` when it holds for these tensors, before
+    the call's plan exchange (for :func:`run`'s ``early``); None when there is nothing to pack
+    ahead. Why: on GPUs the packing then runs while the host waits for the other ranks'
+    fingerprints instead of before the first message (2 x H200, a MoE's layout change: ~0.4 ms of
+    each). Harmless when the call then does not replay it: only this rank's own send buffers were
+    written, and a run that is not this replay packs them anew. Not where a target shares storage
+    with a source (the recording ran the local copies before any packing)."""
+    prog = keep.program if keep is not None and ex.FAULT is None else None
+    if prog is None or prog.shared or not prog.rounds:
+        return None
+    first = min(prog.rounds)
+    r = prog.rounds[first]
+    tensors = sources + targets
+    if not r.outs or not prog.holds(tensors, signature(tensors), defer):
+        return None
+    prog.copy(("pack", first), r.outs, r.datas)
+    return Early(prog, tensors)
+
+
 def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: float | None,
-           timeout: float | None) -> Failure:
+           timeout: float | None, packed: bool = False) -> Failure:
     """Run a recorded plan again (see :class:`~ckpt._transfer_net.Program`): per round one batch of
     packing copies, the round's messages and (in place) one batch of copies out of the received
     buffers. On NCCL no round waits for the host: the buffers of round k are reused by round k + 2
-    after a stream wait, and the host waits (until the deadline) only once every round is posted."""
+    after a stream wait, and the host waits (until the deadline) only once every round is posted.
+    ``packed``: the first round was packed already (:func:`prepack`)."""
     fail = Failure()
     fail.program = prog
     fail.packed, fail.direct = prog.packed, prog.direct
@@ -53,7 +90,7 @@ def replay(prog: Program, transport: Transport | None, *, rank: int, deadline: f
     try:
         if prog.rounds:
             assert transport is not None
-            _rounds(prog, transport, fail, local, rank=rank, deadline=deadline, timeout=timeout)
+            _rounds(prog, transport, fail, local, rank=rank, deadline=deadline, timeout=timeout, packed=packed)
     finally:
         local.join()
     return fail
@@ -100,7 +137,7 @@ def _stream(dev: torch.device) -> Any:
 
 
 def _rounds(prog: Program, transport: Transport, fail: Failure, local: _Local, *, rank: int,
-            deadline: float | None, timeout: float | None) -> None:
+            deadline: float | None, timeout: float | None, packed: bool) -> None:
     """The rounds of :func:`replay`; the failure, if any, is recorded in ``fail``."""
     order = sorted(prog.rounds)
     posted: list[list[tuple[Any, int]]] = []
@@ -121,7 +158,7 @@ def _rounds(prog: Program, transport: Transport, fail: Failure, local: _Local, *
     for n, k in enumerate(order):
         r = prog.rounds[k]
         try:
-            if r.outs:  # (into the buffers of round n - 2: settled below, in round n - 1)
+            if r.outs and not (packed and n == 0):  # (into the buffers of round n - 2: settled below, in round n - 1)
                 prog.copy(("pack", k), r.outs, r.datas)
             posted.append(transport.post(r.sends, r.recvs))
         except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
@@ -140,4 +177,4 @@ def _rounds(prog: Program, transport: Transport, fail: Failure, local: _Local, *
             return
 
 
-__all__ = ["run", "replay"]
+__all__ = ["run", "Early", "prepack", "replay"]

@@ -6,6 +6,7 @@ a copy is not a view (gathered segments) or buckets carry a checksum."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -193,3 +194,65 @@ def test_a_recording_does_not_hold_for_a_tensor_whose_storage_was_freed() -> Non
     sig = prog.sig
     t.untyped_storage().resize_(0)
     assert not prog.holds([other], sig, defer=True)  # (what a new tensor at the old address would show)
+
+
+def _packed_ahead(rank: int, world: int, eager: bool, in_place: bool) -> None:
+    """A replayed call packs its first round before the plan exchange (``_replay.prepack``) and its
+    replay does not pack it again: every result bitwise with values that change between calls; a
+    call whose plan fails after rank 0 packed ahead (rank 1's dst is out of bounds) raises on every
+    rank, and the next call sends its own new values; where one rank's structure changed (a new
+    plan) the rank that packed ahead does not use it."""
+    from ckpt import _transfer_replay as rp
+
+    net.GlooTransport.eager = eager
+    step = 0
+    ahead: list[int] = []  # the steps this rank packed ahead
+    packed: list[int] = []  # the steps whose replay skipped its first packing
+    prepack, replay = rp.prepack, rp.replay
+
+    def spy_prepack(*a: Any, **k: Any) -> rp.Early | None:
+        out = prepack(*a, **k)
+        if out is not None:
+            ahead.append(step)
+        return out
+
+    def spy_replay(*a: Any, **k: Any) -> Any:
+        if k.get("packed"):
+            packed.append(step)
+        return replay(*a, **k)
+
+    rp.prepack, rp.replay = spy_prepack, spy_replay  # type: ignore[assignment]
+    try:
+        w = _ref((12, 10))
+        src = {"w": _rows(w, rank, world)}
+        dst = {"w": _cols(w, rank, world)}
+        for step in range(7):
+            w = _ref((12, 10), seed=step + 1)
+            src["w"].local.copy_(_rows(w, rank, world).local)
+            if step == 3:
+                bad = {"w": ckpt.Shard(torch.zeros(12, 5), (12, 10), (0, 9))} if rank == 1 else dst
+                with pytest.raises(ckpt.CheckpointError, match="rank 1"):
+                    ckpt.transfer(src, bad, bucket_bytes=64, window=1, timeout=30, in_place=in_place)
+                continue
+            mine = dst
+            if step == 5 and rank == 0:  # a new plan (rank 0 wants fewer columns): rank 1 packed ahead
+                mine = {"w": ckpt.Shard(torch.zeros(12, 3), (12, 10), dst["w"].offsets)}
+            r = ckpt.transfer(src, mine, bucket_bytes=64, window=1, timeout=30, in_place=in_place)
+            assert torch.equal(mine["w"].local, _want(w, mine["w"])), step
+            # (step 6: the first plan again, but the kept buffers and recording are step 5's)
+            assert r.rounds > 1 and r.replayed == (step not in (0, 5, 6)), step
+            mine["w"].local.fill_(-1.0)
+        # rank 1 fails before planning at step 3; at steps 5 and 6 it packs ahead for the plan it last
+        # ran, which rank 0 no longer has (its structure changed, then changed back)
+        assert ahead == ([1, 2, 3, 4] if rank == 0 else [1, 2, 4, 5, 6]), ahead
+        assert packed == [1, 2, 4], packed
+    finally:
+        rp.prepack, rp.replay = prepack, replay  # type: ignore[assignment]
+        net.GlooTransport.eager = True
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_replay_packs_its_first_round_ahead_of_the_plan_exchange(eager: bool, in_place: bool) -> None:
+    run_ranks(2, _packed_ahead, eager, in_place)
