@@ -80,8 +80,9 @@ class TransferResult:
     rank_packed: int = 0  # this rank's bytes copied into send buffers
     rank_direct: int = 0  # this rank's bytes sent from a source, or received into a target, as they are
     replayed: bool = False  # this rank replayed its recorded run of the cached plan (see ckpt._transfer_net.Program)
-    # this rank's seconds per phase: "plan" (declaring and the plan exchange), "move" (local copies and
-    # the data), "agree" (the commit exchange), "commit" (writing into dst)
+    # this rank's seconds per phase: "front" (flattening src and dst into pieces), "plan" (declaring,
+    # the plan exchange; a replay's first packing), "move" (local copies and the data), "agree" (the
+    # commit exchange), "commit" (writing into dst)
     phases: dict[str, float] = field(default_factory=dict)
     rank_senders: list[int] = field(default_factory=list)  # the ranks this rank received bytes from
 
@@ -205,11 +206,12 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
     err: dict[str, Any] | None = None
     srcs: list[TensorItem] = []
     dsts: list[TensorItem] = []
+    t0 = time.perf_counter()
     try:
         srcs, dsts = _front.declared(_key(comm, group), src, dst, rename, declared)
     except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
         err = rank_payload(e, comm.who)
-    return run_items(comm, group, srcs, dsts, opts, state, err)
+    return run_items(comm, group, srcs, dsts, opts, state, err, front=time.perf_counter() - t0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,10 +244,11 @@ def declared(src: dict[str, Any] | None, dst: dict[str, Any] | None,
 
 
 def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorItem], opts: Options,
-              state: TransferState | None, err: dict[str, Any] | None = None) -> TransferResult:
+              state: TransferState | None, err: dict[str, Any] | None = None, front: float = 0.0) -> TransferResult:
     """One transfer of declared pieces (the body of :func:`transfer`, also run by the streaming and
     elastic front ends): declare, plan, move, agree, commit. ``err``: this rank already failed (its
-    payload goes to every rank instead of a declaration)."""
+    payload goes to every rank instead of a declaration); ``front``: seconds the caller spent
+    flattening the state (reported as a phase)."""
     t0 = time.perf_counter()
     src_h: list[bytes] = []
     dst_h: list[bytes] = []
@@ -283,7 +286,7 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
         state.version = ver
     sent = sum(b.nbytes for b in sched.sends)
     received = sum(b.nbytes for b in sched.recvs)
-    phases = {"plan": t1 - t0, "move": t2 - t1, "agree": t3 - t2, "commit": t4 - t3}
+    phases = {"front": front, "plan": t1 - t0, "move": t2 - t1, "agree": t3 - t2, "commit": t4 - t3}
     return TransferResult(ver, mine["sent"], mine["skipped"], mine["local"], mine["buckets"], mine["rounds"],
                           time.perf_counter() - t0, sent, received, state, hit, fail.packed, fail.direct,
                           fail.program is not None, phases, sorted({b.sender for b in sched.recvs}))
