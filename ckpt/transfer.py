@@ -272,9 +272,10 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     mine, sched, hit = _plan_or_reuse(comm, group, err, wire, fp, opts)
     ver = int(mine["version"])
     t1 = time.perf_counter()
-    staged, wanted, fail = _move(comm, group, mine, sched, srcs, dsts, opts, early)
+    deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+    staged, wanted, fail = _move(comm, group, mine, sched, srcs, dsts, opts, deadline, early)
     t2 = time.perf_counter()
-    _agree(comm, group, fail, ver, mine, opts)
+    _agree(comm, group, fail, ver, mine, opts, deadline)
     t3 = time.perf_counter()
     _commit(comm, fail, staged, dsts)
     t4 = time.perf_counter()
@@ -383,12 +384,12 @@ def _planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dic
 
 
 def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: list[TensorItem],
-          dsts: list[TensorItem], opts: Options, early: _replay.Early | None = None
+          dsts: list[TensorItem], opts: Options, deadline: float | None, early: _replay.Early | None = None
           ) -> tuple[dict[int, torch.Tensor], set[int], ex.Failure]:
     """Run this rank's schedule. Not ``in_place``: nothing is written into ``dst`` yet; the received
     buckets are kept and the local copies noted (``Failure.writes``) until the commit. ``in_place``:
-    straight into the pieces (a non-contiguous one through a contiguous staging copy, returned)."""
-    deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+    straight into the pieces (a non-contiguous one through a contiguous staging copy, returned).
+    ``deadline``: when a wait for another rank's bytes gives up (monotonic seconds)."""
     fail = ex.Failure()
     staged: dict[int, torch.Tensor] = {}
     wanted: set[int] = set()
@@ -447,9 +448,16 @@ def _commit(comm: Comm, fail: ex.Failure, staged: dict[int, torch.Tensor], dsts:
                               "run the transfer again") from e
 
 
-def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, Any], opts: Options) -> None:
+def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, Any], opts: Options,
+           deadline: float | None) -> None:
     """The commit verdict: every rank reports, every rank gets the same answer; raises the chosen
-    error on every rank unless all went well."""
+    error on every rank unless all went well.
+
+    A rank waits for the others' reports until ``timeout`` after the move's ``deadline``, not only
+    after its own report. Why: a rank whose data failed early (its messages could not be posted)
+    reports at once, while the ranks waiting for its bytes give up only at their deadline; with
+    ``timeout`` from its own report it would give up on them at the same moment, a race that closed
+    the metadata group on a healthy rank and blamed it."""
     report: dict[str, Any] = {"ok": True} if fail.first is None else rank_payload(
         fail.first, comm.who, primary=fail.primary is not None, timed_out=fail.timed_out)
     if comm.single:
@@ -458,7 +466,9 @@ def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, A
         def agree(got: list[dict[str, Any]]) -> list[Any]:
             return [pick_error(got) or {"ok": True}] * comm.world
 
-        verdict = comm.exchange(report, agree, timeout=opts.timeout, what=f"transfer commit (version {ver})")
+        wait = opts.timeout if deadline is None or opts.timeout is None else max(
+            opts.timeout, deadline + opts.timeout - time.monotonic())
+        verdict = comm.exchange(report, agree, timeout=wait, what=f"transfer commit (version {ver})")
     if "err" in verdict:
         # A wait may have failed somewhere and closed the data group: every rank got this same
         # verdict, so every rank makes a new one next time (its members must agree on that).

@@ -256,3 +256,70 @@ def _packed_ahead(rank: int, world: int, eager: bool, in_place: bool) -> None:
 @pytest.mark.parametrize("in_place", [False, True])
 def test_a_replay_packs_its_first_round_ahead_of_the_plan_exchange(eager: bool, in_place: bool) -> None:
     run_ranks(2, _packed_ahead, eager, in_place)
+
+
+def _calls_with_failures(rank: int, world: int, seed: int) -> None:
+    """A generated sequence of repeated transfers, both ranks drawing the same events: new values,
+    the other mode (committed or in place), another column split, and a rank whose posting of the
+    data fails mid-call (in any round of a recorded, replayed or fresh run). After every call: a
+    committed call that raised left dst as it was; one that returned is bitwise; no call hangs
+    past its timeout; the calls after a failure replay again."""
+    import random
+
+    rng = random.Random(seed)
+    post = net.GlooTransport.post
+    w = _ref((8, 12), seed=seed)
+    src = {"w": _rows(w, rank, world)}
+    splits = [0, 6, 12]
+
+    def dst_of() -> ckpt.Shard:
+        a, b = splits[rank], splits[rank + 1]
+        return ckpt.Shard(torch.zeros(8, b - a), (8, 12), (0, a))
+
+    dst = {"w": dst_of()}
+    in_place = False
+    replays = 0
+    for step in range(12):
+        what = rng.choice(["values", "values", "mode", "relayout", "fail"])
+        failing, at = rng.randrange(world), rng.randrange(1, 4)  # (the rank, and which of its posts fails)
+        if what == "values":
+            w = _ref((8, 12), seed=1000 * seed + step)
+            src["w"].local.copy_(_rows(w, rank, world).local)
+        elif what == "mode":
+            in_place = not in_place
+        elif what == "relayout":
+            splits = [0, rng.randint(1, 11), 12]
+            dst = {"w": dst_of()}
+        before = dst["w"].local.clone()
+        calls = [0]
+
+        def failing_post(self: net.GlooTransport, sends: list, recvs: list, calls: list[int] = calls,
+                         at: int = at) -> list:
+            calls[0] += 1
+            if calls[0] == at:
+                raise RuntimeError("injected: the data group broke")
+            return post(self, sends, recvs)
+
+        if what == "fail" and rank == failing:
+            net.GlooTransport.post = failing_post  # type: ignore[method-assign]
+        try:
+            r = ckpt.transfer(src, dst, bucket_bytes=64, window=1, timeout=1.5, in_place=in_place)
+        except ckpt.CollectiveError as e:
+            assert what == "fail", (seed, step, what, e)
+            assert in_place or torch.equal(dst["w"].local, before), (seed, step, "dst changed by a failed call")
+            continue
+        finally:
+            net.GlooTransport.post = post  # type: ignore[method-assign]
+        # (a failure armed for a post the call never made: it succeeded)
+        assert what != "fail" or calls[0] < at, (seed, step)
+        replays += r.replayed
+        d = dst["w"]
+        assert torch.equal(d.local, _want(w, d)), (seed, step, what, in_place, r.replayed)
+        d.local.fill_(-3.0)
+    assert replays > 0, seed
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("seed", [0, 1])
+def test_generated_calls_with_failures_never_change_dst_when_they_raise(seed: int) -> None:
+    run_ranks(2, _calls_with_failures, seed)
