@@ -1,0 +1,121 @@
+"""Probe (issue 33): where one replayed ``ckpt.transfer`` call's time goes, on 2 GPUs.
+
+The MoE of ``bench/transfer_moe.py`` (``SIZE_GB``, default 4) goes ``tp=2 -> ep=2`` in place, nine
+times after three warm calls; each step of the call is marked with the host clock and a CUDA event
+on the stream it runs on (no profiler: torch's slows the host path it would measure): each recorded
+copy batch (``c('pack', k)`` ...), each posting of messages (``post``), each metadata exchange
+(``xchg``), each wait for NCCL (``polled``). Prints, per rank, the medians over the last seven calls
+of every mark in milliseconds from the call's start (host, and the GPU's when it reached the mark),
+then NCCL's own send/recv of the same bytes alone (``p2p_alone``).
+
+Run: python scripts/probes/transfer_timeline.py   (CUDA only, 2 GPUs; ``OUT=dir`` keeps one file per rank)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ckpt
+from bench.ranks import fork_ranks
+from bench.transfer import raw_baselines
+from bench.transfer_moe import _state, layers_for
+from ckpt import _comm
+from ckpt import _transfer_net as net
+
+SIZE_GB = float(os.environ.get("SIZE_GB", "4"))
+MARKS: list[tuple[str, float, Any]] = []  # (label, host seconds, CUDA event or None)
+ON = [False]
+
+
+def mark(label: str, gpu: bool = True) -> None:
+    if ON[0]:
+        ev = None
+        if gpu:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        MARKS.append((label, time.perf_counter(), ev))
+
+
+def around(obj: Any, name: str, label: Callable[..., str], gpu_before: bool = False, gpu_after: bool = True) -> None:
+    f = getattr(obj, name)
+
+    def g(*a: Any, **k: Any) -> Any:
+        mark(label(*a) + ">", gpu=gpu_before)
+        out = f(*a, **k)
+        mark(label(*a) + "<", gpu=gpu_after)
+        return out
+
+    setattr(obj, name, g)
+
+
+def main(rank: int, world: int, device: torch.device) -> None:
+    from bench.transfer_moe import shapes
+
+    g = torch.Generator(device=device).manual_seed(0)
+    full = {k: torch.randn(s, generator=g, device=device, dtype=torch.bfloat16)
+            for k, s in shapes(layers_for(SIZE_GB, 2)).items()}
+    src = _state(full, ((rank, world), (0, 1)), device, zero=False)
+    dst = _state(full, ((0, 1), (rank, world)), device, zero=True)
+    around(net.Program, "copy", lambda self, key, *_: f"c{key}", gpu_before=True)
+    around(net.NcclTransport, "post", lambda *_: "post")
+    around(_comm.Comm, "exchange", lambda *_: "xchg", gpu_after=False)
+    poll = net.poll
+
+    def polled(work: Any, deadline: float | None) -> bool:
+        out = poll(work, deadline)
+        mark("polled")
+        return out
+
+    net.poll = polled  # type: ignore[assignment]
+    res = None
+    for _ in range(4):
+        res = ckpt.transfer(src, dst, in_place=True)
+    assert res is not None and res.replayed
+    sent = torch.tensor([res.rank_sent], device=device)
+    both = [torch.zeros_like(sent) for _ in range(world)]
+    dist.all_gather(both, sent)
+    pairs = [[0 if s == r else int(both[s]) for r in range(world)] for s in range(world)]
+    p2p = raw_baselines(rank, world, device, pairs)["send/recv"]
+    runs = []
+    for _ in range(9):
+        dist.barrier()
+        torch.cuda.synchronize()
+        MARKS.clear()
+        ON[0] = True
+        mark("start")
+        ckpt.transfer(src, dst, in_place=True)
+        mark("return")
+        ON[0] = False
+        torch.cuda.synchronize()
+        t0, e0 = MARKS[0][1], MARKS[0][2]
+        row = [(lab, (h - t0) * 1e3, None if ev is None else e0.elapsed_time(ev)) for lab, h, ev in MARKS]
+        dist.barrier()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        p2p()
+        torch.cuda.synchronize()
+        runs.append([*row, ("p2p_alone", (time.perf_counter() - t) * 1e3, None)])
+    keep = [r for r in runs[2:] if [m[0] for m in r] == [m[0] for m in runs[-1]]]
+    lines = [f"rank {rank} (medians of {len(keep)} calls; ms from the call's start)"]
+    for i, (lab, _, _) in enumerate(keep[0]):
+        host = statistics.median(r[i][1] for r in keep)
+        gpus = [r[i][2] for r in keep if r[i][2] is not None]
+        lines.append(f"  {lab:22s} host {host:7.3f}" + (f"  gpu {statistics.median(gpus):7.3f}" if gpus else ""))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"transfer_timeline_r{rank}.txt"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
+    sys.exit(fork_ranks(2, main, device="cuda"))
