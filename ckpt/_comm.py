@@ -128,8 +128,20 @@ def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+def check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` if it is None or a positive number of seconds, else a StateError. Why: zero, a
+    negative or NaN made every wait give up at once, and a gloo wait that gives up closes the
+    group: one bad argument cost the job its metadata group."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise errors.StateError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return timeout
+
+
 def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
+    t = check_timeout(timeout)
+    return None if t is None else time.monotonic() + t
 
 
 def _wait(work: Any, deadline: float | None, floor: float = 0.001) -> None:
@@ -176,6 +188,7 @@ class Comm:
         self.sent = 0
         self.received = 0
         self.fanin = FANIN if fanin is None else int(fanin)
+        check_timeout(timeout)
         if not self.enabled:
             if group is not None:
                 raise errors.StateError("a process group was passed but torch.distributed is not initialized")

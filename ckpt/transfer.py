@@ -230,6 +230,22 @@ class Options:
     min_part: int = MIN_PART
 
 
+def check_options(opts: Options) -> None:
+    """StateError for knobs no plan can use (on the rank that passed them; its payload reaches every
+    rank). ``timeout`` is checked where the group is opened (:class:`ckpt._comm.Comm`)."""
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if opts.bucket_bytes is not None and not (whole(opts.bucket_bytes) and opts.bucket_bytes >= 64):
+        raise StateError(f"bucket_bytes must be an int of at least 64, got {opts.bucket_bytes!r}")
+    if opts.window is not None and not (whole(opts.window) and opts.window >= 1):
+        raise StateError(f"window must be at least 1 bucket in flight, got {opts.window!r}")
+    if opts.version is not None and not (whole(opts.version) and opts.version >= 0):
+        raise StateError(f"version must be a non-negative int or None, got {opts.version!r}")
+    if not whole(opts.min_part):
+        raise StateError(f"min_part must be an int (bytes), got {opts.min_part!r}")
+
+
 def declared(src: dict[str, Any] | None, dst: dict[str, Any] | None,
              rename: Rename) -> tuple[list[TensorItem], list[TensorItem]]:
     """This rank's source pieces (renamed; dropped where ``rename`` says None) and destination pieces."""
@@ -256,8 +272,7 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     fp: str | None = None
     if err is None:
         try:
-            if opts.bucket_bytes is not None and opts.bucket_bytes < 64:
-                raise StateError(f"bucket_bytes must be at least 64, got {opts.bucket_bytes}")
+            check_options(opts)
             if opts.delta:
                 src_h = [_hash(i.local) for i in srcs]
                 dst_h = [_hash(i.local) for i in dsts]

@@ -43,6 +43,7 @@ from ckpt.transfer import (
     Rename,
     TransferResult,
     TransferState,
+    check_options,
     declared,
     pick_error,
     rank_payload,
@@ -106,6 +107,7 @@ class TransferStream:
         srcs: list[TensorItem] = []
         decl: dict[str, Any] = {}
         try:
+            check_options(opts)
             srcs, _ = declared(src, None, rename)
             decl = {"cat": [[i.key, i.dtype, list(i.global_shape)] for i in srcs], "want": _want_wire(want),
                     "dtype": dtype_name(dtype) if dtype is not None else None, "v": opts.version,

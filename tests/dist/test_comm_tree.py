@@ -178,3 +178,17 @@ def _sizes(rank: int, world: int) -> dict[str, Any]:
 def test_messages_of_every_size_around_the_inline_head_arrive_whole() -> None:
     res = run_forked(5, _sizes)
     assert all(all(a and b for a, b in r["ok"]) for r in res), res
+
+
+@pytest.mark.parametrize("timeout", [0, -5, float("nan"), True, "10"])
+def test_a_timeout_no_wait_can_keep_is_a_state_error_before_anything_is_written(tmp_path, timeout: Any) -> None:
+    """Zero, negative, NaN or non-numeric: every wait would give up at once (and a gloo wait that
+    gives up closes the metadata group), so the one place timeouts become deadlines refuses it."""
+    with pytest.raises(ckpt.StateError, match="timeout must be a positive number of seconds or None"):
+        Comm(None, timeout=timeout)
+    with pytest.raises(ckpt.StateError, match="timeout must be a positive number of seconds or None"):
+        comm_mod._deadline(timeout)
+    with pytest.raises(ckpt.StateError, match="timeout must be a positive"):
+        ckpt.save({"w": torch.ones(2)}, str(tmp_path / "c"), timeout=timeout)
+    assert not (tmp_path / "c").exists()
+    assert comm_mod.check_timeout(None) is None and comm_mod.check_timeout(0.5) == 0.5
