@@ -2,8 +2,9 @@
 
 The load planner's question (which held pieces overlap which wanted pieces) answered between
 running processes: senders declare what they hold as ``ckpt.save`` does, receivers what they want as
-``ckpt.load`` does, the coordinator plans (:mod:`ckpt._transfer_plan`, pure), and every rank runs its
-part (:mod:`ckpt._transfer_exec`): local copies, then rounds of point-to-point buckets.
+``ckpt.load`` does, the coordinator plans (:mod:`ckpt._transfer_coord`, the control plane, around
+:mod:`ckpt._transfer_plan`, pure), and every rank runs its part (:mod:`ckpt._transfer_exec`): local
+copies, then rounds of point-to-point buckets.
 
 One transfer is one version. Receivers keep the received buckets and write them (and their local
 copies) into the destination tensors only after every rank reported that every bucket arrived (and
@@ -17,12 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import torch
 
 from ckpt import _transfer_exec as ex
@@ -30,21 +29,31 @@ from ckpt import _transfer_front as _front
 from ckpt import _transfer_net as net
 from ckpt import _transfer_replay as _replay
 from ckpt import stateful
-from ckpt._comm import Comm, describe, raise_payload, side_group
+from ckpt._comm import Comm, raise_payload, side_group
 from ckpt._save_plan import PieceDecl
 from ckpt._state import TensorItem, flatten_state
-from ckpt._transfer_plan import MIN_PART, Schedule, plan_transfer
-from ckpt.errors import CheckpointError, CollectiveError, StateError
-
-# Bucket size and window when the caller names none, by data path. Over NCCL, larger: on 4 x H100 a
-# MoE's layout change in place took 10.5-11.3 ms with 256 MiB x 2-4 against 12.4-12.8 ms with 64 MiB x 4
-# (fewer messages to post, fewer rounds; docs/BENCHMARKS.md), for 512 MiB per round of GPU memory.
-DEFAULT_BUCKET_BYTES = 64 << 20  # gloo
-DEFAULT_WINDOW = 4
-NCCL_BUCKET_BYTES = 256 << 20
-NCCL_WINDOW = 2
-DEFAULT_TIMEOUT_S = 600.0
-JOIN_ON_GLOO = False  # test hook: join buckets into messages over gloo too (as over NCCL; see plan_transfer)
+from ckpt._transfer_coord import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WINDOW,
+    NCCL_BUCKET_BYTES,
+    NCCL_WINDOW,
+    PLANS,
+    Options,
+    check_options,
+    group_key,
+    key_of,
+    nccl_backend,
+    nccl_data,
+    pick_error,
+    plan_or_reuse,
+    rank_payload,
+    shaping,
+    sizes,
+    structure_fingerprint,
+)
+from ckpt._transfer_plan import MIN_PART, Schedule
+from ckpt.errors import CollectiveError, StateError
 
 Rename = Callable[[str], "str | None"] | dict[str, str] | None
 
@@ -88,22 +97,9 @@ class TransferResult:
 
 
 _STALE: dict[Any, bool] = {}  # per group: the data group must be made anew (a data-phase failure closed it)
-PLAN_CACHE = 16  # plans kept per process (a stream's waves are one plan each)
-
-
-@dataclass(slots=True)
-class _Cached:
-    """A plan this rank ran before: its global fingerprint, the coordinator's reply and the schedule."""
-
-    fp: str
-    mine: dict[str, Any]
-    sched: Schedule
-
-
 # per group, host buffers of its last cached plan: (plan fingerprint, buffers); GPU memory is left to
 # torch's caching allocator (held buffers would be memory the training step cannot use)
 _BUFFERS: dict[Any, tuple[str, net.Buffers]] = {}
-_PLANS: OrderedDict[tuple[Any, str], _Cached] = OrderedDict()  # (group key, structure fingerprint) -> plan
 
 
 def _rename_fn(rename: Rename) -> Callable[[str], str | None]:
@@ -132,25 +128,6 @@ def _hash(t: torch.Tensor) -> bytes:
     host = host.cpu() if host.device.type != "cpu" else host
     data = host.contiguous().view(torch.uint8).numpy().data if host.numel() else memoryview(b"")
     return hashlib.blake2b(data, digest_size=16).digest()
-
-
-def rank_payload(e: BaseException, rank: int | None, primary: bool = True, timed_out: bool = False) -> dict[str, Any]:
-    """An exception for the other ranks: a CheckpointError keeps its class, anything else becomes a
-    CollectiveError; the message names the rank."""
-    kind = type(e).__name__ if isinstance(e, CheckpointError) else "CollectiveError"
-    msg = describe(e)
-    if rank is not None and not msg.startswith(f"rank {rank}:"):
-        msg = f"rank {rank}: {msg}"
-    return {"err": msg, "type": kind, "primary": primary, "timed_out": timed_out}
-
-
-def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The error every rank raises: a rank's own failure first, then a wait that ran out of time
-    (it names the slow rank), then any consequence seen elsewhere (a closed connection)."""
-    errs = [g for g in got if "err" in g]
-    if not errs:
-        return None
-    return min(errs, key=lambda g: (not g.get("primary", True), not g.get("timed_out", False)))
 
 
 def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: Any = None,
@@ -208,42 +185,10 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
     dsts: list[TensorItem] = []
     t0 = time.perf_counter()
     try:
-        srcs, dsts = _front.declared(_key(comm, group), src, dst, rename, declared)
+        srcs, dsts = _front.declared(key_of(comm, group), src, dst, rename, declared)
     except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
         err = rank_payload(e, comm.who)
     return run_items(comm, group, srcs, dsts, opts, state, err, front=time.perf_counter() - t0)
-
-
-@dataclass(frozen=True, slots=True)
-class Options:
-    """The knobs of one transfer (see :func:`transfer`), the same on every rank."""
-
-    bucket_bytes: int | None = None  # None: by data path (see sizes)
-    window: int | None = None
-    timeout: float | None = DEFAULT_TIMEOUT_S
-    version: int | None = None
-    checksum: bool = False
-    delta: bool = False
-    strict: bool = True
-    cast: bool = False
-    in_place: bool = False
-    min_part: int = MIN_PART
-
-
-def check_options(opts: Options) -> None:
-    """StateError for knobs no plan can use (on the rank that passed them; its payload reaches every
-    rank). ``timeout`` is checked where the group is opened (:class:`ckpt._comm.Comm`)."""
-    def whole(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    if opts.bucket_bytes is not None and not (whole(opts.bucket_bytes) and opts.bucket_bytes >= 64):
-        raise StateError(f"bucket_bytes must be an int of at least 64, got {opts.bucket_bytes!r}")
-    if opts.window is not None and not (whole(opts.window) and opts.window >= 1):
-        raise StateError(f"window must be at least 1 bucket in flight, got {opts.window!r}")
-    if opts.version is not None and not (whole(opts.version) and opts.version >= 0):
-        raise StateError(f"version must be a non-negative int or None, got {opts.version!r}")
-    if not whole(opts.min_part):
-        raise StateError(f"min_part must be an int (bytes), got {opts.min_part!r}")
 
 
 def declared(src: dict[str, Any] | None, dst: dict[str, Any] | None,
@@ -279,12 +224,12 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
             wire = _declaration(srcs, dsts, opts, state, src_h, dst_h)
             # delta plans depend on which pieces changed: planned every time
             fp = None if opts.delta else _front.fingerprint_of(
-                srcs, dsts, _shaping(comm.rank, comm.world, opts),
+                srcs, dsts, shaping(comm.rank, comm.world, opts),
                 lambda: structure_fingerprint(wire, comm.rank, comm.world, opts))
         except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
             err = rank_payload(e, comm.who)
     early = _prepack(comm, group, fp, srcs, dsts, opts) if err is None else None
-    mine, sched, hit = _plan_or_reuse(comm, group, err, wire, fp, opts)
+    mine, sched, hit = plan_or_reuse(comm, group, err, wire, fp, opts)
     ver = int(mine["version"])
     t1 = time.perf_counter()
     deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
@@ -308,44 +253,6 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
                           fail.program is not None, phases, sorted({b.sender for b in sched.recvs}))
 
 
-def structure_fingerprint(wire: dict[str, Any], rank: int, world: int, opts: Options) -> str:
-    """What makes this rank's part of a plan: its declared pieces (keys, dtypes, global shapes,
-    regions), its place in the group, whether it joins over NCCL, and the planning options. Equal
-    fingerprints on every rank, as at an earlier transfer, mean that transfer's plan holds again."""
-    what = [wire["s"], wire["d"], wire["nccl"], *_shaping(rank, world, opts)]
-    return hashlib.blake2b(msgpack.packb(what, use_bin_type=True), digest_size=16).hexdigest()
-
-
-def _shaping(rank: int, world: int, opts: Options) -> tuple[Any, ...]:
-    """What besides the pieces shapes this rank's plan: its place in the group and the planning
-    options (in the structure fingerprint, and the key a kept front caches fingerprints under)."""
-    return (rank, world, opts.bucket_bytes, opts.window, opts.strict, opts.cast, opts.min_part, opts.checksum)
-
-
-def _plan_or_reuse(comm: Comm, group: Any, err: dict[str, Any] | None, wire: dict[str, Any], fp: str | None,
-                   opts: Options) -> tuple[dict[str, Any], Schedule, bool]:
-    """This rank's part of the plan: the cached one when every rank still has the same structure as
-    at a transfer they planned together (one small exchange of fingerprints), else planned anew.
-
-    A rank with a cached plan sends only the plan's fingerprint; if some other rank's differs, the
-    coordinator asks everyone for their declarations (a second exchange) and plans."""
-    key = (_key(comm, group), fp or "")
-    hit = _PLANS.get(key) if fp is not None else None
-    msg = err or ({"v": opts.version, "last": wire["last"], "pc": hit.fp} if hit is not None else wire)
-    out = _planned(comm, group, msg, opts)
-    if out.get("declare"):
-        out = _planned(comm, group, wire, opts)
-    if out.get("cached") and hit is not None:
-        _PLANS.move_to_end(key)
-        return dict(hit.mine, version=out["version"]), hit.sched, True
-    sched = Schedule.from_wire(out["sched"])
-    if fp is not None:
-        _PLANS[key] = _Cached(out["pc"], out, sched)
-        while len(_PLANS) > PLAN_CACHE:
-            _PLANS.popitem(last=False)
-    return out, sched, False
-
-
 def _prepack(comm: Comm, group: Any, fp: str | None, srcs: list[TensorItem], dsts: list[TensorItem],
              opts: Options) -> _replay.Early | None:
     """Where this call will likely replay the group's recorded run (its plan is cached, its buffers
@@ -353,8 +260,8 @@ def _prepack(comm: Comm, group: Any, fp: str | None, srcs: list[TensorItem], dst
     (:func:`ckpt._transfer_replay.prepack`)."""
     if fp is None or opts.checksum or opts.delta:
         return None
-    hit = _PLANS.get((_key(comm, group), fp))
-    pc, keep = _BUFFERS.get(_key(comm, group), ("", None))
+    hit = PLANS.get((key_of(comm, group), fp))
+    pc, keep = _BUFFERS.get(key_of(comm, group), ("", None))
     if hit is None or keep is None or pc != hit.fp:
         return None
     try:
@@ -376,26 +283,6 @@ def _declaration(srcs: list[TensorItem], dsts: list[TensorItem], opts: Options, 
             "c": [j < len(state.dst_hashes) and h == state.dst_hashes[j] for j, h in enumerate(dst_h)]
             if state is not None else [],
             "nccl": nccl, "ck": opts.checksum}
-
-
-def _planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dict[str, Any]:
-    """Every rank's declaration to the coordinator, this rank's schedule back (or the error every
-    rank raises)."""
-    def reply(got: list[dict[str, Any]]) -> list[Any]:
-        bad = pick_error(got)
-        if bad is not None:
-            return [bad] * comm.world
-        try:
-            return _plan_reply(got, comm, bucket_bytes=opts.bucket_bytes, window=opts.window, strict=opts.strict,
-                               cast=opts.cast, delta=opts.delta, min_part=opts.min_part, group=group)
-        except Exception as e:  # noqa: BLE001 - a plan error names its tensor and ranks itself
-            return [rank_payload(e, None)] * comm.world
-
-    out = (reply([mine])[0] if comm.single
-           else comm.exchange(mine, reply, timeout=opts.timeout, what="transfer planning"))
-    if "err" in out:
-        raise_payload(out)
-    return out
 
 
 def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: list[TensorItem],
@@ -422,10 +309,10 @@ def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: l
         transport = _transport(comm, group, mine, opts.timeout) if mine["net"] else None
         keep = None
         if transport is not None and not opts.delta:  # (kept on GPUs too: see release_buffers)
-            pc, keep = _BUFFERS.get(_key(comm, group), ("", None))
+            pc, keep = _BUFFERS.get(key_of(comm, group), ("", None))
             if pc != mine["pc"] or keep is None:
                 keep = net.Buffers()
-                _BUFFERS[_key(comm, group)] = (mine["pc"], keep)
+                _BUFFERS[key_of(comm, group)] = (mine["pc"], keep)
         sources = [i.local for i in srcs]
         # deferred, a local copy cannot wait for the commit when its source may be overwritten first
         snapshot = not opts.in_place and bool(sched.local) and net.shares_storage(sources, targets)
@@ -447,8 +334,8 @@ def release_buffers(group: Any = None) -> None:
     # (a group is keyed by itself: the world size only names the default group, and an unregistered
     # group of ckpt's own has none torch.distributed would tell)
     world = dist.get_world_size() if group is None and dist.is_available() and dist.is_initialized() else 1
-    _BUFFERS.pop(_group_key(group, world), None)
-    _front.forget(_group_key(group, world))
+    _BUFFERS.pop(group_key(group, world), None)
+    _front.forget(group_key(group, world))
 
 
 def _commit(comm: Comm, fail: ex.Failure, staged: dict[int, torch.Tensor], dsts: list[TensorItem]) -> None:
@@ -488,63 +375,11 @@ def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, A
         # A wait may have failed somewhere and closed the data group: every rank got this same
         # verdict, so every rank makes a new one next time (its members must agree on that).
         if mine["net"]:
-            _STALE[_key(comm, group)] = True
-        _BUFFERS.pop(_key(comm, group), None)  # a timed-out receive may still land in them
+            _STALE[key_of(comm, group)] = True
+        _BUFFERS.pop(key_of(comm, group), None)  # a timed-out receive may still land in them
         verdict = dict(verdict, err=f"transfer version {ver}: {verdict['err']}"
                        + ("" if opts.in_place else "; no destination tensor was changed"))
         raise_payload(verdict, fail.first)
-
-
-def _key(comm: Comm, group: Any) -> Any:
-    return _group_key(group, comm.world)
-
-
-def _group_key(group: Any, world: int) -> Any:
-    """What plans and buffers are kept under: the group object, or the default group of ``world`` ranks."""
-    return id(group) if group is not None else ("world", world)
-
-
-def sizes(bucket_bytes: int | None, window: int | None, nccl: bool) -> tuple[int, int]:
-    """The bucket size and window a plan uses: the caller's, else the data path's defaults."""
-    return (bucket_bytes if bucket_bytes is not None else NCCL_BUCKET_BYTES if nccl else DEFAULT_BUCKET_BYTES,
-            window if window is not None else NCCL_WINDOW if nccl else DEFAULT_WINDOW)
-
-
-def _plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int | None, window: int | None,
-                strict: bool, cast: bool, delta: bool, min_part: int, group: Any) -> list[dict[str, Any]]:
-    """The coordinator's part: agree on the version, plan, and hand each rank its schedule."""
-    versions = {(r, g["v"]) for r, g in enumerate(got) if g["v"] is not None}
-    if len({v for _, v in versions}) > 1:
-        raise StateError(f"ranks give different transfer versions: {sorted(versions)}; pass the same version "
-                         "on every rank (or none)")
-    ver = next(iter(versions))[1] if versions else max(int(g["last"]) for g in got) + 1
-    checks = {bool(g.get("ck")) for g in got if "s" in g}
-    if len(checks) > 1:  # (a bucket carries a header only with checksum: the ranks must agree on it)
-        raise StateError(f"ranks disagree on checksum: {[r for r, g in enumerate(got) if g.get('ck')]} pass "
-                         "checksum=True, the others not; pass the same on every rank")
-    pcs = {g.get("pc") for g in got}
-    if len(pcs) == 1 and None not in pcs:  # every rank holds the plan these fingerprints name
-        return [{"version": ver, "cached": True}] * comm.world
-    if any("s" not in g for g in got):  # some rank's structure changed: everyone declares
-        return [{"version": ver, "declare": True}] * comm.world
-    srcs = [[PieceDecl.from_wire(p) for p in g["s"]] for g in got]
-    dsts = [[PieceDecl.from_wire(p) for p in g["d"]] for g in got]
-    fp = hashlib.blake2b(msgpack.packb([[g["s"], g["d"]] for g in got] + [min_part, cast],
-                                       use_bin_type=True), digest_size=16).hexdigest()
-    same = delta and all(g["fp"] == fp for g in got)
-    nccl = any(g["nccl"] for g in got)
-    on_nccl = _nccl_data(comm, nccl)
-    bucket_bytes, window = sizes(bucket_bytes, window, on_nccl)
-    # NCCL: a pair's packed buckets of a round in one message (gloo posts each as soon as it is packed)
-    join = (on_nccl or JOIN_ON_GLOO) and checks != {True}
-    plan = plan_transfer(srcs, dsts, bucket_bytes=bucket_bytes, window=window, strict=strict, cast=cast, join=join,
-                         min_part=min_part, unchanged=[g["u"] for g in got] if same else None,
-                         clean=[g["c"] for g in got] if same else None)
-    pc = hashlib.blake2b(msgpack.packb([fp, nccl, bucket_bytes, window, strict, checks == {True}], use_bin_type=True),
-                         digest_size=16).hexdigest()
-    common = {"version": ver, "fp": fp, "pc": pc, "net": plan.buckets > 0, "nccl": nccl, "sent": plan.bytes_sent,
-              "skipped": plan.bytes_skipped, "local": plan.bytes_local, "buckets": plan.buckets, "rounds": plan.rounds}
-    return [dict(common, sched=s.to_wire()) for s in plan.schedules]
 
 
 def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | None) -> net.Transport:
@@ -553,38 +388,19 @@ def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | No
     import torch.distributed as dist
 
     g = comm.group
-    key = _key(comm, group)
+    key = key_of(comm, group)
     if isinstance(g, dist.ProcessGroupGloo) and comm.side:
         # one of ckpt's own groups (the memory tier's): not registered, so its ranks are unknown here;
         # the data goes over it (its owner makes a new one after a failure that closed it)
         _STALE.pop(key, None)
         return net.GlooTransport(g)
-    if _nccl_data(comm, mine["nccl"]):
+    if nccl_data(comm, mine["nccl"]):
         return net.NcclTransport(g)
     ranks = dist.get_process_group_ranks(g)
     pg = side_group(ranks, "transfer-data", timeout=timeout, fresh=_STALE.pop(key, False))
     return net.GlooTransport(pg)
 
 
-def _nccl_data(comm: Comm, gpu: bool) -> bool:
-    """Whether the data goes over NCCL: some tensor is on a GPU (``gpu``, any rank's) and the group
-    carries CUDA tensors over NCCL (not one of ckpt's own gloo groups). The coordinator's plan and
-    every rank's transport ask the same question."""
-    import torch.distributed as dist
-
-    if not gpu or comm.side or not (dist.is_available() and dist.is_initialized()):
-        return False
-    return nccl_backend(str(dist.get_backend(comm.group)))
-
-
-def nccl_backend(name: str) -> bool:
-    """Whether a group of backend ``name`` sends CUDA tensors over NCCL: ``"nccl"``, or a backend per
-    device such as ``"cpu:gloo,cuda:nccl"`` (what ``init_process_group()`` makes on a GPU machine when
-    no backend is named, and what torchtitan asks for)."""
-    parts = [p.strip().lower() for p in name.split(",")]
-    return parts == ["nccl"] or "cuda:nccl" in parts
-
-
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "NCCL_BUCKET_BYTES", "NCCL_WINDOW", "DEFAULT_TIMEOUT_S", "Rename",
            "TransferState", "TransferResult", "rank_payload", "pick_error", "transfer", "release_buffers", "Options",
-           "declared", "run_items", "structure_fingerprint", "sizes", "nccl_backend"]
+           "check_options", "declared", "run_items", "structure_fingerprint", "sizes", "nccl_backend"]

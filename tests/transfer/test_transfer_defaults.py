@@ -1,7 +1,7 @@
 """``ckpt.transfer``'s bucket size and window when the caller names none: 64 MiB x 4 over gloo,
 256 MiB x 2 over NCCL (fewer messages and rounds where posting them costs most; docs/TRANSFER.md),
 decided by the coordinator from the same question every rank's transport asks
-(``ckpt.transfer._nccl_data``). The plan is checked without processes, from the ranks' real
+(``ckpt._transfer_coord.nccl_data``). The plan is checked without processes, from the ranks' real
 declarations (300 MiB declared from ``torch.empty``: no page is touched)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import ckpt
 from tests.dist_utils import run_ranks
 
 tr = importlib.import_module("ckpt.transfer")  # (the module: ``ckpt.transfer`` is also the function)
+co = importlib.import_module("ckpt._transfer_coord")
 
 MiB = 1 << 20
 
@@ -42,14 +43,14 @@ def _got(gpu: bool) -> list[dict]:
 @pytest.mark.parametrize(("nccl", "buckets", "rounds"), [(False, 5, 2), (True, 2, 1)])
 def test_the_coordinator_plans_with_the_data_paths_defaults(monkeypatch: pytest.MonkeyPatch, nccl: bool,
                                                             buckets: int, rounds: int) -> None:
-    monkeypatch.setattr(tr, "_nccl_data", lambda comm, gpu: gpu)
+    monkeypatch.setattr(co, "nccl_data", lambda comm, gpu: gpu)
     comm = SimpleNamespace(world=2)
-    replies = tr._plan_reply(_got(nccl), comm, bucket_bytes=None, window=None, strict=True, cast=False,  # type: ignore[arg-type]
+    replies = co.plan_reply(_got(nccl), comm, bucket_bytes=None, window=None, strict=True, cast=False,  # type: ignore[arg-type]
                              delta=False, min_part=tr.MIN_PART, group=None)
     assert replies[0]["buckets"] == buckets and replies[0]["rounds"] == rounds  # 300 MiB in 64 / 256 MiB buckets
     assert replies[0]["nccl"] is nccl
     # the caller's own values win over either default
-    replies = tr._plan_reply(_got(nccl), comm, bucket_bytes=100 * MiB, window=1, strict=True, cast=False,  # type: ignore[arg-type]
+    replies = co.plan_reply(_got(nccl), comm, bucket_bytes=100 * MiB, window=1, strict=True, cast=False,  # type: ignore[arg-type]
                              delta=False, min_part=tr.MIN_PART, group=None)
     assert replies[0]["buckets"] == 3 and replies[0]["rounds"] == 3
 
@@ -59,7 +60,7 @@ def _gloo(rank: int, world: int) -> None:
     transfer with default knobs is bitwise."""
     from ckpt._comm import Comm
 
-    assert not tr._nccl_data(Comm(None), gpu=True)
+    assert not co.nccl_data(Comm(None), gpu=True)
     w = torch.arange(64, dtype=torch.float32).view(8, 8)
     src = {"w": ckpt.Shard(w[rank * 4: rank * 4 + 4].clone(), (8, 8), (rank * 4, 0))}
     dst = {"w": ckpt.Shard(torch.zeros(8, 4), (8, 8), (0, rank * 4))}

@@ -45,7 +45,7 @@ def _moe_like(rank: int, world: int, device: str, in_place: bool) -> None:
         return g
 
     net._capture = counting
-    importlib.import_module("ckpt.transfer")._PLANS.clear()  # (this test's plan is the only one then)
+    importlib.import_module("ckpt._transfer_coord").PLANS.clear()  # (this test's plan is the only one then)
     g = torch.Generator(device=dev).manual_seed(0)
     shapes = {"w13": (8, 256, 128), "w2": (8, 128, 96), "wo": (128, 128), "norm": (128,)}
     full = {k: torch.randn(s, generator=g, device=dev, dtype=torch.bfloat16) for k, s in shapes.items()}
@@ -81,7 +81,7 @@ def _moe_like(rank: int, world: int, device: str, in_place: bool) -> None:
             d.local.fill_(-1)
         assert r.replayed == (step > 0), step
     # over NCCL a pair's packed buckets of a round travel joined (one message); over gloo each alone
-    sends = next(iter(importlib.import_module("ckpt.transfer")._PLANS.values())).sched.sends
+    sends = next(iter(importlib.import_module("ckpt._transfer_coord").PLANS.values())).sched.sends
     assert any(b.join for b in sends) == (device == "cuda"), [(b.round, b.receiver, b.join) for b in sends]
     # on GPUs every recorded batch became a graph; on CPU none is tried (gloo: no replayed batch is on a GPU)
     assert (captured and all(captured)) if device == "cuda" else not any(captured), captured
@@ -130,8 +130,9 @@ def _mixed(rank: int, world: int, device: torch.device) -> None:
     from ckpt._comm import Comm
 
     tr = importlib.import_module("ckpt.transfer")
+    co = importlib.import_module("ckpt._transfer_coord")
     assert str(dist.get_backend()) == "cpu:gloo,cuda:nccl"
-    assert tr._nccl_data(Comm(None), True)  # the CUDA tensors go over NCCL, not ckpt's gloo side group
+    assert co.nccl_data(Comm(None), True)  # the CUDA tensors go over NCCL, not ckpt's gloo side group
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(64, 48, generator=g, device=device)  # the same on both ranks
     src = {"w": ckpt.Shard(w[rank * 32: rank * 32 + 32].clone(), (64, 48), (rank * 32, 0))}

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.multiproc
 
 def _joined(rank: int, world: int, join: bool) -> None:
     tr = importlib.import_module("ckpt.transfer")
-    tr.JOIN_ON_GLOO = join
-    tr._PLANS.clear()  # (plans of earlier tests in the parent process: this one's is the only one then)
+    co = importlib.import_module("ckpt._transfer_coord")
+    co.JOIN_ON_GLOO = join
+    co.PLANS.clear()  # (plans of earlier tests in the parent process: this one's is the only one then)
     sent = [0]
     post = net.GlooTransport.post
 
@@ -54,13 +55,13 @@ def _joined(rank: int, world: int, join: bool) -> None:
             assert torch.equal(dst["w"].local, w[:, cols[rank]: cols[rank + 1]]), (in_place, step)
             assert torch.equal(dst["e"].local, e[lo: hi]), (in_place, step)
             assert res.replayed == (step > 0)
-            sends = next(iter(tr._PLANS.values())).sched.sends
+            sends = next(iter(co.PLANS.values())).sched.sends
             assert sent[0] == sum(not b.join for b in sends), (sent[0], len(sends))
             if join:  # the scenario joins some, and leaves the contiguous runs alone
                 assert sent[0] < len(sends) and any(not b.join and len(b.copies) == 1 for b in sends)
             else:
                 assert not any(b.join for b in sends)
-        tr._PLANS.clear()
+        co.PLANS.clear()
         tr.release_buffers()
 
 
@@ -72,9 +73,9 @@ def test_joined_buckets_travel_as_one_message_and_arrive_bitwise(join: bool) -> 
 def _joined_failure(rank: int, world: int) -> None:
     from ckpt import _transfer_exec as ex
 
-    tr = importlib.import_module("ckpt.transfer")
-    tr.JOIN_ON_GLOO = True
-    tr._PLANS.clear()
+    co = importlib.import_module("ckpt._transfer_coord")
+    co.JOIN_ON_GLOO = True
+    co.PLANS.clear()
     w = torch.randn(30, 20, generator=torch.Generator().manual_seed(1))
     rows = [30 * k // world for k in range(world + 1)]
     cols = [20 * k // world for k in range(world + 1)]

@@ -1,0 +1,231 @@
+"""The control plane of :func:`ckpt.transfer`: what the ranks agree on before any byte moves.
+
+The knobs (:class:`Options`, checked on the rank that passed them), errors as payloads every rank
+raises alike, the coordinator's plan (:func:`plan_reply`, over the ranks' declarations from one
+exchange), and each rank's cache of the plans it ran (:func:`plan_or_reuse`: a repeated call sends
+only a fingerprint). The data plane (buffers, transports, the executor, replays) is in
+:mod:`ckpt.transfer` and the ``_transfer_*`` modules it drives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ckpt._comm import Comm, describe, raise_payload
+from ckpt._save_plan import PieceDecl
+from ckpt._transfer_plan import MIN_PART, Schedule, plan_transfer
+from ckpt.errors import CheckpointError, StateError
+
+# Bucket size and window when the caller names none, by data path. Over NCCL, larger: on 4 x H100 a
+# MoE's layout change in place took 10.5-11.3 ms with 256 MiB x 2-4 against 12.4-12.8 ms with 64 MiB x 4
+# (fewer messages to post, fewer rounds; docs/BENCHMARKS.md), for 512 MiB per round of GPU memory.
+DEFAULT_BUCKET_BYTES = 64 << 20  # gloo
+DEFAULT_WINDOW = 4
+NCCL_BUCKET_BYTES = 256 << 20
+NCCL_WINDOW = 2
+DEFAULT_TIMEOUT_S = 600.0
+JOIN_ON_GLOO = False  # test hook: join buckets into messages over gloo too (as over NCCL; see plan_transfer)
+
+
+def rank_payload(e: BaseException, rank: int | None, primary: bool = True, timed_out: bool = False) -> dict[str, Any]:
+    """An exception for the other ranks: a CheckpointError keeps its class, anything else becomes a
+    CollectiveError; the message names the rank."""
+    kind = type(e).__name__ if isinstance(e, CheckpointError) else "CollectiveError"
+    msg = describe(e)
+    if rank is not None and not msg.startswith(f"rank {rank}:"):
+        msg = f"rank {rank}: {msg}"
+    return {"err": msg, "type": kind, "primary": primary, "timed_out": timed_out}
+
+
+def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The error every rank raises: a rank's own failure first, then a wait that ran out of time
+    (it names the slow rank), then any consequence seen elsewhere (a closed connection)."""
+    errs = [g for g in got if "err" in g]
+    if not errs:
+        return None
+    return min(errs, key=lambda g: (not g.get("primary", True), not g.get("timed_out", False)))
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The knobs of one transfer (see :func:`transfer`), the same on every rank."""
+
+    bucket_bytes: int | None = None  # None: by data path (see sizes)
+    window: int | None = None
+    timeout: float | None = DEFAULT_TIMEOUT_S
+    version: int | None = None
+    checksum: bool = False
+    delta: bool = False
+    strict: bool = True
+    cast: bool = False
+    in_place: bool = False
+    min_part: int = MIN_PART
+
+
+def check_options(opts: Options) -> None:
+    """StateError for knobs no plan can use (on the rank that passed them; its payload reaches every
+    rank). ``timeout`` is checked where the group is opened (:class:`ckpt._comm.Comm`)."""
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if opts.bucket_bytes is not None and not (whole(opts.bucket_bytes) and opts.bucket_bytes >= 64):
+        raise StateError(f"bucket_bytes must be an int of at least 64, got {opts.bucket_bytes!r}")
+    if opts.window is not None and not (whole(opts.window) and opts.window >= 1):
+        raise StateError(f"window must be at least 1 bucket in flight, got {opts.window!r}")
+    if opts.version is not None and not (whole(opts.version) and opts.version >= 0):
+        raise StateError(f"version must be a non-negative int or None, got {opts.version!r}")
+    if not whole(opts.min_part):
+        raise StateError(f"min_part must be an int (bytes), got {opts.min_part!r}")
+
+
+PLAN_CACHE = 16  # plans kept per process (a stream's waves are one plan each)
+
+
+@dataclass(slots=True)
+class _Cached:
+    """A plan this rank ran before: its global fingerprint, the coordinator's reply and the schedule."""
+
+    fp: str
+    mine: dict[str, Any]
+    sched: Schedule
+PLANS: OrderedDict[tuple[Any, str], _Cached] = OrderedDict()  # (group key, structure fingerprint) -> plan
+
+
+def structure_fingerprint(wire: dict[str, Any], rank: int, world: int, opts: Options) -> str:
+    """What makes this rank's part of a plan: its declared pieces (keys, dtypes, global shapes,
+    regions), its place in the group, whether it joins over NCCL, and the planning options. Equal
+    fingerprints on every rank, as at an earlier transfer, mean that transfer's plan holds again."""
+    what = [wire["s"], wire["d"], wire["nccl"], *shaping(rank, world, opts)]
+    return hashlib.blake2b(msgpack.packb(what, use_bin_type=True), digest_size=16).hexdigest()
+
+
+def shaping(rank: int, world: int, opts: Options) -> tuple[Any, ...]:
+    """What besides the pieces shapes this rank's plan: its place in the group and the planning
+    options (in the structure fingerprint, and the key a kept front caches fingerprints under)."""
+    return (rank, world, opts.bucket_bytes, opts.window, opts.strict, opts.cast, opts.min_part, opts.checksum)
+
+
+def plan_or_reuse(comm: Comm, group: Any, err: dict[str, Any] | None, wire: dict[str, Any], fp: str | None,
+                   opts: Options) -> tuple[dict[str, Any], Schedule, bool]:
+    """This rank's part of the plan: the cached one when every rank still has the same structure as
+    at a transfer they planned together (one small exchange of fingerprints), else planned anew.
+
+    A rank with a cached plan sends only the plan's fingerprint; if some other rank's differs, the
+    coordinator asks everyone for their declarations (a second exchange) and plans."""
+    key = (key_of(comm, group), fp or "")
+    hit = PLANS.get(key) if fp is not None else None
+    msg = err or ({"v": opts.version, "last": wire["last"], "pc": hit.fp} if hit is not None else wire)
+    out = planned(comm, group, msg, opts)
+    if out.get("declare"):
+        out = planned(comm, group, wire, opts)
+    if out.get("cached") and hit is not None:
+        PLANS.move_to_end(key)
+        return dict(hit.mine, version=out["version"]), hit.sched, True
+    sched = Schedule.from_wire(out["sched"])
+    if fp is not None:
+        PLANS[key] = _Cached(out["pc"], out, sched)
+        while len(PLANS) > PLAN_CACHE:
+            PLANS.popitem(last=False)
+    return out, sched, False
+
+
+def planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dict[str, Any]:
+    """Every rank's declaration to the coordinator, this rank's schedule back (or the error every
+    rank raises)."""
+    def reply(got: list[dict[str, Any]]) -> list[Any]:
+        bad = pick_error(got)
+        if bad is not None:
+            return [bad] * comm.world
+        try:
+            return plan_reply(got, comm, bucket_bytes=opts.bucket_bytes, window=opts.window, strict=opts.strict,
+                               cast=opts.cast, delta=opts.delta, min_part=opts.min_part, group=group)
+        except Exception as e:  # noqa: BLE001 - a plan error names its tensor and ranks itself
+            return [rank_payload(e, None)] * comm.world
+
+    out = (reply([mine])[0] if comm.single
+           else comm.exchange(mine, reply, timeout=opts.timeout, what="transfer planning"))
+    if "err" in out:
+        raise_payload(out)
+    return out
+
+
+def key_of(comm: Comm, group: Any) -> Any:
+    return group_key(group, comm.world)
+
+
+def group_key(group: Any, world: int) -> Any:
+    """What plans and buffers are kept under: the group object, or the default group of ``world`` ranks."""
+    return id(group) if group is not None else ("world", world)
+
+
+def sizes(bucket_bytes: int | None, window: int | None, nccl: bool) -> tuple[int, int]:
+    """The bucket size and window a plan uses: the caller's, else the data path's defaults."""
+    return (bucket_bytes if bucket_bytes is not None else NCCL_BUCKET_BYTES if nccl else DEFAULT_BUCKET_BYTES,
+            window if window is not None else NCCL_WINDOW if nccl else DEFAULT_WINDOW)
+
+
+def plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int | None, window: int | None,
+                strict: bool, cast: bool, delta: bool, min_part: int, group: Any) -> list[dict[str, Any]]:
+    """The coordinator's part: agree on the version, plan, and hand each rank its schedule."""
+    versions = {(r, g["v"]) for r, g in enumerate(got) if g["v"] is not None}
+    if len({v for _, v in versions}) > 1:
+        raise StateError(f"ranks give different transfer versions: {sorted(versions)}; pass the same version "
+                         "on every rank (or none)")
+    ver = next(iter(versions))[1] if versions else max(int(g["last"]) for g in got) + 1
+    checks = {bool(g.get("ck")) for g in got if "s" in g}
+    if len(checks) > 1:  # (a bucket carries a header only with checksum: the ranks must agree on it)
+        raise StateError(f"ranks disagree on checksum: {[r for r, g in enumerate(got) if g.get('ck')]} pass "
+                         "checksum=True, the others not; pass the same on every rank")
+    pcs = {g.get("pc") for g in got}
+    if len(pcs) == 1 and None not in pcs:  # every rank holds the plan these fingerprints name
+        return [{"version": ver, "cached": True}] * comm.world
+    if any("s" not in g for g in got):  # some rank's structure changed: everyone declares
+        return [{"version": ver, "declare": True}] * comm.world
+    srcs = [[PieceDecl.from_wire(p) for p in g["s"]] for g in got]
+    dsts = [[PieceDecl.from_wire(p) for p in g["d"]] for g in got]
+    fp = hashlib.blake2b(msgpack.packb([[g["s"], g["d"]] for g in got] + [min_part, cast],
+                                       use_bin_type=True), digest_size=16).hexdigest()
+    same = delta and all(g["fp"] == fp for g in got)
+    nccl = any(g["nccl"] for g in got)
+    on_nccl = nccl_data(comm, nccl)
+    bucket_bytes, window = sizes(bucket_bytes, window, on_nccl)
+    # NCCL: a pair's packed buckets of a round in one message (gloo posts each as soon as it is packed)
+    join = (on_nccl or JOIN_ON_GLOO) and checks != {True}
+    plan = plan_transfer(srcs, dsts, bucket_bytes=bucket_bytes, window=window, strict=strict, cast=cast, join=join,
+                         min_part=min_part, unchanged=[g["u"] for g in got] if same else None,
+                         clean=[g["c"] for g in got] if same else None)
+    pc = hashlib.blake2b(msgpack.packb([fp, nccl, bucket_bytes, window, strict, checks == {True}], use_bin_type=True),
+                         digest_size=16).hexdigest()
+    common = {"version": ver, "fp": fp, "pc": pc, "net": plan.buckets > 0, "nccl": nccl, "sent": plan.bytes_sent,
+              "skipped": plan.bytes_skipped, "local": plan.bytes_local, "buckets": plan.buckets, "rounds": plan.rounds}
+    return [dict(common, sched=s.to_wire()) for s in plan.schedules]
+
+
+def nccl_data(comm: Comm, gpu: bool) -> bool:
+    """Whether the data goes over NCCL: some tensor is on a GPU (``gpu``, any rank's) and the group
+    carries CUDA tensors over NCCL (not one of ckpt's own gloo groups). The coordinator's plan and
+    every rank's transport ask the same question."""
+    import torch.distributed as dist
+
+    if not gpu or comm.side or not (dist.is_available() and dist.is_initialized()):
+        return False
+    return nccl_backend(str(dist.get_backend(comm.group)))
+
+
+def nccl_backend(name: str) -> bool:
+    """Whether a group of backend ``name`` sends CUDA tensors over NCCL: ``"nccl"``, or a backend per
+    device such as ``"cpu:gloo,cuda:nccl"`` (what ``init_process_group()`` makes on a GPU machine when
+    no backend is named, and what torchtitan asks for)."""
+    parts = [p.strip().lower() for p in name.split(",")]
+    return parts == ["nccl"] or "cuda:nccl" in parts
+
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "NCCL_BUCKET_BYTES", "NCCL_WINDOW", "DEFAULT_TIMEOUT_S",
+           "JOIN_ON_GLOO", "PLAN_CACHE", "PLANS", "Options", "check_options", "rank_payload", "pick_error",
+           "structure_fingerprint", "shaping", "plan_or_reuse", "planned", "plan_reply", "key_of", "group_key",
+           "sizes", "nccl_data", "nccl_backend"]
