@@ -59,6 +59,7 @@ def side_group(ranks: list[int], purpose: str, *, timeout: float | None = None, 
     dist = _dist()
     from torch.distributed.distributed_c10d import _get_default_store
 
+    check_timeout(timeout)
     ranks = [int(r) for r in ranks]
     key = (purpose, tuple(ranks), id(dist.group.WORLD))
     if fresh:
