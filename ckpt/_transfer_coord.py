@@ -93,6 +93,8 @@ class _Cached:
     fp: str
     mine: dict[str, Any]
     sched: Schedule
+
+
 PLANS: OrderedDict[tuple[Any, str], _Cached] = OrderedDict()  # (group key, structure fingerprint) -> plan
 
 
@@ -111,7 +113,7 @@ def shaping(rank: int, world: int, opts: Options) -> tuple[Any, ...]:
 
 
 def plan_or_reuse(comm: Comm, group: Any, err: dict[str, Any] | None, wire: dict[str, Any], fp: str | None,
-                   opts: Options) -> tuple[dict[str, Any], Schedule, bool]:
+                  opts: Options) -> tuple[dict[str, Any], Schedule, bool]:
     """This rank's part of the plan: the cached one when every rank still has the same structure as
     at a transfer they planned together (one small exchange of fingerprints), else planned anew.
 
@@ -143,7 +145,7 @@ def planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dict
             return [bad] * comm.world
         try:
             return plan_reply(got, comm, bucket_bytes=opts.bucket_bytes, window=opts.window, strict=opts.strict,
-                               cast=opts.cast, delta=opts.delta, min_part=opts.min_part, group=group)
+                              cast=opts.cast, delta=opts.delta, min_part=opts.min_part, group=group)
         except Exception as e:  # noqa: BLE001 - a plan error names its tensor and ranks itself
             return [rank_payload(e, None)] * comm.world
 
@@ -155,6 +157,7 @@ def planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dict
 
 
 def key_of(comm: Comm, group: Any) -> Any:
+    """:func:`group_key` of ``comm``'s group as the caller named it."""
     return group_key(group, comm.world)
 
 
@@ -170,7 +173,7 @@ def sizes(bucket_bytes: int | None, window: int | None, nccl: bool) -> tuple[int
 
 
 def plan_reply(got: list[dict[str, Any]], comm: Comm, *, bucket_bytes: int | None, window: int | None,
-                strict: bool, cast: bool, delta: bool, min_part: int, group: Any) -> list[dict[str, Any]]:
+               strict: bool, cast: bool, delta: bool, min_part: int, group: Any) -> list[dict[str, Any]]:
     """The coordinator's part: agree on the version, plan, and hand each rank its schedule."""
     versions = {(r, g["v"]) for r, g in enumerate(got) if g["v"] is not None}
     if len({v for _, v in versions}) > 1:

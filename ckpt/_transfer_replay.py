@@ -29,7 +29,8 @@ def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
     rec = None
     if keep is not None and not snapshot and not checksum and ex.FAULT is None:
         tensors = sources + targets
-        if early is not None and early.prog is keep.program and _same(tensors, early.tensors):
+        if early is not None and early.prog is keep.program and early.prog.defer == defer and _same(
+                tensors, early.tensors):
             return replay(early.prog, transport, rank=rank, deadline=deadline, timeout=timeout, packed=True)
         sig = signature(tensors)
         if keep.program is not None and keep.program.holds(tensors, sig, defer):

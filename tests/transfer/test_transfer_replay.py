@@ -262,8 +262,9 @@ def _calls_with_failures(rank: int, world: int, seed: int) -> None:
     """A generated sequence of repeated transfers, both ranks drawing the same events: new values,
     the other mode (committed or in place), another column split, and a rank whose posting of the
     data fails mid-call (in any round of a recorded, replayed or fresh run). After every call: a
-    committed call that raised left dst as it was; one that returned is bitwise; no call hangs
-    past its timeout; the calls after a failure replay again."""
+    committed call that raised left dst as it was; one that returned is bitwise; none took much
+    longer than its timeout (the commit exchange waits for the data's deadline, not past it); the
+    group keeps working (later calls record and replay again)."""
     import random
 
     rng = random.Random(seed)
@@ -302,10 +303,12 @@ def _calls_with_failures(rank: int, world: int, seed: int) -> None:
 
         if what == "fail" and rank == failing:
             net.GlooTransport.post = failing_post  # type: ignore[method-assign]
+        t0 = time.monotonic()
         try:
             r = ckpt.transfer(src, dst, bucket_bytes=64, window=1, timeout=1.5, in_place=in_place)
         except ckpt.CollectiveError as e:
             assert what == "fail", (seed, step, what, e)
+            assert time.monotonic() - t0 < 1.5 + 10, (seed, step, "a failed call took too long")
             assert in_place or torch.equal(dst["w"].local, before), (seed, step, "dst changed by a failed call")
             continue
         finally:
