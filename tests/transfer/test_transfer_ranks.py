@@ -262,3 +262,35 @@ def _slow_sender(rank: int, world: int) -> None:
 
 def test_a_hung_sender_is_named_within_the_timeout_and_the_next_transfer_works() -> None:
     run_ranks(2, _slow_sender)
+
+
+def _hung_sender(rank: int, world: int) -> None:
+    """Rank 0 hangs while packing (longer than the data deadline and the commit exchange's wait
+    after it): rank 1 names it within ``timeout`` after the data's deadline, while rank 0 still
+    hangs, and its dst is unchanged. (A wait that gave up closed the metadata group: as for any
+    hung rank, the job restarts.)"""
+    w = _ref((4, 4))
+    src = {"w": w.clone()} if rank == 0 else None
+    dst = None if rank == 0 else {"w": torch.zeros(4, 4)}
+
+    def fault(event: str, info: dict) -> None:
+        if event == "pack":
+            time.sleep(4.0)
+
+    EX.FAULT = fault
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ckpt.CollectiveError) as ei:
+            ckpt.transfer(src, dst, timeout=0.5)
+    finally:
+        EX.FAULT = None
+    took = time.monotonic() - t0
+    if rank == 1:
+        assert "rank(s) [0] did not report" in str(ei.value) or "rank 0 within 0.5 s" in str(ei.value), ei.value
+        assert took < 3.5, took  # (deadline 0.5 s + the commit exchange's 0.5 s, with slack; rank 0 sleeps 4 s)
+        assert dst is not None and torch.equal(dst["w"], torch.zeros(4, 4))
+
+
+@pytest.mark.multiproc
+def test_a_hung_sender_is_named_within_timeout_after_the_data_deadline() -> None:
+    run_ranks(2, _hung_sender, barrier=False)  # (the metadata group, gloo's world group here, is closed after)
