@@ -147,7 +147,7 @@ def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: A
     locally; replicas share the sending. Bytes travel in buckets of at most ``bucket_bytes``, in
     rounds of at most ``window * bucket_bytes`` sent and as much received per rank (memory: up to
     ``2 * window * bucket_bytes`` of send buffers, plus the bytes this rank receives, kept until the
-    commit, unless ``in_place``); by default 64 MiB x 4 over gloo, 256 MiB x 2 over NCCL. A repeated
+    commit, unless ``in_place``); by default 64 MiB x 4 over gloo, 512 MiB x 1 over NCCL. A repeated
     call with the same structure on every rank reuses its plan, and over the same tensors replays its
     recorded run (on GPUs its copies as CUDA graphs).
 

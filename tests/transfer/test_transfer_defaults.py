@@ -1,5 +1,5 @@
 """``ckpt.transfer``'s bucket size and window when the caller names none: 64 MiB x 4 over gloo,
-256 MiB x 2 over NCCL (fewer messages and rounds where posting them costs most; docs/TRANSFER.md),
+512 MiB x 1 over NCCL (fewer messages and rounds where posting them costs most; docs/TRANSFER.md),
 decided by the coordinator from the same question every rank's transport asks
 (``ckpt._transfer_coord.nccl_data``). The plan is checked without processes, from the ranks' real
 declarations (300 MiB declared from ``torch.empty``: no page is touched)."""
@@ -23,8 +23,8 @@ MiB = 1 << 20
 
 def test_sizes_are_the_callers_else_the_data_paths() -> None:
     assert tr.sizes(None, None, nccl=False) == (64 * MiB, 4)
-    assert tr.sizes(None, None, nccl=True) == (256 * MiB, 2)
-    assert tr.sizes(8 * MiB, None, nccl=True) == (8 * MiB, 2)
+    assert tr.sizes(None, None, nccl=True) == (512 * MiB, 1)
+    assert tr.sizes(8 * MiB, None, nccl=True) == (8 * MiB, 1)
     assert tr.sizes(None, 7, nccl=False) == (64 * MiB, 7)
 
 
@@ -40,14 +40,14 @@ def _got(gpu: bool) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize(("nccl", "buckets", "rounds"), [(False, 5, 2), (True, 2, 1)])
+@pytest.mark.parametrize(("nccl", "buckets", "rounds"), [(False, 5, 2), (True, 1, 1)])
 def test_the_coordinator_plans_with_the_data_paths_defaults(monkeypatch: pytest.MonkeyPatch, nccl: bool,
                                                             buckets: int, rounds: int) -> None:
     monkeypatch.setattr(co, "nccl_data", lambda comm, gpu: gpu)
     comm = SimpleNamespace(world=2)
     replies = co.plan_reply(_got(nccl), comm, bucket_bytes=None, window=None, strict=True, cast=False,  # type: ignore[arg-type]
                              delta=False, min_part=tr.MIN_PART, group=None)
-    assert replies[0]["buckets"] == buckets and replies[0]["rounds"] == rounds  # 300 MiB in 64 / 256 MiB buckets
+    assert replies[0]["buckets"] == buckets and replies[0]["rounds"] == rounds  # 300 MiB in 64 / 512 MiB buckets
     assert replies[0]["nccl"] is nccl
     # the caller's own values win over either default
     replies = co.plan_reply(_got(nccl), comm, bucket_bytes=100 * MiB, window=1, strict=True, cast=False,  # type: ignore[arg-type]
