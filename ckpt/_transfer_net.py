@@ -228,6 +228,11 @@ def shares_storage(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> 
     return any(t.untyped_storage().data_ptr() in held for t in targets)
 
 
+def same_tensors(tensors: list[torch.Tensor], held: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are the very objects of ``held``, in order (cheaper than :func:`signature`)."""
+    return len(tensors) == len(held) and all(a is b for a, b in zip(tensors, held, strict=True))
+
+
 def signature(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
     """Where each tensor's bytes are: a recorded run holds only for tensors at the same addresses."""
     return tuple((t.data_ptr(), t.stride(), t.device) for t in tensors)
@@ -330,8 +335,7 @@ class Program:
         views on freed memory)."""
         if sig != self.sig or defer != self.defer:
             return False
-        same = len(tensors) == len(self.held) and all(a is b for a, b in zip(tensors, self.held, strict=True))
-        return same or signature(self.held) == self.sig
+        return same_tensors(tensors, self.held) or signature(self.held) == self.sig
 
     def at(self, k: int) -> Round:
         return self.rounds.setdefault(k, Round())
@@ -367,4 +371,4 @@ class Buffers:
 
 
 __all__ = ["Post", "poll", "Transport", "GlooTransport", "NcclTransport", "Pool", "round_bytes", "wide", "Arena",
-           "Views", "Round", "shares_storage", "signature", "GRAPHS", "Batch", "Program", "Buffers"]
+           "Views", "Round", "shares_storage", "same_tensors", "signature", "GRAPHS", "Batch", "Program", "Buffers"]

@@ -13,7 +13,7 @@ import torch
 
 from ckpt import _transfer_exec as ex
 from ckpt._transfer_exec import Failure, wait_all
-from ckpt._transfer_net import Buffers, Program, Transport, shares_storage, signature
+from ckpt._transfer_net import Buffers, Program, Transport, same_tensors, shares_storage, signature
 from ckpt._transfer_plan import Schedule
 from ckpt.errors import CollectiveError
 from ckpt.shards import Region
@@ -29,14 +29,14 @@ def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
     rec = None
     if keep is not None and not snapshot and not checksum and ex.FAULT is None:
         tensors = sources + targets
-        if early is not None and early.prog is keep.program and early.prog.defer == defer and _same(
+        if early is not None and early.prog is keep.program and early.prog.defer == defer and same_tensors(
                 tensors, early.tensors):
             return replay(early.prog, transport, rank=rank, deadline=deadline, timeout=timeout, packed=True)
         sig = signature(tensors)
         if keep.program is not None and keep.program.holds(tensors, sig, defer):
             return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
         keep.program = None
-        rec = Program(sig, sources + targets, defer)
+        rec = Program(sig, tensors, defer)
         rec.shared = shares_storage(sources, targets)
     return ex.run_schedule(sched, sources, src_regions, targets, dst_regions, transport, rank=rank,
                            checksum=checksum, deadline=deadline, timeout=timeout, defer=defer, snapshot=snapshot,
@@ -48,10 +48,6 @@ class Early(NamedTuple):
 
     prog: Program
     tensors: list[torch.Tensor]
-
-
-def _same(tensors: list[torch.Tensor], held: list[torch.Tensor]) -> bool:
-    return len(tensors) == len(held) and all(a is b for a, b in zip(tensors, held, strict=True))
 
 
 def prepack(keep: Buffers | None, sources: list[torch.Tensor], targets: list[torch.Tensor], defer: bool
