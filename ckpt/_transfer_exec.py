@@ -8,7 +8,9 @@ before waiting for any (see the planner's rules), waits until the transfer's dea
 what it received into its targets (staging copies or, with ``in_place``, the destination tensors).
 A run of a cached plan is recorded and later replayed (:mod:`ckpt._transfer_replay`).
 
-The transports, the buffers and the recorded runs live in :mod:`ckpt._transfer_net`.
+The transports, the buffers and the recorded runs live in :mod:`ckpt._transfer_net`; the copies
+inside one rank (views of boxes and segment runs, the commit's deferred writes) in
+:mod:`ckpt._transfer_copy`.
 """
 
 from __future__ import annotations
@@ -17,18 +19,17 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from ckpt._checksum import crc32
 from ckpt._dtypes import dtype_from_name
+from ckpt._transfer_copy import commit_writes, direct_view, local_copy, payload_view, read_kept, write_rec
 from ckpt._transfer_net import Arena, Buffers, Pool, Post, Program, Round, Transport, Views, round_bytes, wide
-from ckpt._transfer_plan import Bucket, Copy, Schedule, run_start
+from ckpt._transfer_plan import Bucket, Copy, Schedule
 from ckpt.errors import CollectiveError, IntegrityError
-from ckpt.shards import Box, Region
+from ckpt.shards import Region
 
 OK, FAILED = 1, 2
-SMALL = 32  # up to this many segments a copy loops over slices; beyond, one index_select / index_copy_
 
 # Test hook: ``FAULT(event, info)`` is called on the sender with event "pack" (before a bucket is
 # packed: raise to simulate a failing sender) and "packed" (after its CRC is taken, ``info["buf"]``
@@ -65,101 +66,6 @@ class Failure:
         return self.primary or self.secondary
 
 
-def box_view(local: torch.Tensor, region: Region, sub: Box) -> torch.Tensor:
-    """The view of ``sub`` (global coordinates) inside ``local``, which holds box ``region``."""
-    assert isinstance(region, Box)
-    v = local
-    for d, (o, n) in enumerate(zip(sub.offsets, sub.lengths, strict=True)):
-        v = v.narrow(d, o - region.offsets[d], n)
-    return v
-
-
-def _index(off: np.ndarray, ln: np.ndarray) -> torch.Tensor:
-    """Element indices of segments ``off[i] .. off[i] + ln[i]``, concatenated."""
-    total = int(ln.sum())
-    base = np.repeat(off - (np.cumsum(ln) - ln), ln)
-    return torch.from_numpy(base + np.arange(total, dtype=np.int64))
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1)
-
-
-def read_copy(c: Copy, local: torch.Tensor, region: Region) -> torch.Tensor:
-    """The elements copy ``c`` takes from the sender's piece ``local``: a view (boxes) or a new 1-D
-    tensor (segments)."""
-    if c.geo.box is not None:
-        return box_view(local, region, c.geo.box)
-    so, ln = c.geo.so, c.geo.ln
-    assert so is not None and ln is not None
-    flat = _flat(local)
-    if len(ln) == 1:
-        return flat[int(so[0]): int(so[0] + ln[0])]
-    if len(ln) <= SMALL:
-        return torch.cat([flat[int(a): int(a + n)] for a, n in zip(so, ln, strict=True)])
-    return flat.index_select(0, _index(so, ln).to(flat.device))
-
-
-def write_copy(c: Copy, target: torch.Tensor, region: Region, data: torch.Tensor) -> None:
-    """Put ``data`` (the copy's elements, in its order) into ``target`` (contiguous when ``c`` has
-    segments), which holds the receiver's piece ``region``; casts to ``target``'s dtype."""
-    if c.geo.box is not None:
-        box_view(target, region, c.geo.box).copy_(data.view(c.geo.box.lengths))
-        return
-    do, ln = c.geo.do, c.geo.ln
-    assert do is not None and ln is not None
-    flat = target.view(-1)
-    data = data.reshape(-1)
-    if len(ln) <= SMALL:
-        pos = 0
-        for a, n in zip(do.tolist(), ln.tolist(), strict=True):
-            flat[a: a + n].copy_(data[pos: pos + n])
-            pos += n
-        return
-    flat.index_copy_(0, _index(do, ln).to(flat.device), data.to(device=flat.device, dtype=flat.dtype))
-
-
-def local_copy(c: Copy, sources: list[torch.Tensor], src_regions: list[Region], targets: list[torch.Tensor],
-               dst_regions: list[Region], rec: Program | None = None, into: list[list[torch.Tensor]] | None = None
-               ) -> None:
-    """A copy between two pieces of this rank (it holds what it wants)."""
-    _write(c, targets[c.dst], dst_regions[c.dst], read_copy(c, sources[c.src], src_regions[c.src]), rec, into)
-
-
-def _write(c: Copy, target: torch.Tensor, region: Region, data: torch.Tensor, rec: Program | None,
-           into: list[list[torch.Tensor]] | None) -> None:
-    """:func:`write_copy`, recorded into ``into`` (``[outs, datas]`` of a batch) for a replay: a box
-    copy is a view of both sides; any other makes ``rec`` not replayable."""
-    box = c.geo.box
-    if rec is None or into is None or box is None:
-        if rec is not None and box is None:
-            rec.ok = False
-        write_copy(c, target, region, data)
-        return
-    out, src = wide(box_view(target, region, box), data.view(box.lengths))
-    out.copy_(src)
-    into[0].append(out)
-    into[1].append(src)
-
-
-def _read(c: Copy, local: torch.Tensor, region: Region, views: Views | None) -> torch.Tensor:
-    """:func:`read_copy`, its box views taken from ``views`` when given (segments are gathered anew)."""
-    if views is None or c.geo.box is None:
-        return read_copy(c, local, region)
-    return views.get("src", c, local, lambda: read_copy(c, local, region))
-
-
-def _payload_view(c: Copy, payload: torch.Tensor, shape: Any, views: Views | None) -> torch.Tensor:
-    """Copy ``c``'s bytes in ``payload`` (a bucket's buffer), typed and shaped ``shape``."""
-    def make() -> torch.Tensor:
-        return payload[c.offset: c.offset + c.nbytes].view(dtype_from_name(c.dtype)).view(shape)
-
-    if views is None or c.geo.box is None:
-        return make()
-    whole = payload._base if payload._base is not None else payload  # the kept buffer, not this call's slice
-    return views.get("buf", c, whole, make, at=payload.data_ptr())
-
-
 def pack(b: Bucket, payload: torch.Tensor, head: torch.Tensor | None, sources: list[torch.Tensor],
          src_regions: list[Region], checksum: bool, direct: bool = False, views: Views | None = None,
          rec: Round | None = None) -> None:
@@ -171,8 +77,8 @@ def pack(b: Bucket, payload: torch.Tensor, head: torch.Tensor | None, sources: l
     if not direct:
         outs, datas = [], []
         for c in b.copies:
-            data = _read(c, sources[c.src], src_regions[c.src], views)
-            out, data = wide(_payload_view(c, payload, data.shape, views), data)
+            data = read_kept(c, sources[c.src], src_regions[c.src], views)
+            out, data = wide(payload_view(c, payload, data.shape, views), data)
             outs.append(out)
             datas.append(data)
         torch._foreach_copy_(outs, datas)  # one call for the bucket's copies
@@ -217,49 +123,13 @@ def unpack(b: Bucket, payload: torch.Tensor, head: torch.Tensor | None, targets:
     for c in b.copies:
         box = c.geo.box
         if writes is not None and box is not None:  # (the same view each run of a cached plan: see Views)
-            writes.append((c, _payload_view(c, payload, box.lengths, views)))
+            writes.append((c, payload_view(c, payload, box.lengths, views)))
             continue
         data = payload[c.offset: c.offset + c.nbytes].view(dtype_from_name(c.dtype))
         if writes is not None:
             writes.append((c, data))
         else:
-            _write(c, targets[c.dst], dst_regions[c.dst], data, rec, into)
-
-
-def commit_writes(writes: list[tuple[Copy, torch.Tensor]], targets: list[torch.Tensor],
-                  dst_regions: list[Region], views: Views | None = None, rec: Program | None = None) -> None:
-    """Apply deferred writes to the destination pieces (the commit, once every rank agreed). A piece
-    that is not contiguous and gets segment runs is written through one contiguous copy of it. Box
-    copies go in one batch (``views``: their views, kept for the next run of the plan; ``rec``: the
-    batch is recorded for a replay, whose :func:`commit` runs it instead)."""
-    bounce: dict[int, torch.Tensor] = {}
-    outs, datas = [], []
-    for c, data in writes:
-        t = targets[c.dst]
-        box = c.geo.box
-        if box is not None:
-            if views is None:
-                outs.append(box_view(t, dst_regions[c.dst], box))
-                datas.append(data.view(box.lengths))
-            else:
-                outs.append(views.get("dst", c, t, functools.partial(box_view, t, dst_regions[c.dst], box)))
-                # (data is itself a kept view when the plan's views were hit: then so is this one)
-                datas.append(views.get("data", c, data, functools.partial(data.view, box.lengths)))
-            continue
-        if rec is not None:
-            rec.ok = False  # (segment writes are not one batch)
-        if not t.is_contiguous():
-            if c.dst not in bounce:
-                bounce[c.dst] = t.contiguous()
-            t = bounce[c.dst]
-        write_copy(c, t, dst_regions[c.dst], data)
-    if outs:
-        outs, datas = map(list, zip(*(wide(o, d) for o, d in zip(outs, datas, strict=True)), strict=True))
-        torch._foreach_copy_(outs, datas)  # (casts where a target's dtype differs, as copy_ does)
-    for j, t in bounce.items():
-        targets[j].copy_(t)
-    if rec is not None:
-        rec.commit_outs, rec.commit_datas = outs, datas
+            write_rec(c, targets[c.dst], dst_regions[c.dst], data, rec, into)
 
 
 def commit(fail: Failure, targets: list[torch.Tensor], dst_regions: list[Region]) -> None:
@@ -275,17 +145,6 @@ def commit(fail: Failure, targets: list[torch.Tensor], dst_regions: list[Region]
     if rec is not None and rec.ok and fail.first is None and fail.keep is not None:
         rec.packed, rec.direct = fail.packed, fail.direct
         fail.keep.program = rec
-
-
-def direct_view(t: torch.Tensor, region: Region, c: Copy, src: bool, device: torch.device) -> torch.Tensor | None:
-    """The bytes of copy ``c`` inside piece ``t`` as a uint8 view, when a bucket holding only ``c`` can
-    be sent from (``src``) or received into ``t`` itself; else None."""
-    if t.device != device or not t.is_contiguous() or (not src and t.dtype != dtype_from_name(c.dtype)):
-        return None
-    at = run_start(region, c.geo, src)
-    if at is None:
-        return None
-    return t.reshape(-1)[at: at + c.geo.numel].view(torch.uint8)
 
 
 def _few(keys: list[str], n: int = 4) -> str:
@@ -322,7 +181,7 @@ def run_schedule(sched: Schedule, sources: list[torch.Tensor], src_regions: list
     for c in sched.local:
         try:
             if defer:
-                data = _read(c, sources[c.src], src_regions[c.src], None if snapshot else fail.views)
+                data = read_kept(c, sources[c.src], src_regions[c.src], None if snapshot else fail.views)
                 fail.writes.append((c, data.clone() if snapshot else data))
                 _note_view(fail.rec, c)
             else:
