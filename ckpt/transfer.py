@@ -122,7 +122,7 @@ def _tensors(state: Any, what: str) -> list[TensorItem]:
     return [i for i in flatten_state(stateful.expand(state)) if isinstance(i, TensorItem)]
 
 
-def _hash(t: torch.Tensor) -> bytes:
+def digest(t: torch.Tensor) -> bytes:
     """A 128-bit digest of a piece's bytes (delta: a change must not go unnoticed, so no 32-bit CRC)."""
     host = t.detach().reshape(-1)
     host = host.cpu() if host.device.type != "cpu" else host
@@ -219,8 +219,8 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
         try:
             check_options(opts)
             if opts.delta:
-                src_h = [_hash(i.local) for i in srcs]
-                dst_h = [_hash(i.local) for i in dsts]
+                src_h = [digest(i.local) for i in srcs]
+                dst_h = [digest(i.local) for i in dsts]
             wire = _declaration(srcs, dsts, opts, state, src_h, dst_h)
             # delta plans depend on which pieces changed: planned every time
             fp = None if opts.delta else _front.fingerprint_of(
@@ -242,7 +242,7 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     if opts.delta and state is not None:
         state.fingerprint = mine["fp"]
         state.src_hashes = src_h
-        state.dst_hashes = [_hash(dsts[j].local) if j in wanted else h for j, h in enumerate(dst_h)]
+        state.dst_hashes = [digest(dsts[j].local) if j in wanted else h for j, h in enumerate(dst_h)]
     if state is not None:
         state.version = ver
     sent = sum(b.nbytes for b in sched.sends)
@@ -402,5 +402,5 @@ def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | No
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "NCCL_BUCKET_BYTES", "NCCL_WINDOW", "DEFAULT_TIMEOUT_S", "Rename",
-           "TransferState", "TransferResult", "rank_payload", "pick_error", "transfer", "release_buffers", "Options",
-           "check_options", "declared", "run_items", "structure_fingerprint", "sizes", "nccl_backend"]
+           "TransferState", "TransferResult", "digest", "rank_payload", "pick_error", "transfer", "release_buffers",
+           "Options", "check_options", "declared", "run_items", "structure_fingerprint", "sizes", "nccl_backend"]

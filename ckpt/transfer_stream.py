@@ -18,20 +18,29 @@ gets no pairs). A rank that stops early leaves the others waiting until ``timeou
 raises :class:`~ckpt.errors.CollectiveError`. A failure raises from the iterator on every rank before
 any tensor of the failing wave is yielded; the pairs of earlier waves were correct, but the version
 is incomplete: an engine must not serve it until the iterator finished.
+
+Delta (``delta=True`` with a :class:`~ckpt.transfer.TransferState` per rank kept across streams): a
+destination tensor all of whose source tensors are unchanged on every sender since the last stream
+that finished on every rank with the same catalog is not sent and not yielded (the engine keeps the
+one it has); ``stats.bytes_skipped`` counts them. A stream that does not finish forgets that
+(the next one sends everything).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgpack
 import torch
 
 from ckpt._comm import Comm, raise_payload
 from ckpt._dtypes import dtype_from_name, dtype_name
+from ckpt._save_plan import PieceDecl
 from ckpt._state import TensorItem
 from ckpt.errors import MismatchError, StateError
 from ckpt.hf.mapping import Map, Run
@@ -45,6 +54,7 @@ from ckpt.transfer import (
     TransferState,
     check_options,
     declared,
+    digest,
     pick_error,
     rank_payload,
     run_items,
@@ -63,10 +73,13 @@ class StreamStats:
     tensors: int = 0  # pairs this rank received
     bytes_sent: int = 0
     bytes_local: int = 0
+    bytes_skipped: int = 0  # destination bytes not sent: unchanged since the last stream (delta)
+    tensors_skipped: int = 0  # this rank's wanted tensors not yielded: unchanged (delta)
     rank_received: int = 0
     peak_wave_bytes: int = 0  # the largest wave this rank held at once
     seconds: float = 0.0
     results: list[TransferResult] = field(default_factory=list)
+    state: TransferState | None = None  # the state passed in (or made, for delta), updated when the stream finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +101,11 @@ class TransferStream:
 
     def __init__(self, src: dict[str, Any] | None, want: Iterable[str] | str | None, *, group: Any, names: Map | None,
                  rename: Rename, dtype: torch.dtype | None, device: torch.device | str | None,
-                 stream_bytes: int, opts: Options, state: TransferState | None):
-        self._args = (src, want, group, names, rename, dtype, device, stream_bytes, opts, state)
-        self.stats = StreamStats()
+                 stream_bytes: int, opts: Options, state: TransferState | None, delta: bool = False):
+        if delta and state is None:
+            state = TransferState()
+        self._args = (src, want, group, names, rename, dtype, device, stream_bytes, opts, state, delta)
+        self.stats = StreamStats(state=state)
         self._started = False
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -100,21 +115,44 @@ class TransferStream:
         return self._run()
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
-        src, want, group, names, rename, dtype, device, stream_bytes, opts, state = self._args
+        src, want, group, names, rename, dtype, device, stream_bytes, opts, state, delta = self._args
         t0 = time.perf_counter()
+        finished = False
+        try:
+            yield from self._waves(src, want, group, names, rename, dtype, device, stream_bytes, opts, state, delta)
+            finished = True
+        finally:
+            if state is not None and not finished:
+                # Receivers may hold tensors of this unfinished version: nothing is "unchanged since
+                # the last stream" any more, so the next delta stream sends everything.
+                state.fingerprint = None
+        self.stats.seconds = time.perf_counter() - t0
+
+    def _waves(self, src: dict[str, Any] | None, want: Iterable[str] | str | None, group: Any, names: Map | None,
+               rename: Rename, dtype: torch.dtype | None, device: torch.device | str | None, stream_bytes: int,
+               opts: Options, state: TransferState | None, delta: bool) -> Iterator[tuple[str, torch.Tensor]]:
         comm = Comm(group, timeout=opts.timeout)
         err: dict[str, Any] | None = None
         srcs: list[TensorItem] = []
         decl: dict[str, Any] = {}
+        hashes: list[bytes] = []
         try:
             check_options(opts)
             srcs, _ = declared(src, None, rename)
             decl = {"cat": [[i.key, i.dtype, list(i.global_shape)] for i in srcs], "want": _want_wire(want),
                     "dtype": dtype_name(dtype) if dtype is not None else None, "v": opts.version,
-                    "last": state.version if state is not None else 0}
+                    "last": state.version if state is not None else 0, "delta": None}
+            if delta:
+                assert state is not None
+                hashes = [digest(i.local) for i in srcs]
+                decl["delta"] = {"fp": state.fingerprint,
+                                 "s": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in srcs],
+                                 "u": [k < len(state.src_hashes) and h == state.src_hashes[k]
+                                       for k, h in enumerate(hashes)]}
         except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
             err = rank_payload(e, comm.who)
         mine = _catalog(comm, err or decl, names, stream_bytes, opts.timeout)
+        self.stats.bytes_skipped, self.stats.tensors_skipped = int(mine["skipped"]), int(mine["mine_skipped"])
         waves = [[_Want(w[0], w[1], tuple(w[2]), tuple(Run(*r) for r in w[3])) for w in wave] for wave in mine["waves"]]
         shapes = {k: tuple(s) for k, s in mine["shapes"].items()}
         ver = int(mine["version"])
@@ -132,8 +170,9 @@ class TransferStream:
             del outs, items  # the consumer holds what it kept; this wave's memory is released here
         if state is not None:
             state.version = ver
+            # (a stream without delta hashes nothing: the next delta stream has nothing to compare with)
+            state.fingerprint, state.src_hashes = (mine["fp"], hashes) if delta else (None, [])
         self.stats.version = ver
-        self.stats.seconds = time.perf_counter() - t0
 
     def _count(self, res: TransferResult, wave_bytes: int) -> None:
         s = self.stats
@@ -150,7 +189,8 @@ def transfer_iter(src: dict[str, Any] | None, want: Iterable[str] | str | None =
                   device: torch.device | str | None = None, stream_bytes: int = DEFAULT_STREAM_BYTES,
                   bucket_bytes: int | None = None, window: int | None = None,
                   timeout: float | None = DEFAULT_TIMEOUT_S, version: int | None = None, checksum: bool = False,
-                  state: TransferState | None = None, min_part: int = MIN_PART) -> TransferStream:
+                  state: TransferState | None = None, min_part: int = MIN_PART, delta: bool = False
+                  ) -> TransferStream:
     """Stream the tensors this rank wants as ``(name, tensor)`` pairs, moved live from the senders.
 
     Collective over ``group``: every rank iterates the result to the end. ``src`` as for
@@ -160,7 +200,11 @@ def transfer_iter(src: dict[str, Any] | None, want: Iterable[str] | str | None =
     ``hf_map``); without it destination names are source keys. ``dtype``: convert on receive (default:
     the senders' dtype); ``device``: where the tensors are made (default: where this rank's source
     tensors are, else CPU). ``stream_bytes``: the most bytes of destination tensors one wave holds (a
-    tensor larger than that travels alone). The other arguments are :func:`ckpt.transfer`'s.
+    tensor larger than that travels alone). ``delta``: a wanted tensor whose source tensors are all
+    unchanged on every sender since the last stream with ``state`` that finished (same catalog: the
+    senders' pieces and every rank's wanted tensors) is neither sent nor yielded, the engine keeps
+    its own (``stats.bytes_skipped``); needs a ``state`` per rank kept across streams (one is made
+    and kept in ``stats.state`` if None). The other arguments are :func:`ckpt.transfer`'s.
 
     Each yielded tensor is new and whole, the caller's to keep; it is yielded only after its wave
     committed on every rank. ``.stats`` (:class:`StreamStats`) sums the waves.
@@ -181,7 +225,7 @@ def transfer_iter(src: dict[str, Any] | None, want: Iterable[str] | str | None =
     opts = Options(bucket_bytes=bucket_bytes, window=window, timeout=timeout, version=version, checksum=checksum,
                       cast=True, in_place=True, min_part=min_part)
     return TransferStream(src, want, group=group, names=names, rename=rename, dtype=dtype, device=device,
-                          stream_bytes=stream_bytes, opts=opts, state=state)
+                          stream_bytes=stream_bytes, opts=opts, state=state, delta=bool(delta))
 
 
 def _want_wire(want: Iterable[str] | str | None) -> list[str] | str | None:
@@ -229,22 +273,51 @@ def _plan_waves(got: list[dict[str, Any]], names: Map | None, stream_bytes: int)
     if len(versions) > 1:
         raise StateError(f"ranks give different transfer versions {sorted(versions)}; pass the same one (or none)")
     ver = next(iter(versions)) if versions else max(int(g["last"]) for g in got) + 1
-    per_rank = [_waves(rank, g, held, names, stream_bytes) for rank, g in enumerate(got)]
+    wanted = [_wanted(rank, g, held, names) for rank, g in enumerate(got)]
+    fp, keep = _unchanged(got, wanted)
+    kept = [[w for w in ws if not keep(w)] for ws in wanted]
+    per_rank = [_cut(ws, stream_bytes) for ws in kept]
+    skipped = sum(w.nbytes for ws in wanted for w in ws if keep(w))
     n = max((len(w) for w in per_rank), default=0)
     shapes = {k: v[1] for k, v in held.items()}
-    return [{"version": ver, "n": n, "waves": w, "shapes": shapes} for w in per_rank]
+    return [{"version": ver, "n": n, "waves": w, "shapes": shapes, "fp": fp, "skipped": skipped,
+             "mine_skipped": len(ws) - len(k)} for w, ws, k in zip(per_rank, wanted, kept, strict=True)]
 
 
-def _waves(rank: int, g: dict[str, Any], held: dict[str, tuple[str, list[int]]], names: Map | None,
-           stream_bytes: int) -> list[list[list[Any]]]:
+def _unchanged(got: list[dict[str, Any]], wanted: list[list[_Want]]) -> tuple[str | None, Any]:
+    """Delta: the catalog's fingerprint and ``keep(want)``, true for a wanted tensor all of whose
+    source tensors are unchanged on every sender, where every rank's last finished stream had this
+    same catalog (else nothing is kept: some receiver may not hold the last version)."""
+    modes = {g["delta"] is not None for g in got}
+    if len(modes) > 1:
+        raise StateError(f"ranks disagree on delta: {[r for r, g in enumerate(got) if g['delta'] is not None]} pass "
+                         "delta=True, the others not; pass the same on every rank")
+    if modes != {True}:
+        return None, lambda w: False
+    what = [[g["delta"]["s"] for g in got],
+            [[[w.name, w.dtype, list(w.shape), [[r.name, r.start, r.numel] for r in w.runs]] for w in ws]
+             for ws in wanted]]
+    fp = hashlib.blake2b(msgpack.packb(what, use_bin_type=True), digest_size=16).hexdigest()
+    if any(g["delta"]["fp"] != fp for g in got):
+        return fp, lambda w: False
+    changed = {p[0] for g in got for p, same in zip(g["delta"]["s"], g["delta"]["u"], strict=True) if not same}
+    return fp, lambda w: all(r.name not in changed for r in w.runs)
+
+
+def _wanted(rank: int, g: dict[str, Any], held: dict[str, tuple[str, list[int]]], names: Map | None) -> list[_Want]:
+    """The destination tensors ``g``'s rank wants, resolved, in the order it asked for them."""
     want = g["want"]
     if want is None:
         return []
     order = list(names if names is not None else held) if want == ALL else want
+    return [_resolve(rank, name, held, names, g["dtype"]) for name in order]
+
+
+def _cut(wants: list[_Want], stream_bytes: int) -> list[list[list[Any]]]:
+    """Wanted tensors in waves of at most ``stream_bytes`` (a larger one alone), in wire form."""
     waves: list[list[list[Any]]] = []
     size = stream_bytes
-    for name in order:
-        w = _resolve(rank, name, held, names, g["dtype"])
+    for w in wants:
         if not waves or size + w.nbytes > stream_bytes:
             waves.append([])
             size = 0

@@ -103,3 +103,111 @@ def _ranks(rank: int, world: int) -> None:
 @pytest.mark.multiproc
 def test_ranks_stream_per_expert_and_fused_names() -> None:
     run_ranks(3, _ranks)
+
+
+def _names(stream: object) -> list[str]:
+    return [n for n, _ in stream]  # type: ignore[attr-defined]
+
+
+def test_a_delta_stream_sends_only_tensors_whose_sources_changed() -> None:
+    full = _full()
+    src = {k: v.clone() for k, v in full.items()}
+    state = ckpt.TransferState()
+
+    def stream(want: object = ALL, delta: bool = True) -> tuple[dict[str, torch.Tensor], object]:
+        s = transfer_iter(src, want, names=_map(), stream_bytes=300, delta=delta, state=state)
+        return dict(s), s.stats
+
+    got, stats = stream()
+    assert list(got) == list(_map()) and stats.bytes_skipped == 0 and stats.tensors_skipped == 0
+    got, stats = stream()  # nothing changed: nothing sent, nothing yielded
+    total = sum(t.numel() * 4 for t in _expected(full).values())
+    assert got == {} and stats.bytes_skipped == total and stats.tensors_skipped == len(_map())
+    assert stats.bytes_sent == 0 and stats.version == 2 and state.version == 2
+    src["up"][1, 0, 0] += 1  # one element of one source tensor: only the fused tensor made of it travels
+    got, stats = stream()
+    want = _expected({k: v.clone() for k, v in src.items()})
+    assert list(got) == ["gate_up"] and torch.equal(got["gate_up"], want["gate_up"])
+    assert stats.bytes_skipped == total - want["gate_up"].numel() * 4
+    # another catalog (a rank wants other names): everything it wants travels, then is unchanged
+    assert list(stream(["emb"])[0]) == ["emb"] and stream(["emb"])[0] == {}
+    # a stream that did not finish forgets: the next one sends everything
+    partial = iter(transfer_iter(src, ALL, names=_map(), stream_bytes=1, delta=True, state=state))
+    next(partial)  # the consumer takes one tensor and drops the stream
+    partial.close()  # (what dropping a generator does)
+    assert state.fingerprint is None
+    assert list(stream()[0]) == list(_map())
+    # a stream without delta hashes nothing: the next delta stream sends everything
+    stream(delta=False)
+    assert list(stream()[0]) == list(_map())
+
+
+def _delta_ranks(rank: int, world: int) -> None:
+    full = _full()
+    e0 = rank * E // 2
+    src = {"gate": ckpt.Shard(full["gate"][e0: e0 + E // 2].clone(), (E, INTER, H), (e0, 0, 0)),
+           "up": ckpt.Shard(full["up"][e0: e0 + E // 2].clone(), (E, INTER, H), (e0, 0, 0)),
+           "emb": full["emb"].clone()} if rank < 2 else None  # emb replicated on both senders
+    want = ALL if rank == 2 else (["emb"] if rank == 0 else None)
+    state = ckpt.TransferState()
+
+    def stream(st: ckpt.TransferState, delta: bool = True) -> tuple[dict[str, torch.Tensor], object]:
+        s = transfer_iter(src, want, names=_map(), stream_bytes=200, bucket_bytes=96, timeout=60, delta=delta,
+                          state=st)
+        return dict(s), s.stats
+
+    got, _ = stream(state)
+    assert len(got) == (len(_map()) if rank == 2 else 1 if rank == 0 else 0)
+    if rank == 1:
+        src["up"].local[0, 0, 0] += 1  # expert 2 of 'up', held by rank 1 only
+    full["up"][2, 0, 0] += 1
+    got, stats = stream(state)
+    if rank == 2:
+        assert list(got) == ["gate_up"] and torch.equal(got["gate_up"], _expected(full)["gate_up"])
+    else:
+        assert got == {}
+    assert stats.bytes_skipped == sum(t.numel() * 4 for t in _expected(full).values()) - E * 2 * INTER * H * 4 + \
+        H * 7 * 4  # the receivers' skipped bytes: rank 2's all but gate_up, and rank 0's emb
+    # a receiver that lost its state (a restarted engine) gets everything again, and so does every rank
+    got, _ = stream(ckpt.TransferState() if rank == 2 else state)
+    assert len(got) == (len(_map()) if rank == 2 else 1 if rank == 0 else 0)
+    # ranks that disagree on delta: the same typed error on every rank
+    with pytest.raises(StateError, match=r"disagree on delta"):
+        stream(state, delta=rank != 1)
+
+
+@pytest.mark.multiproc
+def test_ranks_delta_stream_sends_only_what_changed_on_any_sender() -> None:
+    run_ranks(3, _delta_ranks)
+
+
+@settings(max_examples=25, deadline=None)
+@given(steps=st.lists(st.one_of(
+    st.tuples(st.just("edit"), st.sampled_from(["gate", "up", "emb"]), st.integers(0, 7)),
+    st.tuples(st.just("stream"), st.sampled_from(["all", "some", "emb"]), st.integers(0, 8))), max_size=12))
+def test_generated_delta_streams_leave_the_engine_bitwise_current(steps: list[tuple[str, str, int]]) -> None:
+    """Sequences of source edits and delta streams (different wanted names, consumers that stop after
+    a few tensors): after every stream that finished, the engine (the tensors it was ever handed,
+    the last one per name) holds every wanted name bitwise as the sources now make it."""
+    src = {k: v.clone() for k, v in _full().items()}
+    state = ckpt.TransferState()
+    engine: dict[str, torch.Tensor] = {}
+    wants = {"all": ALL, "some": ["gate_up", "experts.1.gate"], "emb": ["emb"]}
+    for kind, what, n in steps:
+        if kind == "edit":
+            flat = src[what].view(-1)
+            flat[(n // 2) % flat.numel()] += 1 if n % 2 else -1  # (a later edit may undo an earlier one)
+            continue
+        stream = transfer_iter(src, wants[what], names=_map(), stream_bytes=150, delta=True, state=state)
+        it = iter(stream)
+        stop = n if n < 4 else None  # stop after n tensors, or go to the end
+        for k, (name, t) in enumerate(it):
+            engine[name] = t
+            if stop is not None and k + 1 >= stop:
+                break
+        else:
+            want = _expected(src)
+            for name in want if what == "all" else wants[what]:
+                assert torch.equal(engine[name], want[name]), name
+            continue
+        it.close()  # type: ignore[attr-defined]
