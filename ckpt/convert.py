@@ -32,10 +32,13 @@ from ckpt._chunks import split_region
 from ckpt._dtypes import dtype_from_name, dtype_name, itemsize
 from ckpt._io import byte_view
 from ckpt._stream import Item, Progress, read_items
-from ckpt.errors import CheckpointError, CheckpointExistsError, ManifestError, StateError
+from ckpt.errors import CheckpointError, CheckpointExistsError, ForeignFormatError, ManifestError, StateError
+from ckpt.formats import budget as _budget
 from ckpt.formats import torch_pickle
-from ckpt.formats.msgpack_codec import decode_object, encode_object
+from ckpt.formats.foreign_json import MAX_LAYERS
+from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_object
 from ckpt.interop.dcp_source import METADATA_NAME, read_metadata, reader
+from ckpt.interop.sources import encode_foreign
 from ckpt.layout import Layout
 from ckpt.load import fetch_manifest
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
@@ -56,6 +59,16 @@ def torch_save_manifest(storage: Storage, name: str) -> Manifest:
     z = torch_pickle.load_torch(reader(storage, name), 0, size, what=what)
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, ObjectEntry] = {}
+
+    def fresh(key: str) -> str:
+        # nested keys are joined with "." (and ints spelled as strings): {"a.b": x, "a": {"b": y}} or
+        # {1: x, "1": y} name two values alike, and the second silently replaced the first
+        if key in tensors or key in objects:
+            raise ForeignFormatError(f"{what}: two values of the file flatten to the key {key!r} (nested keys are "
+                                     "joined with '.'); ckpt cannot import both under one name: torch.load it, "
+                                     "rename one and ckpt.save it instead")
+        return key
+
     # iterative, in the file's order: the value passed torch_pickle's budget (a finite tree of
     # bounded depth and size), and this walk visits each of its nodes at most twice
     stack: list[tuple[str, Any]] = [("", z.obj)]
@@ -70,27 +83,31 @@ def torch_save_manifest(storage: Storage, name: str) -> Manifest:
                                     "torch.load it, make it contiguous and ckpt.save it instead")
             offset, length = v.byte_range()
             whole = Box((0,) * len(v.shape), v.shape)
-            tensors[key or "tensor"] = TensorEntry(dtype_name(v.dtype, key=key), v.shape,
-                                                   [ShardEntry(whole, name, offset, length)])
+            tensors[fresh(key or "tensor")] = TensorEntry(dtype_name(v.dtype, key=key), v.shape,
+                                                          [ShardEntry(whole, name, offset, length)])
             continue
         if torch_pickle.TorchZip(v, what).tensors():
             raise ManifestError(f"{what}: {key!r} holds tensors inside a list or tuple; ckpt imports tensors "
                                 "under dict keys (torch.load it and ckpt.save it instead)")
         data = encode_object(v, key=key or "value")
-        objects[key or "value"] = ObjectEntry(data=data, checksum=crc32(data))
+        objects[fresh(key or "value")] = ObjectEntry(data=data, checksum=crc32(data))
     m = Manifest(tensors=tensors, objects=objects, files={name: size},
                  user_metadata={"source": {"format": "torch.save", "file": name}})
-    m.source_format = "torch.save"
-    return m
+    # through the one gate of foreign manifests (as DCP's and DeepSpeed's): encodable (a key with a
+    # lone surrogate raised a raw UnicodeEncodeError at the import's commit), then ckpt's schema checks
+    out = decode_manifest(encode_foreign(m, what), url=what)
+    out.source_format = "torch.save"
+    return out
 
 
-def unstack_layers(manifest: Manifest, marker: str = "layers") -> Manifest:
+def unstack_layers(manifest: Manifest, marker: str = "layers", *, what: str = "manifest") -> Manifest:
     """Split tensors stored stacked over layers into per-layer tensors, in place (no data read).
 
     Megatron-Core saves ``decoder.layers.<name>`` with a leading dimension of the layer count; each
     becomes ``decoder.layers.<i>.<name>``, whose shards are the exact byte sub-ranges of the stored
     ones (a stored box that covers layers ``[a, b)`` holds layer ``i``'s block contiguously). Keys
-    with ``marker`` followed by a digit, flat shards and 0-d tensors are left as stored.
+    with ``marker`` followed by a digit, flat shards and 0-d tensors are left as stored. ``what``
+    names the source in errors (a leading dimension over ``MAX_LAYERS``: ForeignFormatError).
     """
     out: dict[str, TensorEntry] = {}
     for key, t in manifest.tensors.items():
@@ -99,6 +116,9 @@ def unstack_layers(manifest: Manifest, marker: str = "layers") -> Manifest:
                 or any(not isinstance(sh.region, Box) for sh in t.shards):
             out[key] = t
             continue
+        # one tensor entry per layer is made below: the layer count a (foreign) manifest claims is
+        # checked first (a stacked tensor of shape [2**40, 0] holds no bytes and looped for ever)
+        _budget.integer(t.shape[0], f"{what}: tensor {key!r}", "its leading (layer) dimension", 0, MAX_LAYERS)
         at = parts.index(marker) + 1
         isz = itemsize(dtype_from_name(t.dtype))
         for layer in range(t.shape[0]):
@@ -149,7 +169,7 @@ def import_checkpoint(src: str, dst: str, *, to: Layout | None = None, rules: Ru
         finally:
             st.close()
     if unstack:
-        manifest = unstack_layers(manifest)
+        manifest = unstack_layers(manifest, what=src)
     return reshard(src_dir, dst, to or Layout(), rules=rules, memory_budget=memory_budget, workers=workers,
                    progress=progress, overwrite=overwrite, storage_options=storage_options,
                    source_manifest=manifest)

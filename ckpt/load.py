@@ -20,9 +20,9 @@ from ckpt._load_plan import DEFAULT_MAX_READ, LoadRequest, ReadPlan, plan_load
 from ckpt._regions import check_tiling
 from ckpt._state import Item, ObjectItem, TensorItem, flatten_state, rebuild_state
 from ckpt.errors import CheckpointError, IntegrityError, LayoutError, ManifestError, MismatchError, StateError
-from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest
+from ckpt.formats.msgpack_codec import decode_manifest, decode_object
 from ckpt.formats.objects import decode_value
-from ckpt.interop.sources import LOOKED_FOR, foreign_manifest
+from ckpt.interop.sources import LOOKED_FOR, foreign_source
 from ckpt.manifest import MANIFEST_NAME, Manifest
 from ckpt.storage import Storage, get_storage
 
@@ -57,9 +57,9 @@ def fetch_manifest(storage: Storage | None, comm: Comm | None = None, *, manifes
             if storage.size(MANIFEST_NAME) is None:
                 # another tool's checkpoint (DCP, DeepSpeed) is read in place through a manifest
                 # describing its files; the bytes travel like ours, the format name beside them
-                foreign = foreign_manifest(storage)
+                foreign = foreign_source(storage)  # encoded, its unrecordable values refused by name
                 if foreign is not None:
-                    return {"ok": encode_manifest(foreign), "src": foreign.source_format}
+                    return {"ok": foreign[0], "src": foreign[1]}
                 raise ManifestError(f"{storage.url}: no committed checkpoint here (looked for {LOOKED_FOR}); if it "
                                     "is a ckpt save, it may not have finished (see `ckpt ls`)")
             return {"ok": storage.read_file(MANIFEST_NAME)}

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import enum
 import os
+import reprlib
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.errors import ForeignFormatError
+from ckpt.errors import CheckpointError, ForeignFormatError
 
 _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray, type, types.ModuleType,
                types.FunctionType, types.BuiltinFunctionType, types.MethodType, enum.Enum)
@@ -94,6 +95,51 @@ class Budget:
 def resolve(budget: Budget | None) -> Budget:
     """``budget``, or the default one (environment overrides applied)."""
     return budget if budget is not None else Budget.default()
+
+
+INT64_MAX = (1 << 63) - 1  # every size, offset and length a checkpoint records fits an int64 (torch, numpy, msgpack)
+MAX_DIMS = 64  # dimensions of a tensor shape (torch's own limit is 64 too)
+
+
+def integer(value: Any, what: str, field: str, low: int = 0, high: int = INT64_MAX,
+            error: type[CheckpointError] = ForeignFormatError) -> int:
+    """``value`` (a field of a foreign record) as an int in ``[low, high]``: not a bool, a float (even
+    2.0), a string or None. Every count, offset, length or dimension a foreign file claims goes
+    through here before it sizes a loop, an allocation or a read, so an infinite float or a
+    2**70 never reaches ``int()``, numpy or msgpack as a raw OverflowError. Raises ``error``
+    (ForeignFormatError unless told otherwise) naming ``what`` and ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise error(f"{what}: {field} is {_show(value)}, expected an integer in [{low}, {high}]; the file is "
+                    "damaged or not one this reader knows")
+    return int(value)  # an int subclass (torch.Size's elements are plain ints) as a plain int
+
+
+def dims(value: Any, what: str, field: str, error: type[CheckpointError] = ForeignFormatError) -> tuple[int, ...]:
+    """``value`` as a tensor shape (or the offsets of a chunk): a list or tuple (``torch.Size``) of at
+    most :data:`MAX_DIMS` integers in ``[0, 2**63 - 1]`` whose non-zero ones multiply to at most
+    ``2**63 - 1`` elements, torch's own rule (``torch.load`` refuses a record that breaks it, even one
+    with an empty dimension). Raises ``error`` naming ``what`` and ``field``."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_DIMS:
+        raise error(f"{what}: {field} is {_show(value)}, not a sequence of at most {MAX_DIMS} integers")
+    out = tuple(integer(v, what, field, error=error) for v in value)
+    n = 1
+    for d in out:
+        n *= d or 1
+    if n > INT64_MAX:
+        raise error(f"{what}: {field} {list(out)} has more than 2**63 - 1 elements; no tensor does")
+    return out
+
+
+def _show(value: Any) -> str:
+    """A short repr of ``value`` with its type: reprlib's (bounded for a hostile container or string of
+    megabytes), and an integer over 256 bits by its size (``repr`` refuses one of over 4300 digits)."""
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        r = reprlib.repr(value)
+    except Exception:  # noqa: BLE001 - a stand-in's repr of hostile state: the type says enough
+        r = "?"
+    return f"{r} ({type(value).__name__})"
 
 
 def _children(v: Any) -> list[Any] | None:
@@ -232,4 +278,4 @@ def walk(obj: Any, what: str, budget: Budget | None = None,
                          if isinstance(x, keep))
 
 
-__all__ = ["Budget", "resolve", "check", "walk"]
+__all__ = ["Budget", "resolve", "INT64_MAX", "MAX_DIMS", "integer", "dims", "check", "walk"]

@@ -12,7 +12,8 @@ is decoded by :func:`loads` under a :class:`Budget`:
   ``[[[[...`` or ``[[],[],...]`` is refused without ever being decoded, never with a raw
   ``RecursionError`` or a memory blow-up (an empty list costs ~56 bytes of Python objects per 3
   bytes of JSON);
-- **NaN / Infinity** (not JSON, but accepted by Python's decoder) refused unless the budget allows them;
+- **NaN / Infinity** (not JSON, but accepted by Python's decoder), and numbers like ``1e999`` that
+  decode to them, refused unless the budget allows them;
 - integers of more than 4300 digits (Python's limit) and invalid UTF-8 refused with the file named.
 
 The result is plain data (dict, list, str, int, float, bool, None). Fields are then read through
@@ -116,11 +117,18 @@ def loads(data: bytes, *, where: str, budget: Budget, error: type[CheckpointErro
     def constant(name: str) -> float:
         raise ValueError(f"{name} is not a JSON number")
 
+    def finite(literal: str) -> float:
+        # 1e999 is JSON syntax, but Python decodes it to inf: the same non-finite value as Infinity
+        v = float(literal)
+        if not math.isfinite(v):
+            raise ValueError(f"{literal[:40]} is not a finite number")
+        return v
+
     try:
         text = data.decode("utf-8")
         if budget.allow_nan:
             return json.loads(text)
-        return json.loads(text, parse_constant=constant)
+        return json.loads(text, parse_constant=constant, parse_float=finite)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, >4300 digits
         raise error(f"{where}: not valid JSON ({e})") from None
 

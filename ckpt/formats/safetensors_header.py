@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import IntegrityError
+from ckpt.formats.budget import INT64_MAX, MAX_DIMS
 from ckpt.formats.foreign_json import HEADER_DEPTH, HEADER_ITEMS, Budget, loads
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same bound as the safetensors library
@@ -93,7 +94,9 @@ def parse_header(head: bytes, file_size: int, *, path: str) -> dict[str, HeaderE
         if not (isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
                 and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e["data_offsets"])
-                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e["shape"])):
+                # the shape's range too (budget.dims' bounds, inline: ckpt's own headers hold a million entries)
+                and len(e["shape"]) <= MAX_DIMS
+                and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT64_MAX for x in e["shape"])):
             raise IntegrityError(f"{path}: safetensors entry {name!r} is malformed")
         s, t = e["data_offsets"]
         if t < s or base + t > file_size:

@@ -274,19 +274,19 @@ def _path(flavour: type[pathlib.PurePath]) -> _Fn:
     return _Fn(join)
 
 
-_MAX_DIMS = 64
-
-
 def _index(v: Any, field: str) -> int:
-    """A non-negative int (not a bool) for ``field`` of a tensor record, or UnpicklingError."""
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise pickle.UnpicklingError(f"tensor {field} {v!r} is not a non-negative integer")
-    return v
+    """A non-negative int64 (not a bool) for ``field`` of a tensor record (ForeignFormatError)."""
+    return _budget.integer(v, "a tensor record", field)
 
 
 def _dims(v: Any, field: str) -> tuple[int, ...]:
-    if not isinstance(v, (tuple, list)) or len(v) > _MAX_DIMS:
-        raise pickle.UnpicklingError(f"tensor {field} is not a sequence of at most {_MAX_DIMS} integers")
+    # sizes: the shared shape check, at most 64 int64 dimensions whose product fits an int64, as
+    # torch.load requires (an empty dimension beside a 2**70 one reached torch as a raw TypeError later);
+    # strides: as many int64 values, with no product rule (a size-1 dimension may have any stride)
+    if field == "size":
+        return _budget.dims(v, "a tensor record", field)
+    if not isinstance(v, (tuple, list)) or len(v) > _budget.MAX_DIMS:
+        raise pickle.UnpicklingError(f"tensor {field} is not a sequence of at most {_budget.MAX_DIMS} integers")
     return tuple(_index(x, field) for x in v)
 
 

@@ -114,6 +114,9 @@ def _entry(read: Read, start: int, length: int, rec: tuple[int, int, int], name:
     local, size, method = rec
     if method != 0:
         raise IntegrityError(f"{what}: zip entry {name!r} is compressed (method {method}); torch.save stores entries")
+    if local + 30 > length:  # checked before the read: the header must lie in this item, not a neighbour's bytes
+        raise IntegrityError(f"{what}: zip entry {name!r}: local header at {local} lies beyond the item's {length} "
+                             "bytes (truncated or damaged)")
     if head:
         if local + 30 > len(head):
             return None

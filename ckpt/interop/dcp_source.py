@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import threading
 from collections.abc import Callable
@@ -41,7 +40,9 @@ import torch
 
 from ckpt._checksum import crc32
 from ckpt._dtypes import dtype_name, itemsize, safetensors_dtype
-from ckpt.errors import CheckpointError, IntegrityError, ManifestError
+from ckpt.errors import CheckpointError, IntegrityError, ManifestError, StateError
+from ckpt.formats import budget as _budget
+from ckpt.formats import foreign_json
 from ckpt.formats import torch_pickle as safe_pickle
 from ckpt.formats.msgpack_codec import encode_object
 from ckpt.formats.objects import PICKLE_EXTRA, PICKLE_STUBS, encode_value, from_torch_save, refusal
@@ -88,7 +89,8 @@ def _storage_index(md: Any, what: str) -> dict[tuple[str, tuple[int, ...] | None
     """``(key, chunk offsets or None for bytes items) -> _StorageInfo``."""
     out: dict[tuple[str, tuple[int, ...] | None], Any] = {}
     for idx, info in (md.storage_data or {}).items():
-        offset = tuple(int(o) for o in idx.offset) if getattr(idx, "offset", None) is not None else None
+        offset = (_budget.dims(idx.offset, what, f"storage_data[{str(idx.fqn)[:100]!r}] offset")
+                  if getattr(idx, "offset", None) is not None else None)
         out[(str(idx.fqn), offset)] = info
         if getattr(info, "transform_descriptors", None):
             raise ManifestError(
@@ -210,11 +212,21 @@ def _parse_safetensors(read: Callable[[int, int], bytes], start: int, size: int,
     if head[8:9] != b"{":
         raise ManifestError(f"{what}: the item at {start} is neither a torch.save blob nor a safetensors file")
     entries = parse_header(head, size, path=what)
-    meta = json.loads(head[8:]).get("__metadata__") or {}
-    try:
-        sharding = json.loads(meta.get(DCP_SHARDING_KEY, "{}"))
-    except (TypeError, ValueError):
-        raise ManifestError(f"{what}: safetensors metadata {DCP_SHARDING_KEY!r} is not JSON") from None
+    # the metadata's values are JSON text of their own (DCP_SHARDING_INFO): decoded by the one bounded
+    # reader too, under the header's budget (a 100k-deep string of brackets raised a raw RecursionError)
+    budget = foreign_json.Budget(MAX_HEADER_BYTES, foreign_json.HEADER_DEPTH, foreign_json.HEADER_ITEMS)
+    header = foreign_json.loads(head[8:], where=f"{what}: safetensors header", budget=budget, error=ManifestError)
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise ManifestError(f"{what}: safetensors __metadata__ is {type(meta).__name__}, not a JSON object")
+    text = meta.get(DCP_SHARDING_KEY, "{}")
+    if not isinstance(text, str):
+        raise ManifestError(f"{what}: safetensors metadata {DCP_SHARDING_KEY!r} is not JSON text")
+    sharding = foreign_json.loads(text.encode("utf-8", "surrogatepass"),
+                                  where=f"{what}: safetensors metadata {DCP_SHARDING_KEY!r}", budget=budget,
+                                  error=ManifestError)
     return ({k: dataclasses.replace(e, start=start + e.start) for k, e in entries.items()},
             sharding if isinstance(sharding, dict) else {})
 
@@ -234,7 +246,8 @@ def _safetensors_chunk(read: Callable[[int, int], bytes], info: Any, key: str, d
         raise ManifestError(f"{what}: {key!r}: the safetensors header has it {found}; the metadata says "
                             f"{want} {list(box.lengths)}")
     saved = (sharding.get(key) or {}).get("saved_offsets") if isinstance(sharding.get(key), dict) else None
-    if saved is not None and [int(o) for o in saved] != list(box.offsets):
+    if saved is not None and list(_budget.dims(saved, what, f"{DCP_SHARDING_KEY}[{key!r}] saved_offsets",
+                                               ManifestError)) != list(box.offsets):
         raise ManifestError(f"{what}: {key!r}: the file holds the chunk at {list(saved)}, the metadata says "
                             f"{list(box.offsets)}")
     nbytes = itemsize(dtype) * _numel(box.lengths)
@@ -271,15 +284,18 @@ def _data_files(storage: Storage, index: dict[Any, Any], what: str) -> dict[str,
     """Size of each data file ``.metadata`` names; every item's byte range checked against its file."""
     files: dict[str, int] = {}
     for info in index.values():
-        path = check_relpath(str(info.relative_path), f"{what}/{METADATA_NAME}")
+        path = check_relpath(info.relative_path, f"{what}/{METADATA_NAME}")
         if path not in files:
             size = storage.size(path)
             if size is None:
                 raise ManifestError(f"{what}: data file {path!r} named by {METADATA_NAME} is missing")
             files[path] = size
-        if info.offset < 0 or info.length < 0 or info.offset + info.length > files[path]:
-            raise IntegrityError(f"{what}/{path}: item [{info.offset}, {info.offset + info.length}) lies beyond the "
-                                f"file's {files[path]} bytes (truncated?)")
+        # typed before they are compared or read at (a float offset was truncated by int(), inf overflowed)
+        offset = _budget.integer(info.offset, f"{what}/{METADATA_NAME}", f"the offset of an item in {path!r}")
+        length = _budget.integer(info.length, f"{what}/{METADATA_NAME}", f"the length of an item in {path!r}")
+        if offset + length > files[path]:
+            raise IntegrityError(f"{what}/{path}: item [{offset}, {offset + length}) lies beyond the "
+                                 f"file's {files[path]} bytes (truncated?)")
     return files
 
 
@@ -293,15 +309,26 @@ def _chunk_jobs(md: Any, index: dict[Any, Any], what: str) -> tuple[list[_Job], 
         if type(meta).__name__ == "BytesStorageMetadata":
             object_keys.append(key)
             continue
+        where = f"{what}/{METADATA_NAME}"
         dtype = meta.properties.dtype
-        shape = tuple(int(s) for s in meta.size)
-        tensors[key] = TensorEntry(dtype_name(dtype, key=key), shape, [])
+        if not isinstance(dtype, torch.dtype):
+            raise ManifestError(f"{where}: {key!r} has dtype {dtype!r:.100}, not a torch dtype")
+        try:
+            name = dtype_name(dtype, key=key)
+        except StateError as e:  # the file's, not the caller's state: named with the file
+            raise ManifestError(f"{where}: {e}") from None
+        shape = _budget.dims(meta.size, where, f"{key!r} size")
+        tensors[key] = TensorEntry(name, shape, [])
         for n, chunk in enumerate(meta.chunks):
-            offsets = tuple(int(o) for o in chunk.offsets)
+            offsets = _budget.dims(chunk.offsets, where, f"{key!r} chunk {n} offsets")
+            sizes = _budget.dims(chunk.sizes, where, f"{key!r} chunk {n} sizes")
+            if not len(offsets) == len(sizes) == len(shape):  # a box of another rank than its tensor
+                raise ManifestError(f"{where}: {key!r} chunk {n} has offsets {list(offsets)} and sizes {list(sizes)} "
+                                    f"for a tensor of shape {list(shape)}")
             info = index.get((key, offsets))
             if info is None:
-                raise ManifestError(f"{what}/{METADATA_NAME}: {key!r} chunk at {list(offsets)} has no storage entry")
-            jobs.append((key, n, Box(offsets, tuple(int(s) for s in chunk.sizes)), info, dtype))
+                raise ManifestError(f"{where}: {key!r} chunk at {list(offsets)} has no storage entry")
+            jobs.append((key, n, Box(offsets, sizes), info, dtype))
     return jobs, tensors, object_keys
 
 
@@ -380,6 +407,9 @@ def dcp_manifest(storage: Storage, *, workers: int = 4) -> Manifest:
 
 MEGATRON_METADATA = "metadata.json"
 MEGATRON_COMMON = "common.pt"
+# Megatron's metadata.json: a flat object of a few entries ({"sharded_backend": "torch_dist", ...});
+# a larger file of that name is some other tool's, ignored
+MEGATRON_JSON = foreign_json.Budget(1 << 20, 16, 100_000, allow_nan=True)
 
 
 def _megatron(storage: Storage, user: dict[str, Any], objects: dict[str, ObjectEntry], raw_keys: list[str]) -> None:
@@ -387,12 +417,10 @@ def _megatron(storage: Storage, user: dict[str, Any], objects: dict[str, ObjectE
     ``user_metadata["megatron"]``) and, in some versions, ``common.pt`` (the non-sharded state, kept
     as objects ``common.<key>``, read with the allowlist; Megatron's own classes become stand-ins)."""
     size = storage.size(MEGATRON_METADATA)
-    if size is None or size > 1 << 20:
+    if size is None or size > MEGATRON_JSON.max_bytes:
         return
-    try:
-        meta = json.loads(storage.read_file(MEGATRON_METADATA))
-    except ValueError as e:
-        raise ManifestError(f"{storage.url}/{MEGATRON_METADATA}: not JSON ({e})") from None
+    # the one bounded JSON reader (a deep document raised a raw RecursionError): ConfigError, a ManifestError
+    meta = foreign_json.read_storage(storage, MEGATRON_METADATA, budget=MEGATRON_JSON)
     if not isinstance(meta, dict) or "sharded_backend" not in meta:
         return  # some other tool's file of that name
     user["megatron"] = meta

@@ -54,6 +54,7 @@ from typing import Any
 from ckpt._checksum import crc32
 from ckpt._dtypes import dtype_name
 from ckpt.errors import CheckpointError, ForeignFormatError, IntegrityError, ManifestError, StorageError
+from ckpt.formats import budget as _budget
 from ckpt.formats import torch_pickle as tp
 from ckpt.formats.msgpack_codec import encode_object
 from ckpt.manifest import Manifest, ObjectEntry, ShardEntry, TensorEntry
@@ -120,19 +121,14 @@ _MAX_DIM = 1 << 48  # no tensor dimension is larger; a claim beyond it is hostil
 
 
 def _count(value: Any, what: str, field: str, low: int = 0, high: int = _MAX_DIM) -> int:
-    """``value`` as an int in ``[low, high]`` (not a bool), else ForeignFormatError naming the field:
+    """``value`` as an int in ``[low, high]`` (the shared check, :func:`ckpt.formats.budget.integer`):
     every count a file claims is checked before it sizes a loop or an allocation."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ForeignFormatError(f"{what}: {field} is {value!r:.100}, expected an integer in [{low}, {high}]; "
-                                 "the file is damaged or not a DeepSpeed checkpoint this reader knows")
-    return value
+    return _budget.integer(value, what, field, low, high)
 
 
 def _shape(value: Any, what: str, field: str) -> tuple[int, ...]:
-    """A parameter shape from the file: a sequence of at most 64 non-negative dimensions."""
-    if not isinstance(value, (list, tuple)) or len(value) > 64:
-        raise ForeignFormatError(f"{what}: {field} is {value!r:.100}, not a shape")
-    return tuple(_count(s, what, field) for s in value)
+    """A parameter shape from the file (:func:`ckpt.formats.budget.dims`), each dimension at most 2**48."""
+    return tuple(_count(s, what, field) for s in _budget.dims(value, what, field))
 
 
 def _world(pc: Any, what: str) -> int:

@@ -9,8 +9,12 @@ shards are byte ranges inside the original files, so nothing is converted before
 
 from __future__ import annotations
 
-from ckpt.errors import ManifestError
+from typing import Any
+
+from ckpt.errors import ForeignFormatError, ManifestError
+from ckpt.formats import budget as _budget
 from ckpt.manifest import MANIFEST_NAME, Manifest
+from ckpt.shards import Box, Flat
 from ckpt.storage import Storage
 
 # ZeRO-1/2 write mp_rank_00_model_states.pt; ZeRO-3 one zero_pp_rank_<r>_mp_rank_00_model_states.pt per rank
@@ -56,17 +60,90 @@ def detect(storage: Storage) -> str | None:
 
 
 def foreign_manifest(storage: Storage) -> Manifest | None:
-    """The manifest of a foreign checkpoint in ``storage``, or None when it holds none we read.
+    """The manifest of a foreign checkpoint in ``storage``, or None when it holds none we read:
+    :func:`foreign_source`'s bytes decoded, so it passed the same schema checks as a ckpt manifest.
 
     Raises ManifestError / IntegrityError / StorageError naming the file; metadata whose objects
     are of the allowed classes but not of the expected shape is a ManifestError too, never a raw
     AttributeError or TypeError.
     """
+    from ckpt.formats.msgpack_codec import decode_manifest
+
+    src = foreign_source(storage)
+    if src is None:
+        return None
+    m = decode_manifest(src[0], url=f"{storage.url} (its {src[1]} metadata, read in place)")
+    m.source_format = src[1]
+    return m
+
+
+def foreign_source(storage: Storage) -> tuple[bytes, str] | None:
+    """The manifest of a foreign checkpoint in ``storage`` encoded as ckpt records it (what a load
+    decodes and validates), and the format's name; None when ``storage`` holds none we read.
+
+    Raises as :func:`foreign_manifest`; a value the metadata holds that no manifest can record (a
+    lone surrogate in a key, an integer beyond 64 bits) is a ForeignFormatError naming it.
+    """
     try:
-        return _foreign_manifest(storage)
+        m = _foreign_manifest(storage)
     except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
         raise ManifestError(f"{storage.url}: malformed checkpoint metadata ({type(e).__name__}: {e}); the files "
                             "are damaged or from a format version ckpt does not know") from None
+    if m is None:
+        return None
+    return encode_foreign(m, storage.url), m.source_format
+
+
+def encode_foreign(manifest: Manifest, what: str) -> bytes:
+    """``manifest`` (read in place from another tool's files, ``what``) encoded as ckpt's manifest.
+
+    The one place where a foreign reader's values become a ckpt record: every reader (DCP, Megatron,
+    DeepSpeed, torch.save) hands its manifest through here before it is used, so a value msgpack
+    cannot hold (a key with a lone surrogate, which pickles and JSON escapes can carry; an integer
+    beyond 64 bits) is a ForeignFormatError naming the field, not a raw UnicodeEncodeError or
+    OverflowError from the encoder (or, across ranks, a bare CheckpointError wrapping one).
+    """
+    from ckpt.formats.msgpack_codec import encode_manifest
+
+    try:
+        return encode_manifest(manifest)
+    except (TypeError, ValueError, OverflowError) as e:  # UnicodeEncodeError is a ValueError
+        raise ForeignFormatError(f"{what}: {_unrecordable(manifest, what)} cannot be recorded in a ckpt manifest "
+                                 f"({type(e).__name__}: {str(e)[:200]}); the metadata is damaged or was not written "
+                                 "by the tool it claims") from None
+
+
+def _unrecordable(m: Manifest, what: str) -> str:
+    """Where in ``m`` the first value msgpack cannot encode is (found only after the encoder failed)."""
+    def ints(r: Any) -> list[Any]:
+        if isinstance(r, Box):
+            return [*r.offsets, *r.lengths]
+        if isinstance(r, Flat):
+            return [r.start, r.stop, *(ints(r.box) if r.box is not None else [])]
+        return [r]
+
+    view = {"tensors": {k: {"dtype": t.dtype, "shape": list(t.shape),
+                            "shards": [[s.file, s.offset, s.length, *ints(s.region)] for s in t.shards]}
+                        for k, t in m.tensors.items()},
+            "objects": dict.fromkeys(m.objects), "files": m.files, "step": m.step, "layout": m.layout,
+            "user_metadata": m.user_metadata}
+    for path, v in _budget.walk(view, what):
+        for x in (*path[-1:], v):
+            if not _recordable(x):
+                return f"the value at {'/'.join(ascii(p) for p in path)} ({ascii(x)[:100]})"
+    return "a value"
+
+
+def _recordable(x: Any) -> bool:
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(x, int) and not isinstance(x, bool):
+        return -(1 << 63) <= x < 1 << 64
+    return x is None or isinstance(x, (bool, float, bytes, list, dict))
 
 
 def _foreign_manifest(storage: Storage) -> Manifest | None:
@@ -85,4 +162,5 @@ def _foreign_manifest(storage: Storage) -> Manifest | None:
     return None
 
 
-__all__ = ["DS_MODEL_STATES", "LOOKED_FOR", "deepspeed_root", "detect", "foreign_manifest"]
+__all__ = ["DS_MODEL_STATES", "LOOKED_FOR", "deepspeed_root", "detect", "foreign_manifest", "foreign_source",
+           "encode_foreign"]
