@@ -356,7 +356,12 @@ def deepspeed_manifest(root: str, *, tag: str | None = None) -> Manifest:
         raise ManifestError(f"{d}: ZeRO-3 frozen parameters are not supported yet")
     states = _rank_states(root, rel, optim, first, world, zero3)
     tensors = _zero_tensors(shapes, states, first, world, zero3)
-    tensors.update(_buffers(model, rel(model_name)))
+    buffers = _buffers(model, rel(model_name))
+    clash = sorted(set(tensors) & set(buffers))
+    if clash:  # (one would silently replace the other)
+        raise ManifestError(f"{root}/{rel(model_name)}: {clash[0][len('model.'):]!r} is both a parameter and a buffer; "
+                            "the file is damaged or not a DeepSpeed checkpoint this reader knows")
+    tensors.update(buffers)
     objects = _objects(states[0][2], root, states[0][0])
     files = {rel(n): _regular(os.path.join(d, n)) for n in names if n.endswith(".pt")}
     _check_bounds(root, tensors, files)
@@ -416,6 +421,7 @@ def _zero12(shapes: Any, states: list[Any], first: Any, part: Any, world: int
             starts.append(starts[-1] + p.shape[0])
         off = 0
         for i, (pname, shape) in enumerate(group.items()):
+            _unique(out, pname, states[0][0])
             shape = _shape(shape, states[0][0], f"param_shapes[{g}][{str(pname)[:100]!r}]")
             n = math.prod(shape)
             pieces: Pieces = []
@@ -432,6 +438,14 @@ def _zero12(shapes: Any, states: list[Any], first: Any, part: Any, world: int
     return out
 
 
+def _unique(out: dict[str, Any], pname: Any, what: str) -> None:
+    """ManifestError when ``param_shapes`` names parameter ``pname`` twice (in one group or two): the
+    second would silently replace the first's pieces."""
+    if str(pname) in out:
+        raise ManifestError(f"{what}: param_shapes names parameter {str(pname)[:100]!r} twice; the file is damaged "
+                            "or not a DeepSpeed checkpoint this reader knows")
+
+
 def _zero3(shapes: Any, states: list[Any], part: Any, world: int) -> dict[str, tuple[tuple[int, ...], Pieces]]:
     """ZeRO-3: each parameter split on its own, ``ceil(numel / world)`` elements per rank, at the same
     offset of every rank's (concatenated) flat groups."""
@@ -444,6 +458,7 @@ def _zero3(shapes: Any, states: list[Any], part: Any, world: int) -> dict[str, t
     off = 0
     for group in shapes:
         for pname, shape in group.items():
+            _unique(out, pname, states[0][0])
             shape = _shape(shape, states[0][0], f"param_shapes[{str(pname)[:100]!r}]")
             n = math.prod(shape)
             pn = math.ceil(n / world)

@@ -460,3 +460,26 @@ def test_bf16_optimizer_files_the_reader_cannot_map_are_refused(tmp_path):
     with pytest.raises(ManifestError, match="partitioned in different dtypes across ranks"):
         ckpt.inspect(str(d))
     assert ckpt.inspect(str(FIXTURES / BF16_OPT)).user_metadata["source"]["optimizer"] == "BF16_Optimizer"
+
+
+def _rewrite_model(path: Path, change) -> None:
+    sd = torch.load(path, weights_only=False)
+    change(sd)
+    torch.save(sd, path)
+
+
+def test_a_name_given_twice_is_refused_not_silently_replaced(tmp_path):
+    """A parameter param_shapes names twice (in two groups), or a buffer named like a parameter: one
+    would silently replace the other's bytes; a ManifestError naming the name instead."""
+    import collections
+
+    d = _copy(tmp_path, 3)
+    model = d / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    _rewrite_model(model, lambda sd: sd["param_shapes"].append(collections.OrderedDict([("a.bias", torch.Size([5]))])))
+    with pytest.raises(ManifestError, match=r"param_shapes names parameter 'a\.bias' twice"):
+        ckpt.inspect(str(d))
+    for stage, name in ((3, "zero_pp_rank_0_mp_rank_00_model_states.pt"), (2, "mp_rank_00_model_states.pt")):
+        d = _copy(tmp_path / "buffer", stage)
+        _rewrite_model(d / "global_step2" / name, lambda sd: sd["buffer_names"].append("a.weight"))
+        with pytest.raises(ManifestError, match=r"'a\.weight' is both a parameter and a buffer"):
+            ckpt.inspect(str(d))
