@@ -89,7 +89,10 @@ def torch_save_manifest(storage: Storage, name: str) -> Manifest:
         if torch_pickle.TorchZip(v, what).tensors():
             raise ManifestError(f"{what}: {key!r} holds tensors inside a list or tuple; ckpt imports tensors "
                                 "under dict keys (torch.load it and ckpt.save it instead)")
-        data = encode_object(v, key=key or "value")
+        try:
+            data = encode_object(v, key=key or "value")
+        except StateError as e:  # (a value msgpack cannot hold, e.g. an int of 2**64: the file's, not the caller's)
+            raise ForeignFormatError(f"{what}: {e}") from None
         objects[fresh(key or "value")] = ObjectEntry(data=data, checksum=crc32(data))
     m = Manifest(tensors=tensors, objects=objects, files={name: size},
                  user_metadata={"source": {"format": "torch.save", "file": name}})

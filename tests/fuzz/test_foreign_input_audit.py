@@ -725,6 +725,11 @@ def test_bug_unrecordable_keys_of_torch_save_files_and_common_pt(tmp_path):
     torch.save({"\udc80": torch.ones(2), "ok": 1}, tmp_path / "a" / "m.pt")
     with pytest.raises(ForeignFormatError, match=r"m\.pt: the value at 'tensors'/'\\udc80'"):
         import_checkpoint(str(tmp_path / "a" / "m.pt"), str(tmp_path / "out"))
+    # a value msgpack cannot hold (an int of 2**64) is the file's fault, named with it (it was a StateError)
+    (tmp_path / "b").mkdir()
+    torch.save({"big": 2**64, "w": torch.ones(2)}, tmp_path / "b" / "m.pt")
+    with pytest.raises(ForeignFormatError, match=r"m\.pt.*'big'"):
+        import_checkpoint(str(tmp_path / "b" / "m.pt"), str(tmp_path / "out2"))
     src = _copy(tmp_path, MEGATRON)
     torch.save({"\udc80": 1, "iteration": 3}, src / "common.pt")
     with pytest.raises(ForeignFormatError, match=r"'objects'/'common\.\\udc80'"):
