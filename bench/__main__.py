@@ -28,6 +28,8 @@ Subcommands::
                 all-to-all bytes and time, peak memory vs sequence length, kill + resume bitwise (issue 20.3)
     transfer    ckpt.transfer between running CPU ranks (same and disjoint ranks) vs save+load and gather+broadcast
     transfer-moe  ckpt.transfer of a MoE model, tp=2,ep=2 -> tp=4 and to a disjoint group, vs save+load and send/recv
+    transfer-delta  delta refits (transfer and transfer_iter) with a few tensors changed vs sending everything,
+                and what the digests cost
     memtier-gpu the memory tier on N GPUs as 2 simulated nodes: --memory-every 1 slowdown at >= 8 GB per GPU,
                 node loss recovered from peer copies vs from storage, against H2D bandwidth (issue 20.2)
     tier-reshard  the memory tier restored under another layout across 2 simulated hosts: only the wanted
@@ -65,6 +67,7 @@ from bench import (
     tier_reshard,
     trainer_gpu,
     transfer,
+    transfer_delta,
     transfer_moe,
     xmoe,
 )
@@ -98,6 +101,7 @@ COMMANDS = {
     "compression": (compression, "zstd data files (planes or not): bytes on disk, save/load GB/s vs DCP ZStandard"),
     "transfer": (transfer, "live resharding between CPU ranks: ckpt.transfer vs save+load vs gather+broadcast"),
     "transfer-moe": (transfer_moe, "a MoE live: tp=2,ep=2 -> tp=4 and to a disjoint group vs save+load, send/recv"),
+    "transfer-delta": (transfer_delta, "delta refits with a few tensors changed vs sending everything; digest cost"),
     "bytecheckpoint": (bytecheckpoint_bench, "ByteCheckpoint vs ckpt vs DCP: FSDP2 + AdamW, 2 torchrun ranks on CPU"),
 }
 

@@ -16,7 +16,6 @@ changed (unless ``in_place=True``).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from ckpt import _transfer_net as net
 from ckpt import _transfer_replay as _replay
 from ckpt import stateful
 from ckpt._comm import Comm, raise_payload, side_group
+from ckpt._digest import digests
 from ckpt._save_plan import PieceDecl
 from ckpt._state import TensorItem, flatten_state
 from ckpt._transfer_coord import (
@@ -123,11 +123,9 @@ def _tensors(state: Any, what: str) -> list[TensorItem]:
 
 
 def digest(t: torch.Tensor) -> bytes:
-    """A 128-bit digest of a piece's bytes (delta: a change must not go unnoticed, so no 32-bit CRC)."""
-    host = t.detach().reshape(-1)
-    host = host.cpu() if host.device.type != "cpu" else host
-    data = host.contiguous().view(torch.uint8).numpy().data if host.numel() else memoryview(b"")
-    return hashlib.blake2b(data, digest_size=16).digest()
+    """A 128-bit digest of a piece's bytes (delta: a change must not go unnoticed, so no 32-bit CRC);
+    on a GPU computed there (:mod:`ckpt._digest`)."""
+    return digests([t])[0]
 
 
 def transfer(src: dict[str, Any] | None, dst: dict[str, Any] | None, *, group: Any = None,
@@ -219,8 +217,8 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
         try:
             check_options(opts)
             if opts.delta:
-                src_h = [digest(i.local) for i in srcs]
-                dst_h = [digest(i.local) for i in dsts]
+                src_h = digests([i.local for i in srcs])
+                dst_h = digests([i.local for i in dsts])
             wire = _declaration(srcs, dsts, opts, state, src_h, dst_h)
             # delta plans depend on which pieces changed: planned every time
             fp = None if opts.delta else _front.fingerprint_of(
@@ -242,7 +240,8 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     if opts.delta and state is not None:
         state.fingerprint = mine["fp"]
         state.src_hashes = src_h
-        state.dst_hashes = [digest(dsts[j].local) if j in wanted else h for j, h in enumerate(dst_h)]
+        now = dict(zip(sorted(wanted), digests([dsts[j].local for j in sorted(wanted)]), strict=True))
+        state.dst_hashes = [now.get(j, h) for j, h in enumerate(dst_h)]
     if state is not None:
         state.version = ver
     sent = sum(b.nbytes for b in sched.sends)

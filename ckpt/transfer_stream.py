@@ -39,6 +39,7 @@ import msgpack
 import torch
 
 from ckpt._comm import Comm, raise_payload
+from ckpt._digest import digests
 from ckpt._dtypes import dtype_from_name, dtype_name
 from ckpt._save_plan import PieceDecl
 from ckpt._state import TensorItem
@@ -54,7 +55,6 @@ from ckpt.transfer import (
     TransferState,
     check_options,
     declared,
-    digest,
     pick_error,
     rank_payload,
     run_items,
@@ -144,7 +144,7 @@ class TransferStream:
                     "last": state.version if state is not None else 0, "delta": None}
             if delta:
                 assert state is not None
-                hashes = [digest(i.local) for i in srcs]
+                hashes = digests([i.local for i in srcs])
                 decl["delta"] = {"fp": state.fingerprint,
                                  "s": [PieceDecl(i.key, i.dtype, i.global_shape, i.region).to_wire() for i in srcs],
                                  "u": [k < len(state.src_hashes) and h == state.src_hashes[k]
