@@ -139,3 +139,21 @@ def test_transfer_moe_bench_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert all(len(v) == 2 for v in r["times"].values()) and r["cached_plan"]
         # the network bytes: the pairs' sum, fewer than gathering and broadcasting whole tensors
         assert r["bytes_sent"] == sum(map(sum, r["pair_bytes"])) < r["gather_broadcast_bytes"]
+
+
+@pytest.mark.multiproc
+def test_transfer_delta_bench_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The delta refit bench at a tiny width on 2 gloo ranks: its refits are checked bitwise (the bench
+    asserts it), the last delta refit sent only the changed tensors, and every row is in the JSON."""
+    import bench.transfer_moe as tm
+
+    monkeypatch.setattr(tm, "D", 32)
+    monkeypatch.setattr(tm, "F", 16)
+    monkeypatch.setattr(tm, "E", 4)
+    out = tmp_path / "d.json"
+    assert bench_main.main(["transfer-delta", "--size-gb", "0.0003", "--repeats", "2", "--changed-pct", "20",
+                            "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {"full", "delta, 20% changed", "stream, delta, 20% changed", "digests (rank 0 alone)"} <= set(res["rows"])
+    assert all(len(v) == 2 for v in res["rows"].values())
+    assert res["sent_last"] == res["changed_bytes"] and res["skipped_last"] == res["total_bytes"] - res["changed_bytes"]
