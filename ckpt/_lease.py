@@ -9,7 +9,7 @@ The rule (docs/RELIABILITY.md, "Leases"):
    failed save can never remove a lease another writer holds. The old single ``.writing`` file
    (rank 0's lease of older versions) is still read as a lease.
 2. **gc** (:func:`survey`) treats a directory that holds a *live* lease or a *live* temporary file
-   (``*.tmp.<pid>[.<tid>]``, the name of an atomic commit in flight) as untouchable: it deletes
+   (``<manifest|lease|marker>.tmp.<pid>[.<n>]``, an atomic commit in flight) as untouchable: it deletes
    nothing in it, committed or not. It deletes a lease or temp file only as part of removing a
    directory whose every holder is provably gone.
 3. **Staleness is conservative.** A lease written on this machine (same host name, boot and pid
@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt.errors import CheckpointError, StorageError
+from ckpt.errors import CheckpointError, CheckpointExistsError, StorageError
+from ckpt.manifest import MANIFEST_NAME
 from ckpt.storage import Storage, get_storage
 
 LEGACY = ".writing"  # rank 0's single lease of older versions: still honoured
@@ -46,6 +47,8 @@ PREFIX = ".writing-"
 LEASE_GRACE_S = 24 * 3600.0  # a lease gc cannot check (another machine) counts as live this long
 _NAME = re.compile(r"^\.writing-(\d+)-(\d+)-([0-9a-f]{8})-([0-9a-f]{8})$")
 _TEMP = re.compile(r"^(?P<base>(?:.*/)?[^/]+)\.tmp\.(?P<pid>\d+)(?:\.\d+)?$")
+# A reshard marker (ckpt.resharders.reshard.marker_name): ``.reshard/<plan id>-<rank>[-<writer token>].done``.
+RESHARD_MARKER = re.compile(r"^\.reshard/[0-9a-f]{12}-\d{5}(-[0-9a-f]{12})?\.done$")
 _ACQUIRE_TRIES = 6  # a concurrent gc may remove the (empty) step directory under a starting lease
 
 
@@ -55,8 +58,16 @@ def is_lease(path: str) -> bool:
 
 
 def is_temp(path: str) -> bool:
-    """True for the temporary name of an atomic commit in flight (``<name>.tmp.<pid>[.<tid>]``)."""
-    return _TEMP.match(path) is not None
+    """True for the temporary name of an atomic commit in flight (``<name>.tmp.<pid>[.<n>]``) of a
+    file our writers commit into a checkpoint directory: the manifest, a lease, a reshard marker.
+
+    Only those: a user's ``notes.tmp.1`` (or ``results.csv.tmp.2``) beside a checkpoint is a foreign
+    file that gc reports and keeps, never a temp file it may delete once it looks stale."""
+    t = _TEMP.match(path)
+    if t is None:
+        return False
+    base = t.group("base")
+    return base == MANIFEST_NAME or is_lease(base) or RESHARD_MARKER.match(base) is not None
 
 
 def is_protected_name(path: str) -> bool:
@@ -111,10 +122,12 @@ class Lease:
     name: str
     storage_options: dict[str, Any] = field(default_factory=dict)
     released: bool = False
+    made_dir: bool = True  # the lease created the (local) directory: tidy may remove it again
 
     def release(self, *, tidy: bool = False) -> None:
         """Delete this lease file (only this one: never another writer's). ``tidy``: also remove
-        the directory when nothing else is in it (a skipped or failed save left nothing there).
+        the directory when nothing else is in it (a skipped or failed save left nothing there) and
+        this lease created it (a user's empty directory given as the destination stays).
         Best effort: a lease that cannot be deleted is stale as soon as this process ends."""
         if self.released:
             return
@@ -124,7 +137,7 @@ class Lease:
             with contextlib.suppress(CheckpointError):
                 storage.delete(self.name)
             local = storage.local_dir
-            if tidy and local is not None:
+            if tidy and local is not None and self.made_dir:
                 with contextlib.suppress(OSError):
                     os.rmdir(local)  # only when empty; a writer starting there retries its lease
         finally:
@@ -143,10 +156,17 @@ def acquire(url: str, rank: int, storage_options: dict[str, Any] | None = None) 
                        "start": start_time(os.getpid()), "machine": machine_id()}).encode()
     storage = get_storage(url, **opts)
     try:
+        made = storage.local_dir is not None and not os.path.lexists(storage.local_dir)
         for attempt in range(_ACQUIRE_TRIES):
             try:
                 storage.commit(name, data, exclusive=True)
-                return Lease(url, name, opts)
+                return Lease(url, name, opts, made_dir=made)
+            except CheckpointExistsError:
+                if attempt == 0:
+                    raise
+                # our own earlier try is in place (it failed after the rename, e.g. at a directory
+                # fsync): the name is this lease's alone, so it is held
+                return Lease(url, name, opts, made_dir=made)
             except StorageError as e:
                 # gc removes an empty step directory; it may do so between our mkdir and the
                 # write of the lease: try again (a real I/O problem fails every time).
@@ -253,7 +273,7 @@ def survey(files: Iterable[str], read: Callable[[str], bytes | None], mtime: Cal
     for f in sorted(files):
         t = _TEMP.match(f)
         if not is_lease(f) and not (t and is_lease(t.group("base"))):
-            if t:
+            if t and is_temp(f):  # (a user's ``x.tmp.1`` holds nothing: foreign, kept by gc)
                 others.append((f, int(t.group("pid"))))
             continue
         live, checked, why = judge(f, _safe(read, f), _safe(mtime, f), now=now, grace_s=grace_s)
@@ -312,5 +332,5 @@ def storage_survey(storage: Storage, prefix: str, files: Iterable[str], *, grace
     return survey(files, read, mtime, now=now, grace_s=grace_s)
 
 
-__all__ = ["LEASE_GRACE_S", "LEGACY", "Holders", "Lease", "acquire", "is_lease", "is_protected_name", "is_temp",
-           "judge", "machine_id", "storage_survey", "survey"]
+__all__ = ["LEASE_GRACE_S", "LEGACY", "RESHARD_MARKER", "Holders", "Lease", "acquire", "is_lease", "is_protected_name",
+           "is_temp", "judge", "machine_id", "storage_survey", "survey"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,7 @@ def _local_dir(storage: Storage, name: str) -> str | None:
 def _list(storage: Storage, root: str, grace_s: float = LEASE_GRACE_S) -> list[CheckpointInfo]:
     groups: dict[str, list[str]] = {}
     links: set[str] = set()
+    odd: dict[str, list[str]] = {}  # entries of a step directory that are not regular files
     local_root = storage.local_dir
     if local_root is not None:
         if not os.path.isdir(local_root):
@@ -114,7 +116,7 @@ def _list(storage: Storage, root: str, grace_s: float = LEASE_GRACE_S) -> list[C
                 groups[name] = []
             elif os.path.isdir(full):
                 # A crash between mkdir and the first write leaves a step directory with no file in it.
-                groups[name] = _walk(storage, name)
+                groups[name], odd[name] = _walk(storage, name)
     else:
         for f in storage.list(""):
             top = f.split("/", 1)[0]
@@ -134,30 +136,44 @@ def _list(storage: Storage, root: str, grace_s: float = LEASE_GRACE_S) -> list[C
         rel = [f[len(name) + 1:] for f in fs]
         held = leases.storage_survey(storage, name, rel, grace_s=grace_s)
         info.live, info.note = held.busy, held.note()
+        strange = [f[len(name) + 1:] for f in odd.get(name, [])]
         if MANIFEST_NAME in rel:
             try:
                 decode_manifest(storage.read_file(f"{name}/{MANIFEST_NAME}"))
                 info.committed, info.status = True, "committed"
             except CheckpointError as e:
                 info.status, info.note = "unreadable", f"kept: {e}"
+        elif MANIFEST_NAME in strange:
+            info.status, info.note = "unreadable", f"kept: {MANIFEST_NAME} is a link or not a regular file"
         else:
             info.status = "incomplete"
-            odd = transaction.foreign_files([f for f in rel if not leases.is_lease(f)], None)
-            if odd:
-                info.status, info.note = "foreign", f"kept: holds files no ckpt writer makes ({', '.join(odd[:3])})"
+            foreign = strange + transaction.foreign_files([f for f in rel if not leases.is_lease(f)], None)
+            if foreign:
+                info.status, info.note = "foreign", f"kept: holds files no ckpt writer makes ({', '.join(foreign[:3])})"
         out.append(info)
     return sorted(out, key=lambda c: c.step)
 
 
-def _walk(storage: Storage, name: str) -> list[str]:
-    """Files under one local step directory (symlinks listed, never followed)."""
+def _walk(storage: Storage, name: str) -> tuple[list[str], list[str]]:
+    """The regular files under one local step directory, and the entries that are not (links, to files
+    or directories, never followed; FIFOs, sockets): no writer of ours makes one, so an unfinished
+    save that holds one is not provably ours, and gc never deletes one."""
     d = _local_dir(storage, name)
     assert d is not None
-    out = []
-    for dirpath, _dirs, files in os.walk(d):
+    out, odd = [], []
+    for dirpath, dirs, files in os.walk(d):
         rel = os.path.relpath(dirpath, os.path.dirname(d))
-        out += [f"{rel}/{f}" if rel != "." else f for f in files]
-    return out
+        for f in dirs + files:
+            path = f"{rel}/{f}" if rel != "." else f
+            try:
+                mode = os.lstat(os.path.join(dirpath, f)).st_mode
+            except OSError:
+                continue  # gone meanwhile
+            if stat.S_ISREG(mode):
+                out.append(path)
+            elif not stat.S_ISDIR(mode):
+                odd.append(path)
+    return out, odd
 
 
 def _size(storage: Storage, path: str) -> int:
@@ -177,11 +193,13 @@ def _mtime(storage: Storage, name: str) -> float:
     return 0.0
 
 
-def _files_of(storage: Storage, name: str) -> list[str]:
-    """Paths (relative to the step directory) of every file under it, now."""
+def _files_of(storage: Storage, name: str) -> tuple[list[str], list[str]]:
+    """Paths (relative to the step directory) of every regular file under it now, and of the entries
+    that are not regular files (:func:`_walk`; none on an object store)."""
     if _local_dir(storage, name) is not None:
-        return [f[len(name) + 1:] for f in _walk(storage, name)]
-    return [f[len(name) + 1:] for f in storage.list(name + "/")]
+        files, odd = _walk(storage, name)
+        return [f[len(name) + 1:] for f in files], [f[len(name) + 1:] for f in odd]
+    return [f[len(name) + 1:] for f in storage.list(name + "/")], []
 
 
 def _newcomers(storage: Storage, name: str, seen: set[str]) -> bool:
@@ -209,9 +227,9 @@ def _remove(storage: Storage, info: CheckpointInfo, grace_s: float = LEASE_GRACE
     name = info.name
     if not info.removable:
         return False
-    rel = _files_of(storage, name)
+    rel, strange = _files_of(storage, name)  # (links and other odd entries: never deleted)
     held = leases.storage_survey(storage, name, rel, grace_s=grace_s)
-    seen = set(rel)
+    seen = set(rel) | set(strange)
     if held.busy or _newcomers(storage, name, seen) or (MANIFEST_NAME in seen) != (info.status == "committed"):
         return False  # a save holds it, or it changed since it was listed: leave it for the next gc
     listed: set[str] = set()
@@ -222,7 +240,7 @@ def _remove(storage: Storage, info: CheckpointInfo, grace_s: float = LEASE_GRACE
             return False  # changed since it was listed: leave it for the next gc
         storage.delete(f"{name}/{MANIFEST_NAME}")
     plain = [f for f in rel if not leases.is_protected_name(f)]
-    ours = set(plain) - set(transaction.foreign_files(plain, None)) - {MANIFEST_NAME}
+    ours = {f for f in plain if transaction.is_ours(f)} - {MANIFEST_NAME}
     for f in sorted((listed & set(plain)) | ours):
         if f in listed and not transaction.in_data_area(f):
             continue  # a hostile manifest cannot make gc delete anything outside the data area

@@ -45,12 +45,15 @@ from ckpt.errors import CheckpointError, CheckpointExistsError, ManifestError, M
 from ckpt.manifest import DATA_DIR, MANIFEST_NAME, Manifest, check_relpath
 from ckpt.storage import Storage
 
-ZARR_AREA = re.compile(r"^zarr(-[0-9a-f]{6,32})?$")
+# The files our zarr writer makes in a tree (ckpt._zarr_layout): the group's and each array's
+# ``zarr.json`` and the chunks ``<key>/c/<i>/<j>...`` (keys never start with '.' nor hold '/'); a user's
+# ``zarr/notes.md`` is not one, whatever its directory is called.
+ZARR_FILE = re.compile(r"^zarr(-[0-9a-f]{6,32})?/(zarr\.json|[^/.][^/]*/(zarr\.json|c(/\d+)*))$")
 # Names only our writers give data files (``planner.data_file_name`` and the fresh names of saves).
 OUR_DATA_FILE = re.compile(r"^data/\d{5}-[0-9a-f]{12}\.(safetensors|zst)$")  # .zst: compressed (ckpt._codec)
 # Scaffolding of our writers: reshard markers (``<plan id>-<rank>[-<writer token>].done``); leases and
 # the temp names of atomic commits are ckpt._lease's to name (``lease.is_protected_name``).
-OUR_SCAFFOLD = re.compile(r"^\.reshard/[0-9a-f]{12}-\d{5}(-[0-9a-f]{12})?\.done$")
+OUR_SCAFFOLD = lease.RESHARD_MARKER
 ID_LEN = 12  # hex digits of a random id: 48 bits, no collision between writers in practice
 WRITER_GRACE_S = lease.LEASE_GRACE_S  # a writer on another machine counts as alive this long
 
@@ -165,7 +168,7 @@ def writer_gone(record: Any) -> bool:
 
 def in_data_area(path: str) -> bool:
     """True for a data file of ours: ``data/<rank>-<id>.safetensors`` (the names our writers give)
-    or a file of a zarr tree (``zarr/``, ``zarr-<id>/``).
+    or a file our zarr writer makes in a zarr tree (``zarr/``, ``zarr-<id>/``: :data:`ZARR_FILE`).
 
     The only files a transaction may ever delete; the manifest and anything else are never touched.
     """
@@ -173,22 +176,26 @@ def in_data_area(path: str) -> bool:
         check_relpath(path, "file")
     except ManifestError:
         return False
-    head, sep, rest = path.partition("/")
-    if head == DATA_DIR:
-        # only names our writers give: a hostile manifest listing a user's data/train.jsonl cannot
-        # make a clean-up delete it
-        return OUR_DATA_FILE.match(path) is not None
-    return bool(sep and rest) and ZARR_AREA.match(head) is not None
+    # only names our writers give: a hostile manifest listing a user's data/train.jsonl (or zarr/notes.md)
+    # cannot make a clean-up delete it, nor gc take such a file for an unfinished save of ours
+    return OUR_DATA_FILE.match(path) is not None or ZARR_FILE.match(path) is not None
+
+
+def is_ours(path: str) -> bool:
+    """Whether a file of a checkpoint directory (``path`` relative to it) has a name only our writers
+    give: the manifest, a data file (:func:`in_data_area`), a reshard marker, a lease or the temp file
+    of an atomic commit (:func:`ckpt._lease.is_protected_name`). The one test of "ours" by name that
+    writers (refusing a destination) and gc (removing an unfinished save) share; anything else is a
+    user's file, never deleted."""
+    return (path == MANIFEST_NAME or in_data_area(path) or OUR_SCAFFOLD.match(path) is not None
+            or lease.is_protected_name(path))
 
 
 def foreign_files(listing: Iterable[str], previous: Manifest | None) -> list[str]:
     """Files in a destination listing that neither a checkpoint (``previous``) nor an unfinished
     write of ours explains: a user's files. Writers refuse such a destination rather than mix in."""
     known = set(previous.files) if previous is not None else set()
-    return sorted(f for f in listing
-                  if f != MANIFEST_NAME and f not in known and not OUR_DATA_FILE.match(f)
-                  and not OUR_SCAFFOLD.match(f) and not lease.is_protected_name(f)
-                  and not (in_data_area(f) and f.split("/", 1)[0] != DATA_DIR))
+    return sorted(f for f in listing if f not in known and not is_ours(f))
 
 
 def check_header(step: Any, user_metadata: Any, layout: Any = None) -> tuple[int | None, dict[str, Any]]:
@@ -345,5 +352,5 @@ def _delete(storage: Storage, files: Iterable[str]) -> None:
 
 
 __all__ = ["begin", "check_header", "commit_manifest", "committed_files", "data_file_rank", "foreign_files",
-           "fresh_data_file", "fresh_zarr_root", "in_data_area", "live_writer", "new_id", "read_current",
+           "fresh_data_file", "fresh_zarr_root", "in_data_area", "is_ours", "live_writer", "new_id", "read_current",
            "remove_files", "remove_replaced", "writer_gone", "WrittenSet", "OUR_DATA_FILE"]

@@ -35,6 +35,7 @@ from ckpt.save import (
     prepare,
     resolve_compression,
     staged_views,
+    take_lease,
 )
 from ckpt.storage import get_storage
 
@@ -154,16 +155,22 @@ class AsyncSaver:
         stager = Stager(self.pool, staged_views(prep), pieces, cap=max_staging_bytes,
                         split=prep.data_format != "zarr")
         self.inflight = handle
+        # this rank's lease is taken by the background thread before it writes a byte (and released
+        # there when the save is over): not here, where it would add a file creation (~5 ms locally,
+        # a PUT on S3) to the time the caller is blocked
         self._thread = threading.Thread(target=self._run, name="ckpt-async-save", daemon=True,
                                         args=(handle, prep, stager, storage, comm, commit_comm, on_commit, on_error,
-                                              on_done))
+                                              on_done, (url, storage_options)))
         self._thread.start()
         return handle
 
     def _run(self, handle: SaveHandle, prep: Prepared, stager: Stager, storage: Any, comm: Comm, commit_comm: Comm,
              on_commit: Callable[[Manifest], None] | None, on_error: Callable[[BaseException], None] | None,
-             on_done: Callable[[], None] | None = None) -> None:
+             on_done: Callable[[], None] | None = None, lease_on: tuple[str, Any] | None = None) -> None:
         staging = threading.Thread(target=self._stage, args=(stager, prep, handle), name="ckpt-stage", daemon=True)
+        # (before persist_staged writes a byte; a lease that cannot be taken is this rank's error, in
+        # prep.refused, which the commit exchange delivers to every rank)
+        held = take_lease(lease_on[0], prep, comm, lease_on[1]) if lease_on is not None else None
         try:
             staging.start()
             t0 = time.perf_counter()
@@ -188,6 +195,9 @@ class AsyncSaver:
                     pass  # cleanup is best effort; the save's own error is what matters
         finally:
             staging.join()
+            if held is not None:  # this rank's lease (ckpt.save.take_lease): the save is over
+                with contextlib.suppress(CheckpointError):
+                    held.release(tidy=handle.error is not None)
             if on_done is not None:
                 with contextlib.suppress(CheckpointError):  # best effort (e.g. dropping a lease)
                     on_done()

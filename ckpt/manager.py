@@ -1,9 +1,10 @@
 """CheckpointManager: periodic (async) saves under one root, ``latest``, ``restore``, retention, gc.
 
 Layout: ``<root>/step-<step:010d>/`` per checkpoint. ``latest`` is found by listing and reading
-manifests, never from a pointer file that could lie. Every rank of a save takes its own lease
-(``<dir>/.writing-<rank>-...``, :mod:`ckpt._lease`) before it writes anything there and drops it when
-the save is over, so ``gc`` never touches a directory a live save is writing, however skewed the ranks.
+manifests, never from a pointer file that could lie. Every rank of a save (as of any save:
+``ckpt.save.take_lease``) takes its own lease (``<dir>/.writing-<rank>-...``, :mod:`ckpt._lease`) before
+it writes anything there and drops it when the save is over, so ``gc`` never touches a directory a live
+save is writing, however skewed the ranks.
 """
 
 from __future__ import annotations
@@ -208,41 +209,26 @@ class CheckpointManager:
         async one puts them on the handle (``h.stats``).
         """
         url = self.url_for(step)
-        # This rank's own lease, before it writes a byte there: gc leaves the directory alone from
-        # the first byte any rank writes, whatever the skew between ranks (no collective needed).
-        held = leases.acquire(url, self._rank, self.storage_options)
+        # Every rank's save takes its own lease before it writes a byte there (ckpt.save.take_lease) and
+        # drops it when the save is over: gc leaves the directory alone from the first byte any rank
+        # writes, whatever the skew between ranks (no collective needed).
         if not self.async_save:
-            try:
-                m = save(state, url, group=self.group, step=step, user_metadata=user_metadata, layout=layout,
-                         storage_options=self.storage_options, overwrite=overwrite, stats=stats)
-            except BaseException:
-                held.release(tidy=True)  # only this rank's lease: never another writer's
-                raise
+            m = save(state, url, group=self.group, step=step, user_metadata=user_metadata, layout=layout,
+                     storage_options=self.storage_options, overwrite=overwrite, stats=stats)
             if self._rank == 0:
-                self._after_commit(m, held)
-            else:
-                held.release()
+                self._after_commit(m)
             return m
-        try:
-            self._last = self._saver.save(state, url, step=step, user_metadata=user_metadata, layout=layout,
-                                          overwrite=overwrite,
-                                          storage_options=self.storage_options, policy=self.policy,
-                                          on_commit=lambda m: self._after_commit(m, held),
-                                          max_staging_bytes=self.max_staging_bytes,
-                                          on_error=lambda e: held.release(tidy=True), on_done=held.release)
-        except BaseException:
-            held.release(tidy=True)  # nothing of this rank is writing there
-            raise
-        if self._last.skipped:
-            held.release(tidy=True)
-        else:
+        self._last = self._saver.save(state, url, step=step, user_metadata=user_metadata, layout=layout,
+                                      overwrite=overwrite, storage_options=self.storage_options, policy=self.policy,
+                                      on_commit=self._after_commit, max_staging_bytes=self.max_staging_bytes)
+        if not self._last.skipped:
             self._staging = self._last
         return self._last
 
     def _after_commit(self, m: Manifest, held: leases.Lease | None = None) -> None:
-        """Drop this rank's lease (``held``) and apply retention (the coordinator). The checkpoint
-        is committed already: a failure here is a warning (kept in ``retention_errors``), never the
-        save's failure."""
+        """Apply retention (the coordinator, after the commit; ``held``: a lease to drop first). The
+        checkpoint is committed already: a failure here is a warning (kept in ``retention_errors``),
+        never the save's failure."""
         assert m.step is not None
         try:
             if held is not None:

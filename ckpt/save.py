@@ -24,6 +24,7 @@ import msgpack
 import torch
 
 from ckpt import _aliases as tied
+from ckpt import _lease as lease
 from ckpt import _transaction as transaction
 from ckpt import _zarr_layout as zarr_layout
 from ckpt import stateful
@@ -157,11 +158,14 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
     state = stateful.expand(state)
     storage = get_storage(url, **(storage_options or {}))
     cache = _take_cache(group)
+    held: lease.Lease | None = None
+    ok = False
     try:
         t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
                        layout=layout, cache=cache, timeout=timeout, data_format=data_format, compression=codec)
         prep.stats["plan"] = time.perf_counter() - t0
+        held = take_lease(url, prep, comm, storage_options)
         prep.stats["stage"] = 0.0  # synchronous: written straight from the caller's tensors
         t1 = time.perf_counter()
         if data_format == "safetensors" and any(
@@ -174,10 +178,30 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
         m = commit(comm, storage, prep, result, timeout=timeout, cache=cache)
         if stats is not None:
             stats.update(prep.stats, commit=time.perf_counter() - t2)
+        ok = True
         return m
     finally:
         _give_back(cache)
         storage.close()
+        if held is not None:
+            held.release(tidy=not ok)  # this rank's own lease only; a failed save into a new directory leaves none
+
+
+def take_lease(url: str, prep: Prepared, comm: Comm, storage_options: dict[str, Any] | None) -> lease.Lease | None:
+    """This rank's lease on ``url`` (:func:`ckpt._lease.acquire`), taken after the checks of the
+    planning phase and before this rank's first byte: a directory being written is leased before any
+    rank writes into it, so that gc (:mod:`ckpt._retention`) never deletes the files of a save in
+    progress. Every writer of a checkpoint takes one (saves here, ``reshard``, imports); the caller
+    releases it when the save is over. None when the save is refused already (nothing is written).
+    A lease that cannot be taken is this rank's error: kept in ``prep.refused``, the commit exchange
+    delivers it to every rank (no rank writes past it, none waits for it)."""
+    if prep.refused is not None:
+        return None
+    try:
+        return lease.acquire(url, comm.rank, storage_options)
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the commit exchange
+        prep.refused = error_payload(e, comm.who)
+        return None
 
 
 @dataclass(slots=True)
@@ -641,5 +665,5 @@ def _aggregate(stats: list[dict[str, float]]) -> dict[str, Any]:
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "build_decl", "fingerprint", "read_manifest", "PlanCache", "save", "Prepared",
-           "resolve_compression", "prepare", "persist", "fresh_file_name", "persisted", "SYNC_RING", "staged_views",
-           "persist_staged", "commit", "merge_globals"]
+           "resolve_compression", "prepare", "take_lease", "persist", "fresh_file_name", "persisted", "SYNC_RING",
+           "staged_views", "persist_staged", "commit", "merge_globals"]

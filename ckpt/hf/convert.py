@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ckpt import _lease as lease
 from ckpt import _transaction as transaction
 from ckpt._dtypes import dtype_from_name, dtype_name
 from ckpt._save_plan import PieceDecl, RankDecl, plan_save
@@ -42,6 +43,7 @@ from ckpt.hf.directory import (
     INDEX_NAME,
     SINGLE_NAME,
     ST_METADATA,
+    WEIGHTS_NAME,
     add_computed_file,
     export_dtype,
     few,
@@ -258,7 +260,7 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         buffer_bytes = _write_export(src, manifest, dst, plan, side, replaced, budget=budget, workers=workers,
                                      verify=verify, progress=progress)
         for stale in replaced:  # an older export's shards that this one did not rewrite
-            if stale not in ours:
+            if stale not in ours and WEIGHTS_NAME.match(stale):  # only model weights: other files are kept
                 dst.delete(stale)
         return HFExportResult(out_dir=dst.url, files=[f.path for f in plan.files],
                               tensors=len(plan.index["weight_map"]),  # Hugging Face tensors, not copy pieces
@@ -546,9 +548,12 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
     out = OutFile(assignment.file, assignment.header, items)
 
     dst = get_storage(dst_url, **opts)
+    held: lease.Lease | None = None
     try:
         transaction.begin(dst, overwrite=overwrite)
         created = _new_local_root(dst)
+        # leased before the first byte, as every writer's (ckpt.save.take_lease): gc never takes its files
+        held = lease.acquire(dst_url, 0, opts)
         opened = transaction.WrittenSet()  # this import's own files: the only ones it may remove
         try:
             res = copy_files(src, vman, dst, [out], budget=budget, readers=workers, checksums=True, progress=progress,
@@ -559,6 +564,7 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
             data = encode_manifest(manifest)
         except BaseException:
             transaction.remove_files(dst, opened)
+            held.release()
             _cleanup(dst, [], created)
             raise
         # removes this import's files itself when the commit fails (and keeps them once committed)
@@ -566,6 +572,8 @@ def _import_single(src: Storage, source: HFSource, dst_url: str, *, dtype: torch
         return manifest, res.buffer_bytes
     finally:
         dst.close()
+        if held is not None:
+            held.release()  # (a second call does nothing)
 
 
 def _cleanup(storage: Storage, paths: list[str], created_root: str | None) -> None:

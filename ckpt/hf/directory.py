@@ -27,6 +27,9 @@ from ckpt.storage import Storage
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# The names of a model's weights as exports (ours and ``save_pretrained``) give them: an export with
+# overwrite replaces these and nothing else (a user's ``adapter_model.safetensors`` beside them stays).
+WEIGHTS_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", as transformers counts it
 ST_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 
@@ -267,6 +270,6 @@ def add_computed_file(files: list[OutFile], tensors: dict[str, torch.Tensor],
     return f"model-{n:05d}-of-{n:05d}.safetensors", cast, safetensors.torch.save(cast, metadata=ST_METADATA)
 
 
-__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "DEFAULT_MAX_SHARD_SIZE", "ST_METADATA", "DTYPE_ALIASES",
-           "HF_DTYPES", "IMPORTABLE", "ST_TO_TORCH", "Tensors", "few", "parse_size", "parse_dtype", "export_dtype",
-           "read_json", "read_header", "read_entries", "split_files", "index_of", "add_computed_file"]
+__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHTS_NAME", "DEFAULT_MAX_SHARD_SIZE", "ST_METADATA",
+           "DTYPE_ALIASES", "HF_DTYPES", "IMPORTABLE", "ST_TO_TORCH", "Tensors", "few", "parse_size", "parse_dtype",
+           "export_dtype", "read_json", "read_header", "read_entries", "split_files", "index_of", "add_computed_file"]

@@ -41,6 +41,7 @@ from typing import Any
 
 import msgpack
 
+from ckpt import _lease as lease
 from ckpt import _transaction as transaction
 from ckpt._checksum import crc32
 from ckpt._regions import sub_region
@@ -108,9 +109,11 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
         reshard("/ckpt/step-100", "/ckpt/step-100-ep4", Layout.parse("tp=1,ep=4,pp=2"))
     """
     _check_resources(memory_budget, workers)
+    dst_opts = dst_storage_options if dst_storage_options is not None else storage_options or {}
     src = get_storage(src_url, **(storage_options or {}))
-    dst = get_storage(dst_url, **(dst_storage_options if dst_storage_options is not None else
-                                  storage_options or {}))
+    dst = get_storage(dst_url, **dst_opts)
+    held: lease.Lease | None = None
+    ok = False
     try:
         if _location(src) == _location(dst):
             raise StateError(f"{dst_url}: the destination is the source checkpoint; reshard never rewrites in "
@@ -118,12 +121,18 @@ def reshard(src_url: str, dst_url: str, target: Layout, *, rules: RuleSet = MOE_
         manifest = source_manifest if source_manifest is not None else fetch_manifest(src)
         previous = _begin(dst, overwrite)
         p = plan(manifest, target, rules, stages=stages, strict_rules=strict_rules)
-        return _write_and_commit(src, dst, manifest, p, previous, memory_budget=memory_budget, workers=workers,
-                                progress=progress, overwrite=overwrite, verify_source=verify_source,
-                                verify_resumed=verify_resumed)
+        # leased before the first byte, as every writer's (ckpt.save.take_lease): gc never takes its files
+        held = lease.acquire(dst_url, 0, dst_opts)
+        m = _write_and_commit(src, dst, manifest, p, previous, memory_budget=memory_budget, workers=workers,
+                              progress=progress, overwrite=overwrite, verify_source=verify_source,
+                              verify_resumed=verify_resumed)
+        ok = True
+        return m
     finally:
         src.close()
         dst.close()
+        if held is not None:
+            held.release(tidy=not ok)
 
 
 def _check_resources(memory_budget: int, workers: int) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import secrets
 import stat
 import threading
 from collections.abc import Sequence
 
 from ckpt.errors import CheckpointExistsError, ManifestError, StorageError
 from ckpt.storage.base import Storage
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def _fsync_dir(path: str) -> None:
@@ -79,8 +83,13 @@ class LocalWriter:
         self.size = 0
         try:
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            self.fd: int | None = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # O_NOFOLLOW: a link at the name (planted, or a user's in an output directory) is refused,
+            # never written through: the file it points to is not this writer's to truncate
+            self.fd: int | None = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StorageError(f"{full}: is a symbolic link; a writer never writes through one (remove it, or "
+                                   "write elsewhere)") from e
             raise StorageError(f"{full}: cannot create file ({e.strerror}); check the path and permissions") from e
 
     def write(self, data: memoryview | bytes) -> None:
@@ -274,10 +283,16 @@ class LocalStorage(Storage):
         when the name exists): CheckpointExistsError then, and nothing is changed.
         """
         full = self._full(path)
-        tmp = f"{full}.tmp.{os.getpid()}.{threading.get_ident()}"
+        # The temp name is this commit's own: a random part (not the thread id) means no other process,
+        # no stale file and no link planted at a guessed name can be there, and it is created
+        # exclusively, so it is never opened through a link (which would write outside the checkpoint)
+        # nor truncates a file someone else made. (``ckpt._lease.is_temp`` knows the name.)
+        tmp = f"{full}.tmp.{os.getpid()}.{secrets.randbits(48)}"
+        made = False
         try:
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+            made = True
             try:
                 mv = memoryview(data)
                 while mv:
@@ -286,16 +301,20 @@ class LocalStorage(Storage):
             finally:
                 os.close(fd)
             if exclusive:
-                _link_no_clobber(tmp, full)
+                try:
+                    _link_no_clobber(tmp, full)
+                except FileExistsError:
+                    raise CheckpointExistsError(f"{full}: another writer committed here first; nothing of this save "
+                                                "was committed (pass overwrite=True to replace it)") from None
                 _unlink_quiet(tmp)
             else:
                 os.replace(tmp, full)
-        except FileExistsError:
+        except CheckpointExistsError:
             _unlink_quiet(tmp)
-            raise CheckpointExistsError(f"{full}: another writer committed here first; nothing of this save "
-                                        "was committed (pass overwrite=True to replace it)") from None
+            raise
         except OSError as e:
-            _unlink_quiet(tmp)
+            if made:  # never remove a name this commit did not create
+                _unlink_quiet(tmp)
             raise StorageError(f"{full}: atomic commit failed ({e.strerror}); the previous state is unchanged") from e
         try:
             # The new name, and the names of the directories made for it up to the checkpoint
