@@ -94,6 +94,7 @@ for n in (13, 5 * 1024 + 3, 40 * 1024, (1 << 24) + 77):
     d = t.cuda()
     assert torch.equal(fingerprint_sums(d).cpu(), fingerprint_sums(t)), n
     assert digests([d]) == digests([t])
+    assert torch.equal(fingerprint_sums(d[3:]).cpu(), fingerprint_sums(t[3:])), n  # (rows not 16-byte aligned)
     before = digests([d])[0]
     d[n // 2] ^= 0x40
     assert digests([d])[0] != before, n
@@ -117,3 +118,19 @@ def test_rows_swapped_across_chunks_are_seen(chunk: int) -> None:
     swapped[[0, chunk]] = t[[chunk, 0]]
     assert not torch.equal(t, swapped)
     assert (fingerprint_sums(t, chunk) != fingerprint_sums(swapped, chunk)).any()
+
+
+def test_where_the_int8_product_is_refused_the_float64_blocks_give_the_same_sums(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLASLt refuses some int8 products (unaligned rows, some shapes): the fallback's sums are
+    the product's, exactly (here forced on the host, and over a view at an odd byte offset)."""
+    t = _tensor(torch.uint8, 70 * ROW + 333, 9)
+    for piece in (t, t[3:]):
+        want = fingerprint_sums(piece, chunk=5)
+
+        def refuse(*_: object) -> torch.Tensor:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED (test)")
+
+        monkeypatch.setattr(torch, "_int_mm", refuse)
+        assert torch.equal(fingerprint_sums(piece, chunk=5), want)
+        monkeypatch.undo()
