@@ -59,20 +59,21 @@ def fingerprint_sums(t: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     n = b.numel()
     full = n // ROW
     body = b[: full * ROW].view(torch.int8).view(full, ROW)
-    if full >= MIN_MM_ROWS:
-        rows = _product(body, bm)
-    else:
-        rows = (body.to(torch.int64).unsqueeze(-1) * bm.to(torch.int64)).sum(1)
-    if n % ROW:  # the last partial row: its bytes against B's first rows (the zeros it is padded with add 0)
-        tail = b[full * ROW:].view(torch.int8).to(torch.int64)
-        last = (tail.unsqueeze(-1) * bm[: tail.numel()].to(torch.int64)).sum(0, keepdim=True)
-        rows = torch.cat([rows.to(torch.int64), last])
-    if rows.shape[0] <= chunk:  # (one chunk, most pieces: two kernels, the host's launches are the cost)
-        return (rows * v[: rows.shape[0]].unsqueeze(-1)).sum(0)
-    s = torch.zeros(SUMS, dtype=torch.int64, device=b.device)
-    for at in range(0, rows.shape[0], chunk):
-        part = rows[at: at + chunk]
-        s = s * _K + (part * v[: part.shape[0]].unsqueeze(-1)).sum(0)  # (int32 rows promote to int64)
+    tail = b[full * ROW:].view(torch.int8) if n % ROW else None  # a partial last row (its padding adds 0)
+    total = full + (tail is not None)
+    # one block of ``chunk`` rows at a time: the rows' sums of a block at most (a 10 GB piece made
+    # 320 MB of them at once, on a GPU an inference engine may have filled)
+    s: torch.Tensor | None = None
+    for at in range(0, max(total, 1), chunk):
+        blk = body[at: at + chunk]
+        rows = _product(blk, bm) if blk.shape[0] >= MIN_MM_ROWS else (
+            blk.to(torch.int64).unsqueeze(-1) * bm.to(torch.int64)).sum(1)
+        if tail is not None and at + chunk >= total:  # the last row, ``full``, is in this block
+            last = (tail.to(torch.int64).unsqueeze(-1) * bm[: tail.numel()].to(torch.int64)).sum(0, keepdim=True)
+            rows = torch.cat([rows.to(torch.int64), last])
+        part = (rows * v[: rows.shape[0]].unsqueeze(-1)).sum(0)  # (int32 rows promote to int64)
+        s = part if s is None else s * _K + part
+    assert s is not None
     return s
 
 
