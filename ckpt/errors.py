@@ -61,6 +61,11 @@ class RunInUseError(CheckpointError):
     """Another job holds this run id's memory tier on this host: one run id, one job at a time."""
 
 
+class DirectoryInUseError(CheckpointError):
+    """Another process is writing this output directory (a Hugging Face export holds its lock): one
+    writer at a time; wait for it to finish, or write elsewhere."""
+
+
 class ConfigError(ManifestError):
     """A JSON file from outside (a Hugging Face config.json or index, a names file) is over budget
     (size, nesting, item count), not valid JSON, or one of its fields has the wrong type or range."""
@@ -72,4 +77,5 @@ class NoSuchPathError(ManifestError):
 
 __all__ = ["CheckpointError", "ManifestError", "FormatVersionError", "IntegrityError", "ManifestIntegrityError",
            "LayoutError", "StateError", "MismatchError", "CheckpointExistsError", "StorageError", "CollectiveError",
-           "ForeignFormatError", "UnsafePathError", "RunInUseError", "ConfigError", "NoSuchPathError"]
+           "ForeignFormatError", "UnsafePathError", "RunInUseError", "DirectoryInUseError", "ConfigError",
+           "NoSuchPathError"]

@@ -37,13 +37,13 @@ from ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, Lay
 from ckpt.formats import foreign_json
 from ckpt.formats.msgpack_codec import encode_manifest
 from ckpt.hf import files as hf_files
+from ckpt.hf import publish
 from ckpt.hf.directory import (
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     SINGLE_NAME,
     ST_METADATA,
-    WEIGHTS_NAME,
     add_computed_file,
     export_dtype,
     few,
@@ -206,8 +206,8 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
     ``tokenizer`` (they win), are written next to the weights (:mod:`ckpt.hf.files`).
 
     Writes ``model-0000k-of-0000n.safetensors`` (each at most ``max_shard_size`` bytes unless one
-    tensor alone is larger), then ``model.safetensors.index.json``, then ``config.json`` (the
-    Qwen3-MoE config). Experts are written per expert (``...mlp.experts.E.gate_proj.weight``), as
+    tensor alone is larger), then ``config.json`` (the Qwen3-MoE config), then
+    ``model.safetensors.index.json``, last. Experts are written per expert (``...mlp.experts.E.gate_proj.weight``), as
     ``save_pretrained`` does; vocab padding is dropped; optimizer and training state are ignored.
     Persistent buffers an adapter computes from the config (MiniMax's decay tables,
     :meth:`~ckpt.hf.adapters.Adapter.derived`) go into one more ``model-k-of-n`` file, so that
@@ -219,7 +219,12 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         memory_budget: bytes of data buffers (reading and writing overlap within it); a tensor
             larger than a buffer (3/8 of it) is copied in parts.
         workers: parallel readers.
-        overwrite: replace a model already in ``out_dir`` (other files there are kept).
+        overwrite: replace a model already in ``out_dir`` (other files there are kept). Crash-safe on a
+            local directory: the new files are written under this export's own names
+            (``.ckpt-export-<id>/``) and put in place with the index renamed last, so that a failure or a kill
+            at any moment leaves the previous model loadable (or the new one, once its index is in place);
+            only ``config.json`` and the side files are replaced a moment before the index
+            (:mod:`ckpt.hf.publish`; on object stores, see there).
         progress: called as ``progress(bytes_written, total_bytes)`` from the calling thread.
         verify_source: check the CRC32 of every source shard the export reads against the source
             manifest (a shard without one is refused: the manifest was edited). The CRCs are computed from the
@@ -230,10 +235,12 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
     Raises (all before anything is written to ``out_dir``): ManifestError (no committed checkpoint,
     no or unknown model config), MismatchError (tensors that do not match the config; a dtype the
     export cannot hold), StateError (bad argument), CheckpointExistsError (``out_dir`` holds a
-    model). A float16 overflow, an I/O error or (``verify_source``) an IntegrityError (a source
+    model), DirectoryInUseError (another export into ``out_dir`` is running: one at a time; raised at
+    once). A float16 overflow, an I/O error or (``verify_source``) an IntegrityError (a source
     shard that does not match its checksum, naming the tensor, file and byte range) found while
-    streaming raises after removing the files written so far: the index and ``config.json`` are
-    written only after every tensor was read, verified and written.
+    streaming raises after removing the files this export created (and only those), putting back
+    the config and side files it replaced: the index is written only after every tensor was read,
+    verified and written.
 
     Example::
 
@@ -255,13 +262,20 @@ def export_hf(src_url: str, out_dir: str, *, dtype: str | torch.dtype | None = N
         side = hf_files.from_manifest(manifest) | hf_files.read_side_files(src) | (
             hf_files.from_dir(tokenizer) if tokenizer else {})
         ours = {f.path for f in plan.files} | set(plan.computed) | {INDEX_NAME, CONFIG_NAME} | set(side)
-        replaced = _check_empty_target(dst, overwrite, ours)
+        _check_empty_target(dst, overwrite, ours)  # before anything is written
         verify = {it.key for f in plan.files for it in f.items} if verify_source else None
-        buffer_bytes = _write_export(src, manifest, dst, plan, side, replaced, budget=budget, workers=workers,
-                                     verify=verify, progress=progress)
-        for stale in replaced:  # an older export's shards that this one did not rewrite
-            if stale not in ours and WEIGHTS_NAME.match(stale):  # only model weights: other files are kept
-                dst.delete(stale)
+        created = _new_local_root(dst)
+        try:
+            # one export into a directory at a time (a second one: DirectoryInUseError at once), and an
+            # overwrite that a failure or a kill leaves loadable: ckpt.hf.publish
+            with transaction.live_writer() as me, publish.ExportLock(dst, me):
+                replaced = _check_empty_target(dst, overwrite, ours)  # again, holding the lock
+                publish.remove_leftovers(dst)  # staging directories of killed exports
+                buffer_bytes = _write_export(src, manifest, dst, plan, side, replaced, budget=budget,
+                                             workers=workers, verify=verify, progress=progress, token=me["token"])
+        except BaseException:
+            _cleanup(dst, [], created)  # the directory, if this export made it and it is empty
+            raise
         return HFExportResult(out_dir=dst.url, files=[f.path for f in plan.files],
                               tensors=len(plan.index["weight_map"]),  # Hugging Face tensors, not copy pieces
                               total_size=plan.total_size,
@@ -290,27 +304,19 @@ def _source_manifest(src: Storage) -> tuple[Manifest, bool]:
 
 def _write_export(src: Storage, manifest: Manifest, dst: Storage, plan: ExportPlan, side: dict[str, bytes],
                   replaced: list[str], *, budget: int, workers: int, verify: set[str] | None,
-                  progress: Progress | None) -> int:
-    """Write the planned files, the computed ones, then the index, config.json and side files (the index
-    and config last: a reader finds a model only once every tensor is written); on any failure remove
-    what this call wrote. Returns the most buffer bytes held at once."""
-    created = _new_local_root(dst)
-    opened: list[str] = []
-    try:
-        res = copy_files(src, manifest, dst, plan.files, budget=budget, readers=workers, verify=verify,
-                         progress=progress, written=opened)
-        for name, data in plan.computed.items():
-            opened.append(name)
-            dst.commit(name, data)
-        dst.commit(INDEX_NAME, (json.dumps(plan.index, indent=2) + "\n").encode())
-        dst.commit(CONFIG_NAME, (json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n").encode())
-        for name, data in side.items():
-            dst.commit(name, data)
-    except BaseException:
-        written = opened + [n for n in (INDEX_NAME, CONFIG_NAME, *side) if n not in replaced]
-        _cleanup(dst, written, created)
-        raise
-    return res.buffer_bytes
+                  progress: Progress | None, token: str) -> int:
+    """Write the planned files and the computed ones under this export's own names, then config.json and
+    the side files, then the index, last (:func:`ckpt.hf.publish.publish`: a reader finds the new model
+    only once every tensor is written, and the previous one until then); on a failure before that, remove
+    what this call created. Returns the most buffer bytes held at once."""
+    def write(prefix: str, written: transaction.WrittenSet) -> int:
+        files = [OutFile(prefix + f.path, f.header, f.items) for f in plan.files]
+        return copy_files(src, manifest, dst, files, budget=budget, readers=workers, verify=verify,
+                          progress=progress, written=written).buffer_bytes
+
+    meta = {CONFIG_NAME: (json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n").encode(), **side}
+    out = publish.Outputs([f.path for f in plan.files], plan.index, dict(plan.computed), meta)
+    return publish.publish(dst, out, write, token=token, replaced=replaced)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,13 @@ SINGLE_NAME = "model.safetensors"
 # The names of a model's weights as exports (ours and ``save_pretrained``) give them: an export with
 # overwrite replaces these and nothing else (a user's ``adapter_model.safetensors`` beside them stays).
 WEIGHTS_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+# The index an export with overwrite puts over the old one on an object store while it replaces files of
+# the same names (ckpt.hf.publish): no weight_map, so that no reader takes the directory for a model.
+INCOMPLETE_KEY = "ckpt_incomplete_export"
+INCOMPLETE_MESSAGE = ("an export with overwrite into this directory did not finish while it replaced the model's "
+                      "files (object stores replace them one at a time): the previous model is gone and the new one "
+                      "is incomplete; run the export again (export_hf(..., overwrite=True) / ckpt export-hf "
+                      "--overwrite)")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", as transformers counts it
 ST_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 
@@ -151,6 +158,8 @@ def read_entries(storage: Storage) -> tuple[dict[str, tuple[str, HeaderEntry]], 
     wanted: dict[str, str] | None = None
     if storage.size(INDEX_NAME) is not None:
         idx = read_json(storage, INDEX_NAME)
+        if isinstance(idx, dict) and INCOMPLETE_KEY in idx:
+            raise ManifestError(f"{url}/{INDEX_NAME}: {INCOMPLETE_MESSAGE}")
         wmap = idx.get("weight_map") if isinstance(idx, dict) else None
         if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
             raise ManifestError(f"{url}/{INDEX_NAME}: no weight_map of tensor name -> file name")
@@ -270,6 +279,7 @@ def add_computed_file(files: list[OutFile], tensors: dict[str, torch.Tensor],
     return f"model-{n:05d}-of-{n:05d}.safetensors", cast, safetensors.torch.save(cast, metadata=ST_METADATA)
 
 
-__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHTS_NAME", "DEFAULT_MAX_SHARD_SIZE", "ST_METADATA",
+__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "WEIGHTS_NAME", "INCOMPLETE_KEY", "INCOMPLETE_MESSAGE",
+           "DEFAULT_MAX_SHARD_SIZE", "ST_METADATA",
            "DTYPE_ALIASES", "HF_DTYPES", "IMPORTABLE", "ST_TO_TORCH", "Tensors", "few", "parse_size", "parse_dtype",
            "export_dtype", "read_json", "read_header", "read_entries", "split_files", "index_of", "add_computed_file"]

@@ -182,7 +182,7 @@ def test_cli_corrupted_source_exits_3(sharded: str, tmp_path: Path) -> None:
     assert not (tmp_path / "hf").exists()
 
 
-def test_failed_overwrite_leaves_no_complete_export(sharded: str, tmp_path: Path) -> None:
+def test_failed_overwrite_leaves_the_previous_export(sharded: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     first = export_hf(sharded, str(out), max_shard_size="200KB")
     assert len(first.files) >= 3 and _complete(out)
@@ -192,12 +192,11 @@ def test_failed_overwrite_leaves_no_complete_export(sharded: str, tmp_path: Path
     with pytest.raises(ckpt.IntegrityError, match=r"model\.lm_head\.weight"):
         export_hf(src, str(out), max_shard_size="200KB", overwrite=True)
     assert _files(out) == before
-    # Found in the last batch, after the other files were written: they are removed, and what is
-    # left (the old index and config) names files that are gone.
+    # Found in the last batch, after the other files were written (under the export's own staging names,
+    # ckpt.hf.publish): they are removed, and the previous export is there as it was, bit for bit.
     with pytest.raises(ckpt.IntegrityError, match=r"model\.lm_head\.weight"):
         export_hf(src, str(out), max_shard_size="200KB", overwrite=True, memory_budget=16 * 1024)
-    assert not _complete(out), sorted(os.listdir(out))
-    assert not any(f in os.listdir(out) for f in first.files)
+    assert _files(out) == before and _complete(out), sorted(os.listdir(out))
 
 
 def test_fsspec_source_is_verified(sharded: str, tmp_path: Path) -> None:

@@ -39,31 +39,43 @@ def test_sigkill_at_random_moments_and_at_every_save_step():
 
 
 def test_async_retention_does_not_race_the_next_lease(tmp_path, monkeypatch: pytest.MonkeyPatch):
-    # The crash harness once hit this interleaving (docs/RELIABILITY.md): the previous async save's
+    # The crash harness once hit this interleaving (docs/RELIABILITY.md, bug 16): the previous async save's
     # retention (its on_commit, on the background thread) runs while the next save writes its lease.
-    # Replayed deterministically: retention runs right before the lease is renamed into place.
+    # Replayed deterministically where the next step is most exposed: its directory exists (made for the
+    # lease) and is empty, the lease's temp file (``.writing-<rank>-<pid>-<machine>-<id>.tmp.<pid>.<n>``,
+    # ckpt._lease) not created yet; gc removes an empty step directory unless retention spares the steps
+    # after its own (``spare_after_step``).
     import torch
 
     import ckpt
-    import ckpt.manager
+    from ckpt import _lease as lease
 
     root = str(tmp_path / "run")
     mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=True)
     state = {"w": torch.ones(1000)}
     mgr.save(1, state).done()
     first = ckpt.inspect(mgr.url_for(1))
-    real_replace = os.replace
+    step2 = os.path.abspath(mgr.url_for(2))
+    real_open = os.open
+    seen: list[object] = []
 
-    def replace(src, dst, *a, **k):
-        if str(dst).endswith(os.sep + ckpt.manager.LEASE):
+    def open_(path, flags, *a, **k):
+        p = os.path.abspath(os.fsdecode(path))
+        t = lease._TEMP.match(os.path.basename(p))
+        if not seen and os.path.dirname(p) == step2 and t is not None and lease.is_lease(t.group("base")):
+            seen.append(sorted(os.listdir(step2)))  # step 2 as the lease finds it: empty
             mgr._after_commit(first)  # what save 1's background thread runs after its commit
-        return real_replace(src, dst, *a, **k)
+            seen.append(os.path.isdir(step2))  # retention left it alone
+        return real_open(path, flags, *a, **k)
 
-    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "open", open_)
     h = mgr.save(2, state)
-    monkeypatch.undo()
     h.done()
-    assert mgr.latest() == mgr.url_for(2)
+    monkeypatch.undo()
+    assert seen == [[], True], f"the lease's temp file was never created under {step2}, or retention removed " \
+                               f"the step directory under it: {seen}"
+    assert not mgr.retention_errors and mgr.latest() == mgr.url_for(2)
+    assert [c.step for c in mgr.list()] == [2]  # save 2's own retention then dropped step 1
 
 
 def test_skipped_or_failed_save_leaves_no_live_lease(tmp_path, monkeypatch: pytest.MonkeyPatch):
