@@ -2,14 +2,15 @@
 
 A missed change would serve stale weights, so a digest is 128 bits, never a 32-bit CRC; and it is
 computed where the tensor lives, in one pass over its bytes. Why: BLAKE2b ran at ~0.7 GB/s on one
-core (and needed a device-to-host copy for GPU tensors): ~37 ms for a 4 GB model on H100 with an
-earlier on-device scheme and ~6 s through the host, against a ~18 ms transfer, so ``delta`` cost
-more than it saved.
+core (and needed a device-to-host copy for GPU tensors: ~6 s at that rate for a 4 GB model whose
+transfer takes ~17 ms on 2 x H100; an earlier on-device scheme of int64 weighted sums took 37 ms), so
+``delta`` cost more than it saved. This one: 7.8 ms for that model's 170 pieces, 2.4 ms for one 4 GiB
+tensor (docs/BENCHMARKS.md, "Delta refits").
 
 The fingerprint: the tensor's bytes, as int8, are cut into rows of :data:`ROW` bytes (the last
 partial row padded with zeros); an int8 matrix product with a fixed pseudo-random ``[ROW, 8]``
 matrix ``B`` of odd entries (``torch._int_mm``: exact int32 sums, on tensor cores on a GPU, ~10 GB/s
-on one CPU core) gives 8 sums per row; the rows' sums are then combined with fixed pseudo-random odd
+for the product on one CPU core) gives 8 sums per row; the rows' sums are then combined with fixed pseudo-random odd
 int64 weights ``v`` mod 2**64 (chunks of :data:`CHUNK` rows folded in by Horner's rule with an odd
 constant). The 8 results and the byte count are hashed into 16 bytes.
 
