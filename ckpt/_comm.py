@@ -17,12 +17,20 @@ itself, the peer and the operation (and, for a peer that relays others, the rank
 closes every connection of the group when a wait times out, so the other ranks of the collective get
 a CollectiveError at once instead of waiting in turn; the metadata group is unusable afterwards
 (restart the job).
+
+Only a rank that waits for a child (the coordinator, a relaying rank) can tell which rank failed; the
+others lose their parent, an innocent rank, when it gives up (gloo closes its connections, or it stops
+answering). So the rank that sees a child fail publishes what it saw on the job's store, the one
+channel gloo's failures leave intact (:meth:`Comm._post_verdict`), and a rank whose wait for its
+parent fails first waits up to :data:`VERDICT_GRACE_S` for that verdict and raises it: every rank
+names the failing rank, not the one it happened to wait for.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+import weakref
 from typing import Any
 
 import msgpack
@@ -39,6 +47,12 @@ HEAD = 256
 INLINE = HEAD - 8
 _LOST = -1  # the rank field of a gather entry that reports lost ranks instead of a message
 _GLOO_GROUPS: dict[Any, Any] = {}
+# ckpt's own gloo groups (not registered with torch.distributed) -> their global ranks; weak: a replaced group goes
+_GROUP_RANKS: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+# How long a rank that lost its parent waits for the verdict of the rank that saw the failure (capped by
+# the operation's timeout): the two give up at about the same time, the one that sees more a little later.
+VERDICT_GRACE_S = 2.0
+VERDICT_TTL_S = 3600.0  # a verdict older than this (or than two timeouts of the asking rank) explains nothing
 
 
 def side_group(ranks: list[int], purpose: str, *, timeout: float | None = None, fresh: bool = False) -> Any:
@@ -74,6 +88,7 @@ def side_group(ranks: list[int], purpose: str, *, timeout: float | None = None, 
             generation = (int(store.add(f"{name}/generation", 1)) - 1) // len(ranks)
             prefixed = dist.PrefixStore(f"{name}/{generation}/", store)
             _GLOO_GROUPS[key] = dist.ProcessGroupGloo(prefixed, ranks.index(me), len(ranks), td)
+            _GROUP_RANKS[_GLOO_GROUPS[key]] = ranks
         except Exception as e:  # noqa: BLE001 - a rank that never arrives: typed, named
             raise errors.CollectiveError(
                 f"rank {dist.get_rank()}: could not create ckpt's {purpose} (gloo) group of ranks {_few_ranks(ranks)} "
@@ -154,6 +169,8 @@ def _wait(work: Any, deadline: float | None, floor: float = 0.001) -> None:
 
 
 def _consequence(what: str) -> str:
+    if what.startswith("load completion"):  # after the reads: what this rank read is in place already
+        return "the load failed: this rank's state may be partly loaded (load again)"
     if what.startswith("load"):
         return "nothing was loaded"
     if what.startswith("save commit reply"):  # the coordinator decides before it replies
@@ -381,6 +398,7 @@ class Comm:
                 heads = self._wait_sizes(kids, timeout, what, deadline)
                 data = self._recv_payloads(heads, deadline, timeout, what)
             except errors.CollectiveError as e:
+                self._post_verdict(e, timeout)
                 self._report_up(e, deadline, what)
                 raise
             for c in kids:
@@ -388,7 +406,10 @@ class Comm:
         if self.rank != 0:
             parent = self._parent()
             to = "the coordinator, rank 0" if parent == 0 else f"rank {parent}, which relays to the coordinator"
-            self._send_many({parent: _pack(entries)}, timeout, f"{what} (sending to {to})", deadline)
+            try:
+                self._send_many({parent: _pack(entries)}, timeout, f"{what} (sending to {to})", deadline)
+            except errors.CollectiveError as e:
+                raise self._verdict(e, parent, timeout) from e.__cause__
             return None
         out: list[Any] = [None] * self.world
         for r, payload in entries:
@@ -408,6 +429,56 @@ class Comm:
         except errors.CollectiveError:
             pass
 
+    def _verdict_key(self) -> str | None:
+        """The store key of the verdicts about this group's ranks. Keyed by the ranks, not the group:
+        the groups over one set of ranks (an async save plans on the caller's group and commits on its
+        own) fail together, and a rank of one may wait in the other when the failure is seen."""
+        try:
+            ranks = _GROUP_RANKS.get(self.cpu_group)
+        except TypeError:  # not weakly referable: not one of ours
+            ranks = None
+        if ranks is None:
+            try:
+                ranks = [int(r) for r in _dist().get_process_group_ranks(self.group)]
+            except Exception:  # noqa: BLE001 - a group torch.distributed does not know: no verdicts
+                return None
+        return f"ckpt/verdict/{'_'.join(map(str, ranks)) if len(ranks) <= 16 else _digest(ranks)}"
+
+    def _post_verdict(self, e: errors.CollectiveError, timeout: float | None) -> None:
+        """Best effort, on a rank that lost a child: publish ``e`` (which names the failed rank) on the job's
+        store for the ranks that lose this rank meanwhile (:meth:`_verdict`). A recent verdict stays (it
+        saw this failure first); an older one (another failure) is replaced."""
+        key = self._verdict_key()
+        if key is None:
+            return
+        try:
+            store = _store()
+            if _fresh_verdict(store, key, _verdict_ttl(timeout)) is None:
+                store.set(key, f"{time.time():.3f} {e}")
+        except Exception:  # noqa: BLE001 - no store, or it is gone too: each rank says what it saw itself
+            pass
+
+    def _verdict(self, e: errors.CollectiveError, parent: int, timeout: float | None) -> errors.CollectiveError:
+        """The error to raise on a rank whose exchange with its ``parent`` failed (``e``): the verdict of
+        the rank that saw a child fail, when a recent one is there or comes within the grace (the parent
+        may be innocent, giving up on another rank at about the same time), else ``e`` (the parent itself
+        failed). Recent: see :func:`_verdict_ttl`."""
+        key = self._verdict_key()
+        if key is None:
+            return e
+        grace = VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S)
+        end = time.monotonic() + grace
+        try:
+            store = _store()
+            while (seen := _fresh_verdict(store, key, _verdict_ttl(timeout))) is None:
+                if time.monotonic() >= end:
+                    return e
+                time.sleep(0.02)  # polls a key another rank is about to set (store.wait would take an old one)
+        except Exception:  # noqa: BLE001 - no store: the parent is all this rank can name
+            return e
+        return errors.CollectiveError(f"{seen} [told to rank {self.rank}, which lost contact with rank {parent} "
+                                      "meanwhile]")
+
     def _scatter(self, datas: dict[int, bytes], deadline: float | None, timeout: float | None, what: str) -> None:
         """Send each child of this rank one bundle: the payloads of its subtree's ranks, each distinct
         payload once with the ranks it is for (a verdict for all crosses each edge once)."""
@@ -418,7 +489,11 @@ class Comm:
                 groups.setdefault(id(datas[r]), (datas[r], []))[1].append(r)
             bundles[c] = _pack([[ranks, payload] for payload, ranks in groups.values()])
         if bundles:
-            self._send_many(bundles, timeout, what, deadline)
+            try:
+                self._send_many(bundles, timeout, what, deadline)
+            except errors.CollectiveError as e:  # a child is lost: the ranks that got theirs may ask who
+                self._post_verdict(e, timeout)
+                raise
 
     def send_each(self, objs: list[Any], *, timeout: float | None = DEFAULT_TIMEOUT_S, what: str = "reply") -> Any:
         """Coordinator only: send ``objs[r]`` to each rank r (down the exchange tree); returns its own ``objs[0]``.
@@ -444,7 +519,10 @@ class Comm:
         parent = self._parent()
         via = "the coordinator, rank 0" if parent == 0 else f"rank {parent}, which relays the coordinator's"
         deadline = _deadline(timeout)
-        bundle = _unpack(self._recv_from_parent(deadline, timeout, f"{what} (waiting for {via})"))
+        try:
+            bundle = _unpack(self._recv_from_parent(deadline, timeout, f"{what} (waiting for {via})"))
+        except errors.CollectiveError as e:
+            raise self._verdict(e, parent, timeout) from e.__cause__
         datas = {r: payload for ranks, payload in bundle for r in ranks}
         mine = datas.pop(self.rank)
         if datas:
@@ -479,11 +557,18 @@ class Comm:
         if self.rank != src:
             parent = self._parent(src)
             via = f"rank {src}" if parent == src else f"rank {parent}, which relays rank {src}'s"
-            data = self._recv_from_parent(deadline, timeout, f"{what} (waiting for {via})", src)
+            try:
+                data = self._recv_from_parent(deadline, timeout, f"{what} (waiting for {via})", src)
+            except errors.CollectiveError as e:
+                raise self._verdict(e, parent, timeout) from e.__cause__
         assert data is not None
         kids = self._children(src)
         if kids:
-            self._send_many(dict.fromkeys(kids, data), timeout, what, deadline, src)
+            try:
+                self._send_many(dict.fromkeys(kids, data), timeout, what, deadline, src)
+            except errors.CollectiveError as e:
+                self._post_verdict(e, timeout)
+                raise
         return data
 
     def broadcast(self, obj: Any, src: int = 0, *, timeout: float | None = DEFAULT_TIMEOUT_S,
@@ -491,6 +576,30 @@ class Comm:
         """Broadcast a msgpack-able object from ``src``; bounded by ``timeout`` like :meth:`broadcast_bytes`."""
         data = _pack(obj) if self.rank == src else None
         return _unpack(self.broadcast_bytes(data, src, timeout=timeout, what=what))
+
+
+def _store() -> Any:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def _verdict_ttl(timeout: float | None) -> float:
+    """How old a verdict may be to explain a failure now: two timeouts and the grace (the failure may
+    have been seen in the exchange before this one: an async save plans, then commits), at most
+    :data:`VERDICT_TTL_S`."""
+    if timeout is None:
+        return VERDICT_TTL_S
+    return min(2 * timeout + min(timeout, VERDICT_GRACE_S), VERDICT_TTL_S)
+
+
+def _fresh_verdict(store: Any, key: str, ttl: float) -> str | None:
+    """The verdict at ``key`` when one was posted less than ``ttl`` seconds ago (wall clock: another
+    machine's, within the clock skew of a job), else None."""
+    if not store.check([key]):
+        return None
+    stamp, _, text = store.get(key).decode().partition(" ")
+    return text if time.time() - float(stamp) < ttl else None
 
 
 def _few_ranks(ranks: list[int], n: int = 8) -> str:

@@ -43,6 +43,14 @@ def fetch_manifest(storage: Storage | None, comm: Comm | None = None, *, manifes
     cause ("rank 0: NotADirectoryError: ..."). ``timeout`` (seconds; None: gloo's own) bounds each
     wait: a rank that does not arrive is named in a CollectiveError.
     """
+    payload = manifest_bytes(storage, comm, manifest_read=manifest_read, timeout=timeout, failure=failure)
+    return decode_payload(storage, payload)
+
+
+def manifest_bytes(storage: Storage | None, comm: Comm | None = None, *, manifest_read: str = "broadcast",
+                   timeout: float | None = 600.0, failure: BaseException | None = None) -> dict[str, Any]:
+    """:func:`fetch_manifest` up to the decoding: the manifest's bytes and source format (``{"ok": bytes,
+    "src": name}``), the same on every rank; raises like it."""
     comm = comm or Comm(None)
     if manifest_read not in ("broadcast", "each"):
         raise ValueError(f"manifest_read must be 'broadcast' or 'each', got {manifest_read!r}")
@@ -79,6 +87,11 @@ def fetch_manifest(storage: Storage | None, comm: Comm | None = None, *, manifes
         payload = comm.exchange(ready, reply, timeout=timeout, what="load manifest")
     if "err" in payload:
         raise_payload(payload, mine[0] if mine else None)  # the original chained on its own rank
+    return payload
+
+
+def decode_payload(storage: Storage | None, payload: dict[str, Any]) -> Manifest:
+    """The manifest of :func:`manifest_bytes`'s payload, validated (on each rank: no collective)."""
     url = storage.url if storage is not None else "?"
     m = decode_manifest(payload["ok"], url=f"{url}/{MANIFEST_NAME}")
     m.source_format = str(payload.get("src", "ckpt"))
@@ -104,10 +117,12 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
     checked before any destination tensor is written (a verification pass, then the copy pass).
 
     ``timeout`` (seconds; None: no limit of ours, gloo's group timeout applies) bounds each wait
-    of the collective part, the manifest exchange (``manifest_read="broadcast"`` on several ranks):
-    a rank that does not arrive in time is named in a CollectiveError on every rank, and a failure
-    on any rank before or while the manifest is read reaches every rank. After it, each rank plans
-    and reads on its own (its errors are its own).
+    of the collective part (``manifest_read="broadcast"`` on several ranks): the manifest exchange,
+    and the completion exchange after every rank has planned, read and restored on its own. A rank
+    that does not arrive in time is named in a CollectiveError on every rank, and a failure on any
+    rank, before, while or after the manifest is read, reaches every rank: a load returns on every
+    rank or raises on every rank (a rank whose own part succeeded may then hold partly loaded state:
+    load again). ``manifest_read="each"`` has no collective part: each rank's errors are its own.
 
     Raises (only CheckpointErrors; any other exception is raised as a CheckpointError naming its
     type, the original chained as ``__cause__``):
@@ -135,19 +150,28 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
             except Exception as e:  # noqa: BLE001 - reported to every rank by the manifest exchange
                 failure = e
             t0 = time.perf_counter()
-            manifest = fetch_manifest(storage, comm, manifest_read=manifest_read, timeout=timeout, failure=failure)
+            payload = manifest_bytes(storage, comm, manifest_read=manifest_read, timeout=timeout, failure=failure)
             assert storage is not None
-            t_manifest = time.perf_counter() - t0
-            if workers is None:
-                workers = default_workers(storage, comm.world)
-            phases: dict[str, Any] = {"manifest": t_manifest}
-            # Stateful values (DCP's protocol) are asked through state_dict() and restored in place
-            request = stateful.expand(state)
-            # compressed data files are read through their frames (ckpt._codec), every other file as is
-            reader = data_storage(storage, manifest)
-            gap = max_gap if max_gap is not None else read_gap(reader)
-            out = _load(manifest, reader, request, comm.rank, strict, workers, max_read, verify, gap, phases)
-            stateful.restore(state, out)
+            phases: dict[str, Any] = {}
+            mine: BaseException | None = None
+            try:  # this rank's own part, from decoding the manifest to restoring Stateful values
+                manifest = decode_payload(storage, payload)
+                phases["manifest"] = time.perf_counter() - t0
+                if workers is None:
+                    workers = default_workers(storage, comm.world)
+                # Stateful values (DCP's protocol) are asked through state_dict() and restored in place
+                request = stateful.expand(state)
+                # compressed data files are read through their frames (ckpt._codec), every other file as is
+                reader = data_storage(storage, manifest)
+                gap = max_gap if max_gap is not None else read_gap(reader)
+                out = _load(manifest, reader, request, comm.rank, strict, workers, max_read, verify, gap, phases)
+                stateful.restore(state, out)
+            except Exception as e:  # noqa: BLE001 - reported to every rank by the completion exchange
+                mine = e
+            if manifest_read == "broadcast" and not comm.single:
+                _agree(comm, mine, timeout)
+            if mine is not None:
+                raise mine
             if stats is not None:
                 stats.update(phases)
             return out
@@ -159,6 +183,22 @@ def load(state: dict[str, Any], url: str, *, group: Any = None, strict: bool = T
     except Exception as e:  # noqa: BLE001 - the public API raises only CheckpointErrors
         where = f"rank {who}: " if who is not None else ""
         raise CheckpointError(f"{where}loading {url}: {type(e).__name__}: {e}") from e
+
+
+def _agree(comm: Comm, mine: BaseException | None, timeout: float | None) -> None:
+    """The completion exchange of a collective load: every rank reports whether its own part (plan,
+    reads, restore) succeeded, and every rank raises the first failure, naming its rank, so that no
+    rank goes on training with a load that failed elsewhere (the rule of DESIGN.md's "Failure
+    semantics across ranks"; DCP's load fails on every rank too). Returns when every rank succeeded."""
+    report = error_payload(mine, comm.rank) if mine is not None else {"ok": True}
+
+    def reply(got: list[Any]) -> list[Any]:
+        errs = [g for g in got if "err" in g]
+        return [errs[0] if errs else {"ok": True}] * comm.world
+
+    verdict = comm.exchange(report, reply, timeout=timeout, what="load completion")
+    if "err" in verdict:
+        raise_payload(verdict, mine)  # the original chained on its own rank
 
 
 @dataclass(slots=True)
@@ -359,4 +399,4 @@ def _nest(prefix: str, flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["fetch_manifest", "load", "through_bounce"]
+__all__ = ["decode_payload", "fetch_manifest", "load", "manifest_bytes", "through_bounce"]

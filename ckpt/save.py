@@ -37,7 +37,7 @@ from ckpt._regions import sub_region
 from ckpt._save_plan import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
 from ckpt._staging import Stager, StagingPool
 from ckpt._state import ObjectItem, TensorItem, flatten_state
-from ckpt.errors import CollectiveError, StateError
+from ckpt.errors import CheckpointError, CollectiveError, StateError
 from ckpt.formats.msgpack_codec import decode_manifest, decode_object, encode_manifest, encode_object
 from ckpt.manifest import MANIFEST_NAME, Manifest, ObjectEntry, ShardEntry, TensorEntry
 from ckpt.storage import Storage, get_storage
@@ -336,7 +336,8 @@ def _plan_exchange(comm: Comm, payload: dict[str, Any], zroot: str, *, step: int
             plan, agreed = _global_plan([RankDecl.from_wire(g["decl"]) for g in got], step=step,
                                         user_metadata=user_metadata, layout=layout, data_format=data_format)
         except Exception as e:  # noqa: BLE001 - a global-plan error names its tensor/ranks itself
-            return [error_payload(e, None)] * comm.world
+            # (any other exception is the coordinator's own fault: named with its rank)
+            return [error_payload(e, None if isinstance(e, CheckpointError) else comm.who)] * comm.world
         plan_box.append(plan)
         fps.extend(g["fp"] for g in got)
         return [{"ok": a.to_wire(), "zroot": zroot, "aliases": agreed} for a in plan.assignments]
