@@ -464,7 +464,7 @@ class Comm:
         may be innocent, giving up on another rank at about the same time), else ``e`` (the parent itself
         failed). Recent: see :func:`_verdict_ttl`."""
         key = self._verdict_key()
-        if key is None:
+        if key is None or self.world <= 2:  # (of two ranks, the parent is the only other: no one else can know)
             return e
         grace = VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S)
         end = time.monotonic() + grace
