@@ -58,6 +58,7 @@ from ckpt import _transaction as transaction
 from ckpt.errors import CheckpointError, CheckpointExistsError, DirectoryInUseError, StorageError
 from ckpt.hf.directory import INCOMPLETE_KEY, INCOMPLETE_MESSAGE, INDEX_NAME, WEIGHTS_NAME, read_json
 from ckpt.storage import Storage
+from ckpt.storage.local import open_new, write_all
 
 try:
     import fcntl
@@ -426,12 +427,10 @@ def _put_local(root: str, stage: str, name: str, data: bytes) -> None:
     full = os.path.join(root, name)
     made = False
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+        fd = open_new(tmp)
         made = True
         try:
-            mv = memoryview(data)
-            while mv:
-                mv = mv[os.write(fd, mv):]
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -542,13 +541,11 @@ def _link_into_place(root: str, stage: str, name: str) -> None:
 
 def _copy_file(src: str, dst: str) -> None:
     """Copy ``src`` to a new file ``dst`` (created exclusively, never through a link), fsynced."""
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+    fd = open_new(dst)
     try:
         with open(src, "rb") as f:
             while chunk := f.read(16 << 20):
-                mv = memoryview(chunk)
-                while mv:
-                    mv = mv[os.write(fd, mv):]
+                write_all(fd, chunk)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -17,6 +17,20 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
+def open_new(path: str) -> int:
+    """A file descriptor for writing a file created at ``path`` now, exclusively and never through a
+    link (a name someone else made, or a link planted there, is an OSError: never truncated, never
+    written through)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+
+
+def write_all(fd: int, data: memoryview | bytes) -> None:
+    """Write every byte of ``data`` to ``fd`` (``os.write`` may write less than asked)."""
+    mv = memoryview(data)
+    while mv:
+        mv = mv[os.write(fd, mv):]
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -291,12 +305,10 @@ class LocalStorage(Storage):
         made = False
         try:
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+            fd = open_new(tmp)
             made = True
             try:
-                mv = memoryview(data)
-                while mv:
-                    mv = mv[os.write(fd, mv):]
+                write_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -337,4 +349,4 @@ class LocalStorage(Storage):
             self._fds.clear()
 
 
-__all__ = ["LocalWriter", "LocalStorage"]
+__all__ = ["LocalWriter", "LocalStorage", "open_new", "write_all"]
