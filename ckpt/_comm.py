@@ -24,11 +24,19 @@ answering). So the rank that sees a child fail publishes what it saw on the job'
 channel gloo's failures leave intact (:meth:`Comm._post_verdict`), and a rank whose wait for its
 parent fails first waits up to :data:`VERDICT_GRACE_S` for that verdict and raises it: every rank
 names the failing rank, not the one it happened to wait for.
+
+An exchange (gather, then the coordinator's reply) that fails before its reply ran decided nothing: a
+rank that lost a child tells the children whose messages it did take so at once (an abort message in
+place of the reply, best effort), and they raise, as it does, a CollectiveError marked so
+(:func:`decided_nothing`): their message was not acted on (a save's commit removes its data file).
+Any other failure of an exchange leaves it open whether the coordinator acted (a save may be committed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import secrets
 import time
 import weakref
 from typing import Any
@@ -44,8 +52,13 @@ FANIN = 8  # children per rank in the exchange tree (read when a Comm is created
 # metadata messages (a fingerprint, a verdict, a plan of a few pieces) fit, so they cross each edge as
 # one gloo message instead of two: every exchange of a repeated ckpt.transfer is two of them.
 HEAD = 256
-INLINE = HEAD - 8
+TAG = 8  # after the size: the sender's nonce in an exchange's gather (:meth:`Comm._abort`), else zeros
+INLINE = HEAD - 8 - TAG
 _LOST = -1  # the rank field of a gather entry that reports lost ranks instead of a message
+_ABORT = "__ckpt_no_reply__"  # the key of the message sent in place of a reply that will not come
+_NO_REPLY = "ckpt/no-reply"  # store keys ``<this>/<nonce>``: the exchange of that message decided nothing
+ABORT_S = 2.0  # how long a rank that lost a child tries to tell the children it heard from
+NO_REPLY_WAIT_S = 0.2  # how long a rank that lost its parent looks for its no-reply key once the verdict is there
 _GLOO_GROUPS: dict[Any, Any] = {}
 # ckpt's own gloo groups (not registered with torch.distributed) -> their global ranks; weak: a replaced group goes
 _GROUP_RANKS: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
@@ -53,6 +66,26 @@ _GROUP_RANKS: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDiction
 # the operation's timeout): the two give up at about the same time, the one that sees more a little later.
 VERDICT_GRACE_S = 2.0
 VERDICT_TTL_S = 3600.0  # a verdict older than this (or than two timeouts of the asking rank) explains nothing
+
+
+def no_reply(msg: str | errors.CollectiveError) -> errors.CollectiveError:
+    """``msg`` as the CollectiveError of an exchange that failed before the coordinator's reply ran (a
+    rank lost a child, or was told so by its parent): nothing the exchange carried was acted on."""
+    e = msg if isinstance(msg, errors.CollectiveError) else errors.CollectiveError(msg)
+    e.no_reply = True  # type: ignore[attr-defined]
+    return e
+
+
+def coordinator_gone(e: BaseException) -> bool:
+    """Whether ``e`` ended this rank's wait for the coordinator's reply by the coordinator closing the
+    connection (it died, or gave up on another rank): it acts no more in that exchange, so whatever it
+    did (a save's commit) is final and can be read from the storage."""
+    return bool(getattr(e, "coordinator_gone", False))
+
+
+def decided_nothing(e: BaseException) -> bool:
+    """Whether ``e`` is :func:`no_reply`'s: the exchange it ended decided nothing (see the module's text)."""
+    return bool(getattr(e, "no_reply", False))
 
 
 def side_group(ranks: list[int], purpose: str, *, timeout: float | None = None, fresh: bool = False) -> Any:
@@ -180,11 +213,16 @@ def _consequence(what: str) -> str:
     return f"the {what} did not complete on every rank"
 
 
+def _timed_out(e: BaseException | None) -> bool:
+    """Whether gloo's exception ``e`` says a wait passed its deadline (else the connection was lost)."""
+    return e is None or "timed out" in str(e).lower()
+
+
 def _reason(e: BaseException, timeout: float | None) -> str:
     """Why a gloo wait failed: our deadline passed, or the group was closed (a peer died, or another
     rank's wait timed out: gloo then closes every connection of the group)."""
     text = str(e)
-    if "timed out" in text.lower():
+    if _timed_out(e):
         return f"within {timeout:g} s (slow, hung or dead)" if timeout is not None else "(timed out)"
     first = text.splitlines()[0][:200] if text else type(e).__name__
     return f"(connection lost: {first}; a rank failed, exited or timed out)"
@@ -205,6 +243,7 @@ class Comm:
         self.enabled = dist.is_available() and dist.is_initialized()
         self.sent = 0
         self.received = 0
+        self._nonce = ""  # the nonce of this rank's message in the current exchange (gather)
         self.fanin = FANIN if fanin is None else int(fanin)
         check_timeout(timeout)
         if not self.enabled:
@@ -276,8 +315,9 @@ class Comm:
         it did not fit, to ``peer`` without blocking; returns the works to wait for."""
         head = bytearray(HEAD)
         head[:8] = len(data).to_bytes(8, "little")
+        head[8: 8 + TAG] = bytes.fromhex(self._nonce) if self._nonce else bytes(TAG)
         if len(data) <= INLINE:
-            head[8: 8 + len(data)] = data
+            head[8 + TAG: 8 + TAG + len(data)] = data
         # the group's own send / recv take group ranks, for registered groups and ckpt's own alike
         works = [self.cpu_group.send([torch.frombuffer(head, dtype=torch.uint8)], peer, 0)]
         if len(data) > INLINE:
@@ -332,10 +372,13 @@ class Comm:
                 missing.append(p)
                 first = first or e
         if missing:
-            raise self._lost(what, "receive from", sorted(missing), first, timeout, root) from first
+            err = self._lost(what, "receive from", sorted(missing), first, timeout, root)
+            err.payloads = {p: (bufs[p].numpy().tobytes() if n > INLINE else _inline(heads[p], n))  # type: ignore[attr-defined]
+                            for p, n in sizes.items() if p not in missing}
+            raise err from first
         for n in sizes.values():
             self.received += n + 8
-        return {p: bufs[p].numpy().tobytes() if n > INLINE else heads[p][8: 8 + n] for p, n in sizes.items()}
+        return {p: bufs[p].numpy().tobytes() if n > INLINE else _inline(heads[p], n) for p, n in sizes.items()}
 
     def _wait_sizes(self, peers: list[int], timeout: float | None, what: str,
                     deadline: float | None = None, root: int = 0) -> dict[int, bytes]:
@@ -365,10 +408,11 @@ class Comm:
         if missing:
             missing.sort()
             how = _reason(lost, timeout) if lost is not None else f"within {timeout:g} s (slow, hung or dead)"
-            raise errors.CollectiveError(
+            err = errors.CollectiveError(
                 f"{what}: rank(s) {missing} did not report {how}{self._relays(missing, root)}, seen from rank "
-                f"{self.rank}; {_consequence(what)}. The metadata group is unusable after this: restart the job"
-            ) from lost
+                f"{self.rank}; {_consequence(what)}. The metadata group is unusable after this: restart the job")
+            err.heads = {p: bufs[p].numpy().tobytes() for p in works if p not in missing}  # type: ignore[attr-defined]
+            raise err from lost
         return {p: bufs[p].numpy().tobytes() for p in peers}
 
     def _recv_from_parent(self, deadline: float | None, timeout: float | None, what: str, root: int = 0) -> bytes:
@@ -379,19 +423,25 @@ class Comm:
 
     # --- gather, reply, exchange --------------------------------------------------------------
 
-    def gather(self, obj: Any, *, timeout: float | None = DEFAULT_TIMEOUT_S, what: str = "gather") -> list[Any] | None:
+    def gather(self, obj: Any, *, timeout: float | None = DEFAULT_TIMEOUT_S, what: str = "gather",
+               abort: bool = False) -> list[Any] | None:
         """Every rank sends ``obj`` (msgpack-able) to the coordinator; it returns all of them, others None.
 
         The messages climb the exchange tree: a rank first takes its children's bundles (each its
         subtree's messages), then sends its parent one bundle with its own message added.
 
         Raises CollectiveError within ``timeout`` seconds naming the ranks that did not report (on the
-        coordinator, or on a rank relaying them) or the parent that did not take the message.
+        coordinator, or on a rank relaying them: :func:`no_reply`) or the parent that did not take the
+        message. ``abort`` (an exchange's gather): a rank that loses a child tells the children it heard
+        from (:meth:`_abort_arrived`), which wait for a reply.
         """
         if self.single:
             return [obj]
         deadline = _deadline(timeout)
-        entries: list[Any] = [[self.rank, _pack(obj)]]
+        # an exchange's message carries a fresh nonce: the key under which a rank that lost a child posts,
+        # on the store, that this rank's message was not acted on (:meth:`_abort`)
+        self._nonce = secrets.token_hex(8) if abort else ""
+        entries: list[Any] = [[self.rank, _pack(obj), self._nonce]]
         kids = self._children()
         if kids:
             try:
@@ -399,7 +449,10 @@ class Comm:
                 data = self._recv_payloads(heads, deadline, timeout, what)
             except errors.CollectiveError as e:
                 self._post_verdict(e, timeout)
+                if abort:
+                    self._abort_arrived(e, timeout, what)
                 self._report_up(e, deadline, what)
+                no_reply(e)  # (marks it)
                 raise
             for c in kids:
                 entries += _unpack(data[c])
@@ -409,14 +462,59 @@ class Comm:
             try:
                 self._send_many({parent: _pack(entries)}, timeout, f"{what} (sending to {to})", deadline)
             except errors.CollectiveError as e:
-                raise self._verdict(e, parent, timeout) from e.__cause__
+                err = self._verdict(e, parent, timeout)
+                if not _timed_out(e.__cause__):
+                    # gloo completes a send once its bytes are written: one that failed otherwise than by our
+                    # deadline never reached the parent whole, so the coordinator cannot reply to this round
+                    no_reply(err)
+                if abort and decided_nothing(err):  # (this rank's subtree waits for the reply)
+                    self._abort(str(err), {r: n for r, _, n in entries if r not in (_LOST, self.rank)}, timeout, what)
+                raise err from e.__cause__
             return None
         out: list[Any] = [None] * self.world
-        for r, payload in entries:
-            if r == _LOST:  # a relaying rank lost some of its subtree: its own words, on the coordinator
-                raise errors.CollectiveError(_unpack(payload))
+        lost = [_unpack(payload) for r, payload, _ in entries if r == _LOST]
+        if lost:  # a relaying rank lost some of its subtree: its own words, on the coordinator
+            if abort:  # the ranks whose messages came are waiting for the reply
+                self._abort(lost[0], {r: n for r, _, n in entries if r not in (_LOST, 0)}, timeout, what)
+            raise no_reply(lost[0])
+        for r, payload, _ in entries:
             out[r] = _unpack(payload)
         return out
+
+    def _abort_arrived(self, e: errors.CollectiveError, timeout: float | None, what: str) -> None:
+        """Best effort, on a rank whose wait for its children failed (``e``): tell the children whose
+        messages it took (they wait for the reply now) that none will come. A child whose head came but
+        whose payload was not taken yet is still sending it: the payload is taken first."""
+        got: dict[int, bytes] = dict(getattr(e, "payloads", {}))
+        heads = {p: h for p, h in getattr(e, "heads", {}).items() if p not in got}
+        if heads:
+            try:
+                got.update(self._recv_payloads(heads, time.monotonic() + ABORT_S, timeout, what))
+            except errors.CollectiveError as e2:
+                got.update(getattr(e2, "payloads", {}))
+        ranks = {r: n for data in got.values() for r, _, n in _unpack(data) if r != _LOST}
+        for p, h in heads.items():  # a payload that did not come: its sender's nonce is in the head
+            if p not in got and any(h[8: 8 + TAG]):
+                ranks[p] = h[8: 8 + TAG].hex()
+        self._abort(str(e), ranks, timeout, what)
+
+    def _abort(self, msg: str, ranks: dict[int, str], timeout: float | None, what: str) -> None:
+        """Tell ``ranks`` (below this rank, waiting for the reply; each with its message's nonce) that no
+        reply will come (``msg``): on the store, under their nonces, for a rank whose wait fails anyway
+        (this rank's connections are closed after a timeout: :meth:`_verdict` looks there), then down
+        the tree. Best effort both."""
+        if not ranks:
+            return
+        told = f"{msg} [told by rank {self.rank}]"
+        with contextlib.suppress(Exception):  # no store: only the messages tell
+            keys = [f"{_NO_REPLY}/{n}" for n in ranks.values() if n]
+            if keys:
+                _store().multi_set(keys, [told] * len(keys))
+        data = _pack({_ABORT: told})
+        try:
+            self._scatter(dict.fromkeys(ranks, data), time.monotonic() + ABORT_S, timeout, f"{what} (abort)")
+        except errors.CollectiveError:
+            pass  # best effort: a rank not told waits out its own timeout
 
     def _report_up(self, e: errors.CollectiveError, deadline: float | None, what: str) -> None:
         """Best effort, on a relaying rank that lost a child: tell the coordinator which rank is missing
@@ -425,7 +523,7 @@ class Comm:
         if self.rank == 0:
             return
         try:
-            self._send_many({self._parent(): _pack([[_LOST, _pack(str(e))]])}, None, what, deadline)
+            self._send_many({self._parent(): _pack([[_LOST, _pack(str(e)), ""]])}, None, what, deadline)
         except errors.CollectiveError:
             pass
 
@@ -468,13 +566,24 @@ class Comm:
             return e
         grace = VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S)
         end = time.monotonic() + grace
+        # a rank that lost a child after taking this rank's message says so under its nonce (:meth:`_abort`):
+        # then nothing was decided. Looked for a little longer than the verdict (posted after it).
+        mine = f"{_NO_REPLY}/{self._nonce}" if self._nonce else None
+        seen: str | None = None
         try:
             store = _store()
-            while (seen := _fresh_verdict(store, key, _verdict_ttl(timeout))) is None:
+            while True:
+                if mine is not None and store.check([mine]):
+                    told = store.get(mine).decode()
+                    return no_reply(f"{told} [rank {self.rank} lost contact with rank {parent} meanwhile]")
+                if seen is None and (seen := _fresh_verdict(store, key, _verdict_ttl(timeout))) is not None:
+                    end = min(end, time.monotonic() + (NO_REPLY_WAIT_S if mine is not None else 0.0))
                 if time.monotonic() >= end:
-                    return e
+                    break
                 time.sleep(0.02)  # polls a key another rank is about to set (store.wait would take an old one)
         except Exception:  # noqa: BLE001 - no store: the parent is all this rank can name
+            return e
+        if seen is None:
             return e
         return errors.CollectiveError(f"{seen} [told to rank {self.rank}, which lost contact with rank {parent} "
                                       "meanwhile]")
@@ -484,9 +593,12 @@ class Comm:
         payload once with the ranks it is for (a verdict for all crosses each edge once)."""
         bundles: dict[int, bytes] = {}
         for c in self._children():
+            if c not in datas:  # (an abort: the ranks that are not waiting for a reply get none)
+                continue
             groups: dict[int, tuple[bytes, list[int]]] = {}
             for r in [c, *self._below(c)]:
-                groups.setdefault(id(datas[r]), (datas[r], []))[1].append(r)
+                if r in datas:
+                    groups.setdefault(id(datas[r]), (datas[r], []))[1].append(r)
             bundles[c] = _pack([[ranks, payload] for payload, ranks in groups.values()])
         if bundles:
             try:
@@ -522,24 +634,38 @@ class Comm:
         try:
             bundle = _unpack(self._recv_from_parent(deadline, timeout, f"{what} (waiting for {via})"))
         except errors.CollectiveError as e:
-            raise self._verdict(e, parent, timeout) from e.__cause__
+            err = self._verdict(e, parent, timeout)
+            if parent == 0 and not _timed_out(e.__cause__):
+                # the coordinator closed the connection: it died, or a wait of its own timed out (gloo then
+                # closes them all); either way it acts no more in this exchange: what it did is final
+                err.coordinator_gone = True  # type: ignore[attr-defined]
+            raise err from e.__cause__
         datas = {r: payload for ranks, payload in bundle for r in ranks}
-        mine = datas.pop(self.rank)
+        mine = _unpack(datas.pop(self.rank))
+        if isinstance(mine, dict) and _ABORT in mine:  # no reply will come: pass that on, raise it
+            with contextlib.suppress(errors.CollectiveError):  # (best effort, as the abort itself)
+                self._scatter(datas, time.monotonic() + ABORT_S, timeout, f"{what} (abort)")
+            raise no_reply(mine[_ABORT])
         if datas:
             self._scatter(datas, deadline, timeout, what)
-        return _unpack(mine)
+        return mine
 
     def exchange(self, obj: Any, reply: Any, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                  what: str = "exchange") -> Any:
         """gather + per-rank reply: ``reply(list_of_objs) -> list_of_replies`` runs on the coordinator.
 
         Each half is bounded by ``timeout`` (the reply wait starts once this rank's message is taken).
+        Its CollectiveError is marked (:func:`decided_nothing`) when it failed before ``reply`` ran;
+        after any other failure it is not known whether the coordinator acted.
         """
-        got = self.gather(obj, timeout=timeout, what=what)
-        if self.rank == 0:
-            assert got is not None
-            return self.send_each(reply(got), timeout=timeout, what=f"{what} reply")
-        return self.recv_one(timeout=timeout, what=f"{what} reply")
+        try:
+            got = self.gather(obj, timeout=timeout, what=what, abort=True)
+            if self.rank == 0:
+                assert got is not None
+                return self.send_each(reply(got), timeout=timeout, what=f"{what} reply")
+            return self.recv_one(timeout=timeout, what=f"{what} reply")
+        finally:
+            self._nonce = ""
 
     # --- broadcast --------------------------------------------------------------------------
 
@@ -600,6 +726,10 @@ def _fresh_verdict(store: Any, key: str, ttl: float) -> str | None:
         return None
     stamp, _, text = store.get(key).decode().partition(" ")
     return text if time.time() - float(stamp) < ttl else None
+
+
+def _inline(head: bytes, n: int) -> bytes:
+    return head[8 + TAG: 8 + TAG + n]
 
 
 def _few_ranks(ranks: list[int], n: int = 8) -> str:

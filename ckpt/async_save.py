@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ckpt import stateful
 from ckpt._comm import Comm, side_group
 from ckpt._staging import Stager, StagingPool, check_cap
 from ckpt.errors import CheckpointError
@@ -31,13 +30,13 @@ from ckpt.save import (
     PlanCache,
     Prepared,
     commit,
+    open_state,
     persist_staged,
     prepare,
     resolve_compression,
     staged_views,
     take_lease,
 )
-from ckpt.storage import get_storage
 
 
 def _commit_comm(comm: Comm, timeout: float | None) -> Comm:
@@ -141,13 +140,16 @@ class AsyncSaver:
             if prev.error is not None and not prev._error_seen:
                 prev._error_seen = True
                 raise CheckpointError(f"the previous async save to {prev.url} failed: {prev.error}") from prev.error
-        state = stateful.expand(state)
-        storage = get_storage(url, **(storage_options or {}))
         commit_comm = _commit_comm(comm, self.timeout)
+        state, storage, failed = open_state(commit_comm, state, url, storage_options)
         t0 = time.perf_counter()
-        prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
+        # The planning exchange runs on the commit group too (idle now: the previous save is over): a rank
+        # that plans (its structure changed, or its state failed) while the others, on a cached plan, go
+        # straight to the commit exchange meets them there, and every rank raises at once (as ckpt.save).
+        prep = prepare(commit_comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
                        layout=layout, cache=self.cache, timeout=self.timeout, data_format=data_format,
-                       compression=codec)
+                       compression=codec, failed=failed)
+        assert storage is not None  # (prepare raised the failure to open it)
         prep.stats["plan"] = time.perf_counter() - t0
         handle = SaveHandle(url, step)
         pieces = [e.piece for e in prep.assignment.entries]

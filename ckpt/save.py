@@ -31,7 +31,7 @@ from ckpt import stateful
 from ckpt._checksum import crc32
 from ckpt._codec import Codec, FileCodec
 from ckpt._codec import resolve as resolve_codec
-from ckpt._comm import Comm, error_payload, raise_payload
+from ckpt._comm import Comm, coordinator_gone, decided_nothing, error_payload, raise_payload
 from ckpt._io import entry_source, write_assignment, write_compressed
 from ckpt._regions import sub_region
 from ckpt._save_plan import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
@@ -155,15 +155,16 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
     """
     codec = resolve_compression(compression, data_format)
     comm = Comm(group, timeout=timeout)
-    state = stateful.expand(state)
-    storage = get_storage(url, **(storage_options or {}))
+    state, storage, failed = open_state(comm, state, url, storage_options)
     cache = _take_cache(group)
     held: lease.Lease | None = None
     ok = False
     try:
         t0 = time.perf_counter()
         prep = prepare(comm, storage, state, step=step, user_metadata=user_metadata, overwrite=overwrite,
-                       layout=layout, cache=cache, timeout=timeout, data_format=data_format, compression=codec)
+                       layout=layout, cache=cache, timeout=timeout, data_format=data_format, compression=codec,
+                       failed=failed)
+        assert storage is not None  # (prepare raised the failure to open it)
         prep.stats["plan"] = time.perf_counter() - t0
         held = take_lease(url, prep, comm, storage_options)
         prep.stats["stage"] = 0.0  # synchronous: written straight from the caller's tensors
@@ -182,9 +183,25 @@ def save(state: dict[str, Any], url: str, *, group: Any = None, step: int | None
         return m
     finally:
         _give_back(cache)
-        storage.close()
+        if storage is not None:
+            storage.close()
         if held is not None:
             held.release(tidy=not ok)  # this rank's own lease only; a failed save into a new directory leaves none
+
+
+def open_state(comm: Comm, state: dict[str, Any], url: str, storage_options: dict[str, Any] | None
+               ) -> tuple[dict[str, Any], Storage | None, dict[str, Any] | None]:
+    """The state with its Stateful values expanded and the storage opened, or the error payload of the
+    first that failed (a ``state_dict()`` that raises, a storage that cannot be opened): the failure
+    travels in the planning exchange (:func:`prepare`'s ``failed``), so that every rank raises it at
+    once instead of this rank alone while the others wait out the timeout."""
+    storage: Storage | None = None
+    try:
+        state = stateful.expand(state)
+        storage = get_storage(url, **(storage_options or {}))
+    except Exception as e:  # noqa: BLE001 - delivered to every rank by the first exchange
+        return state, storage, error_payload(e, comm.who)
+    return state, storage, None
 
 
 def take_lease(url: str, prep: Prepared, comm: Comm, storage_options: dict[str, Any] | None) -> lease.Lease | None:
@@ -239,20 +256,28 @@ def resolve_compression(compression: Any, data_format: str) -> Codec | None:
     return codec
 
 
-def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | None = None,
+def prepare(comm: Comm, storage: Storage | None, state: dict[str, Any], *, step: int | None = None,
             user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
             layout: dict[str, Any] | None = None, cache: PlanCache | None = None,
             timeout: float | None = DEFAULT_TIMEOUT_S, data_format: str = "safetensors",
-            compression: Codec | None = None) -> Prepared:
+            compression: Codec | None = None, failed: dict[str, Any] | None = None) -> Prepared:
     """Phases 1-2: local declaration; global plan on the coordinator (skipped when cached).
 
     Raises the same error on every rank when any rank's state is bad or the plan is invalid.
+    ``failed``: this rank's error before planning (:func:`open_state`; ``storage`` is None then),
+    raised on every rank likewise.
+
+    A rank with an error always takes the planning exchange: the others, on a cached plan, are in the
+    commit exchange, which meets it (both are a gather and a reply over the same group), so the
+    coordinator sees the error there and every rank raises it.
     """
-    loc = _declare(comm, state, step, user_metadata, layout, data_format)
+    loc = _declare(comm, state, step, user_metadata, layout, data_format) if failed is None \
+        else _Declared(step, user_metadata, err=failed)
     step, user_metadata, decl, fp, err = loc.step, loc.user_metadata, loc.decl, loc.fp, loc.err
     previous: Manifest | None = None
     refused: dict[str, Any] | None = None
     if comm.rank == 0 and err is None:
+        assert storage is not None
         try:
             previous = transaction.begin(storage, overwrite=overwrite)
         except Exception as e:  # noqa: BLE001
@@ -276,7 +301,7 @@ def prepare(comm: Comm, storage: Storage, state: dict[str, Any], *, step: int | 
     # every zarr save writes its own tree, whatever is there: no other writer can produce its chunk names
     zroot = zarr_layout.fresh_root(storage) if data_format == "zarr" and comm.rank == 0 and err is None else ""
     mine, plan, fps = _plan_exchange(comm, payload, zroot, step=step, user_metadata=user_metadata, layout=layout,
-                                     data_format=data_format, timeout=timeout)
+                                     data_format=data_format, timeout=timeout, storage=storage)
     assignment = WriteAssignment.from_wire(mine["ok"])
     agreed = dict(mine.get("aliases") or {})
     common["decl"], keep = tied.without(decl, agreed)
@@ -318,14 +343,18 @@ def _declare(comm: Comm, state: dict[str, Any], step: int | None, user_metadata:
 
 def _plan_exchange(comm: Comm, payload: dict[str, Any], zroot: str, *, step: int | None,
                    user_metadata: dict[str, Any] | None, layout: dict[str, Any] | None, data_format: str,
-                   timeout: float | None) -> tuple[dict[str, Any], SavePlan | None, list[str]]:
+                   timeout: float | None, storage: Storage | None = None
+                   ) -> tuple[dict[str, Any], SavePlan | None, list[str]]:
     """Phase 2 (collective): every rank's ``payload`` to the coordinator, which plans and sends each rank
     its assignment. Returns this rank's reply, the plan and every rank's fingerprint (coordinator only);
-    raises on every rank the first error any rank sent or the plan hit."""
+    raises on every rank the first error any rank sent or the plan hit. Ranks that sent a commit report
+    instead (they saved on a cached plan: see :func:`prepare`) get the error too, their files removed."""
     plan_box: list[SavePlan] = []
     fps: list[str] = []
 
     def reply(got: list[Any]) -> list[Any]:
+        if storage is not None:  # (None: the coordinator could not open it; those files are gc's)
+            transaction.remove_files(storage, _written(got))
         errs = [g for g in got if "err" in g]
         if errs:
             return [errs[0]] * comm.world
@@ -497,8 +526,7 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
 
     def reply(results: list[Any]) -> list[Any]:
         t0 = time.perf_counter()
-        written = transaction.WrittenSet(r["ok"]["file"] for r in results if "ok" in r and r["ok"].get("file"))
-        written.extend(c[0] for r in results if "ok" in r for c in r["ok"].get("chunks", []) if c[0])
+        written = _written(results)
         errs = [r for r in results if "err" in r]
         if errs:
             transaction.remove_files(storage, written)
@@ -533,7 +561,11 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
         return [{"ok": {"step": manifest.step, "created": manifest.created, "world_size": manifest.world_size}}
                 ] * comm.world
 
-    status = comm.exchange(result, reply, timeout=timeout, what="save commit")
+    try:
+        status = comm.exchange(result, reply, timeout=timeout, what="save commit")
+    except CollectiveError as e:
+        _after_lost_commit(storage, result, e)
+        raise
     if "err" in status:
         if cache is not None:  # whatever failed, every rank re-plans next time (consistently)
             cache.clear()
@@ -541,6 +573,35 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
     if box:
         return box[0]  # a fresh object (decoded): the cached plan's skeleton is refilled by the next save
     return _partial_manifest(prep, result, status["ok"])
+
+
+def _after_lost_commit(storage: Storage, result: dict[str, Any], e: CollectiveError) -> None:
+    """This rank's commit exchange failed (``e``): it removes its own files when nothing can commit them.
+    That is known when the exchange failed before the coordinator's reply (:func:`decided_nothing`), or
+    when the coordinator left it (:func:`coordinator_gone`) and the manifest there does not list them.
+    Otherwise (its wait for the reply timed out; a relaying rank failed) the coordinator may still
+    commit them: they stay, for gc (a file of a failed save is in no manifest)."""
+    mine = _written([result])
+    if not mine:
+        return
+    if not decided_nothing(e):
+        if not coordinator_gone(e):
+            return
+        try:
+            m = read_manifest(storage)
+        except Exception:  # noqa: BLE001 - a manifest it cannot read: it cannot tell, keeps them
+            return
+        if m is not None and any(f in m.files for f in mine):
+            return  # committed: the coordinator wrote the manifest, then went
+    transaction.remove_files(storage, mine)
+
+
+def _written(results: list[Any]) -> transaction.WrittenSet:
+    """The files the commit reports ``results`` name (data files, zarr chunks): this save's written set."""
+    ok = [r["ok"] for r in results if isinstance(r, dict) and r.get("ok", {}).get("phase") == "commit"]
+    written = transaction.WrittenSet(o["file"] for o in ok if o.get("file"))
+    written.extend(c[0] for o in ok for c in o.get("chunks", []) if c[0])
+    return written
 
 
 def _fill_manifest(plan: SavePlan, prep: Prepared, results: list[Any]) -> Manifest:
@@ -666,5 +727,5 @@ def _aggregate(stats: list[dict[str, float]]) -> dict[str, Any]:
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "build_decl", "fingerprint", "read_manifest", "PlanCache", "save", "Prepared",
-           "resolve_compression", "prepare", "take_lease", "persist", "fresh_file_name", "persisted", "SYNC_RING",
-           "staged_views", "persist_staged", "commit", "merge_globals"]
+           "resolve_compression", "open_state", "prepare", "take_lease", "persist", "fresh_file_name", "persisted",
+           "SYNC_RING", "staged_views", "persist_staged", "commit", "merge_globals"]
