@@ -119,13 +119,19 @@ def side_group(ranks: list[int], purpose: str, *, timeout: float | None = None, 
             store = _get_default_store()
             # every member adds 1 once per creation: the n-th creation of this group sees n*len(ranks)
             generation = (int(store.add(f"{name}/generation", 1)) - 1) // len(ranks)
+            store.set(f"{name}/{generation}/arrived/{me}", "1")  # (to name the members that never came)
             prefixed = dist.PrefixStore(f"{name}/{generation}/", store)
             _GLOO_GROUPS[key] = dist.ProcessGroupGloo(prefixed, ranks.index(me), len(ranks), td)
             _GROUP_RANKS[_GLOO_GROUPS[key]] = ranks
         except Exception as e:  # noqa: BLE001 - a rank that never arrives: typed, named
+            who = "a rank"
+            with contextlib.suppress(Exception):
+                missing = [r for r in ranks if not store.check([f"{name}/{generation}/arrived/{r}"])]
+                who = (f"rank {missing[0]} never came" if len(missing) == 1 else
+                       f"ranks {_few_ranks(missing)} never came" if missing else "a rank")
             raise errors.CollectiveError(
                 f"rank {dist.get_rank()}: could not create ckpt's {purpose} (gloo) group of ranks {_few_ranks(ranks)} "
-                f"({type(e).__name__}: {e}); a rank is slow, hung or dead: restart the job") from e
+                f"({type(e).__name__}: {e}); {who}: slow, hung or dead? Restart the job") from e
     return _GLOO_GROUPS[key]
 
 

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ckpt._comm import Comm, side_group
+from ckpt._comm import Comm, check_timeout, side_group
 from ckpt._staging import Stager, StagingPool, check_cap
 from ckpt.errors import CheckpointError
 from ckpt.manifest import Manifest
@@ -162,13 +162,14 @@ class AsyncSaver:
         # a PUT on S3) to the time the caller is blocked
         self._thread = threading.Thread(target=self._run, name="ckpt-async-save", daemon=True,
                                         args=(handle, prep, stager, storage, comm, commit_comm, on_commit, on_error,
-                                              on_done, (url, storage_options)))
+                                              on_done, (url, storage_options), self.timeout))
         self._thread.start()
         return handle
 
     def _run(self, handle: SaveHandle, prep: Prepared, stager: Stager, storage: Any, comm: Comm, commit_comm: Comm,
              on_commit: Callable[[Manifest], None] | None, on_error: Callable[[BaseException], None] | None,
-             on_done: Callable[[], None] | None = None, lease_on: tuple[str, Any] | None = None) -> None:
+             on_done: Callable[[], None] | None = None, lease_on: tuple[str, Any] | None = None,
+             timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
         staging = threading.Thread(target=self._stage, args=(stager, prep, handle), name="ckpt-stage", daemon=True)
         # (before persist_staged writes a byte; a lease that cannot be taken is this rank's error, in
         # prep.refused, which the commit exchange delivers to every rank)
@@ -179,7 +180,7 @@ class AsyncSaver:
             result = persist_staged(storage, prep, stager, comm.who)
             staging.join()
             prep.stats["persist"] = time.perf_counter() - t0
-            handle.manifest = commit(commit_comm, storage, prep, result, timeout=self.timeout, cache=self.cache)
+            handle.manifest = commit(commit_comm, storage, prep, result, timeout=timeout, cache=self.cache)
             handle.stats = dict(prep.stats, commit=time.perf_counter() - t0 - prep.stats["persist"])
             if on_commit is not None and commit_comm.rank == 0:
                 try:
@@ -223,6 +224,14 @@ class AsyncSaver:
             self._thread = None
 
 
+class _Unset:
+    """The default of an argument that, when not given, leaves the setting where it is."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
 _SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 _DEFAULT: dict[Any, AsyncSaver] = {}
 _DEFAULT_LOCK = threading.Lock()  # two threads' first async_save on one group must share one saver
@@ -239,7 +248,8 @@ def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int 
                user_metadata: dict[str, Any] | None = None, overwrite: bool = False,
                layout: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
                policy: str = "wait", data_format: str = "safetensors",
-               max_staging_bytes: int | None = None, compression: Any = None) -> SaveHandle:
+               max_staging_bytes: int | None = None, compression: Any = None,
+               timeout: float | None | _Unset = UNSET) -> SaveHandle:
     """Save ``state`` to ``url`` in the background; returns a :class:`SaveHandle` quickly.
 
     Collective over ``group`` (the planning exchange runs on the calling thread). One save is in
@@ -251,13 +261,19 @@ def async_save(state: dict[str, Any], url: str, *, group: Any = None, step: int 
     returns as fast as later ones. ``max_staging_bytes`` caps it: below the size of what this rank
     writes, data is staged and written through a ring of that many bytes, and ``staged()`` returns
     when the last of it has been copied (at about the write speed). ``compression``: as for
-    :func:`ckpt.save` (``"zstd"``: compressed data files, ``ckpt._codec``).
+    :func:`ckpt.save` (``"zstd"``: compressed data files, ``ckpt._codec``). ``timeout``: as for
+    :func:`ckpt.save`, each wait for another rank (planning, commit) in seconds (default: the
+    group's saver's, ``DEFAULT_TIMEOUT_S``).
     """
+    if not isinstance(timeout, _Unset):
+        timeout = check_timeout(timeout)
     with _DEFAULT_LOCK:
         saver = _DEFAULT.get(id(group))
         if saver is None:
             saver = _DEFAULT[id(group)] = AsyncSaver(group)
     with saver.lock:  # threads of one process: one starts its save at a time (the next waits for it)
+        if not isinstance(timeout, _Unset):
+            saver.timeout = timeout  # (the save in flight keeps the timeout it started with)
         return saver.save(state, url, step=step, user_metadata=user_metadata, overwrite=overwrite, layout=layout,
                           storage_options=storage_options, policy=policy, data_format=data_format,
                           max_staging_bytes=max_staging_bytes, compression=compression)

@@ -70,7 +70,7 @@ from ckpt._dcp_compat import (
     save_target,
 )
 from ckpt._state import ObjectItem, flatten_state, rebuild_state
-from ckpt.async_save import SaveHandle
+from ckpt.async_save import UNSET, SaveHandle, _Unset
 from ckpt.async_save import async_save as _async_save
 from ckpt.errors import CheckpointError
 from ckpt.formats.objects import encode_value
@@ -106,12 +106,13 @@ def _positional_storage(kind: str) -> Callable[[_F], _F]:
 @_positional_storage("storage_writer")
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_writer: Any = None, planner: Any = None, process_group: Any = None, no_dist: bool = False,
-         use_collectives: bool = True) -> Manifest | Any:
+         use_collectives: bool = True, timeout: float | None | _Unset = UNSET) -> Manifest | Any:
     """``dcp.save``: save ``state_dict`` to ``checkpoint_id`` (collective over ``process_group``).
 
     Returns the manifest (DCP returns its ``Metadata``). ``no_dist=True`` saves this process's
     state alone (no collective). Raises ckpt's typed errors (``CheckpointError`` subclasses).
-    An HF ``storage_writer`` is DCP's own save (HF's files, DCP's ``Metadata``).
+    An HF ``storage_writer`` is DCP's own save (HF's files, DCP's ``Metadata``). ``timeout`` (not
+    DCP's, whose waits are its process group's): seconds any wait for another rank may take.
     """
     with _dcp_errors():
         t = save_target(checkpoint_id, storage_writer, planner)
@@ -120,7 +121,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
                                         planner=planner, process_group=process_group, no_dist=no_dist,
                                         use_collectives=use_collectives)
         return _save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
-                     storage_options=t.storage_options, compression=t.compression)
+                     storage_options=t.storage_options, compression=t.compression, **_timeout(timeout))
 
 
 @contextmanager
@@ -134,13 +135,15 @@ def _dcp_errors() -> Iterator[None]:
 
 @_positional_storage("storage_reader")
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
-         storage_reader: Any = None, planner: Any = None, process_group: Any = None, no_dist: bool = False) -> None:
+         storage_reader: Any = None, planner: Any = None, process_group: Any = None, no_dist: bool = False,
+         timeout: float | None | _Unset = UNSET) -> None:
     """``dcp.load``: fill ``state_dict`` in place from ``checkpoint_id``, resharding as needed.
 
     Tensors, DTensors and ShardedTensors are filled in place, Stateful values get
     ``load_state_dict``, and then every other loaded top-level key is assigned
     (``state_dict[key] = value``) as DCP does. Keys stored but not requested are ignored (as in DCP);
     with ``DefaultLoadPlanner(allow_partial_load=True)`` requested keys the checkpoint lacks are left as they are.
+    ``timeout``: as for :func:`save`.
     """
     with _dcp_errors():
         t = load_target(checkpoint_id, storage_reader, planner)
@@ -148,12 +151,13 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
             dcp_function("load")(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
                                  planner=planner, process_group=process_group, no_dist=no_dist)
             return
-        _load_into(state_dict, t, process_group, no_dist)
+        _load_into(state_dict, t, process_group, no_dist, timeout)
 
 
-def _load_into(state_dict: dict[str, Any], t: Target, process_group: Any, no_dist: bool) -> None:
+def _load_into(state_dict: dict[str, Any], t: Target, process_group: Any, no_dist: bool,
+               timeout: float | None | _Unset = UNSET) -> None:
     out = _load(state_dict, t.url, group=_group(process_group, no_dist), strict=t.strict,
-                storage_options=t.storage_options)  # expands Stateful values and restores them
+                storage_options=t.storage_options, **_timeout(timeout))  # expands Stateful values and restores them
     assign_loaded(state_dict, out)
 
 
@@ -185,13 +189,13 @@ class _Future(Future):  # type: ignore[type-arg]
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
                storage_writer: Any = None, planner: Any = None, process_group: Any = None,
                async_checkpointer_type: Any = None, async_stager: Any = None, no_dist: bool = False,
-               use_collectives: bool = True) -> Future:  # type: ignore[type-arg]
+               use_collectives: bool = True, timeout: float | None | _Unset = UNSET) -> Future:  # type: ignore[type-arg]
     """``dcp.async_save``: returns a future whose ``result()`` is the committed manifest.
 
     Like DCP's thread mode, it returns once the state is staged (copied out), so the caller may
     change its tensors right away; writing and the commit run in the background. (``ckpt.async_save``
     returns earlier, after planning, and leaves ``h.staged()`` to the caller.) An HF ``storage_writer``
-    is DCP's own async_save, whose future it returns.
+    is DCP's own async_save, whose future it returns. ``timeout``: as for :func:`save`.
     """
     with _dcp_errors():
         t = save_target(checkpoint_id, storage_writer, planner, async_stager)
@@ -202,9 +206,14 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
                 process_group=process_group, async_stager=async_stager, no_dist=no_dist,
                 use_collectives=use_collectives, **kw))
         h = _async_save(_encoded(state_dict), t.url, group=_group(process_group, no_dist), overwrite=t.overwrite,
-                        storage_options=t.storage_options, compression=t.compression)
+                        storage_options=t.storage_options, compression=t.compression, **_timeout(timeout))
         h.staged()
     return _Future(h)
+
+
+def _timeout(timeout: float | None | _Unset) -> dict[str, Any]:
+    """``timeout`` as the keyword of ckpt's own functions: none when not given (their default)."""
+    return {} if isinstance(timeout, _Unset) else {"timeout": timeout}
 
 
 def _encoded(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -408,7 +408,8 @@ class CheckpointManager:
 
     @staticmethod
     def _ranks_failed(comm: Comm, failed: bool) -> int:
-        """How many ranks failed an attempt (collective: a load raises on one rank only)."""
+        """How many ranks failed an attempt (collective: ``ckpt.load`` fails on every rank or none, but a
+        custom ``loader`` may fail on one rank only, and every rank must skip the same checkpoint)."""
         if comm.single:
             return int(failed)
         flags = comm.gather(int(failed), what="restore agreement")

@@ -314,3 +314,37 @@ def test_random_rank_fails_at_random_phase_of_load(saved, world, phase, culprit)
         else:
             assert_typed(res, timeout + SLACK, cls="CheckpointError", has=("rank 0: NotADirectoryError",))
 
+
+
+# --- ckpt.async_save and ckpt.dcp take a timeout: a coordinator that never comes is waited for that long ---
+
+def _front_coordinator_stalls(rank: int, world: int, path: str, front: str, timeout: float) -> dict[str, Any]:
+    if rank == 0:
+        stall(rank, world)
+    state = {"w": ckpt.Shard(torch.ones(1, 4), (world, 4), (rank, 0))}
+    calls = {
+        "async_save": lambda: ckpt.async_save(state, path, timeout=timeout).done(),
+        "dcp_save": lambda: importlib.import_module("ckpt.dcp").save(state, checkpoint_id=path, timeout=timeout),
+        "dcp_load": lambda: importlib.import_module("ckpt.dcp").load(state, checkpoint_id=path, timeout=timeout),
+    }
+    return outcome(calls[front])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("front", ["async_save", "dcp_save", "dcp_load"])
+def test_async_save_and_dcp_are_bounded_by_their_timeout(tmp_path, front):
+    path, timeout = str(tmp_path / "c"), 2.0
+    _, r1 = run_forked(2, _front_coordinator_stalls, path, front, timeout)
+    assert_typed(r1, timeout + SLACK, has=("rank 0",))
+    assert r1["elapsed"] > timeout - 0.5, r1  # it did wait for the coordinator, then gave up
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True])
+def test_async_save_and_dcp_refuse_a_timeout_that_is_not_positive(tmp_path, bad):
+    dcp = importlib.import_module("ckpt.dcp")
+    state = {"w": torch.ones(2)}
+    for call in (lambda: ckpt.async_save(state, str(tmp_path / "a"), timeout=bad),
+                 lambda: dcp.save(state, checkpoint_id=str(tmp_path / "b"), timeout=bad)):
+        with pytest.raises(errors.CheckpointError, match="timeout must be a positive number"):
+            call()
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
