@@ -22,7 +22,6 @@ The bugs this audit found each have an explicit test below (``test_bug_*``), run
 
 from __future__ import annotations
 
-import collections
 import copy
 import hashlib
 import io
@@ -31,12 +30,8 @@ import os
 import pickle
 import pickletools
 import re
-import resource
-import select
 import shutil
-import signal
 import struct
-import time
 import traceback
 import zipfile
 from collections.abc import Callable
@@ -55,6 +50,8 @@ from ckpt.formats import budget, foreign_json
 from ckpt.formats import torch_pickle as tp
 from ckpt.formats.safetensors_header import parse_header
 from ckpt.storage import get_storage
+from tests.fuzz.contain import Storage, Tensor, TorchPickler
+from tests.fuzz.contain import contained as run_contained
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MEGATRON = FIXTURES / "megatron" / "core016" / "tp1"  # Megatron-Core 0.16 torch_dist: DCP + metadata.json + common.pt
@@ -82,14 +79,6 @@ class _Escaped(Exception):
     """A failure an entry point reported instead of raising (``verify``'s "internal" problem)."""
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _classify(e: BaseException) -> tuple[str, str]:
     """``("typed" | "raw", description)`` of an exception an entry point let out."""
     if isinstance(e, CheckpointError):
@@ -104,51 +93,9 @@ def _classify(e: BaseException) -> tuple[str, str]:
 
 
 def contained(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run ``fn`` in a forked child under RLIMIT_AS and a timeout; its outcome (``kind``: ok, typed,
-    raw), message, seconds and peak memory growth. A hang or a crash comes back as ``raw``."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        os.close(r)
-        out: dict[str, Any] = {}
-        try:
-            limit = _status("VmSize") + EXTRA_AS
-            resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-            torch.set_num_threads(1)
-            rss0, t0 = _status("VmRSS"), time.perf_counter()
-            try:
-                fn()
-                out = {"kind": "ok", "msg": ""}
-            except BaseException as e:  # noqa: BLE001 - classified, reported to the parent
-                kind, msg = _classify(e)
-                out = {"kind": kind, "msg": msg}
-            out |= {"seconds": time.perf_counter() - t0, "grew": _status("VmHWM") - rss0}
-            out["msg"] = out["msg"][:3000] + ("..." if len(out["msg"]) > 3000 else "")  # a hostile key is long
-            data = json.dumps(out).encode()
-        except BaseException as e:  # noqa: BLE001 - even the report failed: say so
-            data = json.dumps({"kind": "raw", "msg": f"child: {type(e).__name__}: {e}", "seconds": 0,
-                               "grew": 0}).encode()
-        try:
-            os.write(w, data)
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        ready, _, _ = select.select([r], [], [], TIMEOUT_S)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)  # the child this call forked, by its id
-            os.waitpid(pid, 0)
-            return {"kind": "raw", "msg": f"hang: no answer within {TIMEOUT_S} s", "seconds": TIMEOUT_S, "grew": 0}
-        chunks = []
-        while chunk := os.read(r, 65536):
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-    _, status = os.waitpid(pid, 0)
-    if not chunks:
-        return {"kind": "raw", "msg": f"the child died (status {status}): a crash or the memory limit",
-                "seconds": 0, "grew": 0}
-    return json.loads(b"".join(chunks))  # type: ignore[no-any-return]
+    """Run ``fn`` in a forked child under RLIMIT_AS and a timeout (:func:`tests.fuzz.contain.contained`);
+    its outcome (``kind``: ok, typed, raw), message, seconds and peak memory growth."""
+    return run_contained(fn, _classify, timeout=TIMEOUT_S, extra_as=EXTRA_AS)
 
 
 def _snapshot(root: Path) -> dict[str, str]:
@@ -340,33 +287,10 @@ def test_torch_save_zip_records_mutated(tmp_path_factory, data):
     audit(_import(src / "m.pt", out), src, "torch.save zip")
 
 
-class _Storage:
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
-
-
-class _Tensor:
-    """Pickles as torch's tensors do, with the record's fields chosen by the test."""
-
-    def __init__(self, storage: _Storage, offset: Any, size: Any, stride: Any) -> None:
-        self.args = (storage, offset, size, stride)
-
-    def __reduce__(self):  # noqa: D105 - the hostile record
-        storage, offset, size, stride = self.args
-        return (torch._utils._rebuild_tensor_v2, (storage, offset, size, stride, False, collections.OrderedDict()))
-
-
-class _TorchPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _Storage):
-            return ("storage", torch.FloatStorage, "0", "cpu", obj.numel)
-        return None
-
-
 def _records_file(path: Path, state: dict[Any, Any], numel: int = 8) -> None:
     """A torch.save archive (zip, stored records) around ``state``'s pickle and one float storage."""
     buf = io.BytesIO()
-    _TorchPickler(buf, protocol=2).dump(state)
+    TorchPickler(buf, protocol=2).dump(state)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
         z.writestr("archive/data.pkl", buf.getvalue())
         z.writestr("archive/byteorder", "little")
@@ -397,10 +321,10 @@ def test_torch_save_records_and_keys(tmp_path_factory, size, zero, keys, nested)
     src, out = _case(tmp_path_factory)
     if zero:
         size = [0, *size]
-    t = _Tensor(_Storage(8), 0, tuple(size), _contiguous(size))
+    t = Tensor(Storage(8), 0, tuple(size), _contiguous(size))
     state: dict[Any, Any] = {k: t for k in keys}
     if nested:
-        state["a"] = {"b": _Tensor(_Storage(8), 0, (2,), (1,))}
+        state["a"] = {"b": Tensor(Storage(8), 0, (2,), (1,))}
     _records_file(src / "m.pt", state)
     got = audit(_import(src / "m.pt", out), src, (size, keys, nested))
     if got["kind"] == "ok":  # ckpt imports only records torch.load reads too
@@ -786,7 +710,7 @@ def test_bug_tensor_records_beyond_int64_are_refused(tmp_path, size):
     """Bug: a torch.save tensor record with an empty dimension beside a 2**63+ one (or dimensions whose
     product overflows int64) passed the storage check and reached torch as a raw TypeError /
     RuntimeError at ``ckpt import``; torch.load refuses such a record too."""
-    _records_file(tmp_path / "m.pt", {"t": _Tensor(_Storage(8), 0, size, _contiguous(size))})
+    _records_file(tmp_path / "m.pt", {"t": Tensor(Storage(8), 0, size, _contiguous(size))})
     with pytest.raises(Exception):  # noqa: B017 - torch's own refusal, of its own type
         torch.load(tmp_path / "m.pt", weights_only=True)
     with pytest.raises(ForeignFormatError, match=r"m\.pt: a tensor record: size"):

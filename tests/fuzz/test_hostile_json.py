@@ -13,11 +13,7 @@ configs, when transformers is installed).
 from __future__ import annotations
 
 import json
-import os
-import resource
-import select
 import shutil
-import signal
 import traceback
 from pathlib import Path
 from typing import Any
@@ -34,6 +30,7 @@ from ckpt.formats import foreign_json
 from ckpt.formats.safetensors_header import build_header, parse_header
 from ckpt.hf.adapters import ADAPTERS
 from ckpt.hf.convert import export_hf, import_hf
+from tests.fuzz.contain import contained as run_contained
 
 pytestmark = [pytest.mark.filterwarnings("ignore")]
 
@@ -86,48 +83,17 @@ HEADROOM = 1536 << 20
 # running one case: forked, memory-limited, timed
 
 
-def _vm_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+def _kind(e: BaseException) -> tuple[str, str]:
+    if isinstance(e, CheckpointError):
+        return "typed", f"{type(e).__name__}: {e}"
+    return "raw", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
 
 
 def contained(fn: Any, *args: Any, **kwargs: Any) -> str:
-    """Run ``fn`` in a forked child under RLIMIT_AS and a timeout: ``"ok"``, ``"typed <Class>: msg"``
-    or ``"RAW ..."`` (a raw exception, a crash, a hang)."""
-    r, w = os.pipe()
-    limit = _vm_bytes() + HEADROOM
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        code = 0
-        try:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-            fn(*args, **kwargs)
-            out = "ok"
-        except CheckpointError as e:
-            out = f"typed {type(e).__name__}: {e}"
-        except BaseException as e:  # noqa: BLE001 - the finding
-            out = f"RAW {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
-        try:
-            os.write(w, out.encode("utf-8", "replace")[:8000])
-        finally:
-            os._exit(code)
-    os.close(w)
-    ready, _, _ = select.select([r], [], [], TIMEOUT_S)
-    if not ready:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(r)
-        return f"RAW hang: no answer within {TIMEOUT_S} s"
-    chunks = []
-    while chunk := os.read(r, 65536):
-        chunks.append(chunk)
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    out = b"".join(chunks).decode()
-    if not out:
-        return f"RAW crash: child status {status}"
-    return out
+    """Run ``fn`` in a forked child under RLIMIT_AS and a timeout (:func:`tests.fuzz.contain.contained`):
+    ``"ok"``, ``"typed <Class>: msg"`` or ``"RAW ..."`` (a raw exception, a crash, a hang)."""
+    out = run_contained(lambda: fn(*args, **kwargs), _kind, timeout=TIMEOUT_S, extra_as=HEADROOM)
+    return "ok" if out["kind"] == "ok" else f"{'typed' if out['kind'] == 'typed' else 'RAW'} {out['msg']}"
 
 
 def assert_contained(res: str, case: Any) -> None:

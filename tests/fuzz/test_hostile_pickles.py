@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import collections
 import io
-import os
 import pathlib
 import pickle
-import resource
-import select
-import signal
 import struct
 import zipfile
 from collections.abc import Callable
@@ -44,6 +40,7 @@ from ckpt.errors import CheckpointError, ForeignFormatError
 from ckpt.formats import torch_pickle as tp
 from ckpt.formats.budget import Budget, check
 from ckpt.storage import get_storage
+from tests.fuzz.contain import Storage, Tensor, TorchPickler, contained
 
 REFUSED = ("ManifestError", "ForeignFormatError", "IntegrityError")  # typed, naming the file and field
 TIMEOUT_S = 30.0  # generous for a loaded 2-core machine; a hang is minutes or forever
@@ -56,54 +53,18 @@ SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
 
 # ---- running an input under limits -------------------------------------------------------------
 
-def _vm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _kind(e: BaseException) -> tuple[str, str]:
+    return ("typed" if isinstance(e, CheckpointError) else "raw"), f"{type(e).__name__}: {e}"
 
 
 def bounded(fn: Callable[[], Any], timeout: float = TIMEOUT_S) -> str:
-    """Run ``fn`` in a forked child under RLIMIT_AS (current + 2 GiB) and ``timeout``; return ``"ok"``
-    or the CheckpointError's class name; fail on a hang, a crash or any other exception."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        os.close(r)
-        out = b"ok"
-        try:
-            torch.set_num_threads(1)
-            limit = _vm_bytes() + EXTRA_AS
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-            fn()
-        except CheckpointError as e:
-            out = f"E{type(e).__name__}: {e}".encode()[:2000]
-        except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test
-            out = f"X{type(e).__name__}: {e}".encode()[:2000]
-        try:
-            os.write(w, out)
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        ready, _, _ = select.select([r], [], [], timeout)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)  # the child this call forked, by its id
-            os.waitpid(pid, 0)
-            pytest.fail(f"no answer within {timeout} s: a hang on hostile input")
-        data = b""
-        while chunk := os.read(r, 65536):
-            data += chunk
-    finally:
-        os.close(r)
-    _, status = os.waitpid(pid, 0)
-    if not data:
-        pytest.fail(f"the child died without an answer (status {status}): a crash or the memory limit")
-    text = data.decode("utf-8", "replace")
-    if text.startswith("X"):
-        pytest.fail(f"a raw exception escaped on hostile input: {text[1:]}")
-    return "ok" if text == "ok" else text[1:].split(":", 1)[0]
+    """Run ``fn`` in a forked child under RLIMIT_AS (current + 2 GiB) and ``timeout``
+    (:func:`tests.fuzz.contain.contained`); return ``"ok"`` or the CheckpointError's class name; fail on
+    a hang, a crash or any other exception."""
+    out = contained(fn, _kind, timeout=timeout, extra_as=EXTRA_AS)
+    if out["kind"] == "raw":
+        pytest.fail(f"on hostile input: {out['msg']}")
+    return "ok" if out["kind"] == "ok" else str(out["type"])
 
 
 # ---- hostile values ----------------------------------------------------------------------------
@@ -380,31 +341,10 @@ def test_hostile_deepspeed_shapes_and_paddings(tmp_path_factory, shape, padding)
 
 # ---- tensor records against their storage -------------------------------------------------------
 
-class _Storage:
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
-
-
-class _Tensor:
-    def __init__(self, storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
-        self.args = (storage, offset, size, stride)
-
-    def __reduce__(self):  # noqa: D105 - pickles exactly as torch's tensors do
-        storage, offset, size, stride = self.args
-        return (torch._utils._rebuild_tensor_v2, (storage, offset, size, stride, False, collections.OrderedDict()))
-
-
-class _TorchPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _Storage):
-            return ("storage", torch.FloatStorage, "0", "cpu", obj.numel)
-        return None
-
-
 def _tensor_file(path: Path, record: int, claim: int, offset: int, size: tuple[int, ...],
                  stride: tuple[int, ...]) -> bytes:
     buf = io.BytesIO()
-    _TorchPickler(buf, protocol=2).dump({"t": _Tensor(_Storage(claim), offset, size, stride)})
+    TorchPickler(buf, protocol=2).dump({"t": Tensor(Storage(claim), offset, size, stride)})
     data = struct.pack(f"<{record}f", *range(record))
     _zip(path, buf.getvalue(), {"0": data})
     return data
