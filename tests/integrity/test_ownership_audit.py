@@ -49,15 +49,11 @@ from ckpt.manager import gc, list_checkpoints, step_dir
 from ckpt.manifest import MANIFEST_NAME
 from ckpt.resharders.reshard import reshard
 from ckpt.storage import local
+from tests.integrity.writers import state
 from tests.manifest_edit import edit_manifest
 
 KILLED = 87
 DAY = 86400.0
-
-
-def state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(8, 6, generator=g), "b": torch.randn(6, generator=g)}
 
 
 def loads(url: str, seed: int) -> bool:
@@ -874,30 +870,10 @@ def test_a_failed_save_leaves_a_users_empty_destination_as_it_was(tmp_path):
 
 
 @pytest.fixture
-def s3_root() -> Iterator[tuple[str, dict[str, Any], Any]]:
-    """``(s3://bucket/run, storage_options, botocore client)`` on a moto server of this test alone."""
-    import logging
-    import uuid
-
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    import botocore.session
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        client = botocore.session.get_session().create_client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-            aws_secret_access_key="testing")
-        bucket = f"audit-{uuid.uuid4().hex[:12]}"
-        client.create_bucket(Bucket=bucket)
-        yield (f"s3://{bucket}/run", {"key": "testing", "secret": "testing", "endpoint_url": endpoint,
-                                      "retry_base_delay": 0.01}, client)
-    finally:
-        server.stop()
+def s3_root(s3_bucket: tuple[str, dict[str, Any]], s3_admin: Any) -> tuple[str, dict[str, Any], Any]:
+    """``(s3://bucket/run, storage_options, botocore client)``: a bucket of this test alone (tests/conftest.py)."""
+    bucket, options = s3_bucket
+    return f"{bucket}/run", options, s3_admin
 
 
 def test_gc_on_s3_keeps_foreign_keys_and_live_writers(s3_root):
