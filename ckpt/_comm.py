@@ -76,13 +76,6 @@ def no_reply(msg: str | errors.CollectiveError) -> errors.CollectiveError:
     return e
 
 
-def coordinator_gone(e: BaseException) -> bool:
-    """Whether ``e`` ended this rank's wait for the coordinator's reply by the coordinator closing the
-    connection (it died, or gave up on another rank): it acts no more in that exchange, so whatever it
-    did (a save's commit) is final and can be read from the storage."""
-    return bool(getattr(e, "coordinator_gone", False))
-
-
 def decided_nothing(e: BaseException) -> bool:
     """Whether ``e`` is :func:`no_reply`'s: the exchange it ended decided nothing (see the module's text)."""
     return bool(getattr(e, "no_reply", False))
@@ -250,6 +243,7 @@ class Comm:
         self.sent = 0
         self.received = 0
         self._nonce = ""  # the nonce of this rank's message in the current exchange (gather)
+        self._below_nonces: dict[int, str] = {}  # the nonces of the messages it forwarded (its subtree's)
         self.fanin = FANIN if fanin is None else int(fanin)
         check_timeout(timeout)
         if not self.enabled:
@@ -462,6 +456,8 @@ class Comm:
                 raise
             for c in kids:
                 entries += _unpack(data[c])
+        # the ranks below this one whose messages it forwards: told by it when no reply will come
+        self._below_nonces = {r: n for r, _, n in entries if r not in (_LOST, self.rank)}
         if self.rank != 0:
             parent = self._parent()
             to = "the coordinator, rank 0" if parent == 0 else f"rank {parent}, which relays to the coordinator"
@@ -640,17 +636,11 @@ class Comm:
         try:
             bundle = _unpack(self._recv_from_parent(deadline, timeout, f"{what} (waiting for {via})"))
         except errors.CollectiveError as e:
-            err = self._verdict(e, parent, timeout)
-            if parent == 0 and not _timed_out(e.__cause__):
-                # the coordinator closed the connection: it died, or a wait of its own timed out (gloo then
-                # closes them all); either way it acts no more in this exchange: what it did is final
-                err.coordinator_gone = True  # type: ignore[attr-defined]
-            raise err from e.__cause__
+            raise self._verdict(e, parent, timeout) from e.__cause__
         datas = {r: payload for ranks, payload in bundle for r in ranks}
         mine = _unpack(datas.pop(self.rank))
         if isinstance(mine, dict) and _ABORT in mine:  # no reply will come: pass that on, raise it
-            with contextlib.suppress(errors.CollectiveError):  # (best effort, as the abort itself)
-                self._scatter(datas, time.monotonic() + ABORT_S, timeout, f"{what} (abort)")
+            self._abort(mine[_ABORT], self._below_nonces, timeout, what)
             raise no_reply(mine[_ABORT])
         if datas:
             self._scatter(datas, deadline, timeout, what)
@@ -671,7 +661,7 @@ class Comm:
                 return self.send_each(reply(got), timeout=timeout, what=f"{what} reply")
             return self.recv_one(timeout=timeout, what=f"{what} reply")
         finally:
-            self._nonce = ""
+            self._nonce, self._below_nonces = "", {}
 
     # --- broadcast --------------------------------------------------------------------------
 

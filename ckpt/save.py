@@ -31,7 +31,7 @@ from ckpt import stateful
 from ckpt._checksum import crc32
 from ckpt._codec import Codec, FileCodec
 from ckpt._codec import resolve as resolve_codec
-from ckpt._comm import Comm, coordinator_gone, decided_nothing, error_payload, raise_payload
+from ckpt._comm import Comm, decided_nothing, error_payload, raise_payload
 from ckpt._io import entry_source, write_assignment, write_compressed
 from ckpt._regions import sub_region
 from ckpt._save_plan import PieceDecl, RankDecl, SavePlan, WriteAssignment, plan_save
@@ -300,8 +300,13 @@ def prepare(comm: Comm, storage: Storage | None, state: dict[str, Any], *, step:
     payload = err or {"phase": "plan", "decl": decl.to_wire(), "fp": fp}
     # every zarr save writes its own tree, whatever is there: no other writer can produce its chunk names
     zroot = zarr_layout.fresh_root(storage) if data_format == "zarr" and comm.rank == 0 and err is None else ""
-    mine, plan, fps = _plan_exchange(comm, payload, zroot, step=step, user_metadata=user_metadata, layout=layout,
-                                     data_format=data_format, timeout=timeout, storage=storage)
+    try:
+        mine, plan, fps = _plan_exchange(comm, payload, zroot, step=step, user_metadata=user_metadata, layout=layout,
+                                         data_format=data_format, timeout=timeout, storage=storage)
+    except CollectiveError as e:
+        if comm.rank == 0 and not decided_nothing(e):
+            _drain(comm, storage, e, timeout)
+        raise
     assignment = WriteAssignment.from_wire(mine["ok"])
     agreed = dict(mine.get("aliases") or {})
     common["decl"], keep = tied.without(decl, agreed)
@@ -392,6 +397,24 @@ def _global_plan(decls: list[RankDecl], *, step: int | None, user_metadata: dict
             zarr_layout.check_key(key)
             zarr_layout.chunk_shape(key, t.shape, [s.region for s in t.shards])
     return plan, agreed
+
+
+def _drain(comm: Comm, storage: Storage | None, e: CollectiveError, timeout: float | None) -> None:
+    """The coordinator's planning reply failed part-way (``e``): the ranks that got their assignment write
+    their files and come to the commit exchange, which nobody would answer. It answers it with ``e``: their
+    files are removed and each rank raises at once (or, when a rank of it is gone too, is told that no
+    reply will come: :func:`ckpt._comm.decided_nothing`, and removes its file itself). Best effort."""
+    err = error_payload(e, None)
+
+    def reply(got: list[Any]) -> list[Any]:
+        if storage is not None:
+            transaction.remove_files(storage, _written(got))
+        return [err] * comm.world
+
+    try:
+        comm.exchange(err, reply, timeout=timeout, what="save commit (after a failed planning reply)")
+    except CollectiveError:
+        pass
 
 
 def _structure_error(ranks: list[int]) -> dict[str, Any]:
@@ -576,24 +599,14 @@ def commit(comm: Comm, storage: Storage, prep: Prepared, result: dict[str, Any],
 
 
 def _after_lost_commit(storage: Storage, result: dict[str, Any], e: CollectiveError) -> None:
-    """This rank's commit exchange failed (``e``): it removes its own files when nothing can commit them.
-    That is known when the exchange failed before the coordinator's reply (:func:`decided_nothing`), or
-    when the coordinator left it (:func:`coordinator_gone`) and the manifest there does not list them.
-    Otherwise (its wait for the reply timed out; a relaying rank failed) the coordinator may still
-    commit them: they stay, for gc (a file of a failed save is in no manifest)."""
+    """This rank's commit exchange failed (``e``): it removes its own files when nothing can commit them,
+    i.e. when the exchange failed before the coordinator's reply ran (:func:`decided_nothing`: a rank
+    lost a child, this rank's message did not go through, or it was told so). After any other failure
+    (its wait for the reply failed: the coordinator may have committed, or may still commit, even when
+    its connection was lost) they stay, for gc: a file of a failed save is in no manifest."""
     mine = _written([result])
-    if not mine:
-        return
-    if not decided_nothing(e):
-        if not coordinator_gone(e):
-            return
-        try:
-            m = read_manifest(storage)
-        except Exception:  # noqa: BLE001 - a manifest it cannot read: it cannot tell, keeps them
-            return
-        if m is not None and any(f in m.files for f in mine):
-            return  # committed: the coordinator wrote the manifest, then went
-    transaction.remove_files(storage, mine)
+    if mine and decided_nothing(e):
+        transaction.remove_files(storage, mine)
 
 
 def _written(results: list[Any]) -> transaction.WrittenSet:
