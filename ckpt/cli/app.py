@@ -7,10 +7,10 @@ import importlib
 
 import typer
 
-from ckpt.cli.common import EXIT_CODE_HELP
+from ckpt.cli.common import EXIT_CODE_HELP, CkptGroup
 
 app = typer.Typer(name="ckpt", help="Parallelism-agnostic checkpoints for PyTorch training.", epilog=EXIT_CODE_HELP,
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=CkptGroup)
 
 COMMAND_MODULES = ["inspect_verify", "manage", "reshard", "convert", "hf", "train"]
 

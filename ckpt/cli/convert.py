@@ -17,7 +17,7 @@ QuietOpt = typer.Option(False, "--quiet", "-q", help="no progress bar")
 JsonOpt = typer.Option(False, "--json", help="print the result as JSON (no progress bar)")
 
 
-@handle_errors
+@handle_errors(file_inputs=("src",))  # a torch.save file is read as it is
 def import_cmd(
     src: str = typer.Argument(..., help="DCP or DeepSpeed checkpoint directory, or a torch.save file"),
     dst: str = typer.Argument(..., help="new ckpt checkpoint directory or URL"),

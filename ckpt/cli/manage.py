@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import typer
@@ -24,6 +25,16 @@ def _age(mtime: float) -> str:
         if s >= n:
             return f"{s / n:.0f}{unit}"
     return f"{s:.0f}s"
+
+
+def _is_a_checkpoint(root: str) -> str:
+    """A hint when ROOT is itself a checkpoint (``ls`` lists the step-N checkpoints under a root)."""
+    from ckpt.manifest import MANIFEST_NAME
+
+    if "://" in root or not os.path.isfile(os.path.join(root, MANIFEST_NAME)):
+        return ""
+    parent = os.path.dirname(os.path.abspath(root))
+    return f"; {root} is itself a checkpoint: `ckpt inspect {root}` shows it, `ckpt ls {parent}` lists its root"
 
 
 @handle_errors
@@ -59,7 +70,8 @@ def ls_cmd(
     if infos:
         console.print(table)
     else:  # an empty table says nothing: say what was looked for
-        console.print(f"no checkpoints under {root} (no step-N directories)", highlight=False, markup=False)
+        console.print(f"no checkpoints under {root} (no step-N directories){_is_a_checkpoint(root)}",
+                      highlight=False, markup=False)
     if mem:
         mtable = Table("step", "node", "rank", "copy", "state", "size", "path", "note",
                        title=f"memory tier (run {', '.join(sorted({m.run_id for m in mem}))})")

@@ -21,8 +21,16 @@ from rich.table import Table
 from rich.text import Text
 
 import ckpt
-from ckpt.cli.common import console, err_console, handle_errors, human_bytes, parse_storage_options, print_json
-from ckpt.errors import CheckpointError, StateError
+from ckpt.cli.common import (
+    byte_bar,
+    console,
+    err_console,
+    handle_errors,
+    human_bytes,
+    parse_storage_options,
+    print_json,
+)
+from ckpt.errors import CheckpointError, LayoutError, StateError
 from ckpt.layout import AXES, RANK_ORDER, Layout
 from ckpt.resharders.derive import unmatched_keys
 from ckpt.resharders.diff import diff
@@ -46,12 +54,25 @@ def parse_size(text: str) -> int:
     """``"2GB"`` -> 2_000_000_000; ``"512MiB"`` -> 536_870_912; plain numbers are bytes.
 
     Decimal units (k, KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
+    A size below one byte is refused (a zero budget or cap is never meant).
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise StateError(f"size {text!r}: expected a number with an optional unit (e.g. 2GB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 1:
+        raise StateError(f"size {text!r}: must be at least one byte (e.g. 2GB, 512MiB)")
+    return n
+
+
+def _stages(text: str | None, target: Layout) -> list[int] | None:
+    """``--stages``: one positive layer count per pipeline stage of the target (``pp`` of them)."""
+    stages = parse_stages(text)
+    if stages is not None and (len(stages) != target.pp or min(stages) < 1):
+        raise LayoutError(f"--stages {text}: give {target.pp} positive layer count(s), one per pipeline stage of "
+                          f"--to (pp={target.pp}), or leave --stages out for balanced stages")
+    return stages
 
 
 def _layout(text: str, source: Any = None) -> Layout:
@@ -92,7 +113,8 @@ def plan_cmd(
 ) -> None:
     """Show how SRC would be rewritten for layout --to: one row per target rank; moves no data."""
     m = ckpt.inspect(src, storage_options=parse_storage_options(storage_option))
-    p = plan(m, _layout(to, m), rules_for(m, rules), stages=parse_stages(stages), strict_rules=strict_rules)
+    target = _layout(to, m)
+    p = plan(m, target, rules_for(m, rules), stages=_stages(stages, target), strict_rules=strict_rules)
     if json_out:
         print_json(p.to_dict(detail=True))
         return
@@ -160,6 +182,7 @@ def reshard_cmd(
     rs = rules_for(m, rules)
     whole = unmatched_keys(m, rs)  # the same count plan() reports
     target = _layout(to, m)
+    stage_sizes = _stages(stages, target)
     t0 = time.perf_counter()
     # The bar's speed and the summary's are the same measure: tensor bytes written / time since start.
     with Progress(TextColumn("[bold]reshard[/bold]"), BarColumn(), DownloadColumn(), _AverageSpeed(),
@@ -170,7 +193,7 @@ def reshard_cmd(
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        out = reshard(src, dst, target, rules=rs, stages=parse_stages(stages), memory_budget=budget,
+        out = reshard(src, dst, target, rules=rs, stages=stage_sizes, memory_budget=budget,
                       workers=workers, progress=progress, overwrite=overwrite,
                       verify_source=not no_verify_source, storage_options=opts, strict_rules=strict_rules)
     dt = time.perf_counter() - t0
@@ -201,7 +224,9 @@ def diff_cmd(
 ) -> None:
     """Compare two checkpoints tensor by tensor, whatever their layouts. Exit 0 only when equal (within --atol).
     Every shard compared is first checked against its checksum (a corrupted one: exit 3)."""
-    r = diff(a, b, atol, storage_options=parse_storage_options(storage_option), verify=not no_verify)
+    with byte_bar("diff", not json_out) as bar:
+        r = diff(a, b, atol, storage_options=parse_storage_options(storage_option), verify=not no_verify,
+                 progress=bar)
     if json_out:
         print_json(r.to_dict())
     else:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from ckpt import errors
-from ckpt.cli.common import console, handle_errors
+from ckpt.cli.common import console, err_console, handle_errors, print_json
 from ckpt.errors import CheckpointError, LayoutError, StateError
 
 if TYPE_CHECKING:
@@ -21,9 +21,13 @@ if TYPE_CHECKING:
     from ckpt.trainer.config import TrainConfig
 
 
+# --json: stdout carries one JSON object at the end, so the running commentary goes to stderr
+_JSON = {"on": False}
+
+
 def _say(text: str) -> None:
     # Paths and layouts verbatim: no rich markup ("[plot]" is text here), no wrapping inside paths.
-    console.print(text, highlight=False, markup=False, soft_wrap=True)
+    (err_console if _JSON["on"] else console).print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 @handle_errors
@@ -91,27 +95,38 @@ def train_cmd(
     verbose: bool = typer.Option(False, "--verbose", "-v",
                                  help="stream torchrun's and the workers' output here (default: a log file under "
                                       "CKPT_DIR/logs, its path printed once)"),
+    json_out: bool = typer.Option(False, "--json", help="print a JSON summary of the run on stdout (the lines "
+                                                        "shown while it runs go to stderr)"),
 ) -> None:
     """Train the embedded MoE (or the hybrid family) on dp*tp*pp*ep*sp processes (torchrun, elastic
     restarts), with checkpoints. Quiet by default: a few lines here, the workers' output in a log file."""
     opts = dict(locals())  # the command's options by name, for the helpers below
     from ckpt.layout import Layout
 
-    layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, sp=sp, zero=zero)
-    cfg = _train_config(opts, layout)
-    _check_faults(cfg, layout)
-    _preflight(cfg, layout)
-    done = _finished_step(cfg)
-    if done is not None:
-        last = f"--steps {steps}" + (f", --stop-after {stop_after}" if stop_after is not None else "")
-        _say(f"nothing to train: {ckpt_dir} already holds step {done}, the run's last ({last}); raise --steps "
-             "(or --stop-after) to go on")
-        return
-    log = None if verbose else _log_file(cfg)
-    _announce(config, cfg, layout, log)
-    seen = _metrics_size(cfg.metrics_file)
-    restarts = _launch(cfg, layout, max_restarts, log)
-    _report(cfg, restarts, seen, plot)
+    _JSON["on"] = json_out
+    try:
+        layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, sp=sp, zero=zero)
+        cfg = _train_config(opts, layout)
+        _check_faults(cfg, layout)
+        _preflight(cfg, layout)
+        run = {"config": config, "layout": str(layout), "world_size": layout.world_size, "ckpt_dir": ckpt_dir}
+        done = _finished_step(cfg)
+        if done is not None:
+            last = f"--steps {steps}" + (f", --stop-after {stop_after}" if stop_after is not None else "")
+            _say(f"nothing to train: {ckpt_dir} already holds step {done}, the run's last ({last}); raise --steps "
+                 "(or --stop-after) to go on")
+            if json_out:
+                print_json(run | {"trained": False, "latest": done})
+            return
+        log = None if verbose else _log_file(cfg)
+        _announce(config, cfg, layout, log)
+        seen = _metrics_size(cfg.metrics_file)
+        restarts = _launch(cfg, layout, max_restarts, log)
+        facts = _report(cfg, restarts, seen, plot)
+        if json_out:
+            print_json(run | {"trained": True, "log": log} | facts)
+    finally:
+        _JSON["on"] = False
 
 
 def _announce(config: str, cfg: TrainConfig, layout: Layout, log: str | None) -> None:
@@ -150,13 +165,29 @@ def _train_config(opts: dict[str, Any], layout: Layout) -> TrainConfig:
         raise StateError(_flag_names(str(e))) from None
 
 
-_FIELD = re.compile(r"TrainConfig\.([a-z_]+)=")
+_FIELD = re.compile(r"(TrainConfig\.)?\b([a-z][a-z0-9_]*)\b(=)?")
+_FIELD_FLAGS = {"max_staging_bytes": "--max-staging-bytes", "metrics_path": "--metrics"}  # fields named otherwise
 
 
 def _flag_names(message: str) -> str:
-    """``TrainConfig.save_every=0`` -> ``--save-every 0``: the config's field as the flag that sets it."""
-    flags = {p.name: f"--{p.name.replace('_', '-')}" for p in inspect.signature(train_cmd).parameters.values()}
-    return _FIELD.sub(lambda m: f"{flags[m.group(1)]} " if m.group(1) in flags else m.group(0), message)
+    """A TrainConfig message in the command's flags: ``TrainConfig.save_every=0`` -> ``--save-every 0``,
+    ``fault injection (fail_at_step) needs a ckpt_dir`` -> ``(--fail-at-step) needs a --ckpt-dir``, and in a
+    ``TrainConfig: lr must be > 0`` message every field with a flag (``--lr must be > 0``)."""
+    from ckpt.cli.common import _flags
+
+    flags = {name: spellings[0] for name, spellings in _flags(inspect.signature(train_cmd)).items() if spellings}
+    flags.update(_FIELD_FLAGS)
+    whole = message.startswith("TrainConfig: ")
+    if whole:
+        message = message[len("TrainConfig: "):]
+
+    def sub(m: re.Match[str]) -> str:
+        prefixed, name, eq = m.group(1), m.group(2), m.group(3)
+        if name in flags and (prefixed or whole or "_" in name):
+            return flags[name] + (" " if eq else "")
+        return m.group(0)
+
+    return _FIELD.sub(sub, message)
 
 
 def _check_faults(cfg: TrainConfig, layout: Layout) -> None:
@@ -230,25 +261,32 @@ def _launch(cfg: TrainConfig, layout: Layout, max_restarts: int, log: str | None
         raise cls(f"{e}{where}") from None
 
 
-def _report(cfg: TrainConfig, restarts: int, seen: int, plot: str | None) -> None:
-    """A few lines on what the run did (from the metrics records it wrote), and where everything is."""
+def _report(cfg: TrainConfig, restarts: int, seen: int, plot: str | None) -> dict[str, Any]:
+    """A few lines on what the run did (from the metrics records it wrote), and where everything is;
+    returns the same facts (``--json``)."""
     from ckpt.trainer.demo import summarize_records
     from ckpt.trainer.metrics import plot_loss
 
+    facts: dict[str, Any] = {"restarts": restarts, "latest": None, "metrics": cfg.metrics_file, "plot": None,
+                             "summary": []}
     if cfg.metrics_file and os.path.exists(cfg.metrics_file):
-        for line in summarize_records(_records_since(cfg.metrics_file, seen)):
+        facts["summary"] = summarize_records(_records_since(cfg.metrics_file, seen))
+        for line in facts["summary"]:
             _say(f"  {line}")
     if restarts:
         _say(f"finished after {restarts} restart(s)")
     if cfg.ckpt_dir:
         from ckpt.manager import CheckpointManager
 
-        _say(f"checkpoints: {cfg.ckpt_dir} (newest {CheckpointManager(cfg.ckpt_dir, gc_on_start=False).latest()})")
+        facts["latest"] = CheckpointManager(cfg.ckpt_dir, gc_on_start=False).latest()
+        _say(f"checkpoints: {cfg.ckpt_dir} (newest {facts['latest']})")
     if cfg.metrics_file:
         _say(f"metrics: {cfg.metrics_file}")
         if plot:
             png = plot_loss(cfg.metrics_file, plot)
+            facts["plot"] = png
             _say(f"plot: {png}" if png else "plot: skipped (pip install ckpt[plot] for matplotlib)")
+    return facts
 
 
 def _records_since(path: str, offset: int) -> list[dict[str, Any]]:
@@ -270,9 +308,19 @@ def demo_cmd(
     steps: int = typer.Option(200, "--steps", min=20, help="total training steps"),
     node_loss: bool = typer.Option(False, "--node-loss",
                                    help="lose a whole node instead of one rank; recover from the memory tier"),
+    json_out: bool = typer.Option(False, "--json", help="print the run's report (demo.json) on stdout; the "
+                                                        "lines shown while it runs go to stderr"),
 ) -> None:
     """The main job: train tiny on 4 ranks, kill one, resume, continue on 2 ranks under another layout,
     verify, export (when the HF exporter is there), plot."""
+    _JSON["on"] = json_out
+    try:
+        _demo(out, steps, node_loss, json_out)
+    finally:
+        _JSON["on"] = False
+
+
+def _demo(out: str, steps: int, node_loss: bool, json_out: bool) -> None:
     from ckpt.trainer.demo import run_demo, summarize
 
     report = run_demo(out, steps=steps, say=_say, node_loss=node_loss)
@@ -287,6 +335,8 @@ def demo_cmd(
     _say(f"hugging face: {report.hf_export} ({report.hf_note})" if report.hf_export
                   else f"hugging face: {report.hf_note}")
     _say(f"done in {report.wall_s:.0f} s; summary in {os.path.join(report.out_dir, 'demo.json')}")
+    if json_out:
+        print_json(report.to_dict())
 
 
 def register(app: typer.Typer) -> None:

@@ -10,6 +10,7 @@ buffers of ``chunk_bytes``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +97,8 @@ class DiffReport:
 
 
 def diff(a_url: str, b_url: str, atol: float = 0.0, *, chunk_bytes: int = DEFAULT_CHUNK,
-         storage_options: dict[str, Any] | None = None, verify: bool = True) -> DiffReport:
+         storage_options: dict[str, Any] | None = None, verify: bool = True,
+         progress: Callable[[int, int], None] | None = None) -> DiffReport:
     """Compare the checkpoints at ``a_url`` and ``b_url`` tensor by tensor, regardless of layouts.
 
     A tensor is ``equal`` when bitwise identical, ``close`` when every element differs by at most
@@ -106,6 +108,8 @@ def diff(a_url: str, b_url: str, atol: float = 0.0, *, chunk_bytes: int = DEFAUL
 
     ``verify`` (default): before a tensor's values are compared, every stored shard of it on both
     sides is checked against its CRC32, so a difference is never a corrupted byte in disguise.
+    ``progress(done, total)``: called after each tensor, in bytes of tensors both sides hold (each
+    counted once).
 
     Raises ManifestError / StorageError when either checkpoint cannot be read, IntegrityError
     (``verify``) when a shard of either does not match its checksum, naming the checkpoint, tensor,
@@ -126,10 +130,16 @@ def diff(a_url: str, b_url: str, atol: float = 0.0, *, chunk_bytes: int = DEFAUL
         chunk_bytes = max(4096, int(chunk_bytes))
         ra, rb = ScratchReader(sa, chunk_bytes), ScratchReader(sb, chunk_bytes)
         bufs = (torch.empty(chunk_bytes, dtype=torch.uint8), torch.empty(chunk_bytes, dtype=torch.uint8))
-        for key in sorted(set(ma.tensors) | set(mb.tensors)):
+        keys = sorted(set(ma.tensors) | set(mb.tensors))
+        sizes = {k: _nbytes(ma, k) if k in mb.tensors else 0 for k in keys if k in ma.tensors}
+        total, done = sum(sizes.values()), 0
+        for key in keys:
             if verify:
                 report.bytes_verified += _verify(key, (a_url, ma, sa), (b_url, mb, sb))
             report.tensors.append(_tensor(key, ma, mb, ra, rb, bufs, float(atol), chunk_bytes, report))
+            if progress is not None:
+                done += sizes.get(key, 0)
+                progress(done, total)
         for key in sorted(set(ma.objects) | set(mb.objects)):
             report.objects.append(_object(key, ma.objects.get(key), mb.objects.get(key)))
         return report
@@ -158,6 +168,11 @@ def _verify(key: str, *sides: tuple[str, Manifest, Any]) -> int:
 def _desc(m: Manifest, key: str) -> str | None:
     t = m.tensors.get(key)
     return None if t is None else f"{t.dtype} {list(t.shape)}"
+
+
+def _nbytes(m: Manifest, key: str) -> int:
+    t = m.tensors[key]
+    return math.prod(t.shape) * itemsize(dtype_from_name(t.dtype, key=key))
 
 
 def _tensor(key: str, ma: Manifest, mb: Manifest, ra: ScratchReader, rb: ScratchReader,

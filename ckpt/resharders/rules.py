@@ -236,6 +236,9 @@ def load_rules(path: str) -> RuleSet:
         raise LayoutError(f"{path}: cannot read rules file ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
         raise LayoutError(f"{path}: not valid TOML ({e})") from None
+    except UnicodeDecodeError as e:  # (tomllib decodes the bytes itself: not UTF-8 is not a TOMLDecodeError)
+        raise LayoutError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a rules file is TOML "
+                          "text") from None
     return RuleSet.from_dict(data, source=path)
 
 
