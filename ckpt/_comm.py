@@ -558,6 +558,21 @@ class Comm:
         except Exception:  # noqa: BLE001 - no store, or it is gone too: each rank says what it saw itself
             pass
 
+    def post_or_heard(self, e: errors.CollectiveError, timeout: float | None) -> errors.CollectiveError | None:
+        """For a rank that lost a peer outside this class's exchanges (``e`` names the peer): the recent
+        verdict about this group's ranks as the error to raise instead, when another rank posted one first
+        (the peer gave up on the failed rank before this one: a chain), else None, having posted ``e`` as
+        the verdict for the ranks that lose contact with this one meanwhile. Best effort."""
+        key = self._verdict_key()
+        try:
+            seen = None if key is None else _fresh_verdict(_store(), key, _verdict_ttl(timeout))
+        except Exception:  # noqa: BLE001 - no store: each rank says what it saw itself
+            return None
+        if seen is not None:
+            return errors.CollectiveError(f"{seen} [told to rank {self.rank}: {e}]")
+        self._post_verdict(e, timeout)
+        return None
+
     def _verdict(self, e: errors.CollectiveError, parent: int, timeout: float | None) -> errors.CollectiveError:
         """The error to raise on a rank whose exchange with its ``parent`` failed (``e``): the verdict of
         the rank that saw a child fail, when a recent one is there or comes within the grace (the parent

@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import torch
 
-from ckpt._comm import describe
+from ckpt._comm import Comm, describe
 from ckpt._io import byte_view
 from ckpt._transaction import commit_manifest
 from ckpt.errors import CheckpointError, CollectiveError, IntegrityError, ManifestError, StorageError, UnsafePathError
@@ -155,10 +155,39 @@ def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank:
     the bytes go through its own ``send`` / ``recv``. Returns what arrived, by sender. Local write
     failures are reported in the result, never raised.
 
-    Raises CollectiveError when a peer does not send or take its bytes within ``timeout`` seconds.
+    Raises CollectiveError when a peer does not send or take its bytes within ``timeout`` seconds,
+    having posted it as the group's verdict (see :func:`_tell_the_others`).
     """
     if not sends and not recvs:
         return {}
+    try:
+        return _exchange(pg, sends, recvs, rank=rank, timeout=timeout, what=what, slots=slots, local=local,
+                         run_dir=run_dir, threads=threads, pace=pace)
+    except CollectiveError as e:
+        told = _tell_the_others(pg, e, timeout)
+        if told is None:
+            raise
+        raise told from e
+
+
+def _tell_the_others(pg: Any, e: CollectiveError, timeout: float) -> CollectiveError | None:
+    """Post ``e`` (which names the peer this rank lost) as the verdict about ``pg``'s ranks, or return
+    the verdict another rank posted first, to raise instead (:meth:`ckpt._comm.Comm.post_or_heard`).
+
+    Why: only the ranks paired with a failed rank in an exchange see it fail; they leave the tier's
+    protocol with their error while the others go on to the next exchange (the agreement, the fetch
+    results) and lose *their* parent there, an innocent rank (the coordinator, when it was the failed
+    rank's pair). Without a verdict they named that innocent rank; with one, every rank names the
+    failed one (:meth:`ckpt._comm.Comm._verdict`), as after a failure inside an exchange."""
+    try:
+        return Comm(pg, timeout=timeout).post_or_heard(e, timeout)
+    except Exception:  # noqa: BLE001 - best effort: each rank says what it saw itself
+        return None
+
+
+def _exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank: int, timeout: float,
+              what: str, slots: Callable[[int, int], Any] | None, local: Collection[int], run_dir: str | None,
+              threads: int, pace: Pace | None) -> dict[int, Received]:
     deadline = time.monotonic() + timeout
     maps: list[mmap.mmap] = []
     tensors: list[torch.Tensor] = []
@@ -256,6 +285,9 @@ def _receive(pg: Any, src: int, dest: str, deadline: float, *, rank: int, timeou
                 except OSError as e:  # shared memory full: drained, reported
                     error = StorageError(f"{dest}: no room for {rel} ({e.strerror or e})")
                     continue
+                except Exception as e:  # noqa: BLE001 - any other failure of this rank's slot: drained, reported
+                    error = StorageError(f"{dest}: no slot for {rel} ({type(e).__name__}: {e})")
+                    continue
                 if slot is not None:
                     into[i] = slot
 
@@ -351,8 +383,9 @@ def _receive_local(src: int, dest: str, header: dict[str, Any], deadline: float,
         for rel, slot in into.items():
             _link(slot, storage._full(rel))
         error = _commit(storage, dest, header, files)
-    except (CheckpointError, OSError) as e:
-        error = e if isinstance(e, CheckpointError) else StorageError(f"{dest}: {e.strerror or e}")
+    except Exception as e:  # noqa: BLE001 - this rank's own failure to keep the copy: reported, never raised
+        error = e if isinstance(e, CheckpointError) else StorageError(
+            f"{dest}: {e.strerror or e}" if isinstance(e, OSError) else f"{dest}: {type(e).__name__}: {e}")
     finally:
         for slot in fresh:
             slot.close()
