@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import msgpack
 from ckpt._comm import Comm, describe, raise_payload
 from ckpt._save_plan import PieceDecl
 from ckpt._transfer_plan import MIN_PART, Schedule, plan_transfer
-from ckpt.errors import CheckpointError, StateError
+from ckpt.errors import CheckpointError, CollectiveError, StateError
 
 # Bucket size and window when the caller names none, by data path. Over NCCL, larger: on 4 x H100 a
 # MoE's layout change in place took 10.5-11.3 ms with 256 MiB x 2-4 against 12.4-12.8 ms with 64 MiB x 4
@@ -52,6 +53,25 @@ def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not errs:
         return None
     return min(errs, key=lambda g: (not g.get("primary", True), not g.get("timed_out", False)))
+
+
+def exchange(comm: Comm, mine: dict[str, Any], reply: Callable[[list[dict[str, Any]]], list[Any]], *,
+             timeout: float | None, what: str) -> dict[str, Any]:
+    """One metadata exchange of the transfer fronts (planning, the commit verdict, a stream's catalog, a
+    handoff's values): ``comm.exchange``, or ``reply`` alone in a single process. Raises only
+    CheckpointErrors: anything else the exchange itself raises on this rank (it is this rank's own
+    failure: its message may not have left) becomes a CollectiveError naming this rank. Why: every
+    other failure of a transfer reaches the caller typed; this one escaped as it was (a RuntimeError
+    out of ``ckpt.transfer``) while the other ranks named this rank in a CollectiveError."""
+    if comm.single:
+        return reply([mine])[0]
+    try:
+        return comm.exchange(mine, reply, timeout=timeout, what=what)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the public API raises only CheckpointErrors
+        raise CollectiveError(f"rank {comm.rank}: {what}: {type(e).__name__}: {e}; the other ranks fail waiting for "
+                              "this rank. The metadata group may be unusable after this: restart the job") from e
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +172,7 @@ def planned(comm: Comm, group: Any, mine: dict[str, Any], opts: Options) -> dict
         except Exception as e:  # noqa: BLE001 - a plan error names its tensor and ranks itself
             return [rank_payload(e, None)] * comm.world
 
-    out = (reply([mine])[0] if comm.single
-           else comm.exchange(mine, reply, timeout=opts.timeout, what="transfer planning"))
+    out = exchange(comm, mine, reply, timeout=opts.timeout, what="transfer planning")
     if "err" in out:
         raise_payload(out)
     return out
@@ -232,6 +251,6 @@ def nccl_backend(name: str) -> bool:
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "NCCL_BUCKET_BYTES", "NCCL_WINDOW", "DEFAULT_TIMEOUT_S",
-           "JOIN_ON_GLOO", "PLAN_CACHE", "PLANS", "Options", "check_options", "rank_payload", "pick_error",
+           "JOIN_ON_GLOO", "PLAN_CACHE", "PLANS", "Options", "check_options", "rank_payload", "pick_error", "exchange",
            "structure_fingerprint", "shaping", "plan_or_reuse", "planned", "plan_reply", "key_of", "group_key",
            "sizes", "nccl_data", "nccl_backend"]

@@ -135,10 +135,23 @@ def _stream(dev: torch.device) -> Any:
 
 def _rounds(prog: Program, transport: Transport, fail: Failure, local: _Local, *, rank: int,
             deadline: float | None, timeout: float | None, packed: bool) -> None:
-    """The rounds of :func:`replay`; the failure, if any, is recorded in ``fail``."""
+    """The rounds of :func:`replay`; the failure, if any, is recorded in ``fail``.
+
+    This rank's own failure (a batch of copies: packing, copies out, local copies) is recorded and its
+    rounds go on, as :func:`ckpt._transfer_exec.run_schedule`'s do (a bucket that could not be packed
+    still goes): its peers get every message they wait for and the verdict names the failure. Why: a
+    packing failure in a replay stopped the rounds, so every peer waited until the data's deadline
+    (``timeout`` after the plan) and the verdict named a timeout instead of the error."""
     order = sorted(prog.rounds)
     posted: list[list[tuple[Any, int]]] = []
     waited: set[int] = set()
+
+    def own(key: Any, outs: list[Any], datas: list[Any]) -> None:
+        if fail.primary is None:  # (after a failure, nothing of value: the messages alone keep the protocol)
+            try:
+                prog.copy(key, outs, datas)
+            except Exception as e:  # noqa: BLE001 - this rank's own: the commit exchange carries it
+                fail.add(e)
 
     def settle(n: int, fence: bool) -> bool:
         """Round n done (``fence``: ordered after, on NCCL without the host), its copies out made."""
@@ -149,20 +162,23 @@ def _rounds(prog: Program, transport: Transport, fail: Failure, local: _Local, *
         waited.add(n)
         out = prog.rounds[order[n]].unpack
         if out[0]:
-            prog.copy(("unpack", order[n]), out[0], out[1])
+            own(("unpack", order[n]), out[0], out[1])
         return True
 
     for n, k in enumerate(order):
         r = prog.rounds[k]
+        if r.outs and not (packed and n == 0):  # (into the buffers of round n - 2: settled below, in round n - 1)
+            own(("pack", k), r.outs, r.datas)
         try:
-            if r.outs and not (packed and n == 0):  # (into the buffers of round n - 2: settled below, in round n - 1)
-                prog.copy(("pack", k), r.outs, r.datas)
             posted.append(transport.post(r.sends, r.recvs))
         except Exception as e:  # noqa: BLE001 - posting failed: the data group is closed
             fail.add(CollectiveError(f"rank {rank}: transfer data: could not post messages ({type(e).__name__}: "
                                      f"{e}); a rank failed or exited. Nothing was committed"), primary=False)
             return
-        local.run()  # (after the first round is posted)
+        try:
+            local.run()  # (after the first round is posted)
+        except Exception as e:  # noqa: BLE001 - this rank's own: the commit exchange carries it
+            fail.add(e)
         # eager (gloo): each round is waited for in turn; else the last round is settled (NCCL: ordered on the
         # stream) while this one travels
         if not (settle(n, fence=False) if transport.eager else n < 1 or settle(n - 1, fence=True)):

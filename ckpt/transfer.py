@@ -41,6 +41,7 @@ from ckpt._transfer_coord import (
     PLANS,
     Options,
     check_options,
+    exchange,
     group_key,
     key_of,
     nccl_backend,
@@ -53,7 +54,7 @@ from ckpt._transfer_coord import (
     structure_fingerprint,
 )
 from ckpt._transfer_plan import MIN_PART, Schedule
-from ckpt.errors import CollectiveError, StateError
+from ckpt.errors import CheckpointError, CollectiveError, StateError
 
 Rename = Callable[[str], "str | None"] | dict[str, str] | None
 
@@ -233,10 +234,14 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
     staged, wanted, fail = _move(comm, group, mine, sched, srcs, dsts, opts, deadline, early)
     t2 = time.perf_counter()
-    _agree(comm, group, fail, ver, mine, opts, deadline)
+    untold = _agree(comm, group, fail, ver, mine, opts, deadline)
     t3 = time.perf_counter()
     _commit(comm, fail, staged, dsts)
     t4 = time.perf_counter()
+    if untold is not None:
+        raise CollectiveError(f"transfer version {ver}: every rank reported success and rank {comm.rank} (the "
+                              f"coordinator) committed it, but could not tell every rank: {untold}; a rank not told "
+                              "may hold the previous version") from untold
     if opts.delta and state is not None:
         state.fingerprint = mine["fp"]
         state.src_hashes = src_h
@@ -344,15 +349,25 @@ def _commit(comm: Comm, fail: ex.Failure, staged: dict[int, torch.Tensor], dsts:
         for j, t in staged.items():
             dsts[j].local.copy_(t)
     except Exception as e:  # an agreed version that cannot be written here: say so, it is this rank's
-        raise CollectiveError(f"rank {comm.rank}: transfer commit: writing the received tensors failed after every "
+        err = CollectiveError(f"rank {comm.rank}: transfer commit: writing the received tensors failed after every "
                               f"rank agreed ({type(e).__name__}: {e}); this rank's dst may be partly updated, "
-                              "run the transfer again") from e
+                              "run the transfer again")
+        err.agreed = True  # type: ignore[attr-defined]  # (this rank alone: the others committed, see after_agreement)
+        raise err from e
+
+
+def after_agreement(e: BaseException) -> bool:
+    """Whether ``e`` is this rank's own failure after every rank agreed on the version (writing it into
+    ``dst``): the other ranks committed and returned, so a front that has another exchange to come (a
+    handoff's values) must carry it there, not raise it alone."""
+    return bool(getattr(e, "agreed", False))
 
 
 def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, Any], opts: Options,
-           deadline: float | None) -> None:
+           deadline: float | None) -> CheckpointError | None:
     """The commit verdict: every rank reports, every rank gets the same answer; raises the chosen
-    error on every rank unless all went well.
+    error on every rank unless all went well. Returns the error of telling the others on a coordinator
+    that decided "all ok" but could not reach every rank (it commits all the same, then raises it).
 
     A rank waits for the others' reports until ``timeout`` after the move's ``deadline``, not only
     after its own report. Why: a rank whose data failed early (its messages could not be posted)
@@ -361,15 +376,23 @@ def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, A
     the metadata group on a healthy rank and blamed it."""
     report: dict[str, Any] = {"ok": True} if fail.first is None else rank_payload(
         fail.first, comm.who, primary=fail.primary is not None, timed_out=fail.timed_out)
-    if comm.single:
-        verdict = report
-    else:
-        def agree(got: list[dict[str, Any]]) -> list[Any]:
-            return [pick_error(got) or {"ok": True}] * comm.world
+    decided: list[dict[str, Any]] = []  # the verdict, on the coordinator once it decided
 
-        wait = opts.timeout if deadline is None or opts.timeout is None else max(
-            opts.timeout, deadline + opts.timeout - time.monotonic())
-        verdict = comm.exchange(report, agree, timeout=wait, what=f"transfer commit (version {ver})")
+    def agree(got: list[dict[str, Any]]) -> list[Any]:
+        decided.append(pick_error(got) or {"ok": True})
+        return [decided[0]] * comm.world
+
+    wait = opts.timeout if deadline is None or opts.timeout is None else max(
+        opts.timeout, deadline + opts.timeout - time.monotonic())
+    try:
+        verdict = exchange(comm, report, agree, timeout=wait, what=f"transfer commit (version {ver})")
+    except CheckpointError as e:
+        if not decided or "err" in decided[0]:
+            raise
+        # The coordinator decided that every rank succeeded, then could not tell some rank (it died or
+        # stopped listening after its report): the ranks it did tell commit, so the decision stands here
+        # too. Why: it raised with dst unchanged while another rank returned holding the new version.
+        return e
     if "err" in verdict:
         # A wait may have failed somewhere and closed the data group: every rank got this same
         # verdict, so every rank makes a new one next time (its members must agree on that).
@@ -379,6 +402,7 @@ def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, A
         verdict = dict(verdict, err=f"transfer version {ver}: {verdict['err']}"
                        + ("" if opts.in_place else "; no destination tensor was changed"))
         raise_payload(verdict, fail.first)
+    return None
 
 
 def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | None) -> net.Transport:
@@ -401,5 +425,6 @@ def _transport(comm: Comm, group: Any, mine: dict[str, Any], timeout: float | No
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_WINDOW", "NCCL_BUCKET_BYTES", "NCCL_WINDOW", "DEFAULT_TIMEOUT_S", "Rename",
+           "after_agreement",
            "TransferState", "TransferResult", "digest", "rank_payload", "pick_error", "transfer", "release_buffers",
            "Options", "check_options", "declared", "run_items", "structure_fingerprint", "sizes", "nccl_backend"]

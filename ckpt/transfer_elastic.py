@@ -23,11 +23,13 @@ import msgpack
 from ckpt import stateful
 from ckpt._comm import Comm, raise_payload
 from ckpt._state import ObjectItem, flatten_state, rebuild_state
-from ckpt.errors import LayoutError, MismatchError, StateError
+from ckpt._transfer_coord import exchange
+from ckpt.errors import CollectiveError, LayoutError, MismatchError, StateError
 from ckpt.transfer import (
     DEFAULT_TIMEOUT_S,
     Options,
     TransferResult,
+    after_agreement,
     declared,
     pick_error,
     rank_payload,
@@ -83,7 +85,13 @@ def handoff(old: dict[str, Any] | None, new: dict[str, Any], *, group: Any = Non
     except (LayoutError, MismatchError) as e:
         raise type(e)(f"elastic handoff: the surviving ranks' memory does not hold the new layout: {e}. "
                       "Restore from the newest checkpoint instead (ckpt.load reshards it)") from e
-    objects = _objects(comm, held, wanted, strict, timeout)
+    except CollectiveError as e:
+        if not after_agreement(e):
+            raise
+        # this rank alone failed writing the agreed tensors; the others go on to the values exchange: it
+        # carries the error to them (raised alone, it left them waiting out the timeout there)
+        err = rank_payload(e, comm.who)
+    objects = _objects(comm, held, wanted, strict, timeout, err)
     state = rebuild_state(new, objects)
     stateful.restore(new, state)
     return Handoff(state, result, objects, skipped)
@@ -105,7 +113,7 @@ def _plain(old: dict[str, Any] | None) -> dict[str, bytes]:
 
 
 def _objects(comm: Comm, held: dict[str, bytes], wanted: list[str], strict: bool,
-             timeout: float | None) -> dict[str, Any]:
+             timeout: float | None, err: dict[str, Any] | None = None) -> dict[str, Any]:
     """The plain values every rank wants, from the lowest survivor holding each, checked for agreement."""
     def reply(got: list[dict[str, Any]]) -> list[Any]:
         bad = pick_error(got)
@@ -116,8 +124,8 @@ def _objects(comm: Comm, held: dict[str, bytes], wanted: list[str], strict: bool
         except Exception as e:  # noqa: BLE001 - names the key and ranks itself
             return [rank_payload(e, None)] * comm.world
 
-    mine = {"held": held, "want": wanted}
-    out = reply([mine])[0] if comm.single else comm.exchange(mine, reply, timeout=timeout, what="handoff values")
+    mine = err or {"held": held, "want": wanted}
+    out = exchange(comm, mine, reply, timeout=timeout, what="handoff values")
     if "err" in out:
         raise_payload(out)
     return {k: msgpack.unpackb(v, raw=False) for k, v in out["v"].items()}

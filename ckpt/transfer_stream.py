@@ -43,7 +43,8 @@ from ckpt._digest import digests
 from ckpt._dtypes import dtype_from_name, dtype_name
 from ckpt._save_plan import PieceDecl
 from ckpt._state import TensorItem
-from ckpt.errors import MismatchError, StateError
+from ckpt._transfer_coord import exchange
+from ckpt.errors import CollectiveError, MismatchError, StateError
 from ckpt.hf.mapping import Map, Run
 from ckpt.shards import Box, Flat
 from ckpt.transfer import (
@@ -53,6 +54,7 @@ from ckpt.transfer import (
     Rename,
     TransferResult,
     TransferState,
+    after_agreement,
     check_options,
     declared,
     pick_error,
@@ -157,12 +159,26 @@ class TransferStream:
         shapes = {k: tuple(s) for k, s in mine["shapes"].items()}
         ver = int(mine["version"])
         wave_opts = replace(opts, version=ver)
-        dev = torch.device(device) if device is not None else _default_device(srcs)
         for w in range(int(mine["n"])):
             wants = waves[w] if w < len(waves) else []
-            outs = [torch.empty(x.shape, dtype=dtype_from_name(x.dtype), device=dev) for x in wants]
-            items = [it for x, out in zip(wants, outs, strict=True) for it in _pieces(x, out, shapes)]
-            res = run_items(comm, group, srcs, items, wave_opts, None)
+            outs: list[torch.Tensor] = []
+            items: list[TensorItem] = []
+            try:  # this rank's own failure (the device, memory for the wave) goes to every rank in the wave's plan
+                dev = torch.device(device) if device is not None else _default_device(srcs)
+                outs = [torch.empty(x.shape, dtype=dtype_from_name(x.dtype), device=dev) for x in wants]
+                items = [it for x, out in zip(wants, outs, strict=True) for it in _pieces(x, out, shapes)]
+            except Exception as e:  # noqa: BLE001 - raised alone, it left the others waiting out the timeout
+                err = rank_payload(e, comm.who)
+            try:
+                res = run_items(comm, group, srcs, items, wave_opts, None, err)
+            except CollectiveError as e:
+                if not after_agreement(e) or w + 1 == int(mine["n"]):
+                    raise
+                # this rank alone failed writing a wave every rank agreed on: its tensors are not handed out,
+                # and the error goes to every rank in the next wave's plan exchange (raised alone, it left the
+                # others waiting there until the timeout)
+                err = rank_payload(e, comm.who)
+                continue
             self._count(res, sum(x.nbytes for x in wants))
             for x, out in zip(wants, outs, strict=True):
                 self.stats.tensors += 1
@@ -257,7 +273,7 @@ def _catalog(comm: Comm, mine: dict[str, Any], names: Map | None, stream_bytes: 
         except Exception as e:  # noqa: BLE001 - names the tensor and rank itself
             return [rank_payload(e, None)] * comm.world
 
-    out = reply([mine])[0] if comm.single else comm.exchange(mine, reply, timeout=timeout, what="transfer stream")
+    out = exchange(comm, mine, reply, timeout=timeout, what="transfer stream")
     if "err" in out:
         raise_payload(out)
     return out
