@@ -300,13 +300,8 @@ def prepare(comm: Comm, storage: Storage | None, state: dict[str, Any], *, step:
     payload = err or {"phase": "plan", "decl": decl.to_wire(), "fp": fp}
     # every zarr save writes its own tree, whatever is there: no other writer can produce its chunk names
     zroot = zarr_layout.fresh_root(storage) if data_format == "zarr" and comm.rank == 0 and err is None else ""
-    try:
-        mine, plan, fps = _plan_exchange(comm, payload, zroot, step=step, user_metadata=user_metadata, layout=layout,
-                                         data_format=data_format, timeout=timeout, storage=storage)
-    except CollectiveError as e:
-        if comm.rank == 0 and not decided_nothing(e):
-            _drain(comm, storage, e, timeout)
-        raise
+    mine, plan, fps = _plan_exchange(comm, payload, zroot, step=step, user_metadata=user_metadata, layout=layout,
+                                     data_format=data_format, timeout=timeout, storage=storage)
     assignment = WriteAssignment.from_wire(mine["ok"])
     agreed = dict(mine.get("aliases") or {})
     common["decl"], keep = tied.without(decl, agreed)
@@ -376,7 +371,12 @@ def _plan_exchange(comm: Comm, payload: dict[str, Any], zroot: str, *, step: int
         fps.extend(g["fp"] for g in got)
         return [{"ok": a.to_wire(), "zroot": zroot, "aliases": agreed} for a in plan.assignments]
 
-    mine = comm.exchange(payload, reply, timeout=timeout, what="save planning")
+    try:
+        mine = comm.exchange(payload, reply, timeout=timeout, what="save planning")
+    except CollectiveError as e:
+        if comm.rank == 0 and not decided_nothing(e):  # the reply ran, then reached only some ranks
+            _drain(comm, storage, e, timeout)
+        raise
     if "err" in mine:
         raise_payload(mine)
     return mine, (plan_box[0] if plan_box else None), fps

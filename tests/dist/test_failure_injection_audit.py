@@ -570,3 +570,26 @@ def test_an_async_save_failing_on_one_rank_with_a_cached_plan_reaches_every_rank
     assert m.step == 3  # and the failed save left none of its files: the data area is the manifest's
     assert sorted(f"data/{f}" for f in os.listdir(os.path.join(url, "data"))) == sorted(
         f for f in m.files if f.startswith("data/"))
+
+
+def _sync_structure_changed_on_the_coordinator(rank: int, world: int, url: str) -> dict[str, Any]:
+    _fresh_process()
+    ckpt.save(_state(rank, world, 1), url, timeout=TIMEOUT)  # the plan is cached now
+    # rank 0 plans afresh (its structure changed) while rank 1 commits on its cached plan: they meet in one
+    # exchange, the coordinator answers it with a structure error
+    res = outcome(lambda: ckpt.save(_state(rank, world, 2, extra=rank == 0), url, overwrite=True, timeout=TIMEOUT))
+    res["group_ok"] = outcome(lambda: _barrier(None))["type"] is None
+    res["again"] = outcome(lambda: ckpt.save(_state(rank, world, 3), url, overwrite=True, timeout=TIMEOUT, step=3))
+    return res
+
+
+def test_a_structure_change_on_the_coordinator_alone_fails_every_rank_at_once(tmp_path):
+    """A structure error the planning exchange itself answered is not a failed reply: the coordinator must not
+    wait for a commit exchange nobody comes to (it did, in a first version of save._drain)."""
+    url = str(tmp_path / "step-5")
+    for r, res in enumerate(run_forked(2, _sync_structure_changed_on_the_coordinator, url)):
+        assert res["type"] == "CollectiveError" and "changed the structure" in res["msg"], (r, res)
+        assert res["elapsed"] < TIMEOUT / 2 and res["group_ok"] and res["again"]["type"] is None, (r, res)
+    m = ckpt.inspect(url)
+    assert m.step == 3 and sorted(f"data/{f}" for f in os.listdir(os.path.join(url, "data"))) == sorted(
+        f for f in m.files if f.startswith("data/"))
