@@ -109,8 +109,8 @@ def plan(pieces: list[tuple[int, int]], *, cap: int | None = None, split: bool =
         whole = [[Segment(p, 0, n, k, 0)] for k, (p, n) in enumerate(pieces)]
         return Plan({p: whole[k] for k, (p, _) in enumerate(pieces)}, whole, [n for _, n in pieces], len(pieces),
                     False, total)
-    if cap is None or cap >= total:
-        sizes = [SLAB] * (total // SLAB) + _pow2_parts(total % SLAB) if total % SLAB else [SLAB] * (total // SLAB)
+    sizes = [SLAB] * (total // SLAB) + _pow2_parts(total % SLAB) if total % SLAB else [SLAB] * (total // SLAB)
+    if cap is None or cap >= sum(sizes):  # (the slabs, not the bytes: the tail's parts round up to GRAIN)
         nslabs = len(sizes)
     else:
         size = min(SLAB, 1 << ((cap // 4).bit_length() - 1))  # four slots or more: the ring uses >= 3/4 of the cap
