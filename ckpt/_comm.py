@@ -391,6 +391,7 @@ class Comm:
             deadline = _deadline(timeout)
         bufs = {p: torch.zeros(HEAD, dtype=torch.uint8) for p in peers}
         missing: list[int] = []
+        late: list[int] = []  # not waited for once another peer had failed: not known to be at fault
         lost: BaseException | None = None
         works: dict[int, Any] = {}
         for p in peers:
@@ -400,17 +401,22 @@ class Comm:
                 missing.append(p)
                 lost = lost or e
         for p, w in works.items():  # all receives are posted: waiting in order costs nothing extra
+            # after an early failure (a lost peer) the rest get no more time: one that has not reported
+            # then is late, not known to be at fault
+            early = bool(missing) and (deadline is None or time.monotonic() < deadline)
             try:
                 _wait(w, deadline if not missing else time.monotonic())
             except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone (the pair is closed afterwards)
-                missing.append(p)
+                (late if early and _timed_out(e) else missing).append(p)
                 lost = lost or e
         if missing:
             missing.sort()
             how = _reason(lost, timeout) if lost is not None else f"within {timeout:g} s (slow, hung or dead)"
+            also = f" (rank(s) {late} had not reported yet either, not waited for after that)" if late else ""
             err = errors.CollectiveError(
-                f"{what}: rank(s) {missing} did not report {how}{self._relays(missing, root)}, seen from rank "
-                f"{self.rank}; {_consequence(what)}. The metadata group is unusable after this: restart the job")
+                f"{what}: rank(s) {missing} did not report {how}{self._relays(missing, root)}{also}, seen from "
+                f"rank {self.rank}; {_consequence(what)}. The metadata group is unusable after this: restart the job")
+            missing += late
             err.heads = {p: bufs[p].numpy().tobytes() for p in works if p not in missing}  # type: ignore[attr-defined]
             raise err from lost
         return {p: bufs[p].numpy().tobytes() for p in peers}

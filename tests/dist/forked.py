@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -98,6 +99,25 @@ def stall(rank: int, world: int, bound: float = STALL_BOUND_S) -> None:
     end = time.monotonic() + bound
     while time.monotonic() < end and not all(os.path.exists(p) for p in others):
         time.sleep(0.05)  # polls a condition: not a race with the peers
+
+
+def fire(kind: str, where: str, rank: int, world: int, root: str) -> None:
+    """An injected fault of ``kind`` at ``where`` on this rank: ``raise`` (a RuntimeError), ``typed`` (a
+    StorageError), ``exit`` (the process ends with code 3) or ``stall`` (silent until every other rank
+    has reported, then gone, as a hung rank killed by its launcher: it never acts late). Writes
+    ``<root>/fired`` first, for the parent: the fault did happen."""
+    with open(os.path.join(root, "fired"), "w") as f:
+        f.write(where)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault at {where}")
+    if kind == "typed":
+        raise errors.StorageError(f"injected typed fault at {where}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if kind == "exit":
+        os._exit(3)
+    stall(rank, world)
+    os._exit(0)
 
 
 def outcome(call: Callable[[], Any]) -> dict[str, Any]:

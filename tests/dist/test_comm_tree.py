@@ -126,6 +126,28 @@ def test_a_dead_leaf_is_named_on_the_coordinator() -> None:
     assert res[0]["type"] == "CollectiveError"
 
 
+def _dead_and_slow(rank: int, world: int, timeout: float) -> dict[str, Any]:
+    import time
+
+    c = Comm(None, fanin=0)
+    if rank == 1:
+        os._exit(0)  # gone at once: the coordinator sees the connection lost, long before the timeout
+    if rank == 2:
+        time.sleep(1.5)  # healthy, only slow: it reports after the coordinator has given up
+    return outcome(lambda: c.gather({"r": rank}, timeout=timeout, what="save test"))
+
+
+@pytest.mark.multiproc
+def test_a_slow_rank_is_not_blamed_for_a_dead_one() -> None:
+    """The coordinator stops waiting as soon as one peer is lost; a peer that had not reported by then
+    is said to be late, apart from the lost one, not named as at fault."""
+    res = run_forked(3, _dead_and_slow, 20.0)
+    assert res[1].get("crashed")
+    assert_typed(res[0], 20.0, cls="CollectiveError", has=("rank(s) [1] did not report (connection lost",
+                                                           "rank(s) [2] had not reported yet either"))
+    assert res[0]["elapsed"] < 1.5, res[0]  # not the timeout, not the slow rank's delay
+
+
 # --- ckpt.save / ckpt.load over a tree ------------------------------------------------------------
 
 def _save_load_on_tree(rank: int, world: int, path: str, bad: int | None) -> dict[str, Any]:

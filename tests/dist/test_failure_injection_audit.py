@@ -43,7 +43,7 @@ import ckpt
 import ckpt.dcp  # noqa: F401 - imported once here, not in every forked rank
 from ckpt import errors
 from ckpt._dcp_compat import _dcp_classes
-from tests.dist.forked import outcome, run_forked, stall
+from tests.dist.forked import fire, outcome, run_forked
 
 _dcp_classes()  # torch.distributed.checkpoint's modules too (a second or more per rank otherwise)
 
@@ -157,21 +157,6 @@ def _sentinel_intact(t: dict[str, Any]) -> bool:
 
 # --- the fault ------------------------------------------------------------------------------------------
 
-def _fire(case: Case, rank: int, root: str) -> None:
-    with open(os.path.join(root, "fired"), "w") as f:  # for the parent: the fault did happen
-        f.write(case.point)
-    if case.kind == "raise":
-        raise RuntimeError(f"injected fault at {case.point}")
-    if case.kind == "typed":
-        raise errors.StorageError(f"injected typed fault at {case.point}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if case.kind == "exit":
-        os._exit(3)
-    stall(rank, case.world)  # silent until every other rank has reported (well past their timeout)
-    os._exit(0)  # then gone, as a hung rank killed by its launcher: it never commits late
-
-
 def _arm(case: Case, rank: int, root: str) -> list[bool]:
     """From now on, in this process only, the k-th call of ``case.point`` fails as ``case.kind``, while
     the returned flag holds True (the attempt; what comes after it is not under test)."""
@@ -188,7 +173,7 @@ def _arm(case: Case, rank: int, root: str) -> list[bool]:
             calls[0] += 1
             n = calls[0]
         if n == case.k and armed[0]:
-            _fire(case, rank, root)
+            fire(case.kind, case.point, rank, case.world, root)
         return real(*args, **kwargs)
 
     setattr(owner, attr, faulty)

@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -50,7 +49,7 @@ from hypothesis import strategies as st
 
 import ckpt
 from ckpt import errors
-from tests.dist.forked import outcome, run_forked, stall
+from tests.dist.forked import fire, outcome, run_forked, stall
 
 pytestmark = pytest.mark.multiproc
 
@@ -130,21 +129,6 @@ def same_state(target: dict[str, Any], value: Any, rank: int, step: int) -> bool
 
 # --- the fault -----------------------------------------------------------------------------------------
 
-def _fire(case: Case, rank: int, root: str) -> None:
-    with open(os.path.join(root, "fired"), "w") as f:  # for the parent: the fault did happen
-        f.write(case.point)
-    if case.kind == "raise":
-        raise RuntimeError(f"injected fault at {case.point}")
-    if case.kind == "typed":
-        raise errors.StorageError(f"injected typed fault at {case.point}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if case.kind == "exit":
-        os._exit(3)
-    stall(rank, case.world)  # silent until every other rank has reported (well past their timeout)
-    os._exit(0)  # then gone, as a hung rank killed by its launcher
-
-
 def _arm(case: Case, rank: int, root: str) -> list[bool]:
     """From now on, in this process only, the k-th call of ``case.point`` fails as ``case.kind``, while the
     returned flag holds True. Calls of ``Comm.exchange`` count only on the tier's group (not the one-rank
@@ -165,7 +149,7 @@ def _arm(case: Case, rank: int, root: str) -> list[bool]:
             calls[0] += 1
             n = calls[0] - skip
         if n == case.k and armed[0]:
-            _fire(case, rank, root)
+            fire(case.kind, case.point, rank, case.world, root)
         return real(*args, **kwargs)
 
     setattr(owner, attr, faulty)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,8 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt
-from ckpt import errors
-from tests.dist.forked import outcome, run_forked, stall
+from tests.dist.forked import fire, outcome, run_forked
 
 pytestmark = pytest.mark.multiproc
 
@@ -136,21 +134,6 @@ def _snapshot(dst: dict[str, Any] | None) -> dict[str, torch.Tensor] | None:
 
 # --- the fault ---------------------------------------------------------------------------------------------
 
-def _fire(case: Case, rank: int, root: str) -> None:
-    with open(os.path.join(root, "fired"), "w") as f:  # for the parent: the fault did happen
-        f.write(case.step)
-    if case.kind == "raise":
-        raise RuntimeError(f"injected fault at {case.step}")
-    if case.kind == "typed":
-        raise errors.StorageError(f"injected typed fault at {case.step}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if case.kind == "exit":
-        os._exit(3)
-    stall(rank, case.world)  # silent until every other rank has reported (well past their timeout)
-    os._exit(0)  # then gone, as a hung rank killed by its launcher
-
-
 def _arm(case: Case, rank: int, root: str) -> list[bool]:
     """From now on, in this process only, the k-th call of ``case.step`` fails as ``case.kind``, while the
     returned flag holds True. Calls made by the first-round packing ahead of the plan exchange
@@ -171,7 +154,7 @@ def _arm(case: Case, rank: int, root: str) -> list[bool]:
             calls[0] += 1
             n = calls[0]
         if n == case.k:
-            _fire(case, rank, root)
+            fire(case.kind, case.step, rank, case.world, root)
 
     def wrap(owner: Any, attr: str, steps: Any) -> None:
         real = getattr(owner, attr)
