@@ -26,8 +26,11 @@ CREDS = {"key": "testing", "secret": "testing"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip every ``gpu`` test without CUDA (one place, instead of a skipif on each). GPUs are counted
-    without CUDA (``torch.cuda.is_available()`` here would break every CUDA rank a test forks)."""
+    """Run the ``slow`` tests first (in their order), so that parallel workers (``scripts/test.sh``:
+    pytest-xdist) do not end on a few long ones; skip every ``gpu`` test without CUDA (one place,
+    instead of a skipif on each). GPUs are counted without CUDA (``torch.cuda.is_available()`` here
+    would break every CUDA rank a test forks)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
     if gpu_count() > 0:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.multiproc
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_demo_node_loss_recovers_from_a_peer_replica(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "ckpt.cli.app", "demo", "--out", str(tmp_path / "demo"),
