@@ -416,8 +416,9 @@ class Comm:
             err = errors.CollectiveError(
                 f"{what}: rank(s) {missing} did not report {how}{self._relays(missing, root)}{also}, seen from "
                 f"rank {self.rank}; {_consequence(what)}. The metadata group is unusable after this: restart the job")
-            missing += late
             err.heads = {p: bufs[p].numpy().tobytes() for p in works if p not in missing}  # type: ignore[attr-defined]
+            err.missing = list(missing)  # type: ignore[attr-defined]
+            missing += late
             raise err from lost
         return {p: bufs[p].numpy().tobytes() for p in peers}
 
@@ -454,12 +455,12 @@ class Comm:
                 heads = self._wait_sizes(kids, timeout, what, deadline)
                 data = self._recv_payloads(heads, deadline, timeout, what)
             except errors.CollectiveError as e:
-                self._post_verdict(e, timeout)
+                err = self._heard_from_below(e, timeout)
+                self._post_verdict(err, timeout)
                 if abort:
-                    self._abort_arrived(e, timeout, what)
-                self._report_up(e, deadline, what)
-                no_reply(e)  # (marks it)
-                raise
+                    self._abort_arrived(err, timeout, what)
+                self._report_up(err, deadline, what)
+                raise no_reply(err) from e.__cause__
             for c in kids:
                 entries += _unpack(data[c])
         # the ranks below this one whose messages it forwards: told by it when no reply will come
@@ -488,6 +489,32 @@ class Comm:
         for r, payload, _ in entries:
             out[r] = _unpack(payload)
         return out
+
+    def _heard_from_below(self, e: errors.CollectiveError, timeout: float | None) -> errors.CollectiveError:
+        """On a rank whose wait for its children failed (``e``) where a missing child relays others: the
+        verdict that child posts when it gives up on a rank below it, when one comes within the grace;
+        else ``e``. Without this the relay would be blamed for the rank it was waiting for: its own
+        deadline passes about when this rank's does (or a little before, and its timeout closes the
+        connection: this rank sees it lost), and its verdict comes just after."""
+        missing: list[int] = getattr(e, "missing", [])
+        key = self._verdict_key()
+        if key is None or not any(self._below(c) for c in missing):
+            return e
+        end = time.monotonic() + (VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S))
+        try:
+            store = _store()
+            while (seen := _fresh_verdict(store, key, _verdict_ttl(timeout))) is None:
+                if time.monotonic() >= end:
+                    return e
+                time.sleep(0.02)  # polls a key another rank is about to set
+        except Exception:  # noqa: BLE001 - no store: this rank names the child it waited for
+            return e
+        err = errors.CollectiveError(f"{seen} [told to rank {self.rank}, which gave up on rank(s) {missing} "
+                                     "meanwhile]")
+        for attr in ("heads", "payloads", "missing"):
+            if hasattr(e, attr):
+                setattr(err, attr, getattr(e, attr))
+        return err
 
     def _abort_arrived(self, e: errors.CollectiveError, timeout: float | None, what: str) -> None:
         """Best effort, on a rank whose wait for its children failed (``e``): tell the children whose

@@ -37,12 +37,18 @@ WRITER = st.tuples(st.sampled_from(W.KINDS), st.sampled_from(W.FAULTS), st.integ
 
 
 def _markers_name(dst: str) -> set[str]:
-    """Files named by the reshard markers in ``dst`` (finished files kept for a resume)."""
+    """Files named by the reshard markers in ``dst`` (finished files kept for a resume). A writer killed
+    while committing a marker leaves its temporary file beside them (not a marker, maybe torn): a
+    resume ignores it, and so does this."""
     import msgpack
+
+    from ckpt._lease import RESHARD_MARKER
 
     out = set()
     d = os.path.join(dst, ".reshard")
     for n in os.listdir(d) if os.path.isdir(d) else []:
+        if RESHARD_MARKER.match(f".reshard/{n}") is None:
+            continue
         with open(os.path.join(d, n), "rb") as f:
             out.add(msgpack.unpackb(f.read(), raw=False)["file"])
     return out

@@ -65,6 +65,7 @@ class Case:
     disjoint: bool = False  # senders and receivers disjoint (else every rank sends and receives)
     cached: bool = False  # the same call ran before over the same tensors (a cached plan; a transfer replays it)
     in_place: bool = False  # a transfer received straight into dst (a failure may leave it partly written)
+    fanin: int = 0  # children per rank of the metadata exchange tree (0: ckpt's default, a flat star here)
 
     @property
     def members(self) -> list[int]:
@@ -273,6 +274,8 @@ def _rank(rank: int, world: int, case: Case, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     _fresh_process()
+    if case.fanin:
+        importlib.import_module("ckpt._comm").FANIN = case.fanin  # read by every Comm made from now on
     version = 1
     src, dst = _src(rank, world, case.disjoint, 1), _dst(rank, world, case.disjoint)
     if case.cached:  # the same call ran before over the same tensors: a cached plan, its recorded run replayed
@@ -405,6 +408,20 @@ def test_an_exchange_that_raises_on_a_rank_raises_typed_there(tmp_path, case):
     mine = results[case.culprit]["attempt"]
     assert mine["type"] == "CollectiveError", mine
     assert "injected" in mine["msg"] and f"rank {case.culprit}" in mine["msg"], mine
+
+
+@pytest.mark.parametrize("case", [
+    Case("transfer", "unpack", 1, "raise", 4, 5, fanin=2),  # a leaf below a relay: its error climbs the tree
+    Case("transfer", "commit_x", 1, "exit", 1, 5, fanin=2),  # a relay gone at the commit exchange
+    Case("transfer", "verdict", 1, "exit", 3, 5, fanin=2, cached=True),  # a leaf gone after the agreement
+    Case("stream", "catalog", 1, "exit", 2, 5, fanin=2),  # a child of the coordinator, beside a relay
+    Case("handoff", "plan_x", 1, "stall", 4, 5, fanin=2, disjoint=True),  # a silent leaf below a relay
+], ids=lambda c: f"{c.op}-{c.step}-{c.kind}-rank{c.culprit}")
+def test_a_fault_below_a_relay_of_the_exchange_tree_reaches_every_rank(tmp_path, case):
+    """With more ranks than one coordinator's fan-in (here 2: 0 -> 1, 2; 1 -> 3, 4), a rank's messages
+    climb through a relay: a leaf that fails, exits or stalls, and a relay that exits, are named on
+    every rank within the bound, with the same commit rules as on a flat star."""
+    _run(case, str(tmp_path))
 
 
 @pytest.mark.parametrize("case", [Case("transfer", "pack", 1, "raise", 1, 2, cached=True),
