@@ -416,9 +416,9 @@ class Comm:
             err = errors.CollectiveError(
                 f"{what}: rank(s) {missing} did not report {how}{self._relays(missing, root)}{also}, seen from "
                 f"rank {self.rank}; {_consequence(what)}. The metadata group is unusable after this: restart the job")
-            err.heads = {p: bufs[p].numpy().tobytes() for p in works if p not in missing}  # type: ignore[attr-defined]
+            err.heads = {p: bufs[p].numpy().tobytes() for p in works  # type: ignore[attr-defined]
+                         if p not in missing and p not in late}
             err.missing = list(missing)  # type: ignore[attr-defined]
-            missing += late
             raise err from lost
         return {p: bufs[p].numpy().tobytes() for p in peers}
 

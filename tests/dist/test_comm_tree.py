@@ -126,7 +126,7 @@ def test_a_dead_leaf_is_named_on_the_coordinator() -> None:
     assert res[0]["type"] == "CollectiveError"
 
 
-def _dead_and_slow(rank: int, world: int, timeout: float) -> dict[str, Any]:
+def _dead_and_slow(rank: int, world: int, timeout: float, op: str) -> dict[str, Any]:
     import time
 
     c = Comm(None, fanin=0)
@@ -134,18 +134,24 @@ def _dead_and_slow(rank: int, world: int, timeout: float) -> dict[str, Any]:
         os._exit(0)  # gone at once: the coordinator sees the connection lost, long before the timeout
     if rank == 2:
         time.sleep(1.5)  # healthy, only slow: it reports after the coordinator has given up
-    return outcome(lambda: c.gather({"r": rank}, timeout=timeout, what="save test"))
+    if op == "gather":
+        return outcome(lambda: c.gather({"r": rank}, timeout=timeout, what="save test"))
+    return outcome(lambda: c.exchange({"r": rank}, lambda got: got, timeout=timeout, what="save test"))
 
 
 @pytest.mark.multiproc
-def test_a_slow_rank_is_not_blamed_for_a_dead_one() -> None:
+@pytest.mark.parametrize("op", ["gather", "exchange"])
+def test_a_slow_rank_is_not_blamed_for_a_dead_one(op: str) -> None:
     """The coordinator stops waiting as soon as one peer is lost; a peer that had not reported by then
-    is said to be late, apart from the lost one, not named as at fault."""
-    res = run_forked(3, _dead_and_slow, 20.0)
+    is said to be late, apart from the lost one, not named as at fault. In an exchange the late rank
+    is then told that no reply will come (it reported after all), with the same words."""
+    res = run_forked(3, _dead_and_slow, 20.0, op)
     assert res[1].get("crashed")
     assert_typed(res[0], 20.0, cls="CollectiveError", has=("rank(s) [1] did not report (connection lost",
                                                            "rank(s) [2] had not reported yet either"))
     assert res[0]["elapsed"] < 1.5, res[0]  # not the timeout, not the slow rank's delay
+    if op == "exchange":
+        assert_typed(res[2], 20.0, cls="CollectiveError", has=("rank(s) [1] did not report",))
 
 
 # --- ckpt.save / ckpt.load over a tree ------------------------------------------------------------
