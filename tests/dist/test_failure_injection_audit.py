@@ -97,6 +97,7 @@ class Case:
     # ckpt._comm.VERDICT_GRACE_S in the ranks (None: the library's): what a rank that lost its parent waits
     # for a verdict; with exits only (no stall) the verdict is posted at once, a shorter wait keeps cases fast
     grace: float | None = None
+    fanin: int = 0  # children per rank of the metadata exchange tree (0: ckpt's default, a flat star here)
 
     @property
     def members(self) -> list[int]:
@@ -258,6 +259,8 @@ def _rank(rank: int, world: int, case: Case, root: str) -> dict[str, Any]:
     _fresh_process()
     if case.grace is not None:
         importlib.import_module("ckpt._comm").VERDICT_GRACE_S = case.grace
+    if case.fanin:
+        importlib.import_module("ckpt._comm").FANIN = case.fanin  # read by every Comm made from now on
     url = os.path.join(root, "step-5")
     saving = case.op in SAVE_OPS
     resharded = case.op == "load_resharded"
@@ -300,6 +303,8 @@ def _rank(rank: int, world: int, case: Case, root: str) -> dict[str, Any]:
 # --- the parent's verdict -------------------------------------------------------------------------------
 
 def _names_rank(msg: str, r: int) -> bool:
+    # "(rank 1 relays rank(s) [3, 4])" names the ranks a missing relay carries, not the failed one
+    msg = re.sub(r"rank \d+ relays rank\(s\) \[[^\]]*\]", "", msg)
     return re.search(rf"\brank {r}\b", msg) is not None or re.search(rf"rank\(s\) \[[^\]]*\b{r}\b", msg) is not None
 
 
@@ -436,6 +441,20 @@ def test_a_dead_rank_is_named_on_every_rank_of_three(tmp_path, op, point):
     results = _run(Case(op, point, 1, "exit", 1, 3), str(tmp_path))
     msg = results[2]["attempt"]["msg"]  # (told by the coordinator at once, or the verdict of the store)
     assert "told by rank 0" in msg or "told to rank 2" in msg, results[2]
+
+
+@pytest.mark.parametrize("case", [
+    Case("save", "write", 1, "exit", 4, 5, fanin=2),  # a leaf below a relay dies writing
+    Case("save", "gather", 1, "exit", 1, 5, fanin=2, warm=False),  # a relay dies in the planning gather
+    Case("async", "write", 1, "raise", 3, 5, fanin=2),  # a leaf's error climbs through its relay
+    Case("load", "recv_one", 1, "exit", 3, 5, fanin=2),  # a leaf dies waiting for the manifest
+    Case("save", "write", 1, "stall", 4, 5, fanin=2),  # a silent leaf: its relay, not the relay's parent, names it
+], ids=lambda c: f"{c.op}-{c.point}-{c.kind}-rank{c.culprit}")
+def test_a_fault_below_a_relay_of_the_exchange_tree_is_named_on_every_rank(tmp_path, case):
+    """With more ranks than one coordinator's fan-in (here 2: 0 -> 1, 2; 1 -> 3, 4) messages climb
+    through a relay: the same rules as on a flat star (every rank names the failed one in time, nothing
+    half-committed, the ranks still here save and load again)."""
+    _run(case, str(tmp_path))
 
 
 # --- stalls and the metadata exchange itself failing: each waits out a timeout ------------------------
