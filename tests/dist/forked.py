@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 import time
@@ -118,6 +119,13 @@ def fire(kind: str, where: str, rank: int, world: int, root: str) -> None:
         os._exit(3)
     stall(rank, world)
     os._exit(0)
+
+
+def names_rank(msg: str, r: int) -> bool:
+    """Whether error ``msg`` names rank ``r`` ("rank r", or r in a list "rank(s) [...]"). "(rank 1 relays
+    rank(s) [3, 4])" names the ranks a missing relay carries, not the failed one: it does not count."""
+    msg = re.sub(r"rank \d+ relays rank\(s\) \[[^\]]*\]", "", msg)
+    return re.search(rf"\brank {r}\b", msg) is not None or re.search(rf"rank\(s\) \[[^\]]*\b{r}\b", msg) is not None
 
 
 def outcome(call: Callable[[], Any]) -> dict[str, Any]:

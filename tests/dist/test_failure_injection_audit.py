@@ -43,7 +43,7 @@ import ckpt
 import ckpt.dcp  # noqa: F401 - imported once here, not in every forked rank
 from ckpt import errors
 from ckpt._dcp_compat import _dcp_classes
-from tests.dist.forked import fire, outcome, run_forked
+from tests.dist.forked import fire, names_rank, outcome, run_forked
 
 _dcp_classes()  # torch.distributed.checkpoint's modules too (a second or more per rank otherwise)
 
@@ -302,12 +302,6 @@ def _rank(rank: int, world: int, case: Case, root: str) -> dict[str, Any]:
 
 # --- the parent's verdict -------------------------------------------------------------------------------
 
-def _names_rank(msg: str, r: int) -> bool:
-    # "(rank 1 relays rank(s) [3, 4])" names the ranks a missing relay carries, not the failed one
-    msg = re.sub(r"rank \d+ relays rank\(s\) \[[^\]]*\]", "", msg)
-    return re.search(rf"\brank {r}\b", msg) is not None or re.search(rf"rank\(s\) \[[^\]]*\b{r}\b", msg) is not None
-
-
 def _stray(case: Case, unlisted: list[str]) -> list[str]:
     """Files no manifest lists that a live rank wrote (``data/<rank>-<id>...``): a failed writer removes its own
     written set; only a rank that died (or hung) leaves its files to gc, and so do the others when it was the
@@ -359,7 +353,7 @@ def _run(case: Case, root: str, leftovers: bool = CHECK_LEFTOVERS) -> list[dict[
         else:
             # (a fault in the coordinator's global planning travels without its rank: ckpt/save.py's
             # _plan_exchange encodes it with error_payload(e, None); test_a_planner_fault_names_the_coordinator)
-            if not _names_rank(a["msg"], case.culprit) and case.point != "planner":
+            if not names_rank(a["msg"], case.culprit) and case.point != "planner":
                 problems.append(f"rank {r}: the error does not name rank {case.culprit}: {a['msg'][:400]}")
             if case.kind in ("raise", "typed") and case.point not in COMM_POINTS and "injected" not in a["msg"]:
                 problems.append(f"rank {r}: the error does not carry the cause: {a['msg'][:400]}")

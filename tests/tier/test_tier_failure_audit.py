@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -49,7 +48,7 @@ from hypothesis import strategies as st
 
 import ckpt
 from ckpt import errors
-from tests.dist.forked import fire, outcome, run_forked, stall
+from tests.dist.forked import fire, names_rank, outcome, run_forked, stall
 
 pytestmark = pytest.mark.multiproc
 
@@ -90,6 +89,7 @@ class Case:
     step: int = 2  # the step of the faulty memory checkpoint (snapshot) / the newest one (restore)
     keep: int = 1  # complete memory checkpoints kept per rank
     stream: bool = False  # copies between ranks streamed through gloo (CKPT_TIER_LOCAL_COPY=0), not read locally
+    fanin: int = 0  # children per rank of the metadata exchange tree (0: ckpt's default, a flat star here)
 
     @property
     def nodes(self) -> int:
@@ -162,6 +162,8 @@ def _fresh_process(case: Case) -> None:
     if case.stream:
         os.environ["CKPT_TIER_LOCAL_COPY"] = "0"
     importlib.import_module("ckpt._comm")._GLOO_GROUPS.clear()
+    if case.fanin:
+        importlib.import_module("ckpt._comm").FANIN = case.fanin  # read by every Comm made from now on
 
 
 def _tier(case: Case, shm: str) -> Any:
@@ -299,10 +301,6 @@ def _drop_templates() -> Iterator[None]:
     _TEMPLATES.clear()
 
 
-def _names_rank(msg: str, r: int) -> bool:
-    return re.search(rf"\brank {r}\b", msg) is not None or re.search(rf"rank\(s\) \[[^\]]*\b{r}\b", msg) is not None
-
-
 def _tree(path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for dirpath, dirs, files in os.walk(path):
@@ -391,7 +389,7 @@ def _check(case: Case, results: list[dict[str, Any]], fired: bool) -> list[str]:
             continue
         if not a["typed"]:
             problems.append(f"rank {r}: untyped {a['type']}: {a['msg'][:300]}")
-        if not _names_rank(a["msg"], case.culprit):
+        if not names_rank(a["msg"], case.culprit):
             problems.append(f"rank {r}: the error does not name rank {case.culprit}: {a['msg'][:400]}")
         if a["elapsed"] > BOUND:
             problems.append(f"rank {r}: the error took {a['elapsed']:.1f} s (timeout {TIMEOUT} s)")
@@ -403,7 +401,7 @@ def _check(case: Case, results: list[dict[str, Any]], fired: bool) -> list[str]:
         if len({r.get("complete") for r in recs}) > 1:
             problems.append(f"the ranks disagree on whether step {case.step} is complete: {recs}")
         for r, a in done.items():
-            named = any(_names_rank(e, case.culprit) for e in a["record"].get("errors", []))
+            named = any(names_rank(e, case.culprit) for e in a["record"].get("errors", []))
             if not a["record"].get("complete") and not named:
                 problems.append(f"rank {r}: skipped, but no error names rank {case.culprit}: {a['record']}")
         if done and case.dies:
@@ -521,6 +519,18 @@ def test_snapshots_failing_step_after_step_leave_no_files_behind(shm: str, point
         for d, c in res["census"].items():  # step 1 only (the previous complete one), at most keep + 1 slots
             assert c["steps"] == [step_name(1)] and c["slots"] <= 2, (r, d, c)
     assert restorable(shm, 2, 2) == (1, [])
+
+
+@pytest.mark.parametrize("case", [
+    Case("snapshot", "agree", 1, "exit", 3, 4, fanin=2),  # a leaf below a relay gone in the agreement
+    Case("snapshot", "write", 1, "raise", 3, 4, fanin=2),  # a leaf's error climbs through its relay
+    Case("restore", "plan", 1, "stall", 3, 4, fanin=2),  # a silent leaf: its relay names it, and rank 0 too
+    Case("restore", "final", 1, "exit", 1, 4, fanin=2),  # a relay gone after the planning
+], ids=lambda c: f"{c.op}-{c.point}-{c.kind}-rank{c.culprit}")
+def test_a_fault_below_a_relay_of_the_exchange_tree(tmp_path: Path, case: Case) -> None:
+    """Four ranks with a fan-in of 2 (0 -> 1, 2; 1 -> 3): the tier's exchanges climb through a relay,
+    with the same rules as on a flat star."""
+    run_case(case, str(tmp_path))
 
 
 # --- stalls: each waits out a timeout --------------------------------------------------------------------
