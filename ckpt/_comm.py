@@ -365,16 +365,22 @@ class Comm:
                 except Exception as e:  # noqa: BLE001
                     missing.append(p)
                     first = first or e
+        late: list[int] = []  # (as in _wait_sizes: not waited for once another had failed)
         for p, w in works.items():
+            early = bool(missing) and (deadline is None or time.monotonic() < deadline)
             try:
                 _wait(w, deadline if not missing else time.monotonic())
             except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone
-                missing.append(p)
+                (late if early and _timed_out(e) else missing).append(p)
                 first = first or e
         if missing:
             err = self._lost(what, "receive from", sorted(missing), first, timeout, root)
+            if late:
+                err = errors.CollectiveError(f"{err} (rank(s) {late} had not sent theirs in full yet either, not "
+                                             "waited for after that)")
             err.payloads = {p: (bufs[p].numpy().tobytes() if n > INLINE else _inline(heads[p], n))  # type: ignore[attr-defined]
-                            for p, n in sizes.items() if p not in missing}
+                            for p, n in sizes.items() if p not in missing and p not in late}
+            err.missing = sorted(missing)  # type: ignore[attr-defined]
             raise err from first
         for n in sizes.values():
             self.received += n + 8

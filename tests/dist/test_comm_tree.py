@@ -154,6 +154,42 @@ def test_a_slow_rank_is_not_blamed_for_a_dead_one(op: str) -> None:
         assert_typed(res[2], 20.0, cls="CollectiveError", has=("rank(s) [1] did not report",))
 
 
+def _dead_and_slow_payloads(rank: int, world: int, timeout: float) -> dict[str, Any]:
+    """Ranks 1 and 2 send heads announcing payloads too big to go inline; then rank 1 dies before its
+    payload and rank 2 sends its own late (healthy, only slow)."""
+    import time
+
+    c = Comm(None, fanin=0)
+
+    class Slow:  # the group, with this rank's second send (the payload) held back
+        def __init__(self, g: Any) -> None:
+            self.g, self.n = g, 0
+
+        def send(self, *args: Any) -> Any:
+            self.n += 1
+            if self.n == 2:
+                time.sleep(0.3 if rank == 1 else 1.5)  # (rank 1: its head is on the wire first)
+                if rank == 1:
+                    os._exit(0)
+            return self.g.send(*args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.g, name)
+
+    if rank in (1, 2):
+        c.cpu_group = Slow(c.cpu_group)
+    return outcome(lambda: c.gather("x" * (comm_mod.INLINE + 100), timeout=timeout, what="save test"))
+
+
+@pytest.mark.multiproc
+def test_a_slow_payload_is_not_blamed_for_a_dead_one() -> None:
+    res = run_forked(3, _dead_and_slow_payloads, 20.0)
+    assert res[1].get("crashed")
+    assert_typed(res[0], 20.0, cls="CollectiveError", has=("could not receive from rank 1 (connection lost",
+                                                           "rank(s) [2] had not sent theirs in full yet either"))
+    assert res[0]["elapsed"] < 1.5, res[0]
+
+
 # --- ckpt.save / ckpt.load over a tree ------------------------------------------------------------
 
 def _save_load_on_tree(rank: int, world: int, path: str, bad: int | None) -> dict[str, Any]:
