@@ -284,6 +284,13 @@ class Comm:
         v = (self.rank - root) % self.world
         return [(c + root) % self.world for c in tree_children(v, self.world, self.fanin)]
 
+    def _depth(self, root: int = 0) -> int:
+        """How many edges separate this rank from ``root`` in the exchange tree (1: a child of it)."""
+        v, d = (self.rank - root) % self.world, 0
+        while v:
+            v, d = tree_parent(v, self.world, self.fanin), d + 1
+        return d
+
     def _parent(self, root: int = 0) -> int:
         v = (self.rank - root) % self.world
         return (tree_parent(v, self.world, self.fanin) + root) % self.world
@@ -612,15 +619,19 @@ class Comm:
         self._post_verdict(e, timeout)
         return None
 
-    def _verdict(self, e: errors.CollectiveError, parent: int, timeout: float | None) -> errors.CollectiveError:
+    def _verdict(self, e: errors.CollectiveError, parent: int, timeout: float | None,
+                 root: int = 0) -> errors.CollectiveError:
         """The error to raise on a rank whose exchange with its ``parent`` failed (``e``): the verdict of
         the rank that saw a child fail, when a recent one is there or comes within the grace (the parent
         may be innocent, giving up on another rank at about the same time), else ``e`` (the parent itself
-        failed). Recent: see :func:`_verdict_ttl`."""
+        failed), then posted as the verdict when this rank relays others (in the tree rooted at ``root``):
+        they lose contact with it next, and would blame it. Recent: see :func:`_verdict_ttl`."""
         key = self._verdict_key()
         if key is None or self.world <= 2:  # (of two ranks, the parent is the only other: no one else can know)
             return e
-        grace = VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S)
+        # a grace per level above this rank: a relay that lost its own parent looks for one grace, then
+        # posts what it saw (below), for this rank to find
+        grace = (VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S)) * self._depth(root)
         end = time.monotonic() + grace
         # a rank that lost a child after taking this rank's message says so under its nonce (:meth:`_abort`):
         # then nothing was decided. Looked for a little longer than the verdict (posted after it).
@@ -640,6 +651,8 @@ class Comm:
         except Exception:  # noqa: BLE001 - no store: the parent is all this rank can name
             return e
         if seen is None:
+            if self._children(root):
+                self._post_verdict(e, timeout)
             return e
         return errors.CollectiveError(f"{seen} [told to rank {self.rank}, which lost contact with rank {parent} "
                                       "meanwhile]")
@@ -736,7 +749,7 @@ class Comm:
             try:
                 data = self._recv_from_parent(deadline, timeout, f"{what} (waiting for {via})", src)
             except errors.CollectiveError as e:
-                raise self._verdict(e, parent, timeout) from e.__cause__
+                raise self._verdict(e, parent, timeout, src) from e.__cause__
         assert data is not None
         kids = self._children(src)
         if kids:

@@ -407,7 +407,9 @@ def _cases(draw: Any) -> Case:
     kind = draw(st.sampled_from(("exit",) if point in COMM_POINTS else ("raise", "typed", "exit")))
     k = draw(st.integers(1, 3 if point == "write" else 2))
     warm = draw(st.booleans())
-    return Case(op, point, k, kind, culprit, world, warm=warm, grace=0.5)
+    # fan-in 1 on 3 ranks: the chain 0 -> 1 -> 2, an exchange tree whose rank 1 relays rank 2
+    fanin = draw(st.sampled_from((0, 1))) if world == 3 else 0
+    return Case(op, point, k, kind, culprit, world, warm=warm, grace=0.5, fanin=fanin)
 
 
 @settings(max_examples=16, deadline=None, database=None,
@@ -443,6 +445,7 @@ def test_a_dead_rank_is_named_on_every_rank_of_three(tmp_path, op, point):
     Case("async", "write", 1, "raise", 3, 5, fanin=2),  # a leaf's error climbs through its relay
     Case("load", "recv_one", 1, "exit", 3, 5, fanin=2),  # a leaf dies waiting for the manifest
     Case("save", "write", 1, "stall", 4, 5, fanin=2),  # a silent leaf: its relay, not the relay's parent, names it
+    Case("save", "write", 1, "stall", 0, 3, fanin=1),  # the chain 0 -> 1 -> 2, its coordinator silent
 ], ids=lambda c: f"{c.op}-{c.point}-{c.kind}-rank{c.culprit}")
 def test_a_fault_below_a_relay_of_the_exchange_tree_is_named_on_every_rank(tmp_path, case):
     """With more ranks than one coordinator's fan-in (here 2: 0 -> 1, 2; 1 -> 3, 4) messages climb

@@ -438,7 +438,9 @@ def _cases(draw: Any) -> Case:
     step = draw(st.integers(2, 3))
     keep = draw(st.integers(1, 2))
     stream = draw(st.booleans())
-    return Case(op, point, k, kind, culprit, world, lost=lost, step=step, keep=keep, stream=stream)
+    # fan-in 1: a chain (0 -> 1 -> 2 ...), an exchange tree whose middle ranks relay the ones after them
+    fanin = draw(st.sampled_from((0, 1))) if world > 2 else 0
+    return Case(op, point, k, kind, culprit, world, lost=lost, step=step, keep=keep, stream=stream, fanin=fanin)
 
 
 @settings(max_examples=12, deadline=None, database=None,
@@ -526,6 +528,8 @@ def test_snapshots_failing_step_after_step_leave_no_files_behind(shm: str, point
     Case("snapshot", "write", 1, "raise", 3, 4, fanin=2),  # a leaf's error climbs through its relay
     Case("restore", "plan", 1, "stall", 3, 4, fanin=2),  # a silent leaf: its relay names it, and rank 0 too
     Case("restore", "final", 1, "exit", 1, 4, fanin=2),  # a relay gone after the planning
+    # the chain 0 -> 1 -> 2 with a silent coordinator: rank 1 names it, and posts that for rank 2
+    Case("restore", "plan", 1, "stall", 0, 3, fanin=1),
 ], ids=lambda c: f"{c.op}-{c.point}-{c.kind}-rank{c.culprit}")
 def test_a_fault_below_a_relay_of_the_exchange_tree(tmp_path: Path, case: Case) -> None:
     """Four ranks with a fan-in of 2 (0 -> 1, 2; 1 -> 3): the tier's exchanges climb through a relay,

@@ -383,7 +383,8 @@ def _cases(draw: Any) -> Case:
     kind = draw(st.sampled_from(kinds))
     k = draw(st.integers(1, 3 if step in ("pack", "send", "recv", "unpack") else 1))
     return Case(op, step, k, kind, culprit, world, disjoint=draw(st.booleans()), cached=draw(st.booleans()),
-                in_place=op == "transfer" and draw(st.booleans()))
+                in_place=op == "transfer" and draw(st.booleans()),
+                fanin=draw(st.sampled_from((0, 1))) if world == 3 else 0)  # 1: the chain 0 -> 1 -> 2
 
 
 @settings(max_examples=12, deadline=None, database=None,
@@ -416,6 +417,7 @@ def test_an_exchange_that_raises_on_a_rank_raises_typed_there(tmp_path, case):
     Case("transfer", "verdict", 1, "exit", 3, 5, fanin=2, cached=True),  # a leaf gone after the agreement
     Case("stream", "catalog", 1, "exit", 2, 5, fanin=2),  # a child of the coordinator, beside a relay
     Case("handoff", "plan_x", 1, "stall", 4, 5, fanin=2, disjoint=True),  # a silent leaf below a relay
+    Case("transfer", "pack", 1, "stall", 0, 3, fanin=1),  # the chain 0 -> 1 -> 2, its coordinator silent
 ], ids=lambda c: f"{c.op}-{c.step}-{c.kind}-rank{c.culprit}")
 def test_a_fault_below_a_relay_of_the_exchange_tree_reaches_every_rank(tmp_path, case):
     """With more ranks than one coordinator's fan-in (here 2: 0 -> 1, 2; 1 -> 3, 4), a rank's messages
