@@ -629,8 +629,8 @@ class Comm:
         key = self._verdict_key()
         if key is None or self.world <= 2:  # (of two ranks, the parent is the only other: no one else can know)
             return e
-        # a grace per level above this rank: a relay that lost its own parent looks for one grace, then
-        # posts what it saw (below), for this rank to find
+        # a grace per level above this rank: the relay above it (one level up) that lost its own parent
+        # looks one grace less, then posts what it saw (below), for this rank to find
         grace = (VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S)) * self._depth(root)
         end = time.monotonic() + grace
         # a rank that lost a child after taking this rank's message says so under its nonce (:meth:`_abort`):
