@@ -546,9 +546,16 @@ def test_damaged_manifest_is_refused_and_left_alone(data: st.DataObject) -> None
         harmless_ok = kind in ("torch", "hf")
         r = check(box, command_args(box, name, bad={arg: path}, json_out=json_out), expect_error=not harmless_ok,
                   names=(path, os.path.basename(path), manifest.name), output=box.out("dst"))
-        if r.exit_code == 0 and kind == "torch":  # then it must have imported exactly what was saved
-            got = ckpt.load({"model": {"w": torch.zeros(6)}, "step": 0}, box.out("dst"))
-            assert torch.equal(got["model"]["w"], torch.arange(6.0)) and got["step"] == 3
+        if r.exit_code == 0 and kind == "torch":  # then it must have imported exactly what the file holds
+            try:  # (a flip in a pickled name, "model" -> "lodel", makes another valid file: nothing checks it)
+                held = torch.load(path, weights_only=True, map_location="cpu")
+            except Exception:  # noqa: BLE001 - torch refuses it: then only what was saved may come out
+                held = {"model": {"w": torch.arange(6.0)}, "step": 3}
+            if isinstance(held, dict) and set(held) == {"model", "step"} and set(held["model"]) == {"w"}:
+                got = ckpt.load({"model": {"w": torch.zeros(6)}, "step": 0}, box.out("dst"))
+                assert torch.equal(got["model"]["w"], held["model"]["w"]) and got["step"] == held["step"]
+            else:
+                assert "model.w" not in ckpt.inspect(box.out("dst")).tensors
         if kind in ("ckpt", "hfckpt") and name not in REPORTERS | {"import"}:
             # 3 when the damage shows as corruption (not msgpack, a checksum); 2 when what is left decodes to
             # something that is not a manifest of ours (a flipped envelope key: "format is None")
