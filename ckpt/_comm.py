@@ -200,6 +200,28 @@ def _wait(work: Any, deadline: float | None, floor: float = 0.001) -> None:
         work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), floor)))
 
 
+def _wait_posted(works: dict[int, Any], deadline: float | None, missing: list[int],
+                 first: BaseException | None) -> tuple[list[int], BaseException | None]:
+    """Wait for every peer's posted receive (all posted: waiting in order costs nothing extra), adding
+    the peers that failed to ``missing``. After an early failure (a lost peer) the rest get no more
+    time: one not done then is late, not known to be at fault. Returns the late peers and the first
+    exception (``first`` if already set)."""
+    late: list[int] = []
+    for p, w in works.items():
+        early = bool(missing) and (deadline is None or time.monotonic() < deadline)
+        try:
+            _wait(w, deadline if not missing else time.monotonic())
+        except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone (the pair is closed afterwards)
+            (late if early and _timed_out(e) else missing).append(p)
+            first = first or e
+    return late, first
+
+
+def _grace(timeout: float | None) -> float:
+    """How long a rank looks for another rank's verdict (per level of the tree above it)."""
+    return VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S)
+
+
 def _consequence(what: str) -> str:
     if what.startswith("load completion"):  # after the reads: what this rank read is in place already
         return "the load failed: this rank's state may be partly loaded (load again)"
@@ -372,14 +394,7 @@ class Comm:
                 except Exception as e:  # noqa: BLE001
                     missing.append(p)
                     first = first or e
-        late: list[int] = []  # (as in _wait_sizes: not waited for once another had failed)
-        for p, w in works.items():
-            early = bool(missing) and (deadline is None or time.monotonic() < deadline)
-            try:
-                _wait(w, deadline if not missing else time.monotonic())
-            except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone
-                (late if early and _timed_out(e) else missing).append(p)
-                first = first or e
+        late, first = _wait_posted(works, deadline, missing, first)
         if missing:
             err = self._lost(what, "receive from", sorted(missing), first, timeout, root)
             if late:
@@ -404,7 +419,6 @@ class Comm:
             deadline = _deadline(timeout)
         bufs = {p: torch.zeros(HEAD, dtype=torch.uint8) for p in peers}
         missing: list[int] = []
-        late: list[int] = []  # not waited for once another peer had failed: not known to be at fault
         lost: BaseException | None = None
         works: dict[int, Any] = {}
         for p in peers:
@@ -413,15 +427,7 @@ class Comm:
             except Exception as e:  # noqa: BLE001 - gloo: the group was closed after a failure elsewhere
                 missing.append(p)
                 lost = lost or e
-        for p, w in works.items():  # all receives are posted: waiting in order costs nothing extra
-            # after an early failure (a lost peer) the rest get no more time: one that has not reported
-            # then is late, not known to be at fault
-            early = bool(missing) and (deadline is None or time.monotonic() < deadline)
-            try:
-                _wait(w, deadline if not missing else time.monotonic())
-            except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone (the pair is closed afterwards)
-                (late if early and _timed_out(e) else missing).append(p)
-                lost = lost or e
+        late, lost = _wait_posted(works, deadline, missing, lost)
         if missing:
             missing.sort()
             how = _reason(lost, timeout) if lost is not None else f"within {timeout:g} s (slow, hung or dead)"
@@ -513,7 +519,7 @@ class Comm:
         key = self._verdict_key()
         if key is None or not any(self._below(c) for c in missing):
             return e
-        end = time.monotonic() + (VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S))
+        end = time.monotonic() + _grace(timeout)
         try:
             store = _store()
             while (seen := _fresh_verdict(store, key, _verdict_ttl(timeout))) is None:
@@ -631,7 +637,7 @@ class Comm:
             return e
         # a grace per level above this rank: the relay above it (one level up) that lost its own parent
         # looks one grace less, then posts what it saw (below), for this rank to find
-        grace = (VERDICT_GRACE_S if timeout is None else min(timeout, VERDICT_GRACE_S)) * self._depth(root)
+        grace = _grace(timeout) * self._depth(root)
         end = time.monotonic() + grace
         # a rank that lost a child after taking this rank's message says so under its nonce (:meth:`_abort`):
         # then nothing was decided. Looked for a little longer than the verdict (posted after it).
