@@ -202,7 +202,7 @@ def _wait(work: Any, deadline: float | None, floor: float = 0.001) -> None:
 
 def _wait_posted(works: dict[int, Any], deadline: float | None, missing: list[int],
                  first: BaseException | None) -> tuple[list[int], BaseException | None]:
-    """Wait for every peer's posted receive (all posted: waiting in order costs nothing extra), adding
+    """Wait for every peer's posted receive or sends (all posted: waiting in order costs nothing extra), adding
     the peers that failed to ``missing``. After an early failure (a lost peer) the rest get no more
     time: one not done then is late, not known to be at fault. Returns the late peers and the first
     exception (``first`` if already set)."""
@@ -210,7 +210,8 @@ def _wait_posted(works: dict[int, Any], deadline: float | None, missing: list[in
     for p, w in works.items():
         early = bool(missing) and (deadline is None or time.monotonic() < deadline)
         try:
-            _wait(w, deadline if not missing else time.monotonic())
+            for one in w if isinstance(w, list) else [w]:  # (a send's head, then its payload)
+                _wait(one, deadline if not missing else time.monotonic())
         except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone (the pair is closed afterwards)
             (late if early and _timed_out(e) else missing).append(p)
             first = first or e
@@ -366,16 +367,13 @@ class Comm:
             except Exception as e:  # noqa: BLE001 - gloo: the group was closed after a failure elsewhere
                 missing.append(p)
                 first = first or e
-        for p, works in posted.items():  # all sends are posted: waiting in order costs nothing extra
-            try:
-                for w in works:
-                    _wait(w, deadline)
-            except Exception as e:  # noqa: BLE001 - gloo: timed out, or the peer is gone
-                missing.append(p)
-                first = first or e
-                deadline = time.monotonic() if deadline is not None else None  # the group is closed now
+        late, first = _wait_posted(posted, deadline, missing, first)
         if missing:
-            raise self._lost(what, "send to", sorted(missing), first, timeout, root) from first
+            err = self._lost(what, "send to", sorted(missing), first, timeout, root)
+            if late:  # (a healthy peer that had not taken its message yet when another was lost: not blamed)
+                err = errors.CollectiveError(f"{err} (rank(s) {late} had not taken theirs yet either, not waited "
+                                             "for after that)")
+            raise err from first
         for data in datas.values():
             self.sent += len(data) + 8
 

@@ -6,7 +6,6 @@ of 2 so that a few ranks make a tree of depth 2: 0 -> 1, 2; 1 -> 3, 4; 2 -> 5, 6
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import ckpt
 from ckpt import _comm as comm_mod
 from ckpt._comm import Comm, tree_below, tree_children, tree_parent
-from tests.dist.forked import SLACK, assert_typed, outcome, run_forked, stall
+from tests.dist.forked import SLACK, assert_typed, names_rank, outcome, run_forked, stall
 
 
 @pytest.mark.parametrize("fanin", [0, 1, 2, 3, 8])
@@ -97,16 +96,11 @@ def test_a_failure_in_the_tree_reaches_every_rank_within_the_timeout(culprit: in
     # the culprit is named by the rank waiting for it; the coordinator names it, or the rank that
     # relays it (with the ranks it relays)
     # (on a loaded machine a slow sibling may be named with it: "[5, 6]")
-    assert _names(res[parent]["msg"], culprit), res[parent]
+    assert names_rank(res[parent]["msg"], culprit), res[parent]
     assert str(culprit) in res[0]["msg"], res[0]
     if culprit in (1, 2):  # its children could not reach it
         for child in (2 * culprit + 1, 2 * culprit + 2):
             assert f"rank {culprit}" in res[child]["msg"], res[child]
-
-
-def _names(msg: str, rank: int) -> bool:
-    """Whether ``msg`` names ``rank``: "rank N", or N in a list of ranks ("[N]", "[5, N]")."""
-    return f"rank {rank}" in msg or re.search(rf"\[(?:\d+, )*{rank}(?:, \d+)*\]", msg) is not None
 
 
 def _lost_leaf_reported_by_its_relay(rank: int, world: int, timeout: float) -> dict[str, Any]:
@@ -188,6 +182,33 @@ def test_a_slow_payload_is_not_blamed_for_a_dead_one() -> None:
     assert_typed(res[0], 20.0, cls="CollectiveError", has=("could not receive from rank 1 (connection lost",
                                                            "rank(s) [2] had not sent theirs in full yet either"))
     assert res[0]["elapsed"] < 1.5, res[0]
+
+
+def _dead_and_slow_receivers(rank: int, world: int, timeout: float) -> dict[str, Any]:
+    """The coordinator sends each rank a reply too big to go inline; rank 1 is gone before it takes
+    its own, rank 2 takes its own late (healthy, only slow)."""
+    import time
+
+    c = Comm(None, fanin=0)
+    if rank == 0:
+        return outcome(lambda: c.send_each(["x" * (comm_mod.INLINE + 100)] * world, timeout=timeout,
+                                           what="save test"))
+    if rank == 1:
+        os._exit(0)
+    time.sleep(1.5)
+    return outcome(lambda: c.recv_one(timeout=timeout, what="save test"))
+
+
+@pytest.mark.multiproc
+def test_a_slow_receiver_is_not_blamed_for_a_dead_one() -> None:
+    """Sends as receives: once one peer is lost, one that had not taken its message yet is late, not lost."""
+    res = run_forked(3, _dead_and_slow_receivers, 20.0)
+    assert res[1].get("crashed")
+    assert_typed(res[0], 20.0, cls="CollectiveError", has=("rank(s) [2] had not taken theirs yet either",))
+    head = res[0]["msg"].split(" (rank(s) [2] had not taken")[0]
+    assert names_rank(head, 1) and not names_rank(head, 2), res[0]
+    assert res[0]["elapsed"] < 1.5, res[0]
+    assert res[2]["type"] == "CollectiveError" and names_rank(res[2]["msg"], 1), res[2]
 
 
 # --- ckpt.save / ckpt.load over a tree ------------------------------------------------------------

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
-import sys
 import threading
 import time
 from dataclasses import dataclass
