@@ -54,6 +54,7 @@ from ckpt._comm_wire import (  # noqa: F401 - re-exported: ckpt._comm's names si
     _reason,
     _timed_out,
     _unpack,
+    _wait,
     _wait_posted,
     check_timeout,
     decided_nothing,
