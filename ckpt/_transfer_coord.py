@@ -106,7 +106,13 @@ def check_options(opts: Options) -> None:
         raise StateError(f"min_part must be an int (bytes), got {opts.min_part!r}")
 
 
-PLAN_CACHE = 16  # plans kept per process (a stream's waves are one plan each)
+# The plans kept per process, least recently used dropped first: at most PLAN_CACHE plans holding at most
+# PLAN_CACHE_PIECES copies (local, and in buckets) in all. Why a weight and not only a count: a stream's
+# waves are one plan each, and a refit in more waves than plans kept evicted every wave's plan before its
+# next use (16 kept: a 8.6 GB MoE streamed in 17 waves of 512 MiB planned every wave anew, every refit);
+# a wave's plan is small, a whole model's may be large. ~200k copies are some tens of MB of Python objects.
+PLAN_CACHE = 1024
+PLAN_CACHE_PIECES = 200_000
 
 
 @dataclass(slots=True)
@@ -116,9 +122,26 @@ class _Cached:
     fp: str
     mine: dict[str, Any]
     sched: Schedule
+    weight: int = 1  # copies held (see PLAN_CACHE_PIECES)
 
 
 PLANS: OrderedDict[tuple[Any, str], _Cached] = OrderedDict()  # (group key, structure fingerprint) -> plan
+
+
+def _weight(sched: Schedule) -> int:
+    return 1 + len(sched.local) + sum(len(b.copies) for b in (*sched.sends, *sched.recvs))
+
+
+def _keep(key: tuple[Any, str], plan: _Cached) -> None:
+    """Cache ``plan`` under ``key``, dropping the least recently used plans beyond the bounds (a plan
+    heavier than the whole budget is not kept)."""
+    PLANS.pop(key, None)
+    if plan.weight > PLAN_CACHE_PIECES:
+        return
+    PLANS[key] = plan
+    held = sum(c.weight for c in PLANS.values())
+    while len(PLANS) > PLAN_CACHE or held > PLAN_CACHE_PIECES:
+        held -= PLANS.popitem(last=False)[1].weight
 
 
 def structure_fingerprint(wire: dict[str, Any], rank: int, world: int, opts: Options) -> str:
@@ -153,9 +176,7 @@ def plan_or_reuse(comm: Comm, group: Any, err: dict[str, Any] | None, wire: dict
         return dict(hit.mine, version=out["version"]), hit.sched, True
     sched = Schedule.from_wire(out["sched"])
     if fp is not None:
-        PLANS[key] = _Cached(out["pc"], out, sched)
-        while len(PLANS) > PLAN_CACHE:
-            PLANS.popitem(last=False)
+        _keep(key, _Cached(out["pc"], out, sched, _weight(sched)))
     return out, sched, False
 
 

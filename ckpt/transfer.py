@@ -204,11 +204,14 @@ def declared(src: dict[str, Any] | None, dst: dict[str, Any] | None,
 
 
 def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorItem], opts: Options,
-              state: TransferState | None, err: dict[str, Any] | None = None, front: float = 0.0) -> TransferResult:
+              state: TransferState | None, err: dict[str, Any] | None = None, front: float = 0.0,
+              tag: str = "") -> TransferResult:
     """One transfer of declared pieces (the body of :func:`transfer`, also run by the streaming and
     elastic front ends): declare, plan, move, agree, commit. ``err``: this rank already failed (its
     payload goes to every rank instead of a declaration); ``front``: seconds the caller spent
-    flattening the state (reported as a phase)."""
+    flattening the state (reported as a phase); ``tag``: which of a caller's transfers this is (a
+    stream's wave), kept apart in the plan cache: a rank whose own pieces are the same in every wave
+    (a sender of the whole model) kept only the last wave's plan, and every wave was planned anew."""
     t0 = time.perf_counter()
     src_h: list[bytes] = []
     dst_h: list[bytes] = []
@@ -224,7 +227,7 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
             # delta plans depend on which pieces changed: planned every time
             fp = None if opts.delta else _front.fingerprint_of(
                 srcs, dsts, shaping(comm.rank, comm.world, opts),
-                lambda: structure_fingerprint(wire, comm.rank, comm.world, opts))
+                lambda: structure_fingerprint(wire, comm.rank, comm.world, opts)) + (f"/{tag}" if tag else "")
         except Exception as e:  # noqa: BLE001 - reaches every rank, typed, naming this one
             err = rank_payload(e, comm.who)
     early = _prepack(comm, group, fp, srcs, dsts, opts) if err is None else None

@@ -170,7 +170,7 @@ class TransferStream:
             except Exception as e:  # noqa: BLE001 - raised alone, it left the others waiting out the timeout
                 err = rank_payload(e, comm.who)
             try:
-                res = run_items(comm, group, srcs, items, wave_opts, None, err)
+                res = run_items(comm, group, srcs, items, wave_opts, None, err, tag=f"wave {w} of {mine['n']}")
             except CollectiveError as e:
                 if not after_agreement(e) or w + 1 == int(mine["n"]):
                     raise

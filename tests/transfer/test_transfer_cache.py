@@ -299,3 +299,51 @@ def _random_calls(rank: int, world: int, seed: int) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_generated_sequences_of_repeated_transfers_stay_bitwise(seed: int) -> None:
     run_ranks(2, _random_calls, seed)
+
+
+def test_the_plan_cache_is_bounded_by_count_and_by_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Least recently used plans go first once either bound passes; a plan heavier than the whole
+    budget is not kept; a plan cached again under its key replaces itself (not counted twice)."""
+    from ckpt import _transfer_coord as co
+    from ckpt._transfer_plan import Schedule
+
+    monkeypatch.setattr(co, "PLANS", type(co.PLANS)())
+    monkeypatch.setattr(co, "PLAN_CACHE", 4)
+    monkeypatch.setattr(co, "PLAN_CACHE_PIECES", 10)
+
+    def plan(weight: int) -> co._Cached:
+        return co._Cached("fp", {}, Schedule(), weight)
+
+    for k in range(6):
+        co._keep(("g", str(k)), plan(1))
+    assert list(co.PLANS) == [("g", "2"), ("g", "3"), ("g", "4"), ("g", "5")]  # the count bound
+    co._keep(("g", "3"), plan(2))  # again: replaces itself, now the most recent
+    assert list(co.PLANS) == [("g", "2"), ("g", "4"), ("g", "5"), ("g", "3")]
+    co._keep(("g", "big"), plan(7))  # 1 + 1 + 1 + 2 + 7 > 10: the oldest go until it fits
+    assert list(co.PLANS) == [("g", "5"), ("g", "3"), ("g", "big")] and sum(c.weight for c in co.PLANS.values()) == 10
+    co._keep(("g", "huge"), plan(11))  # heavier than the whole budget: not kept, nothing evicted for it
+    assert list(co.PLANS) == [("g", "5"), ("g", "3"), ("g", "big")]
+    assert co._weight(Schedule()) == 1
+
+
+def _many_waves(rank: int, world: int) -> None:
+    """A stream of 24 one-tensor waves (more than the 16 plans the cache once held), twice: the second
+    refit reuses every wave's plan, also on rank 0, which sends the same pieces in every wave (it
+    kept one plan for all of them: every wave was planned anew)."""
+    from ckpt.transfer_stream import transfer_iter
+
+    full = {f"t{i:02d}": _ref((4, 3), seed=i) for i in range(24)}
+    src = {k: ckpt.Shard(v[rank * 2: rank * 2 + 2].clone(), (4, 3), (rank * 2, 0)) for k, v in full.items()}
+    for refit in range(2):
+        stream = transfer_iter(src, list(full) if rank == 1 else None, stream_bytes=48, timeout=60)
+        got = dict(stream)
+        assert stream.stats.waves == 24
+        if rank == 1:
+            assert list(got) == list(full) and all(torch.equal(got[k], full[k]) for k in full)
+        cached = [r.cached_plan for r in stream.stats.results]
+        assert cached == [refit == 1] * 24, (refit, cached)
+
+
+@pytest.mark.multiproc
+def test_a_stream_in_more_waves_than_sixteen_reuses_every_plan() -> None:
+    run_ranks(2, _many_waves)
