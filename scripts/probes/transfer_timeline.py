@@ -1,6 +1,7 @@
-"""Probe (issue 33): where one replayed ``ckpt.transfer`` call's time goes, on 2 GPUs.
+"""Probe (issue 33): where one replayed ``ckpt.transfer`` call's time goes, on 2 GPUs (or ``RANKS``).
 
-The MoE of ``bench/transfer_moe.py`` (``SIZE_GB``, default 4) goes ``tp=2 -> ep=2`` in place, nine
+The MoE of ``bench/transfer_moe.py`` (``SIZE_GB``, default 4) goes ``tp=2 -> ep=2`` in place
+(``RANKS=4``: ``tp=2,ep=2 -> tp=4``, the bench's ``same`` layouts), nine
 times after three warm calls; each step of the call is marked with the host clock and a CUDA event
 on the stream it runs on (no profiler: torch's slows the host path it would measure): each recorded
 copy batch (``c('pack', k)`` ...), each posting of messages (``post``), each metadata exchange
@@ -8,7 +9,7 @@ copy batch (``c('pack', k)`` ...), each posting of messages (``post``), each met
 of every mark in milliseconds from the call's start (host, and the GPU's when it reached the mark),
 then NCCL's own send/recv of the same bytes alone (``p2p_alone``).
 
-Run: python scripts/probes/transfer_timeline.py   (CUDA only, 2 GPUs; ``OUT=dir`` keeps one file per rank)
+Run: [RANKS=4] [SIZE_GB=8] python scripts/probes/transfer_timeline.py   (CUDA only; ``OUT=dir`` keeps one file per rank)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import ckpt
 from bench.ranks import fork_ranks
 from bench.transfer import raw_baselines
-from bench.transfer_moe import _state, layers_for
+from bench.transfer_moe import _pair_bytes, _state, layers_for, layouts
 from ckpt import _comm
 from ckpt import _transfer_net as net
 
@@ -62,8 +63,9 @@ def main(rank: int, world: int, device: torch.device) -> None:
     g = torch.Generator(device=device).manual_seed(0)
     full = {k: torch.randn(s, generator=g, device=device, dtype=torch.bfloat16)
             for k, s in shapes(layers_for(SIZE_GB, 2)).items()}
-    src = _state(full, ((rank, world), (0, 1)), device, zero=False)
-    dst = _state(full, ((0, 1), (rank, world)), device, zero=True)
+    lay = layouts(world)  # (2 ranks: tp=2 -> ep=2; 4: tp=2,ep=2 -> tp=4)
+    src = _state(full, lay["same-src"][rank], device, zero=False)
+    dst = _state(full, lay["same-dst"][rank], device, zero=True)
     around(net.Program, "copy", lambda self, key, *_: f"c{key}", gpu_before=True)
     around(net.NcclTransport, "post", lambda *_: "post")
     around(_comm.Comm, "exchange", lambda *_: "xchg", gpu_after=False)
@@ -79,10 +81,8 @@ def main(rank: int, world: int, device: torch.device) -> None:
     for _ in range(4):
         res = ckpt.transfer(src, dst, in_place=True)
     assert res is not None and res.replayed
-    sent = torch.tensor([res.rank_sent], device=device)
-    both = [torch.zeros_like(sent) for _ in range(world)]
-    dist.all_gather(both, sent)
-    pairs = [[0 if s == r else int(both[s]) for r in range(world)] for s in range(world)]
+    full_cpu = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in full.items()}
+    pairs = _pair_bytes(full_cpu, lay["same-src"], lay["same-dst"], world)
     p2p = raw_baselines(rank, world, device, pairs)["send/recv"]
     runs = []
     for _ in range(9):
@@ -118,4 +118,4 @@ def main(rank: int, world: int, device: torch.device) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
-    sys.exit(fork_ranks(2, main, device="cuda"))
+    sys.exit(fork_ranks(int(os.environ.get("RANKS", "2")), main, device="cuda"))
