@@ -85,6 +85,9 @@ NO_REPLY_WAIT_S = 0.2  # how long a rank that lost its parent looks for its no-r
 # the operation's timeout): the two give up at about the same time, the one that sees more a little later.
 VERDICT_GRACE_S = 2.0
 VERDICT_TTL_S = 3600.0  # a verdict older than this (or than two timeouts of the asking rank) explains nothing
+# How long a rank that lost a child which relays no one looks for another rank's verdict: a child whose own
+# wait timed out closes its connections (gloo) a moment before it posts what it saw (Comm._heard_from_below)
+LOOK_S = 0.3
 
 
 def _grace(timeout: float | None) -> float:
@@ -350,16 +353,23 @@ class Comm:
         return out
 
     def _heard_from_below(self, e: errors.CollectiveError, timeout: float | None) -> errors.CollectiveError:
-        """On a rank whose wait for its children failed (``e``) where a missing child relays others: the
-        verdict that child posts when it gives up on a rank below it, when one comes within the grace;
-        else ``e``. Without this the relay would be blamed for the rank it was waiting for: its own
-        deadline passes about when this rank's does (or a little before, and its timeout closes the
-        connection: this rank sees it lost), and its verdict comes just after."""
+        """On a rank whose wait for its children failed (``e``): the verdict another rank posted, raised
+        instead of ``e`` (which would name the missing child) when one comes within :data:`LOOK_S`, or,
+        where a missing child relays others, within the grace.
+
+        Why the wait for a relay: it would be blamed for the rank it was waiting for: its own deadline
+        passes about when this rank's does (or a little before, and its timeout closes the connection:
+        this rank sees it lost), and its verdict comes just after. Why the look for any child: it may be
+        late (or gone) for having waited for a failed peer, and posted what it saw (a memory tier copy:
+        a leaf of a chain waiting for the bytes of a rank that failed was named by its parent, found by
+        the generated tier audit; the exchange after a copy waits a grace longer than the copy,
+        :func:`ckpt.tier.transfer.after_copy`, so that the leaf's verdict is there by then)."""
         missing: list[int] = getattr(e, "missing", [])
         key = self._verdict_key()
-        if key is None or not any(self._below(c) for c in missing):
+        relays = any(self._below(c) for c in missing)
+        if key is None:
             return e
-        end = time.monotonic() + _grace(timeout)
+        end = time.monotonic() + (_grace(timeout) if relays else min(_grace(timeout), LOOK_S))
         try:
             store = _store()
             while (seen := _fresh_verdict(store, key, _verdict_ttl(timeout))) is None:

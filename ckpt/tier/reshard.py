@@ -44,7 +44,7 @@ from ckpt.tier.nodes import NODE_DIR, RANK_DIR, STEP_DIR, tier_dir
 from ckpt.tier.reshard_fetch import global_region
 from ckpt.tier.restore import TierRestore
 from ckpt.tier.store import META_KEY, REPLICAS, _listdir
-from ckpt.tier.transfer import exchange, failed, package
+from ckpt.tier.transfer import after_copy, exchange, failed, package
 
 if TYPE_CHECKING:
     from ckpt.tier.types import TierView
@@ -299,7 +299,7 @@ def run(tier: TierView, fn: Callable[[str], Any], *, min_step: int | None = None
         except Exception as e:  # noqa: BLE001 - reported in the agreement: every rank falls back to storage
             err = f"rank {tier.rank} (fetching copies): {describe(e)}"
         # the host's other ranks read what its fetcher received: nobody reads before every fetch is over
-        if tier.comm.exchange(err is not None, lambda got: [any(got)] * len(got), timeout=tier.timeout,
+        if tier.comm.exchange(err is not None, lambda got: [any(got)] * len(got), timeout=after_copy(tier.timeout),
                               what=f"memory tier resharding restore of step {step_i} (fetch results)") and err is None:
             err = f"rank {tier.rank}: another rank's fetch failed"
     t_fetch = time.perf_counter() - t0

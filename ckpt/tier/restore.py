@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt._comm import describe
 from ckpt.errors import CollectiveError, IntegrityError
 from ckpt.tier.store import data_bytes, remove_step
-from ckpt.tier.transfer import exchange, failed, package
+from ckpt.tier.transfer import after_copy, exchange, failed, package
 
 if TYPE_CHECKING:
     from ckpt.tier.types import TierView
@@ -195,7 +195,7 @@ def _attempt(tier: TierView, fn: Callable[[str], Any], cand: Candidate, choice: 
     # fn may be collective (the trainer's reads the manifest with ckpt.inspect): when a fetch failed
     # (a copy from the same host fails its checksums there), no rank calls it, and the attempt fails
     fetch_failed = any(c != o for o, c in enumerate(choice)) and tier.comm.exchange(
-        err is not None, lambda got: [any(got)] * len(got), timeout=tier.timeout,
+        err is not None, lambda got: [any(got)] * len(got), timeout=after_copy(tier.timeout),
         what=f"memory tier restore of step {step} (fetch results)")
     if err is None and not fetch_failed:
         try:

@@ -74,7 +74,7 @@ from ckpt.tier.store import (
     localize_pieces,
     remove_step,
 )
-from ckpt.tier.transfer import exchange, failed, package
+from ckpt.tier.transfer import after_copy, exchange, failed, package
 from ckpt.tier.types import MemoryCheckpoint, MemoryHandle, TierConfig
 
 BACKGROUND_NICE = 10  # the background thread's niceness with busy="skip" (see MemoryTier._background)
@@ -394,7 +394,8 @@ class MemoryTier:
         mine = {"err": err, "copy": copy_errs, "bytes": nbytes, "sent": sum(p.nbytes for p in sends.values()),
                 "w": t1 - t0, "r": t2 - t1, "fatal": fatal}
         handle.reported = mine["at"] = self._cadence.report(step)  # (see ckpt.tier.cadence)
-        verdict = self.comm.exchange(mine, _verdict, timeout=self.timeout, what=f"memory tier agreement on step {step}")
+        verdict = self.comm.exchange(mine, _verdict, timeout=after_copy(self.timeout),
+                                     what=f"memory tier agreement on step {step}")
         self._cadence.agreed(int(verdict["next_at"]))
         t3 = time.perf_counter()
         if verdict.get("fatal"):

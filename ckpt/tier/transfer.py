@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import torch
 
-from ckpt._comm import Comm, describe
+from ckpt._comm import Comm, _grace, describe
 from ckpt._io import byte_view
 from ckpt._transaction import commit_manifest
 from ckpt.errors import CheckpointError, CollectiveError, IntegrityError, ManifestError, StorageError, UnsafePathError
@@ -129,6 +129,18 @@ def _buffers(need: int) -> list[torch.Tensor]:
     if not _BUFS or _BUFS[0].numel() < size:
         _BUFS[:] = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
     return _BUFS
+
+
+def after_copy(timeout: float) -> float:
+    """The timeout of the metadata exchange that follows a copy (:func:`exchange`): a grace longer than
+    the copy's.
+
+    Why: a rank whose copy waits for a failed peer gives up at the copy's deadline, posts what it saw
+    (:func:`_tell_the_others`) and never reports in the exchange after; its parent there, waiting with
+    the same deadline, named it instead of the failed peer (a chain 0 -> 1 -> 2 -> 3 with rank 1
+    failing before its copy: rank 2 named rank 3; found by the generated tier audit). A grace later
+    the verdict is posted, and the parent raises it (:meth:`ckpt._comm.Comm._heard_from_below`)."""
+    return timeout + _grace(timeout)
 
 
 def exchange(pg: Any, sends: dict[int, Package], recvs: dict[int, str], *, rank: int, timeout: float,
@@ -444,4 +456,4 @@ def _commit(storage: LocalStorage, dest: str, header: dict[str, Any], files: lis
         return e if isinstance(e, CheckpointError) else StorageError(f"{dest}: {e}")
 
 
-__all__ = ["CHUNK", "TAG", "ACK_TAG", "Package", "Received", "failed", "package", "exchange"]
+__all__ = ["after_copy", "CHUNK", "TAG", "ACK_TAG", "Package", "Received", "failed", "package", "exchange"]

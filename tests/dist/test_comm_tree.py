@@ -211,6 +211,45 @@ def test_a_slow_receiver_is_not_blamed_for_a_dead_one() -> None:
     assert res[2]["type"] == "CollectiveError" and names_rank(res[2]["msg"], 1), res[2]
 
 
+def _late_leaf_with_a_verdict(rank: int, world: int, timeout: float) -> dict[str, Any]:
+    """Tree 0 -> 1, 2; 1 -> 3, 4; 2 -> 5. Rank 5 stalls. Rank 3 (a leaf below rank 1) never reports: it
+    waits for bytes from rank 5 first (as a memory tier copy waits for a peer's), a little less long
+    than rank 1 will wait for it; when that wait times out gloo closes its connections (rank 1 sees it
+    lost), then it posts what it saw and raises, as the tier does."""
+    import datetime
+
+    from ckpt.errors import CollectiveError
+
+    c = Comm(None, fanin=2)
+    if rank == 5:
+        stall(rank, world)
+        return {}
+    if rank == 3:
+        def copy_from_5() -> None:
+            try:
+                c.cpu_group.recv([torch.zeros(8, dtype=torch.uint8)], 5, 7).wait(
+                    datetime.timedelta(seconds=timeout - 0.5))
+            except Exception:  # noqa: BLE001 - the copy's timeout: gloo closed this rank's connections
+                seen = CollectiveError("tier copy: rank 3 could not receive from rank 5 within the timeout")
+                raise c.post_or_heard(seen, timeout) or seen from None
+
+        return outcome(copy_from_5)
+    return outcome(lambda: c.gather({"r": rank}, timeout=timeout, what="save test"))
+
+
+@pytest.mark.multiproc
+def test_a_late_leaf_is_not_blamed_for_the_peer_it_waited_for() -> None:
+    """A parent whose deadline for a leaf passes looks for a verdict (for a relay it waits a grace for
+    one), and raises that: the rank the leaf waited for is named, not the leaf (rank 1 named rank 3
+    before; rank 2, which waits for rank 5 itself, names it either way)."""
+    res = run_forked(6, _late_leaf_with_a_verdict, 1.5)
+    assert res[4]["type"] is None  # (a leaf's gather ends once its parent took its message)
+    for r in (0, 1, 2, 3):
+        assert_typed(res[r], 2 * 1.5 + SLACK, cls="CollectiveError")
+        assert names_rank(res[r]["msg"], 5), (r, res[r])
+    assert "could not receive from rank 5" in res[1]["msg"] and "gave up on rank(s) [3]" in res[1]["msg"], res[1]
+
+
 # --- ckpt.save / ckpt.load over a tree ------------------------------------------------------------
 
 def _save_load_on_tree(rank: int, world: int, path: str, bad: int | None) -> dict[str, Any]:

@@ -530,6 +530,9 @@ def test_snapshots_failing_step_after_step_leave_no_files_behind(shm: str, point
     Case("restore", "final", 1, "exit", 1, 4, fanin=2),  # a relay gone after the planning
     # the chain 0 -> 1 -> 2 with a silent coordinator: rank 1 names it, and posts that for rank 2
     Case("restore", "plan", 1, "stall", 0, 3, fanin=1),
+    # the chain 0 -> 1 -> 2 -> 3, rank 1 failing before its copy to rank 3: rank 3 waits out the copy, and
+    # rank 2 named it in the agreement (found by the generated audit; ckpt.tier.transfer.after_copy)
+    Case("snapshot", "replicate", 1, "raise", 1, 4, fanin=1),
 ], ids=lambda c: f"{c.op}-{c.point}-{c.kind}-rank{c.culprit}")
 def test_a_fault_below_a_relay_of_the_exchange_tree(tmp_path: Path, case: Case) -> None:
     """Four ranks with a fan-in of 2 (0 -> 1, 2; 1 -> 3): the tier's exchanges climb through a relay,
