@@ -159,6 +159,13 @@ class Comm:
             v, d = tree_parent(v, self.world, self.fanin), d + 1
         return d
 
+    def _height(self, peer: int, root: int = 0) -> int:
+        """Levels of ``peer``'s subtree in the exchange tree rooted at ``root``, ``peer`` included (a leaf: 1)."""
+        level, n = [(peer - root) % self.world], 0
+        while level:
+            level, n = [c for v in level for c in tree_children(v, self.world, self.fanin)], n + 1
+        return n
+
     def _parent(self, root: int = 0) -> int:
         v = (self.rank - root) % self.world
         return (tree_parent(v, self.world, self.fanin) + root) % self.world
@@ -354,8 +361,9 @@ class Comm:
 
     def _heard_from_below(self, e: errors.CollectiveError, timeout: float | None) -> errors.CollectiveError:
         """On a rank whose wait for its children failed (``e``): the verdict another rank posted, raised
-        instead of ``e`` (which would name the missing child) when one comes within :data:`LOOK_S`, or,
-        where a missing child relays others, within the grace.
+        instead of ``e`` (which would name the missing child) when one comes within :data:`LOOK_S`, plus,
+        where a missing child relays others, a grace per level of relays in its subtree (each of them
+        may look that long before it posts).
 
         Why the wait for a relay: it would be blamed for the rank it was waiting for: its own deadline
         passes about when this rank's does (or a little before, and its timeout closes the connection:
@@ -366,10 +374,12 @@ class Comm:
         :func:`ckpt.tier.transfer.after_copy`, so that the leaf's verdict is there by then)."""
         missing: list[int] = getattr(e, "missing", [])
         key = self._verdict_key()
-        relays = any(self._below(c) for c in missing)
         if key is None:
             return e
-        end = time.monotonic() + (_grace(timeout) if relays else min(_grace(timeout), LOOK_S))
+        # a relay below looks for its own children's verdicts first: a grace per level of relays under the
+        # missing child, then a look (a child that gave up on a leaf posts at most a look after its deadline)
+        levels = max((self._height(c) for c in missing), default=1) - 1
+        end = time.monotonic() + _grace(timeout) * levels + min(_grace(timeout), LOOK_S)
         try:
             store = _store()
             while (seen := _fresh_verdict(store, key, _verdict_ttl(timeout))) is None:
@@ -486,8 +496,10 @@ class Comm:
         if key is None or self.world <= 2:  # (of two ranks, the parent is the only other: no one else can know)
             return e
         # a grace per level above this rank: the relay above it (one level up) that lost its own parent
-        # looks one grace less, then posts what it saw (below), for this rank to find
-        grace = _grace(timeout) * self._depth(root)
+        # looks one grace less, then posts what it saw (below), for this rank to find; and as long as the
+        # rank that saw a child fail may look before it posts (:meth:`_heard_from_below`: at most a grace
+        # per level of relays in the tree, then a look)
+        grace = _grace(timeout) * (self._depth(root) + self._height(root, root) - 2) + min(_grace(timeout), LOOK_S)
         end = time.monotonic() + grace
         # a rank that lost a child after taking this rank's message says so under its nonce (:meth:`_abort`):
         # then nothing was decided. Looked for a little longer than the verdict (posted after it).
