@@ -85,8 +85,9 @@ NO_REPLY_WAIT_S = 0.2  # how long a rank that lost its parent looks for its no-r
 # the operation's timeout): the two give up at about the same time, the one that sees more a little later.
 VERDICT_GRACE_S = 2.0
 VERDICT_TTL_S = 3600.0  # a verdict older than this (or than two timeouts of the asking rank) explains nothing
-# How long a rank that lost a child which relays no one looks for another rank's verdict: a child whose own
-# wait timed out closes its connections (gloo) a moment before it posts what it saw (Comm._heard_from_below)
+# How long a rank that lost a child looks for another rank's verdict (plus a grace per level of relays below
+# that child): a child whose own wait timed out closes its connections (gloo) a moment before it posts what
+# it saw (Comm._heard_from_below)
 LOOK_S = 0.3
 
 
