@@ -15,20 +15,16 @@ Run: python scripts/probes/layout_floor.py [size_gb=8]   (CUDA; every GPU of the
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench.ranks import fork_ranks
+from bench.transfer import raw_baselines
 from bench.transfer_moe import box, layers_for, layouts, shapes
 from ckpt.testing.ranks import gpu_count
+from scripts.probes._gpu import beside, graphed, run_ranks, timeit
 
 
 def _inter(a: tuple[tuple[int, ...], ...], b: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...] | None:
@@ -88,8 +84,10 @@ def _main(rank: int, world: int, device: torch.device, size_gb: float) -> dict[s
                     if not v.is_contiguous():
                         unpack_n += n
                         unpacks.append(v)
-    send = torch.ones(max(sum(out_n), 1), dtype=torch.bfloat16, device=device)
-    recv = torch.empty(max(sum(in_n), 1), dtype=torch.bfloat16, device=device)
+    pairs = [[0] * world for _ in range(world)]  # bytes: this rank's row and column are all it reads
+    for peer in range(world):
+        pairs[rank][peer], pairs[peer][rank] = out_n[peer] * 2, in_n[peer] * 2
+    nccl = raw_baselines(rank, world, device, pairs)["send/recv"]  # the bench's own baseline
     scratch = torch.ones(max(pack_n, unpack_n, 1), dtype=torch.bfloat16, device=device)
     sink = torch.empty_like(scratch)
 
@@ -103,63 +101,24 @@ def _main(rank: int, world: int, device: torch.device, size_gb: float) -> dict[s
     pack_to, unpack_from = flat(packs, sink), flat(unpacks, scratch)
     side = torch.cuda.Stream(device)
 
-    def nccl() -> None:
-        ops, o, i = [], 0, 0
-        for peer in range(world):
-            if out_n[peer]:
-                ops.append(dist.P2POp(dist.isend, send[o: o + out_n[peer]], peer))
-            if in_n[peer]:
-                ops.append(dist.P2POp(dist.irecv, recv[i: i + in_n[peer]], peer))
-            o, i = o + out_n[peer], i + in_n[peer]
-        for w in dist.batch_isend_irecv(ops) if ops else []:
-            w.wait()
+    def copies() -> None:
+        if local:
+            torch._foreach_copy_([d for d, _ in local], [s for _, s in local])
+        if packs:
+            torch._foreach_copy_(pack_to, packs)
+        if unpacks:
+            torch._foreach_copy_(unpacks, unpack_from)
 
     def floor() -> None:
-        main = torch.cuda.current_stream(device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            if local:
-                torch._foreach_copy_([d for d, _ in local], [s for _, s in local])
-            if packs:
-                torch._foreach_copy_(pack_to, packs)
-            if unpacks:
-                torch._foreach_copy_(unpacks, unpack_from)
-        nccl()
-        main.wait_stream(side)
-
-    def graphed(fn: Any) -> Any:
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream(device)
-        s.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(s):
-            g.capture_begin()
-            fn()
-            g.capture_end()
-        torch.cuda.current_stream(device).wait_stream(s)
-        torch.cuda.synchronize()
-        return g.replay
-
-    def timeit(fn: Any, reps: int = 9) -> float:
-        fn()
-        ts = []
-        for _ in range(reps):
-            dist.barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
+        beside(side, copies, nccl)
 
     local_n = sum(d.numel() for d, _ in local)
     res = {"gb_out": sum(out_n) * 2 / 1e9, "gb_in": sum(in_n) * 2 / 1e9, "gb_local": local_n * 2 / 1e9,
            "gb_pack": pack_n * 2 / 1e9, "gb_unpack": unpack_n * 2 / 1e9}
-    res["nccl"] = timeit(nccl)
-    res["nccl_graph"] = timeit(graphed(nccl))
-    res["floor_graph"] = timeit(graphed(floor))
-    res["nccl_again"] = timeit(nccl)
+    res["nccl"] = timeit(nccl, warm=True)
+    res["nccl_graph"] = timeit(graphed(nccl, device), warm=True)
+    res["floor_graph"] = timeit(graphed(floor, device), warm=True)
+    res["nccl_again"] = timeit(nccl, warm=True)
     # the slowest rank decides: the max over ranks of each time
     t = torch.tensor([res[k] for k in ("nccl", "nccl_graph", "floor_graph", "nccl_again")], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -172,19 +131,7 @@ def _main(rank: int, world: int, device: torch.device, size_gb: float) -> dict[s
 def run() -> int:
     size = float(sys.argv[1]) if len(sys.argv) > 1 else 8.0
     world = gpu_count()  # (nvidia-smi: CUDA stays uninitialised before the fork)
-    out = os.path.join(tempfile.mkdtemp(), "r.json")
-
-    def body(rank: int, world: int, device: torch.device) -> None:
-        r = _main(rank, world, device, size)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(r, f)
-
-    rc = fork_ranks(world, body, device="cuda")
-    if rc == 0:
-        with open(out) as f:
-            print(world, "ranks,", size, "GB:", {k: round(v, 3) for k, v in json.load(f).items()})
-    return rc
+    return run_ranks(world, _main, size, label=f"{world} ranks, {size} GB: ")
 
 
 if __name__ == "__main__":

@@ -21,15 +21,13 @@ Run: python scripts/probes/nccl_graph.py [layers=17]   (CUDA only, 2 GPUs; print
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench.ranks import fork_ranks
+from scripts.probes._gpu import beside, graphed, run_ranks, timeit
 
 D, F, E = 2048, 1024, 16
 
@@ -91,19 +89,13 @@ def _main(rank: int, world: int, device: torch.device, layers: int) -> dict[str,
 
     packs, unpacks = cut(out_buf, sends), cut(in_buf, recvs)
     side = torch.cuda.Stream(device)
-    main = torch.cuda.current_stream(device)
 
     def p2p(ops: list[tuple[Any, torch.Tensor]]) -> None:
         for w in dist.batch_isend_irecv([dist.P2POp(f, t, peer) for f, t in ops]):
             w.wait()
 
     def locals_beside(fn: Any) -> None:
-        main = torch.cuda.current_stream(device)  # the capturing stream inside a capture
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            torch._foreach_copy_([d for d, _ in local], [s for _, s in local])
-        fn()
-        main.wait_stream(side)
+        beside(side, lambda: torch._foreach_copy_([d for d, _ in local], [s for _, s in local]), fn)
 
     def nccl() -> None:
         p2p([(dist.isend, out_buf), (dist.irecv, in_buf)])
@@ -157,9 +149,11 @@ def _main(rank: int, world: int, device: torch.device, layers: int) -> dict[str,
     scratch_views = cut(scratch, recvs)
     staged_idx = [i for i, r in enumerate(recvs) if not r.is_contiguous()]
 
-    def floor() -> None:  # the least copying beside one message: the local copies and the unpacking
-        locals_beside(lambda: (nccl(), torch._foreach_copy_([recvs[i] for i in staged_idx],
-                                                            [scratch_views[i] for i in staged_idx])))
+    def floor() -> None:  # the least copying beside one message: the local copies and the unpacking, both beside it
+        # (the first form of this row unpacked on the message's stream, after it: not a floor; 2026-11-28)
+        beside(side, lambda: (torch._foreach_copy_([d for d, _ in local], [s for _, s in local]),
+                              torch._foreach_copy_([recvs[i] for i in staged_idx],
+                                                   [scratch_views[i] for i in staged_idx])), nccl)
 
     def pieces_local() -> None:  # no packing: the pieces as messages, the local copies beside
         locals_beside(sends_only)
@@ -171,31 +165,6 @@ def _main(rank: int, world: int, device: torch.device, layers: int) -> dict[str,
             res[name + "_WRONG"] = ",".join(bad[:4])  # type: ignore[assignment]
         for t in dst.values():
             t.zero_()
-
-    def graphed(fn: Any) -> Any:
-        fn()  # warm: NCCL's connections and allocations outside the capture
-        torch.cuda.synchronize()
-        gr = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream(device)
-        s.wait_stream(main)
-        with torch.cuda.stream(s):
-            gr.capture_begin()
-            fn()
-            gr.capture_end()
-        main.wait_stream(s)
-        torch.cuda.synchronize()
-        return gr.replay
-
-    def timeit(fn: Any, reps: int = 9) -> float:
-        ts = []
-        for _ in range(reps):
-            dist.barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
 
     res: dict[str, float] = {"gb_each_way": nbytes / 1e9, "ops_direct": len(sends) + len(direct_in),
                              "ops_experts": len(send_exp) + len(exp_in)}
@@ -210,7 +179,7 @@ def _main(rank: int, world: int, device: torch.device, layers: int) -> dict[str,
     for name, fn in [("nccl", nccl), *variants.items(), ("sends_only", sends_only), ("floor", floor),
                      ("pieces_local", pieces_local)]:
         try:
-            rep = graphed(fn)
+            rep = graphed(fn, device)
         except Exception as e:  # noqa: BLE001 - a probe: report what capture refused
             res[name + "_graph_error"] = str(e)[:200]  # type: ignore[assignment]
             continue
@@ -223,24 +192,7 @@ def _main(rank: int, world: int, device: torch.device, layers: int) -> dict[str,
 
 
 def run() -> int:
-    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 17
-    import json
-    import os
-    import tempfile
-
-    out = os.path.join(tempfile.mkdtemp(), "r.json")
-
-    def body(rank: int, world: int, device: torch.device) -> None:
-        r = _main(rank, world, device, layers)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(r, f)
-
-    rc = fork_ranks(2, body, device="cuda")
-    if rc == 0:
-        with open(out) as f:
-            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in json.load(f).items()})
-    return rc
+    return run_ranks(2, _main, int(sys.argv[1]) if len(sys.argv) > 1 else 17)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,8 @@ Run: python scripts/probes/nccl_messages.py   (CUDA only, 2 GPUs; prints one lin
 
 from __future__ import annotations
 
-import statistics
+import functools
 import sys
-import time
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from bench.ranks import fork_ranks
 from ckpt._comm import Comm
+from scripts.probes import _gpu
 
 
 def _main(rank: int, world: int, device: torch.device) -> None:
@@ -39,16 +39,7 @@ def _main(rank: int, world: int, device: torch.device) -> None:
     side = torch.cuda.Stream(device)
     peer = 1 - rank
 
-    def timeit(fn: Any, reps: int = 7) -> float:
-        ts = []
-        for _ in range(reps):
-            dist.barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
+    timeit = functools.partial(_gpu.timeit, reps=7)
 
     def batches(k: int, per: int) -> list[Any]:
         m, ops = n // k, []

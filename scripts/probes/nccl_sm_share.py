@@ -4,8 +4,7 @@ medians of 9:
 - ``nccl``: the message alone; ``copy_torch``: torch's copy alone; ``beside_torch``: the two at once;
 - ``copy_gN`` / ``beside_gN``: the same with a copy kernel limited to N thread blocks (Triton, a
   grid-stride loop), so that NCCL keeps the other SMs.
-- ``copy_greenN`` / ``beside_greenN`` (``_graph``: captured as a CUDA graph on that stream): torch's
-  copy on a stream of a CUDA green context of N SMs.
+- ``copy_greenN`` / ``beside_greenN``: torch's copy on a stream of a CUDA green context of N SMs.
 If ``beside_gN`` is near ``nccl`` for an N whose copy still fits in the message's time, a layout
 change's copies could hide behind its messages; if not, the memory is what they share.
 
@@ -14,18 +13,13 @@ Run: python scripts/probes/nccl_sm_share.py   (CUDA and Triton, 2 GPUs; prints o
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench.ranks import fork_ranks
+from scripts.probes._gpu import beside, run_ranks, timeit
 
 
 def _kernel() -> Any:
@@ -63,39 +57,20 @@ def _main(rank: int, world: int, device: torch.device) -> dict[str, float]:
             return lambda: b.copy_(a)
         return lambda: kern[(grid,)](a, b, a.numel(), grid * block, BLOCK=block, num_warps=4)
 
-    def beside(cp: Any) -> Any:
-        def fn() -> None:
-            main = torch.cuda.current_stream(device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                cp()
-            nccl()
-            main.wait_stream(side)
-        return fn
-
-    def timeit(fn: Any, reps: int = 9) -> float:
-        fn()
-        ts = []
-        for _ in range(reps):
-            dist.barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
+    def on(stream: Any, cp: Any, with_message: bool = True) -> Any:
+        """The copy ``cp`` on ``stream``, with the message beside it (or alone)."""
+        return lambda: beside(stream, cp, nccl if with_message else None)
 
     res: dict[str, float] = {"sms": torch.cuda.get_device_properties(device).multi_processor_count}
-    res["nccl"] = timeit(nccl)
+    res["nccl"] = timeit(nccl, warm=True)
     for grid in (None, 8, 16, 32, 64, 132, 264):
         name = "torch" if grid is None else f"g{grid}"
         cp = copier(grid)
         b.zero_()
-        res["copy_" + name] = timeit(cp)
+        res["copy_" + name] = timeit(cp, warm=True)
         assert torch.equal(a, b), name
-        res["beside_" + name] = timeit(beside(cp))
-    # the copy on a stream of a green context of N SMs (torch's copy kernel; N SMs at most), eager and
-    # as a CUDA graph captured on that stream
+        res["beside_" + name] = timeit(on(side, cp), warm=True)
+    # the copy on a stream of a green context of N SMs (torch's copy kernel; N SMs at most)
     try:
         from torch.cuda.green_contexts import GreenContext
     except ImportError:
@@ -112,58 +87,16 @@ def _main(rank: int, world: int, device: torch.device) -> dict[str, float]:
         except Exception as e:  # noqa: BLE001 - a probe: say what was refused
             res[f"green{sms}_error"] = str(e)[:120]  # type: ignore[assignment]
             break
-
-        def on_green(fn: Any, gs: Any = gs) -> Any:
-            def run_() -> None:
-                main = torch.cuda.current_stream(device)
-                gs.wait_stream(main)
-                with torch.cuda.stream(gs):
-                    fn()
-                nccl()
-                main.wait_stream(gs)
-            return run_
-
-        def alone(fn: Any, gs: Any = gs) -> Any:
-            def run_() -> None:
-                main = torch.cuda.current_stream(device)
-                gs.wait_stream(main)
-                with torch.cuda.stream(gs):
-                    fn()
-                main.wait_stream(gs)
-            return run_
-
         b.zero_()
-        res[f"copy_green{sms}"] = timeit(alone(lambda: b.copy_(a)))
+        res[f"copy_green{sms}"] = timeit(on(gs, lambda: b.copy_(a), with_message=False), warm=True)
         assert torch.equal(a, b)
-        res[f"beside_green{sms}"] = timeit(on_green(lambda: b.copy_(a)))
-        try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(gs):
-                g.capture_begin()
-                b.copy_(a)
-                g.capture_end()
-            res[f"copy_green{sms}_graph"] = timeit(alone(g.replay))
-            res[f"beside_green{sms}_graph"] = timeit(on_green(g.replay))
-        except Exception as e:  # noqa: BLE001 - a probe: say what was refused
-            res[f"green{sms}_graph_error"] = str(e)[:120]  # type: ignore[assignment]
-    res["nccl_again"] = timeit(nccl)
+        res[f"beside_green{sms}"] = timeit(on(gs, lambda: b.copy_(a)), warm=True)
+    res["nccl_again"] = timeit(nccl, warm=True)
     return res
 
 
 def run() -> int:
-    out = os.path.join(tempfile.mkdtemp(), "r.json")
-
-    def body(rank: int, world: int, device: torch.device) -> None:
-        r = _main(rank, world, device)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(r, f)
-
-    rc = fork_ranks(2, body, device="cuda")
-    if rc == 0:
-        with open(out) as f:
-            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in json.load(f).items()})
-    return rc
+    return run_ranks(2, _main)
 
 
 if __name__ == "__main__":
