@@ -8,6 +8,7 @@ metadata group, so a data-phase timeout cannot take the agreement down with it);
 from __future__ import annotations
 
 import datetime
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -64,7 +65,8 @@ class GlooTransport(Transport):
 
 
 class NcclTransport(Transport):
-    """Over the caller's NCCL group: one ``batch_isend_irecv`` per round, buffers on the current GPU."""
+    """Over the caller's NCCL group: one coalesced batch of sends and receives per round (what
+    ``batch_isend_irecv`` does), buffers on the current GPU."""
 
     fence_waits = False
 
@@ -73,13 +75,30 @@ class NcclTransport(Transport):
 
         self.dist, self.group = dist, group
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.direct = _coalesces(group, self.device)
 
     def post(self, sends: list[Post], recvs: list[Post]) -> list[tuple[Any, int]]:
+        peers = [p for _, p, _ in recvs] + [p for _, p, _ in sends]
+        if not peers:
+            return []
+        if self.direct:
+            # The group's own coalescing, as batch_isend_irecv runs it for NCCL, without its per-operation
+            # Python (argument checks, rank translation: ~40 us an operation; 0.23-0.38 ms to post a round
+            # of 6 on 4 x H100, before the first byte moved). Group ranks, as the group's send takes them.
+            g = self.group
+            g._start_coalescing(self.device)
+            try:
+                for buf, peer, tag in recvs:
+                    g.recv([buf], peer, tag)
+                for buf, peer, tag in sends:
+                    g.send([buf], peer, tag)
+            finally:
+                work = g._end_coalescing(self.device)
+            return [(work, peers[0])]
         d = self.dist
         ops = [d.P2POp(d.irecv, buf, d.get_global_rank(self.group, peer), self.group, tag) for buf, peer, tag in recvs]
         ops += [d.P2POp(d.isend, buf, d.get_global_rank(self.group, peer), self.group, tag) for buf, peer, tag in sends]
-        works = list(d.batch_isend_irecv(ops)) if ops else []
-        peers = [p for _, p, _ in recvs] + [p for _, p, _ in sends]
+        works = list(d.batch_isend_irecv(ops))
         # NCCL may hand back one work for the whole batch
         return list(zip(works, peers, strict=True)) if len(works) == len(peers) else [(w, peers[0]) for w in works]
 
@@ -89,6 +108,21 @@ class NcclTransport(Transport):
 
     def fence(self, work: Any, deadline: float | None) -> None:
         work.wait()  # (a stream wait: the host goes on)
+
+
+def _coalesces(group: Any, device: torch.device) -> bool:
+    """Whether ``group`` is a plain ProcessGroup whose backend for ``device`` coalesces point-to-point
+    operations itself (NCCL): the case in which ``batch_isend_irecv`` only wraps the group's own
+    ``_start_coalescing`` / ``send`` / ``recv`` / ``_end_coalescing``, which NcclTransport then calls
+    directly. False on anything else (another torch, a wrapped group): the public call is used."""
+    import torch.distributed as dist
+
+    try:
+        return (type(group) is dist.ProcessGroup and all(
+            hasattr(group, a) for a in ("_start_coalescing", "_end_coalescing", "send", "recv"))
+                and bool(group._get_backend(device).supports_coalescing))
+    except Exception:  # noqa: BLE001 - not the shape this relies on: the public call
+        return False
 
 
 def poll(work: Any, deadline: float | None) -> bool:
@@ -230,7 +264,7 @@ def shares_storage(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> 
 
 def same_tensors(tensors: list[torch.Tensor], held: list[torch.Tensor]) -> bool:
     """Whether ``tensors`` are the very objects of ``held``, in order (cheaper than :func:`signature`)."""
-    return len(tensors) == len(held) and all(a is b for a, b in zip(tensors, held, strict=True))
+    return len(tensors) == len(held) and all(map(operator.is_, tensors, held))
 
 
 def signature(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
@@ -333,7 +367,9 @@ class Program:
         the same mode, the same places, and the recorded tensors still there (a storage freed, as
         FSDP frees unsharded parameters, with a new tensor at its address would leave the recorded
         views on freed memory)."""
-        if sig != self.sig or defer != self.defer:
+        # (the signature kept with the call's pieces is the recorded one itself on repeated calls:
+        # ckpt._transfer_front.signature_of; comparing ~340 entries cost ~0.1 ms)
+        if (sig is not self.sig and sig != self.sig) or defer != self.defer:
             return False
         return same_tensors(tensors, self.held) or signature(self.held) == self.sig
 

@@ -140,6 +140,8 @@ class Schedule:
     local: list[Copy] = field(default_factory=list)  # held and wanted by this rank: copied in place
     sends: list[Bucket] = field(default_factory=list)
     recvs: list[Bucket] = field(default_factory=list)
+    # what a runner derives from the schedule, kept with it (a cached plan runs again and again)
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def to_wire(self) -> dict[str, Any]:
         return {"l": [c.to_wire() for c in self.local], "s": [b.to_wire() for b in self.sends],

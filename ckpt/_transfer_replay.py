@@ -7,6 +7,7 @@ tensors on GPUs (docs/TRANSFER.md, "Replay").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -22,17 +23,18 @@ from ckpt.shards import Region
 def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region], targets: list[torch.Tensor],
         dst_regions: list[Region], transport: Transport | None, *, rank: int, checksum: bool,
         deadline: float | None, timeout: float | None, defer: bool = False, snapshot: bool = False,
-        keep: Buffers | None = None, early: Early | None = None) -> Failure:
+        keep: Buffers | None = None, early: Early | None = None, where: Where = None) -> Failure:
     """:func:`ckpt._transfer_exec.run_schedule`, or the replay of its recorded run in ``keep`` when
     every tensor is where it was; a run that may be replayed later is recorded. ``early``: what
-    :func:`prepack` packed earlier in this call. Never raises."""
+    :func:`prepack` packed earlier in this call; ``where``: returns the signature of ``sources +
+    targets`` where the caller keeps it (else computed here). Never raises."""
     rec = None
     if keep is not None and not snapshot and not checksum and ex.FAULT is None:
         tensors = sources + targets
         if early is not None and early.prog is keep.program and early.prog.defer == defer and same_tensors(
                 tensors, early.tensors):
             return replay(early.prog, transport, rank=rank, deadline=deadline, timeout=timeout, packed=True)
-        sig = signature(tensors)
+        sig = signature(tensors) if where is None else where()
         if keep.program is not None and keep.program.holds(tensors, sig, defer):
             return replay(keep.program, transport, rank=rank, deadline=deadline, timeout=timeout)
         keep.program = None
@@ -43,6 +45,9 @@ def run(sched: Schedule, sources: list[torch.Tensor], src_regions: list[Region],
                            keep=keep, rec=rec)
 
 
+Where = Callable[[], Any] | None  # the signature of a run's tensors, where the caller keeps it
+
+
 class Early(NamedTuple):
     """A recording whose first round :func:`prepack` packed, and the tensors it was found to hold for."""
 
@@ -50,8 +55,8 @@ class Early(NamedTuple):
     tensors: list[torch.Tensor]
 
 
-def prepack(keep: Buffers | None, sources: list[torch.Tensor], targets: list[torch.Tensor], defer: bool
-            ) -> Early | None:
+def prepack(keep: Buffers | None, sources: list[torch.Tensor], targets: list[torch.Tensor], defer: bool,
+            where: Where = None) -> Early | None:
     """Pack the first round of the recorded run in ``keep`` when it holds for these tensors, before
     the call's plan exchange (for :func:`run`'s ``early``); None when there is nothing to pack
     ahead. Why: on GPUs the packing then runs while the host waits for the other ranks'
@@ -65,7 +70,7 @@ def prepack(keep: Buffers | None, sources: list[torch.Tensor], targets: list[tor
     first = min(prog.rounds)
     r = prog.rounds[first]
     tensors = sources + targets
-    if not r.outs or not prog.holds(tensors, signature(tensors), defer):
+    if not r.outs or not prog.holds(tensors, signature(tensors) if where is None else where(), defer):
         return None
     prog.copy(("pack", first), r.outs, r.datas)
     return Early(prog, tensors)

@@ -248,16 +248,15 @@ def run_items(comm: Comm, group: Any, srcs: list[TensorItem], dsts: list[TensorI
     if opts.delta and state is not None:
         state.fingerprint = mine["fp"]
         state.src_hashes = src_h
-        now = dict(zip(sorted(wanted), digests([dsts[j].local for j in sorted(wanted)]), strict=True))
+        now = dict(zip(wanted, digests([dsts[j].local for j in wanted]), strict=True))
         state.dst_hashes = [now.get(j, h) for j, h in enumerate(dst_h)]
     if state is not None:
         state.version = ver
-    sent = sum(b.nbytes for b in sched.sends)
-    received = sum(b.nbytes for b in sched.recvs)
+    sent, received, senders = _traffic(sched)
     phases = {"front": front, "plan": t1 - t0, "move": t2 - t1, "agree": t3 - t2, "commit": t4 - t3}
     return TransferResult(ver, mine["sent"], mine["skipped"], mine["local"], mine["buckets"], mine["rounds"],
                           time.perf_counter() - t0, sent, received, state, hit, fail.packed, fail.direct,
-                          fail.program is not None, phases, sorted({b.sender for b in sched.recvs}))
+                          fail.program is not None, phases, list(senders))
 
 
 def _prepack(comm: Comm, group: Any, fp: str | None, srcs: list[TensorItem], dsts: list[TensorItem],
@@ -272,9 +271,18 @@ def _prepack(comm: Comm, group: Any, fp: str | None, srcs: list[TensorItem], dst
     if hit is None or keep is None or pc != hit.fp:
         return None
     try:
-        return _replay.prepack(keep, [i.local for i in srcs], [i.local for i in dsts], defer=not opts.in_place)
+        sources, targets = [i.local for i in srcs], [i.local for i in dsts]
+        return _replay.prepack(keep, sources, targets, defer=not opts.in_place,
+                               where=_where(srcs, dsts, sources, targets))
     except Exception:  # noqa: BLE001 - an optimisation: the move packs (and fails, if it must) as always
         return None
+
+
+def _where(srcs: list[TensorItem], dsts: list[TensorItem], sources: list[torch.Tensor],
+           targets: list[torch.Tensor]) -> Callable[[], Any]:
+    """The signature of the pieces' tensors (``sources + targets``, the pieces' own), kept with the
+    pieces by the front when it keeps them (:func:`ckpt._transfer_front.signature_of`)."""
+    return lambda: _front.signature_of(srcs, dsts, lambda: net.signature(sources + targets))
 
 
 def _declaration(srcs: list[TensorItem], dsts: list[TensorItem], opts: Options, state: TransferState | None,
@@ -294,21 +302,21 @@ def _declaration(srcs: list[TensorItem], dsts: list[TensorItem], opts: Options, 
 
 def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: list[TensorItem],
           dsts: list[TensorItem], opts: Options, deadline: float | None, early: _replay.Early | None = None
-          ) -> tuple[dict[int, torch.Tensor], set[int], ex.Failure]:
+          ) -> tuple[dict[int, torch.Tensor], list[int], ex.Failure]:
     """Run this rank's schedule. Not ``in_place``: nothing is written into ``dst`` yet; the received
     buckets are kept and the local copies noted (``Failure.writes``) until the commit. ``in_place``:
     straight into the pieces (a non-contiguous one through a contiguous staging copy, returned).
     ``deadline``: when a wait for another rank's bytes gives up (monotonic seconds)."""
     fail = ex.Failure()
     staged: dict[int, torch.Tensor] = {}
-    wanted: set[int] = set()
+    wanted: list[int] = []
     targets: list[torch.Tensor] = [i.local for i in dsts]
     try:
-        wanted = {c.dst for c in sched.local} | {c.dst for b in sched.recvs for c in b.copies}
-        for j in sorted(wanted) if opts.in_place else []:
-            t = dsts[j].local
-            if t.is_contiguous():
+        wanted = _wanted(sched)
+        for j in _front.strided(dsts, srcs) if opts.in_place else []:
+            if j not in _wanted_set(sched):
                 continue
+            t = dsts[j].local
             # the staging copy starts as dst's own values when delta may skip some of its copies
             staged[j] = t.detach().clone(memory_format=torch.contiguous_format) if opts.delta else torch.empty(
                 t.shape, dtype=t.dtype, device=t.device)
@@ -323,12 +331,41 @@ def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: l
         sources = [i.local for i in srcs]
         # deferred, a local copy cannot wait for the commit when its source may be overwritten first
         snapshot = not opts.in_place and bool(sched.local) and net.shares_storage(sources, targets)
+        # (a staged target is not the piece's own tensor: then the signature is taken anew)
+        where = None if staged else _where(srcs, dsts, sources, targets)
         fail = _replay.run(sched, sources, [i.region for i in srcs], targets, [i.region for i in dsts], transport,
                            rank=comm.rank, checksum=opts.checksum, deadline=deadline, timeout=opts.timeout,
-                           defer=not opts.in_place, snapshot=snapshot, keep=keep, early=early)
+                           defer=not opts.in_place, snapshot=snapshot, keep=keep, early=early, where=where)
     except Exception as e:  # noqa: BLE001
         fail.add(e)
     return staged, wanted, fail
+
+
+def _of(sched: Schedule, what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, derived from ``sched`` alone, kept with it (a cached plan runs again and again)."""
+    if what not in sched.derived:
+        sched.derived[what] = fn()
+    return sched.derived[what]
+
+
+def _wanted(sched: Schedule) -> list[int]:
+    """The destination pieces ``sched`` writes (sorted)."""
+    out: list[int] = _of(sched, "wanted", lambda: sorted({c.dst for c in sched.local}
+                                                         | {c.dst for b in sched.recvs for c in b.copies}))
+    return out
+
+
+def _wanted_set(sched: Schedule) -> set[int]:
+    out: set[int] = _of(sched, "wanted_set", lambda: set(_wanted(sched)))
+    return out
+
+
+def _traffic(sched: Schedule) -> tuple[int, int, list[int]]:
+    """Bytes ``sched`` sends and receives, and the ranks it receives from."""
+    out: tuple[int, int, list[int]] = _of(sched, "traffic", lambda: (
+        sum(b.nbytes for b in sched.sends), sum(b.nbytes for b in sched.recvs),
+        sorted({b.sender for b in sched.recvs})))
+    return out
 
 
 def release_buffers(group: Any = None) -> None:

@@ -6,10 +6,15 @@ times after three warm calls; each step of the call is marked with the host cloc
 on the stream it runs on (no profiler: torch's slows the host path it would measure): each recorded
 copy batch (``c('pack', k)`` ...), each posting of messages (``post``), each metadata exchange
 (``xchg``), each wait for NCCL (``polled``). Prints, per rank, the medians over the last seven calls
-of every mark in milliseconds from the call's start (host, and the GPU's when it reached the mark),
-then NCCL's own send/recv of the same bytes alone (``p2p_alone``).
+of every mark (host, and the GPU's when it reached the mark) in milliseconds from the call's start
+on the first rank to start it (the host's monotonic clock is every rank's: ``start`` is each rank's
+lag behind the first), then NCCL's own send/recv of the same bytes alone (``p2p_alone``).
 
-Run: [RANKS=4] [SIZE_GB=8] python scripts/probes/transfer_timeline.py   (CUDA only; ``OUT=dir`` keeps one file per rank)
+``FINE=1``: marks around the host's steps too. ``TINY=1``: the same structure (as many layers) with
+tensors of a few KB (the host alone).
+
+Run: [RANKS=4] [SIZE_GB=8] [TINY=1] [FINE=1] python scripts/probes/transfer_timeline.py
+(CUDA only; ``OUT=dir`` keeps one file per rank)
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from ckpt import _comm
 from ckpt import _transfer_net as net
 
 SIZE_GB = float(os.environ.get("SIZE_GB", "4"))
+FINE = os.environ.get("FINE") == "1"  # marks around the host's steps of the call too
+TINY = os.environ.get("TINY") == "1"  # the same 34-layer structure with tensors of a few KB: the host alone
 MARKS: list[tuple[str, float, Any]] = []  # (label, host seconds, CUDA event or None)
 ON = [False]
 
@@ -58,17 +65,32 @@ def around(obj: Any, name: str, label: Callable[..., str], gpu_before: bool = Fa
 
 
 def main(rank: int, world: int, device: torch.device) -> None:
+    import bench.transfer_moe as tm
     from bench.transfer_moe import shapes
 
+    layers = layers_for(SIZE_GB, 2)
+    if TINY:
+        tm.D, tm.F, tm.E = 64, 32, 16
     g = torch.Generator(device=device).manual_seed(0)
     full = {k: torch.randn(s, generator=g, device=device, dtype=torch.bfloat16)
-            for k, s in shapes(layers_for(SIZE_GB, 2)).items()}
+            for k, s in shapes(layers).items()}
     lay = layouts(world)  # (2 ranks: tp=2 -> ep=2; 4: tp=2,ep=2 -> tp=4)
     src = _state(full, lay["same-src"][rank], device, zero=False)
     dst = _state(full, lay["same-dst"][rank], device, zero=True)
     around(net.Program, "copy", lambda self, key, *_: f"c{key}", gpu_before=True)
     around(net.NcclTransport, "post", lambda *_: "post")
     around(_comm.Comm, "exchange", lambda *_: "xchg", gpu_after=False)
+    if FINE:  # the host's steps of the call (no GPU marks)
+        import importlib
+
+        tr = importlib.import_module("ckpt.transfer")
+        for mod, names in [(tr, ["Comm", "run_items", "check_options", "_declaration", "_prepack",
+                                 "plan_or_reuse", "_move", "_transport", "_agree", "_commit", "TransferResult"]),
+                           (importlib.import_module("ckpt._transfer_front"), ["declared", "fingerprint_of"]),
+                           (importlib.import_module("ckpt._transfer_replay"), ["signature", "same_tensors", "replay"]),
+                           (net.Program, ["holds"])]:
+            for name in names:
+                around(mod, name, lambda *_, n=name: n, gpu_after=False)
     poll = net.poll
 
     def polled(work: Any, deadline: float | None) -> bool:
@@ -96,7 +118,10 @@ def main(rank: int, world: int, device: torch.device) -> None:
         ON[0] = False
         torch.cuda.synchronize()
         t0, e0 = MARKS[0][1], MARKS[0][2]
-        row = [(lab, (h - t0) * 1e3, None if ev is None else e0.elapsed_time(ev)) for lab, h, ev in MARKS]
+        starts: list[Any] = [None] * world
+        dist.all_gather_object(starts, t0)  # (perf_counter is the host's monotonic clock: one for every rank)
+        lag = (t0 - min(starts)) * 1e3  # this rank started after the first one by this much
+        row = [(lab, (h - t0) * 1e3 + lag, None if ev is None else e0.elapsed_time(ev) + lag) for lab, h, ev in MARKS]
         dist.barrier()
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -104,7 +129,7 @@ def main(rank: int, world: int, device: torch.device) -> None:
         torch.cuda.synchronize()
         runs.append([*row, ("p2p_alone", (time.perf_counter() - t) * 1e3, None)])
     keep = [r for r in runs[2:] if [m[0] for m in r] == [m[0] for m in runs[-1]]]
-    lines = [f"rank {rank} (medians of {len(keep)} calls; ms from the call's start)"]
+    lines = [f"rank {rank} (medians of {len(keep)} calls; ms from the first rank's start of the call)"]
     for i, (lab, _, _) in enumerate(keep[0]):
         host = statistics.median(r[i][1] for r in keep)
         gpus = [r[i][2] for r in keep if r[i][2] is not None]

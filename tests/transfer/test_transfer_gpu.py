@@ -1,7 +1,8 @@
 """Replays on GPUs (NCCL), where the recorded batches of copies run as CUDA graphs
 (``ckpt._transfer_net.Batch``): bitwise over calls whose values change, in place or committed, every
 batch captured; and the same run on gloo ranks, where batches are plain launches (CI). The NCCL
-variant needs two GPUs and is skipped elsewhere."""
+variant needs two GPUs and is skipped elsewhere; it runs with NCCL's messages posted through the
+group's own coalescing and through ``batch_isend_irecv``."""
 
 from __future__ import annotations
 
@@ -31,11 +32,17 @@ def test_a_batch_without_gpus_runs_its_copies_as_launches() -> None:
     assert torch.cuda.is_initialized() == before
 
 
-def _moe_like(rank: int, world: int, device: str, in_place: bool) -> None:
+def _moe_like(rank: int, world: int, device: str, in_place: bool, public: bool = False) -> None:
+    import torch.distributed as dist
+
     dev = torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
+        if public:  # NCCL's messages posted through batch_isend_irecv (a torch without the group's own coalescing)
+            net._coalesces = lambda group, device: False
+        # posted through the group's own coalescing, unless told not to
+        assert net.NcclTransport(dist.group.WORLD).direct == (not public)
     captured: list[bool] = []
     capture = net._capture
 
@@ -106,11 +113,11 @@ def _moe_like(rank: int, world: int, device: str, in_place: bool) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda-public"])
 def test_replays_stay_bitwise_and_on_nccl_run_their_copies_as_graphs(device: str, in_place: bool) -> None:
-    if device == "cuda" and gpu_count() < 2:
+    if device.startswith("cuda") and gpu_count() < 2:
         pytest.skip("needs 2 GPUs (NCCL)")
-    launch(2, _moe_like, in_place, device=device, pass_device=True)
+    launch(2, _moe_like, in_place, device.endswith("public"), device=device.split("-")[0], pass_device=True)
 
 
 def _mixed_init(device: str) -> torch.device:
@@ -133,6 +140,7 @@ def _mixed(rank: int, world: int, device: torch.device) -> None:
     co = importlib.import_module("ckpt._transfer_coord")
     assert str(dist.get_backend()) == "cpu:gloo,cuda:nccl"
     assert co.nccl_data(Comm(None), True)  # the CUDA tensors go over NCCL, not ckpt's gloo side group
+    assert net.NcclTransport(dist.group.WORLD).direct  # (posted through the group's own coalescing)
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(64, 48, generator=g, device=device)  # the same on both ranks
     src = {"w": ckpt.Shard(w[rank * 32: rank * 32 + 32].clone(), (64, 48), (rank * 32, 0))}
