@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -77,9 +78,30 @@ def _change(what: str, src: dict, dst: dict, rename: Any, n: int) -> Any:
     return rename
 
 
+@pytest.mark.parametrize("guard", [True, False])  # torch's metadata check, or the front's own in Python
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from(CHANGES), min_size=1, max_size=12))
-def test_kept_pieces_always_equal_a_fresh_declaration(changes: list[str]) -> None:
+@given(changes=st.lists(st.sampled_from(CHANGES), min_size=1, max_size=12))
+def test_kept_pieces_always_equal_a_fresh_declaration(guard: bool, changes: list[str]) -> None:
+    front.GUARD = guard
+    try:
+        _changes_then_declared(changes)
+    finally:
+        front.GUARD = True
+
+
+def test_torch_s_own_metadata_check_is_used_where_this_torch_has_it() -> None:
+    ts = [torch.zeros(4, 3)[1:], torch.zeros(2, dtype=torch.bfloat16)]
+    g = front._guard(ts)
+    assert g is not None and g.check(*ts)  # (this torch has it: the tests above run both ways)
+    ts[0].as_strided_((3, 3), (1, 3))
+    assert not g.check(*ts)
+    ts[0].as_strided_((3, 3), (3, 1))
+    assert g.check(*ts)
+    ts[1].data = ts[1].data.float()
+    assert not g.check(*ts)
+
+
+def _changes_then_declared(changes: list[str]) -> None:
     src: dict[str, Any] = {"a": ckpt.Shard(torch.randn(2, 2), (3, 2), (0, 0)), "b": torch.randn(3, 2), "step": 0}
     dst: dict[str, Any] = {"a": torch.zeros(3, 2), "nest": {"c": ckpt.FlatShard(torch.zeros(2), (3, 2), 1),
                                                              "d": torch.zeros(1)}}
