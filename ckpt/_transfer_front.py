@@ -6,10 +6,12 @@ tensors (docs/TRANSFER.md). A call whose ``src``, ``dst`` and ``rename`` are the
 group's last call, holding the same leaves (the same objects, with the same shapes, dtypes,
 devices, offsets, ranges, addresses and strides), reuses that call's pieces, their wire form,
 fingerprints and the signature of their tensors (:func:`signature_of`). Checking that costs, per
-dict, a comparison of its keys and values (by identity) with the last call's, and per leaf a few
-attribute reads, each list of them made in C (``map`` over ``attrgetter``): ~0.2 ms for ~340 leaves
-on a 4 x H100 host, where walking the dicts in Python took 0.58 ms and a replay's check of where its
-tensors are another 0.3 ms (probe: ``FINE=1 TINY=1 python scripts/probes/transfer_timeline.py``).
+dict, a comparison of its keys and values (by identity) with the last call's, per piece its
+geometry, and per tensor its address and torch's own C++ check of its metadata (:func:`_guard`; in
+Python where this torch lacks it), each list made in C (``map``): for the ~340 leaves of the MoE in
+docs/BENCHMARKS.md, 0.16 ms in a loop on a CPU of this project's CI (0.6 ms as a walk in Python),
+0.55-0.6 ms inside calls, where every tensor is read cold after the call's other work; before, a
+replay also took the signature of the same tensors again (0.2-0.3 ms on a 4 x H100 host).
 
 Never kept (flattened every call, as before): states with lists, Stateful values, DTensors,
 ShardedTensors or other objects (their pieces come from their own metadata, which this walk does
