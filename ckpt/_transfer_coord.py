@@ -36,23 +36,43 @@ DEFAULT_TIMEOUT_S = 600.0
 JOIN_ON_GLOO = False  # test hook: join buckets into messages over gloo too (as over NCCL; see plan_transfer)
 
 
-def rank_payload(e: BaseException, rank: int | None, primary: bool = True, timed_out: bool = False) -> dict[str, Any]:
+def rank_payload(e: BaseException, rank: int | None, primary: bool = True, timed_out: bool = False,
+                 waited: int | None = None) -> dict[str, Any]:
     """An exception for the other ranks: a CheckpointError keeps its class, anything else becomes a
-    CollectiveError; the message names the rank."""
+    CollectiveError; the message names the rank. ``waited``: the rank a wait that ran out was for."""
     kind = type(e).__name__ if isinstance(e, CheckpointError) else "CollectiveError"
     msg = describe(e)
     if rank is not None and not msg.startswith(f"rank {rank}:"):
         msg = f"rank {rank}: {msg}"
-    return {"err": msg, "type": kind, "primary": primary, "timed_out": timed_out}
+    out = {"err": msg, "type": kind, "primary": primary, "timed_out": timed_out}
+    if timed_out and waited is not None:
+        out["waited"] = int(waited)
+    return out
 
 
 def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The error every rank raises: a rank's own failure first, then a wait that ran out of time
-    (it names the slow rank), then any consequence seen elsewhere (a closed connection)."""
-    errs = [g for g in got if "err" in g]
+    """The error every rank raises (``got``: every rank's report, by rank): a rank's own failure first,
+    then a wait that ran out of time (it names the slow rank), then any consequence seen elsewhere (a
+    closed connection). From a wait that ran out, the waits are followed: when the rank waited for
+    reports a failure too (it waited for another in turn, or failed itself), its report is taken, to
+    the first that is not a wait of its own.
+
+    Why: with 4 ranks, rank 3 failing to post its messages left rank 2 waiting for them, so rank 2
+    posted none of its later rounds, and rank 0, waiting for rank 2, gave up on it at the same
+    deadline; the lowest rank's timeout won and every rank blamed rank 2 (the generated transfer audit
+    with 4 ranks). A wait chain of any length ends at the rank that was not waiting for anyone."""
+    errs = [g for g in got if isinstance(g, dict) and "err" in g]
     if not errs:
         return None
-    return min(errs, key=lambda g: (not g.get("primary", True), not g.get("timed_out", False)))
+    best = min(errs, key=lambda g: (not g.get("primary", True), not g.get("timed_out", False)))
+    seen = {id(best)}
+    while best.get("timed_out") and isinstance(best.get("waited"), int) and 0 <= best["waited"] < len(got):
+        nxt = got[best["waited"]]
+        if not isinstance(nxt, dict) or "err" not in nxt or id(nxt) in seen:
+            break  # (the rank waited for reported success, or the waits run in a circle: the wait stands)
+        seen.add(id(nxt))
+        best = nxt
+    return best
 
 
 def exchange(comm: Comm, mine: dict[str, Any], reply: Callable[[list[dict[str, Any]]], list[Any]], *,

@@ -45,6 +45,7 @@ class Failure:
         self.primary: BaseException | None = None
         self.secondary: BaseException | None = None
         self.timed_out = False  # this rank's own wait ran out of time (it names the rank it waited for)
+        self.waited: int | None = None  # that rank (the verdict follows such waits: pick_error)
         # deferred writes (not in place): (copy, its elements), applied by :func:`commit_writes` only
         # after every rank agreed; the elements are views of received buckets or of sources
         self.writes: list[tuple[Copy, torch.Tensor]] = []
@@ -386,6 +387,7 @@ def wait_all(transport: Transport, works: list[tuple[Any, int]], deadline: float
                 transport.wait(w, deadline)
         except Exception as e:  # noqa: BLE001 - gloo: timed out or the peer is gone
             fail.timed_out = "timed out" in str(e).lower()
+            fail.waited = peer
             how = (f"within {timeout:g} s" if timeout is not None and fail.timed_out
                    else f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
             fail.add(CollectiveError(f"rank {rank}: transfer data: no message to or from rank {peer} {how}; "

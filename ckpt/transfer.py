@@ -415,7 +415,7 @@ def _agree(comm: Comm, group: Any, fail: ex.Failure, ver: int, mine: dict[str, A
     ``timeout`` from its own report it would give up on them at the same moment, a race that closed
     the metadata group on a healthy rank and blamed it."""
     report: dict[str, Any] = {"ok": True} if fail.first is None else rank_payload(
-        fail.first, comm.who, primary=fail.primary is not None, timed_out=fail.timed_out)
+        fail.first, comm.who, primary=fail.primary is not None, timed_out=fail.timed_out, waited=fail.waited)
     decided: list[dict[str, Any]] = []  # the verdict, on the coordinator once it decided
 
     def agree(got: list[dict[str, Any]]) -> list[Any]:

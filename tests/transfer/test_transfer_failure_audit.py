@@ -1,6 +1,6 @@
 """Failure audit of live transfer (docs/TRANSFER.md, "Failures"; the model: tests/dist/test_failure_injection_audit.py).
 
-On real gloo groups of 2-3 forked ranks (senders and receivers the same ranks, a layout change, or
+On real gloo groups of 2-4 forked ranks (senders and receivers the same ranks, a layout change, or
 disjoint), ONE rank fails at the k-th call of one internal step of ``ckpt.transfer``,
 ``ckpt.transfer_iter`` or ``handoff`` (the plan exchange, packing a bucket, posting a send or a
 receive, unpacking, the commit exchange, waiting for its verdict, the copy into ``dst`` at the commit;
@@ -374,7 +374,7 @@ def _run(case: Case, root: str) -> list[dict[str, Any]]:
 def _cases(draw: Any) -> Case:
     op = draw(st.sampled_from(("transfer", "transfer", "transfer", "stream", "handoff")))
     step = draw(st.sampled_from(OP_STEPS[op]))
-    world = draw(st.sampled_from((2, 3)))
+    world = draw(st.sampled_from((2, 3, 4)))  # (4: a rank waiting for a rank that waits for the culprit)
     culprit = draw(st.integers(1, world - 1) if step == "verdict" else st.integers(0, world - 1))
     # a fault in the metadata exchange itself, or a silent rank, costs its peers a timeout or two: drawn less
     # often, to keep the file fast (raises in the exchanges: test_an_exchange_that_raises_on_a_rank_raises_typed_there)
@@ -384,7 +384,7 @@ def _cases(draw: Any) -> Case:
     k = draw(st.integers(1, 3 if step in ("pack", "send", "recv", "unpack") else 1))
     return Case(op, step, k, kind, culprit, world, disjoint=draw(st.booleans()), cached=draw(st.booleans()),
                 in_place=op == "transfer" and draw(st.booleans()),
-                fanin=draw(st.sampled_from((0, 1))) if world == 3 else 0)  # 1: the chain 0 -> 1 -> 2
+                fanin=draw(st.sampled_from((0, 1))) if world >= 3 else 0)  # 1: the chain 0 -> 1 -> 2 (-> 3)
 
 
 @settings(max_examples=12, deadline=None, database=None,
@@ -423,6 +423,21 @@ def test_a_fault_below_a_relay_of_the_exchange_tree_reaches_every_rank(tmp_path,
     """With more ranks than one coordinator's fan-in (here 2: 0 -> 1, 2; 1 -> 3, 4), a rank's messages
     climb through a relay: a leaf that fails, exits or stalls, and a relay that exits, are named on
     every rank within the bound, with the same commit rules as on a flat star."""
+    _run(case, str(tmp_path))
+
+
+@pytest.mark.parametrize("case", [
+    Case("handoff", "send", 1, "raise", 3, 4),  # found by the generated audit run with 4 ranks
+    Case("transfer", "send", 1, "raise", 3, 4),
+    Case("transfer", "send", 1, "raise", 3, 4, cached=True, in_place=True),  # (a replay)
+    Case("transfer", "recv", 1, "exit", 3, 4),
+], ids=lambda c: f"{c.op}-{c.step}-{c.kind}{'-replay' if c.cached else ''}")
+def test_a_rank_that_waited_for_the_failed_rank_is_not_blamed_by_the_ranks_that_waited_for_it(tmp_path, case):
+    """Was: with 4 ranks, rank 3 failing to post its messages left rank 2 waiting for them; rank 2 then
+    posted none of its later rounds, and rank 0, waiting for rank 2, gave up on it at the same deadline.
+    The verdict took the lowest rank's timeout (rank 0's, naming rank 2) and every rank blamed rank 2.
+    Fixed (``ckpt._transfer_coord.pick_error``): a rank whose wait ran out says for whom it waited, and
+    the verdict follows those waits to the rank that did not wait for anyone (its own report)."""
     _run(case, str(tmp_path))
 
 
