@@ -1,6 +1,6 @@
 """Failure injection across ranks (DESIGN.md, "Failure semantics across ranks", "The commit transaction").
 
-On real gloo groups of 2-3 forked ranks, ONE rank fails at the k-th call of one internal step of a
+On real gloo groups of 2-4 forked ranks, ONE rank fails at the k-th call of one internal step of a
 save or a load (the storage backend's write / fsync / rename / directory fsync / reads, the planner,
 the encoders, the metadata exchange of ``ckpt._comm.Comm``, the async saver's copy thread), in one of
 four ways: a plain RuntimeError, a typed CheckpointError, ``os._exit(3)``, or silence past the timeout.
@@ -393,7 +393,7 @@ def _cases(draw: Any) -> Case:
     points = SAVE_POINTS + (("copy_thread",) if op in ("async", "dcp_async") else ()) if op in SAVE_OPS \
         else LOAD_POINTS
     point = draw(st.sampled_from(points))
-    world = draw(st.sampled_from((2, 3)))
+    world = draw(st.sampled_from((2, 3, 4)))
     if point in COORDINATOR_ONLY:
         culprit = 0
     elif point == "recv_one":
@@ -405,8 +405,8 @@ def _cases(draw: Any) -> Case:
     kind = draw(st.sampled_from(("exit",) if point in COMM_POINTS else ("raise", "typed", "exit")))
     k = draw(st.integers(1, 3 if point == "write" else 2))
     warm = draw(st.booleans())
-    # fan-in 1 on 3 ranks: the chain 0 -> 1 -> 2, an exchange tree whose rank 1 relays rank 2
-    fanin = draw(st.sampled_from((0, 1))) if world == 3 else 0
+    # fan-in 1 on 3-4 ranks: the chain 0 -> 1 -> 2 (-> 3), an exchange tree whose rank 1 relays rank 2
+    fanin = draw(st.sampled_from((0, 1))) if world >= 3 else 0
     return Case(op, point, k, kind, culprit, world, warm=warm, grace=0.5, fanin=fanin)
 
 
