@@ -85,6 +85,7 @@ class Outcome:
     result: str = "killed"  # ok | exists | error:<type> | killed | crash:<repr>
     created: set[str] = field(default_factory=set)  # paths relative to dst
     deleted: set[str] = field(default_factory=set)
+    listed: set[str] = field(default_factory=set)  # the files of every manifest it committed (adopted ones too)
 
 
 def _instrument(dst: str, log: str, fault: str, nbytes: int, jitter: int) -> None:
@@ -126,6 +127,18 @@ def _instrument(dst: str, log: str, fault: str, nbytes: int, jitter: int) -> Non
         note("D", os.path.join(self.root, path))
         delete(self, path)
 
+    from ckpt import _transaction as transaction
+
+    commit = transaction.commit_manifest
+
+    def commit_(storage: Any, data: bytes, **kw: Any) -> Any:
+        m = commit(storage, data, **kw)
+        if os.path.realpath(getattr(storage, "root", "")) == root:  # (a manifest committed at dst: its files)
+            for f in m.files:
+                os.write(fd, f"L {f}\n".encode())
+        return m
+
+    transaction.commit_manifest = commit_  # type: ignore[assignment]
     local.LocalWriter.__init__ = init_  # type: ignore[method-assign]
     local.LocalWriter.write = write_  # type: ignore[method-assign]
     local.LocalWriter.abort = abort_  # type: ignore[method-assign]
@@ -181,7 +194,7 @@ def run_round(env: Env, dst: str, writers: list[tuple[str, int, str, int]], *, o
             with open(log) as f:
                 for line in f:
                     op, path = line.rstrip("\n").split(" ", 1)
-                    (o.created if op == "C" else o.deleted).add(path)
+                    {"C": o.created, "D": o.deleted, "L": o.listed}[op].add(path)
     return outs
 
 
