@@ -53,9 +53,10 @@ def rank_payload(e: BaseException, rank: int | None, primary: bool = True, timed
 def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The error every rank raises (``got``: every rank's report, by rank): a rank's own failure first,
     then a wait that ran out of time (it names the slow rank), then any consequence seen elsewhere (a
-    closed connection). From a wait that ran out, the waits are followed: when the rank waited for
-    reports a failure too (it waited for another in turn, or failed itself), its report is taken, to
-    the first that is not a wait of its own.
+    closed connection). From a wait that ran out, the waits are followed: when the rank waited for ran
+    out waiting for another in turn, its report is taken, and so on; the chain ends at a rank that
+    failed on its own (its report is taken) or at the last wait, which names the rank at the end (one
+    that reports success after all, a consequence such as a closed connection, or nothing).
 
     Why: with 4 ranks, rank 3 failing to post its messages left rank 2 waiting for them, so rank 2
     posted none of its later rounds, and rank 0, waiting for rank 2, gave up on it at the same
@@ -66,10 +67,15 @@ def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     best = min(errs, key=lambda g: (not g.get("primary", True), not g.get("timed_out", False)))
     seen = {id(best)}
-    while best.get("timed_out") and isinstance(best.get("waited"), int) and 0 <= best["waited"] < len(got):
+    while (best.get("timed_out") and not best.get("primary", True) and isinstance(best.get("waited"), int)
+           and 0 <= best["waited"] < len(got)):
         nxt = got[best["waited"]]
         if not isinstance(nxt, dict) or "err" not in nxt or id(nxt) in seen:
             break  # (the rank waited for reported success, or the waits run in a circle: the wait stands)
+        if not nxt.get("timed_out"):
+            # its own failure explains the wait; a consequence there (its messages could not be posted once
+            # the waiting rank gave up and closed the connection) does not: the wait names it better
+            return nxt if nxt.get("primary", True) else best
         seen.add(id(nxt))
         best = nxt
     return best
