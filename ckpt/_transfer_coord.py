@@ -54,9 +54,9 @@ def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The error every rank raises (``got``: every rank's report, by rank): a rank's own failure first,
     then a wait that ran out of time (it names the slow rank), then any consequence seen elsewhere (a
     closed connection). From a wait that ran out, the waits are followed: when the rank waited for ran
-    out waiting for another in turn, its report is taken, and so on; the chain ends at a rank that
-    failed on its own (its report is taken) or at the last wait, which names the rank at the end (one
-    that reports success after all, a consequence such as a closed connection, or nothing).
+    out waiting for another in turn, its report is taken, and so on; the chain ends at the last wait,
+    which names the rank at its end (one that reports success after all, or a consequence such as a
+    closed connection; a rank's own failure anywhere is chosen before any wait).
 
     Why: with 4 ranks, rank 3 failing to post its messages left rank 2 waiting for them, so rank 2
     posted none of its later rounds, and rank 0, waiting for rank 2, gave up on it at the same
@@ -73,9 +73,9 @@ def pick_error(got: list[dict[str, Any]]) -> dict[str, Any] | None:
         if not isinstance(nxt, dict) or "err" not in nxt or id(nxt) in seen:
             break  # (the rank waited for reported success, or the waits run in a circle: the wait stands)
         if not nxt.get("timed_out"):
-            # its own failure explains the wait; a consequence there (its messages could not be posted once
-            # the waiting rank gave up and closed the connection) does not: the wait names it better
-            return nxt if nxt.get("primary", True) else best
+            # a consequence there (any rank's own failure was chosen first, above), e.g. its messages could not
+            # be posted once the waiting rank gave up and closed the connection: the wait names it better
+            break
         seen.add(id(nxt))
         best = nxt
     return best

@@ -131,8 +131,7 @@ class _Memo:
     leaves: _Leaves  # (it holds the dicts, pieces and tensors: no id is reused while kept)
     srcs: list[TensorItem]
     dsts: list[TensorItem]
-    wire: tuple[list[Any], list[Any], bool] | None = None
-    derived: dict[Any, Any] = field(default_factory=dict)  # kept()'s
+    derived: dict[Any, Any] = field(default_factory=dict)  # kept()'s: wire form, fingerprints, signature...
 
 
 _LAST: dict[Any, _Memo] = {}  # per group key: the last call's inputs and pieces
@@ -195,13 +194,9 @@ def wire_of(srcs: list[TensorItem], dsts: list[TensorItem],
             fn: Callable[[list[TensorItem]], list[Any]]) -> tuple[list[Any], list[Any], bool]:
     """The wire form of the pieces (``fn`` of each list) and whether one is on a GPU; kept with the
     pieces when they are kept."""
-    memo = _memo_of(srcs, dsts)
-    if memo is not None and memo.wire is not None:
-        return memo.wire
-    wire = (fn(srcs), fn(dsts), any(i.local.device.type == "cuda" for i in srcs + dsts))
-    if memo is not None:
-        memo.wire = wire
-    return wire
+    out: tuple[list[Any], list[Any], bool] = kept(srcs, dsts, "wire", lambda: (
+        fn(srcs), fn(dsts), any(i.local.device.type == "cuda" for i in srcs + dsts)))
+    return out
 
 
 def kept(srcs: list[TensorItem], dsts: list[TensorItem], what: Any, fn: Callable[[], Any]) -> Any:
@@ -232,7 +227,7 @@ def signature_of(srcs: list[TensorItem], dsts: list[TensorItem], fn: Callable[[]
     return kept(srcs, dsts, "signature", fn)
 
 
-def strided(dsts: list[TensorItem], srcs: list[TensorItem]) -> list[int]:
+def strided(srcs: list[TensorItem], dsts: list[TensorItem]) -> list[int]:
     """The destination pieces whose tensors are not contiguous (an in-place transfer stages them), kept
     with the pieces when they are kept (the check of the inputs compares every tensor's strides)."""
     out: list[int] = kept(srcs, dsts, "strided", lambda: [j for j, i in enumerate(dsts)

@@ -313,9 +313,8 @@ def _move(comm: Comm, group: Any, mine: dict[str, Any], sched: Schedule, srcs: l
     targets: list[torch.Tensor] = [i.local for i in dsts]
     try:
         wanted = _wanted(sched)
-        for j in _front.strided(dsts, srcs) if opts.in_place else []:
-            if j not in _wanted_set(sched):
-                continue
+        strided = _front.strided(srcs, dsts) if opts.in_place else []
+        for j in sorted(set(strided).intersection(wanted)) if strided else []:
             t = dsts[j].local
             # the staging copy starts as dst's own values when delta may skip some of its copies
             staged[j] = t.detach().clone(memory_format=torch.contiguous_format) if opts.delta else torch.empty(
@@ -352,11 +351,6 @@ def _wanted(sched: Schedule) -> list[int]:
     """The destination pieces ``sched`` writes (sorted)."""
     out: list[int] = _of(sched, "wanted", lambda: sorted({c.dst for c in sched.local}
                                                          | {c.dst for b in sched.recvs for c in b.copies}))
-    return out
-
-
-def _wanted_set(sched: Schedule) -> set[int]:
-    out: set[int] = _of(sched, "wanted_set", lambda: set(_wanted(sched)))
     return out
 
 
